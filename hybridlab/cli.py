@@ -98,6 +98,23 @@ def cmd_data(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from hybridlab.bench import run
+
+    options = {}
+    for pair in args.opt:
+        key, _, value = pair.partition("=")
+        if not value:
+            raise UserError(f"benchmark option {pair!r} must look like key=value")
+        options[key.replace("-", "_")] = int(value) if value.isdigit() else value
+    try:
+        result = run(args.name, **options)
+    except TypeError as exc:
+        raise UserError(f"benchmark {args.name!r}: {exc}") from None
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0
+
+
 def _add_task_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--task", required=required, help="task name: arith, reverse or countdown")
     p.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE",
@@ -149,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--out", required=True, help="file ending in .parquet or .jsonl")
     d.set_defaults(func=cmd_data)
+
+    b = sub.add_parser("bench", help="run a benchmark (prints JSON: ratios against a baseline in one run)")
+    b.add_argument("name", help="benchmark name, e.g. dispatch")
+    b.add_argument("--json", action="store_true", help="print one JSON object on one line")
+    b.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="benchmark option")
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

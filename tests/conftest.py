@@ -36,3 +36,22 @@ def tiny_llama_dir(hybridlab_home):
     from hybridlab.models.zoo import resolve_model
 
     return resolve_model("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def ray_local(tmp_path_factory):
+    """A local Ray cluster with 4 logical GPUs and its own temp dir, shared by one test module."""
+    import shutil
+    import tempfile
+
+    import ray
+
+    from hybridlab.controller.resources import connect
+
+    if ray.is_initialized():
+        ray.shutdown()
+    temp_dir = tempfile.mkdtemp(prefix="hlray-", dir="/tmp")  # short: Ray's socket paths are limited
+    resources = connect(num_gpus=4, num_cpus=8, temp_dir=temp_dir)
+    yield resources
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)

@@ -1,0 +1,300 @@
+"""WorkerGroup: the controller-side handle of one role, whose methods fan out to its ranks.
+
+``spawn_hosts`` starts one WorkerHost per device bundle of a resource pool, orders them by
+(node, device) so ranks map to devices stably, wires the torch.distributed rendezvous and
+constructs the role workers. Roles built into the same hosts are colocated (one process);
+each gets its own WorkerGroup over the shared hosts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from hybridlab.controller.worker import Dispatch, RemoteError, host_actor_class, registered_methods
+from hybridlab.protocol import Batch
+from hybridlab.telemetry.timeline import Span, Timeline
+
+DEFAULT_TIMEOUT_S = 600.0
+INLINE_BYTES = 100 * 1024  # Ray's limit for passing an argument inline rather than via the store
+
+
+class WorkerError(RuntimeError):
+    """A worker call failed: names the role, rank and method, with the remote traceback."""
+
+    def __init__(self, role: str, rank: int, method: str, detail: str, kind: str = "raised"):
+        self.role, self.rank, self.method, self.kind = role, rank, method, kind
+        super().__init__(f"worker {role} rank {rank} {kind} in {method}:\n{detail}")
+
+
+@dataclasses.dataclass
+class RoleClass:
+    """A role's worker class and its constructor arguments."""
+
+    cls: type
+    args: tuple = ()
+    kwargs: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class HostSet:
+    """The worker processes of one or more colocated roles, in rank order."""
+
+    hosts: list
+    placements: list[dict]
+    roles: tuple[str, ...]
+
+    def kill(self) -> None:
+        """Terminate every process of the set (their roles' groups become unusable)."""
+        for h in self.hosts:
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception:  # already dead
+                pass
+
+
+def _raise_for(exc: BaseException, role: str, rank: int, method: str) -> None:
+    if isinstance(exc, RayTaskError):
+        cause = exc.cause if isinstance(getattr(exc, "cause", None), RemoteError) else None
+        detail = cause.tb if cause else str(exc)
+        if "ModuleNotFoundError" in detail:
+            detail += ("\nhint: worker classes must be importable in the worker processes: install their"
+                       " module, or call ray.cloudpickle.register_pickle_by_value(module) before starting")
+        raise WorkerError(role, rank, cause.method if cause else method, detail) from None
+    if isinstance(exc, RayActorError):
+        raise WorkerError(role, rank, method, f"the worker process died ({exc.__class__.__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}); re-create the group",
+                          kind="died") from None
+    if isinstance(exc, GetTimeoutError):
+        raise WorkerError(role, rank, method, "no answer within the timeout", kind="timed out") from None
+    raise exc
+
+
+def spawn_hosts(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass], *, gpus: float = 1.0,
+                cpus: float = 1.0, env: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> HostSet:
+    """Start one host per (placement group, bundle index), construct ``roles`` in each; returns the set."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    env = {k: str(v) for k, v in (env or {}).items()}
+    # An empty runtime_env still forces fresh processes; pass one only when there is an env to set.
+    actor_class = host_actor_class({name: rc.cls for name, rc in roles.items()})
+    hosts = [actor_class.options(num_cpus=cpus, num_gpus=gpus, runtime_env={"env_vars": env} if env else None,
+                                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
+             .remote(env) for pg, i in bundles]
+    try:
+        placements = ray.get([h.placement.remote() for h in hosts], timeout=timeout)
+    except GetTimeoutError:
+        HostSet(hosts, [], tuple(roles)).kill()
+        raise WorkerError(",".join(roles), 0, "start", f"worker processes did not start within {timeout:.0f} s"
+                          " (are the pool's devices free?)", kind="timed out") from None
+    order = sorted(range(len(hosts)), key=lambda i: (placements[i]["ip"], placements[i]["node_id"],
+                                                     placements[i]["gpu_ids"], i))
+    hosts = [hosts[i] for i in order]
+    placements = [placements[i] for i in order]
+    master = (placements[0]["ip"], ray.get(hosts[0].free_port.remote(), timeout=timeout))
+    specs = {name: (rc.cls, rc.args, rc.kwargs) for name, rc in roles.items()}
+    refs = [h.start.remote(rank, len(hosts), master, specs) for rank, h in enumerate(hosts)]
+    hostset = HostSet(hosts, placements, tuple(roles))
+    try:
+        _get_all(refs, list(range(len(hosts))), ",".join(roles), "__init__", timeout)
+    except BaseException:
+        hostset.kill()
+        raise
+    return hostset
+
+
+def _get_all(refs: list, ranks: list[int], role: str, method: str, timeout: float | None) -> list:
+    """ray.get all refs within ``timeout``, turning a failure on any rank into a WorkerError.
+
+    ray.get raises as soon as one rank fails, so a crash is reported even while its peers
+    still wait (e.g. in a collective that can now never finish).
+    """
+    try:
+        return ray.get(refs, timeout=timeout)
+    except GetTimeoutError as exc:
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+        _drain([r for r in refs if r not in pending], wait_s=0)
+        _raise_for(exc, role, ranks[refs.index(pending[0])] if pending else ranks[0], method)
+    except BaseException as exc:
+        rank = _failing_rank(refs, ranks, exc)
+        _drain(refs)
+        _raise_for(exc, role, rank, method)
+
+
+def _failing_rank(refs: list, ranks: list[int], exc: BaseException) -> int:
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, RemoteError):
+        return cause.rank
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except BaseException:
+            return ranks[refs.index(ref)]
+    return ranks[0]
+
+
+def _drain(refs: list, wait_s: float = 1.0) -> None:
+    """Collect the other ranks' answers after a failure, so Ray does not report them as unhandled."""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s) if refs else ([], [])
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except BaseException:
+            pass
+
+
+class GroupFuture:
+    """The pending result of a WorkerGroup call; ``result()`` waits and returns it."""
+
+    def __init__(self, group: "WorkerGroup", method: str, refs: list, ranks: list[int],
+                 finish: Callable[[list], Any]):
+        self.group, self.method, self._refs, self._ranks, self._finish = group, method, refs, ranks, finish
+        self._done, self._value = False, None
+
+    def done(self) -> bool:
+        """Return True once every rank has answered (without waiting)."""
+        ready, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=0)
+        return len(ready) == len(self._refs)
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Wait (at most ``timeout`` s, default the group's) and return the collected result."""
+        if not self._done:
+            g = self.group
+            answers = _get_all(self._refs, self._ranks, g.role, self.method,
+                               g.timeout if timeout is None else timeout)
+            g.timeline.add([Span(role=s[0], rank=s[1], method=s[2], start=s[3], end=s[4], bytes_in=s[5],
+                                 bytes_out=s[6], pid=s[7]) for _, s in answers])
+            self._value = self._finish([r for r, _ in answers])
+            self._done = True
+        return self._value
+
+
+class _Method:
+    """A registered worker method bound to a group: call it, or ``.submit`` it for a future."""
+
+    def __init__(self, group: "WorkerGroup", name: str, dispatch: Dispatch, blocking: bool, doc: str):
+        self.group, self.name, self.dispatch, self.blocking = group, name, dispatch, blocking
+        self.__doc__ = f"[{dispatch.value}] {doc}"
+
+    def __call__(self, *args, **kwargs):
+        future = self.submit(*args, **kwargs)
+        return future.result() if self.blocking else future
+
+    def submit(self, *args, **kwargs) -> GroupFuture:
+        """Start the call on the ranks and return a GroupFuture at once."""
+        return self.group._dispatch(self.name, self.dispatch, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<{self.group.role}.{self.name} dispatch={self.dispatch.value}>"
+
+
+class WorkerGroup:
+    """Handle of one role over its worker processes; registered methods appear as attributes."""
+
+    def __init__(self, role: str, cls: type, hostset: HostSet, timeline: Timeline | None = None,
+                 timeout: float = DEFAULT_TIMEOUT_S):
+        self.role, self.cls, self.hostset = role, cls, hostset
+        self.timeline = timeline if timeline is not None else Timeline()
+        self.timeout = timeout
+        self._dp: list[tuple[int, int, bool]] | None = None
+        self.methods = registered_methods(cls)
+        self._remote = {name: [getattr(h, f"{role}__{name}") for h in hostset.hosts] for name in self.methods}
+        for name, (dispatch, blocking, doc) in self.methods.items():
+            setattr(self, name, _Method(self, name, dispatch, blocking, doc))
+
+    @property
+    def world_size(self) -> int:
+        """Return the number of ranks (worker processes)."""
+        return len(self.hostset.hosts)
+
+    @property
+    def placements(self) -> list[dict]:
+        """Return, per rank, where it runs (node id, IP, device ids, pid)."""
+        return self.hostset.placements
+
+    def dp_layout(self, refresh: bool = False) -> list[tuple[int, int, bool]]:
+        """Return each rank's (dp_rank, dp_size, collect), asked once from the workers and cached."""
+        if self._dp is None or refresh:
+            refs = [h.dp_info.remote(self.role) for h in self.hostset.hosts]
+            self._dp = [tuple(x) for x in _get_all(refs, list(range(self.world_size)), self.role,
+                                                   "dp_info", self.timeout)]
+            sizes = {d[1] for d in self._dp}
+            collectors = sorted(d[0] for d in self._dp if d[2])
+            if len(sizes) != 1 or collectors != list(range(sizes.pop())):
+                raise RuntimeError(f"{self.role}: inconsistent data-parallel layout reported by workers: {self._dp}")
+        return self._dp
+
+    def _dispatch(self, method: str, dispatch: Dispatch, args: tuple, kwargs: dict) -> GroupFuture:
+        hosts = self.hostset.hosts
+        remote = self._remote[method]  # per rank: the host's direct actor method for role.method
+        ranks = list(range(len(hosts)))
+        if dispatch is Dispatch.RANK_ZERO:
+            refs = [remote[0].remote(*args, **kwargs)]
+            return GroupFuture(self, method, refs, [0], lambda rs: rs[0])
+        if dispatch is Dispatch.ALL:
+            refs = [m.remote(*args, **kwargs) for m in remote]
+            return GroupFuture(self, method, refs, ranks, list)
+        if dispatch is Dispatch.RAW:
+            for i, a in enumerate([*args, *kwargs.values()]):
+                if not isinstance(a, (list, tuple)) or len(a) != len(hosts):
+                    raise ValueError(f"{self.role}.{method}: raw dispatch needs every argument to be a list of"
+                                     f" {len(hosts)} per-rank values (argument {i} is not)")
+            refs = [m.remote(*(a[r] for a in args), **{k: v[r] for k, v in kwargs.items()})
+                    for r, m in enumerate(remote)]
+            return GroupFuture(self, method, refs, ranks, list)
+        return self._dispatch_dp(method, args, kwargs)
+
+    def _dispatch_dp(self, method: str, args: tuple, kwargs: dict) -> GroupFuture:
+        layout = self.dp_layout()
+        dp_size = layout[0][1]
+        shared = len(layout) > dp_size
+        pads = [0] * dp_size
+        lengths = [-1] * dp_size
+
+        def split(value):
+            if not isinstance(value, Batch):
+                return [value] * dp_size
+            chunks = value.chunk(dp_size)
+            for d, c in enumerate(chunks):
+                pads[d], lengths[d] = c.meta.get("_pad", 0), len(c)
+            if shared:  # TP/PP peers receive the same chunk: store it once, pass the reference
+                return [ray.put(c) if c.nbytes >= INLINE_BYTES else c for c in chunks]
+            return chunks  # one receiver per chunk: Ray moves large arguments via the store itself
+
+        split_args = [split(a) for a in args]
+        split_kwargs = {k: split(v) for k, v in kwargs.items()}
+        refs, dp_of_ref = [], []
+        for h, m, (dp_rank, _, collect) in zip(self.hostset.hosts, self._remote[method], layout):
+            rank_args = [a[dp_rank] for a in split_args]
+            rank_kwargs = {k: v[dp_rank] for k, v in split_kwargs.items()}
+            # Non-answering TP/PP peers go through the generic entry, which drops their result.
+            refs.append(m.remote(*rank_args, **rank_kwargs) if collect else
+                        h.call.remote((self.role, method, False), *rank_args, **rank_kwargs))
+            dp_of_ref.append(dp_rank if collect else None)
+
+        def finish(results: list) -> Any:
+            by_dp = {d: r for d, r in zip(dp_of_ref, results) if d is not None}
+            ordered = [by_dp[d] for d in range(dp_size)]
+            if all(isinstance(r, Batch) for r in ordered):
+                # Drop the rows computed for padding (only where a result is row-aligned with its chunk).
+                return Batch.concat([r.take(slice(0, len(r) - pads[d])) if pads[d] and len(r) == lengths[d]
+                                     else r for d, r in enumerate(ordered)])
+            return ordered
+
+        return GroupFuture(self, method, refs, list(range(len(refs))), finish)
+
+    def ping(self, timeout: float = 10.0) -> bool:
+        """Return True if every rank answers within ``timeout`` seconds, else False."""
+        try:
+            _get_all([h.ping.remote() for h in self.hostset.hosts], list(range(self.world_size)),
+                     self.role, "ping", timeout)
+            return True
+        except WorkerError:
+            return False
+
+    def __repr__(self) -> str:
+        return f"WorkerGroup({self.role}: {self.cls.__name__} x {self.world_size}; methods {sorted(self.methods)})"

@@ -1,0 +1,110 @@
+"""Ray connection and resource pools: placement groups of device bundles.
+
+On a machine without GPUs the cluster declares *logical* GPUs, so one device mapping runs
+unchanged here and on a GPU cluster: Ray assigns device ids and ``CUDA_VISIBLE_DEVICES`` the
+same way, and the engines pick gloo/CPU or nccl/CUDA by what torch sees.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+
+import ray
+
+from hybridlab.errors import UserError
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def connect(address: str | None = None, num_gpus: int | None = None, num_cpus: int | None = None,
+            temp_dir: str | None = None) -> dict:
+    """Connect to Ray and return the cluster's total resources.
+
+    ``address=None`` starts a local cluster in this process with ``num_gpus`` logical GPUs
+    (default 4 without real GPUs); ``"auto"`` or ``"ray://..."`` attaches to an existing one.
+    An already connected process keeps its connection.
+    """
+    if not ray.is_initialized():
+        env = {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                            "RAY_DEDUP_LOGS": "0"}}
+        if address:
+            ray.init(address=address, runtime_env=env, log_to_driver=True)
+        else:
+            real = _cuda_device_count()
+            ray.init(num_gpus=num_gpus if num_gpus is not None else (real or 4),
+                     num_cpus=num_cpus if num_cpus is not None else max(8, os.cpu_count() or 1),
+                     include_dashboard=False, _temp_dir=temp_dir or _short_temp_dir(),
+                     runtime_env=env, log_to_driver=True, configure_logging=False)
+    return ray.cluster_resources()
+
+
+def _short_temp_dir() -> str:
+    # Ray puts unix sockets under its temp dir; their paths must stay under ~107 characters.
+    return tempfile.mkdtemp(prefix="hlray-", dir="/tmp")
+
+
+def _cuda_device_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
+@dataclasses.dataclass
+class ResourcePool:
+    """``devices`` device bundles placed with ``strategy``; each bundle is one GPU (or logical GPU)
+    plus ``cpus_per_device`` CPUs. ``create()`` reserves them as a Ray placement group."""
+
+    name: str
+    devices: int
+    strategy: str = "PACK"
+    cpus_per_device: float = 1.0
+    pg: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise UserError(f"pool {self.name!r}: unknown strategy {self.strategy!r}; choose one of:"
+                            f" {', '.join(STRATEGIES)}")
+        if not isinstance(self.devices, int) or self.devices < 1:
+            raise UserError(f"pool {self.name!r}: devices must be a positive integer, got {self.devices!r}")
+
+    def create(self, timeout: float = 60.0) -> "ResourcePool":
+        """Reserve the bundles (once); returns self. Raises UserError if the cluster lacks devices."""
+        from ray.util.placement_group import placement_group
+
+        if self.pg is not None:
+            return self
+        total = ray.cluster_resources().get("GPU", 0)
+        if total < self.devices:
+            raise UserError(f"pool {self.name!r} needs {self.devices} devices but the cluster has {total:g} GPUs")
+        bundles = [{"GPU": 1, "CPU": self.cpus_per_device} for _ in range(self.devices)]
+        pg = placement_group(bundles, strategy=self.strategy, name=f"hybridlab-{self.name}")
+        try:
+            ray.get(pg.ready(), timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(pg)
+            raise UserError(f"pool {self.name!r}: {self.devices} bundles with strategy {self.strategy} could not"
+                            f" be placed within {timeout:.0f} s (not enough devices on the nodes?)") from None
+        self.pg = pg
+        return self
+
+    def bundles(self) -> list[tuple[object, int]]:
+        """Return (placement group, bundle index) for every device of the pool."""
+        self.create()
+        return [(self.pg, i) for i in range(self.devices)]
+
+    def bundle_nodes(self) -> list[str]:
+        """Return the node id of every bundle, in bundle order."""
+        from ray.util.placement_group import placement_group_table
+
+        table = placement_group_table(self.create().pg)
+        return [table["bundles_to_node_id"][i] for i in range(self.devices)]
+
+    def remove(self) -> None:
+        """Release the bundles (the processes placed on them must be gone first)."""
+        if self.pg is not None:
+            ray.util.remove_placement_group(self.pg)
+            self.pg = None

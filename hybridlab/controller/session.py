@@ -1,0 +1,151 @@
+"""Session: the controller a notebook kernel holds for as long as it lives.
+
+It owns the Ray connection, the device mapping, one resource pool per mapping pool and one
+WorkerGroup per role. ``remap`` changes the mapping between steps, re-creating only the
+worker processes whose placement changed; hooks carry model state across.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import ray
+
+from hybridlab.controller.group import DEFAULT_TIMEOUT_S, HostSet, RoleClass, WorkerGroup, spawn_hosts
+from hybridlab.controller.mapping import DeviceMapping, MappingError
+from hybridlab.controller.resources import ResourcePool, connect
+from hybridlab.telemetry.timeline import Timeline
+
+SaveHook = Callable[[str, WorkerGroup], Any]          # (role, old group) -> state
+LoadHook = Callable[[str, WorkerGroup, Any], None]    # (role, new group, state)
+
+
+class Session:
+    """Holds the cluster connection, pools and worker groups of one device mapping."""
+
+    def __init__(self, mapping: DeviceMapping, workers: dict[str, RoleClass | type], *,
+                 address: str | None = None, num_gpus: int | None = None, model: Any = None,
+                 env: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S, ray_temp_dir: str | None = None):
+        self.mapping = mapping
+        self.workers = {r: w if isinstance(w, RoleClass) else RoleClass(w) for r, w in workers.items()}
+        self.model, self.env, self.timeout = model, dict(env or {}), timeout
+        self._connect_args = dict(address=address, num_gpus=num_gpus, temp_dir=ray_temp_dir)
+        self.timeline = Timeline()
+        self.pools: dict[str, ResourcePool] = {}
+        self.groups: dict[str, WorkerGroup] = {}
+        self._sets: list[HostSet] = []
+        self._hooks: list[tuple[SaveHook | None, LoadHook | None]] = []
+        self._check(mapping)
+
+    # ------------------------------------------------------------ lifecycle
+    def _check(self, mapping: DeviceMapping, cluster_gpus: float | None = None) -> None:
+        missing = [r for r in mapping.roles if r not in self.workers]
+        problems = mapping.problems(self.model, cluster_gpus) + [
+            f"roles.{r}: no worker class was given for this role (have: {', '.join(self.workers) or 'none'})"
+            for r in missing]
+        if problems:
+            raise MappingError("device mapping is invalid:\n  - " + "\n  - ".join(problems))
+
+    def start(self) -> "Session":
+        """Connect to Ray, reserve the pools and start every role's workers; returns self."""
+        resources = connect(**self._connect_args)
+        self._check(self.mapping, resources.get("GPU", 0))
+        for pool, members in self.mapping.process_sets():
+            self._spawn(self.mapping, pool, members)
+        return self
+
+    def __enter__(self) -> "Session":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _pool(self, mapping: DeviceMapping, name: str) -> ResourcePool:
+        spec = mapping.pools[name]
+        pool = self.pools.get(name)
+        if pool is None:
+            pool = self.pools[name] = ResourcePool(name, spec.devices, spec.strategy, spec.cpus_per_device)
+        return pool.create()
+
+    def _spawn(self, mapping: DeviceMapping, pool_name: str, members: tuple[str, ...]) -> None:
+        pool = self._pool(mapping, pool_name)
+        sharing = sum(1 for p, _ in mapping.process_sets() if p == pool_name)
+        hostset = spawn_hosts(pool.bundles(), {m: self.workers[m] for m in members}, gpus=1.0 / sharing,
+                              cpus=pool.cpus_per_device / sharing, env=self.env, timeout=self.timeout)
+        self._sets.append(hostset)
+        for m in members:
+            self.groups[m] = WorkerGroup(m, self.workers[m].cls, hostset, self.timeline, self.timeout)
+
+    def _teardown(self, roles: set[str]) -> None:
+        for hostset in [s for s in self._sets if set(s.roles) & roles]:
+            hostset.kill()
+            self._sets.remove(hostset)
+            for m in hostset.roles:
+                self.groups.pop(m, None)
+
+    def shutdown(self) -> None:
+        """Stop every worker process and release the pools (the Ray connection stays)."""
+        self._teardown(set(self.groups) | {r for s in self._sets for r in s.roles})
+        for pool in self.pools.values():
+            pool.remove()
+        self.pools.clear()
+
+    # --------------------------------------------------------------- changes
+    def add_remap_hook(self, save: SaveHook | None = None, load: LoadHook | None = None) -> None:
+        """Run ``save(role, old_group)`` before a role's processes go and ``load(role, new_group, state)``
+        after its new ones start, whenever ``remap`` or ``recreate`` replaces them."""
+        self._hooks.append((save, load))
+
+    def remap(self, new: DeviceMapping) -> set[str]:
+        """Switch to mapping ``new``, re-creating only the roles whose placement changed; returns them.
+
+        The new mapping is validated first: on an error nothing is touched.
+        """
+        self._check(new, ray.cluster_resources().get("GPU", 0))
+        changed = self.mapping.changed_roles(new)
+        states = self._save(changed)
+        self._teardown(changed)
+        used = {r.pool for r in new.roles.values()}
+        live = {self.mapping.roles[r].pool for s in self._sets for r in s.roles}
+        for name in list(self.pools):  # release pools that changed shape or lost all their roles
+            if name not in live and (name not in used or new.pools.get(name) != self.mapping.pools.get(name)):
+                self.pools.pop(name).remove()
+        self.mapping = new
+        for pool, members in new.process_sets():
+            if set(members) & changed:
+                self._spawn(new, pool, members)
+        self._load(changed, states)
+        return changed
+
+    def recreate(self, role: str) -> WorkerGroup:
+        """Replace the processes of ``role`` (and of roles colocated with it); returns its new group.
+
+        Use it after a worker died: the remap hooks reload model state.
+        """
+        if role not in self.mapping.roles:
+            raise MappingError(f"no role {role!r} in the mapping; roles: {', '.join(self.mapping.roles)}")
+        pool, members = next((p, m) for p, m in self.mapping.process_sets() if role in m)
+        states = self._save(set(members), tolerate_dead=True)
+        self._teardown(set(members))
+        self._spawn(self.mapping, pool, members)
+        self._load(set(members), states)
+        return self.groups[role]
+
+    def _save(self, roles: set[str], tolerate_dead: bool = False) -> dict:
+        states: dict[str, list] = {}
+        for role in roles:
+            group = self.groups.get(role)
+            if group is None or (tolerate_dead and not group.ping()):
+                continue
+            states[role] = [save(role, group) if save else None for save, _ in self._hooks]
+        return states
+
+    def _load(self, roles: set[str], states: dict) -> None:
+        for role in roles:
+            if role in self.groups:
+                for (_, load), state in zip(self._hooks, states.get(role, [None] * len(self._hooks))):
+                    if load:
+                        load(role, self.groups[role], state)
+
+    def __repr__(self) -> str:
+        groups = ", ".join(f"{r} x{g.world_size}" for r, g in self.groups.items())
+        return f"Session(pools={list(self.pools)}, groups=[{groups}])"

@@ -1,0 +1,1 @@
+"""Telemetry: call spans (timeline), device samples and the hub that feeds the dashboard."""

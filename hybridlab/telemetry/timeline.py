@@ -1,0 +1,66 @@
+"""Spans: one record per worker call (role, rank, method, start, end, bytes in and out)."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Iterable
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """A worker call as the worker saw it; times are wall-clock seconds (``time.time()``)."""
+
+    role: str
+    rank: int
+    method: str
+    start: float
+    end: float
+    bytes_in: int = 0
+    bytes_out: int = 0
+    stage: str = ""
+    pid: int = 0
+    ok: bool = True
+
+    @property
+    def seconds(self) -> float:
+        """Return the call's duration in seconds."""
+        return self.end - self.start
+
+
+class Timeline:
+    """A thread-safe, append-only list of spans, with listeners (the telemetry hub subscribes)."""
+
+    def __init__(self) -> None:
+        self._spans: list[Span] = []
+        self._lock = threading.Lock()
+        self._listeners: list = []
+        self.stage = ""  # the dataflow stage being run; stamped on new spans
+
+    def add(self, spans: Iterable[Span]) -> None:
+        """Append spans and hand them to every listener."""
+        spans = [dataclasses.replace(s, stage=s.stage or self.stage) for s in spans]
+        with self._lock:
+            self._spans.extend(spans)
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(spans)
+
+    def subscribe(self, listener) -> None:
+        """Call ``listener(list_of_spans)`` for every batch of spans added from now on."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def spans(self, role: str | None = None, method: str | None = None, since: float = 0.0) -> list[Span]:
+        """Return the recorded spans, optionally only one role's, one method's, or newer ones."""
+        with self._lock:
+            return [s for s in self._spans if (role is None or s.role == role)
+                    and (method is None or s.method == method) and s.start >= since]
+
+    def records(self) -> list[dict]:
+        """Return all spans as plain dicts (for tables, JSON and the dashboard)."""
+        return [dataclasses.asdict(s) for s in self.spans()]
+
+    def clear(self) -> None:
+        """Forget all spans."""
+        with self._lock:
+            self._spans.clear()

@@ -1,0 +1,205 @@
+"""The controller on a real local Ray cluster: dispatch, placement, colocation, faults, remap."""
+import os
+import sys
+import time
+
+import pytest
+import ray
+import torch
+
+from hybridlab.controller.group import RoleClass, WorkerError
+from hybridlab.controller.mapping import DeviceMapping, MappingError
+from hybridlab.controller.session import Session
+from hybridlab.controller.worker import Dispatch, Worker, register
+from hybridlab.protocol import Batch
+
+# Worker processes cannot import this test module; ship its classes by value instead.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class Probe(Worker):
+    """A worker that reports where it runs and does small, checkable work."""
+
+    def __init__(self, scale: int = 1, tp: int = 1):
+        self.scale, self.tp = scale, tp
+
+    def dp_info(self):
+        # Pretend to be tensor-parallel: consecutive ranks form a TP group, TP rank 0 answers.
+        return self.rank // self.tp, self.world_size // self.tp, self.rank % self.tp == 0
+
+    @register(Dispatch.ALL)
+    def where(self):
+        return {"rank": self.rank, "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()],
+                "master": (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])}
+
+    @register(Dispatch.DP)
+    def scaled(self, batch: Batch, offset: int = 0) -> Batch:
+        return Batch({"y": batch["x"] * self.scale + offset, "dp": torch.full((len(batch),), self.rank // self.tp)},
+                     {"text": [t.upper() for t in batch["text"]]})
+
+    @register(Dispatch.RANK_ZERO)
+    def hello(self, name: str) -> str:
+        return f"hello {name} from {self.rank}"
+
+    @register(Dispatch.RAW)
+    def add(self, a: int, b: int) -> int:
+        return a + b + self.rank
+
+    @register(Dispatch.ALL)
+    def all_reduce_ranks(self) -> float:
+        import torch.distributed as dist
+
+        self.init_distributed()
+        t = torch.tensor([float(self.rank)])
+        dist.all_reduce(t)
+        return t.item()
+
+    @register(Dispatch.ALL)
+    def fail_on(self, rank: int) -> int:
+        if self.rank == rank:
+            raise ValueError(f"bad input on purpose at rank {rank}")
+        return self.rank
+
+    @register(Dispatch.RANK_ZERO)
+    def die(self) -> None:
+        os._exit(1)
+
+    @register(Dispatch.RANK_ZERO)
+    def nap(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    @register(Dispatch.RANK_ZERO, blocking=False)
+    def wait_for(self, signal_name: str) -> str:
+        signal = ray.get_actor(signal_name)
+        while not ray.get(signal.is_set.remote()):
+            time.sleep(0.01)
+        return "released"
+
+    @register(Dispatch.RANK_ZERO)
+    def release(self, signal_name: str) -> None:
+        ray.get(ray.get_actor(signal_name).set.remote())
+
+
+@ray.remote(num_cpus=0)
+class Signal:
+    def __init__(self):
+        self.flag = False
+
+    def set(self):
+        self.flag = True
+
+    def is_set(self):
+        return self.flag
+
+
+MAPPING = DeviceMapping.from_dict({
+    "pools": {"main": {"devices": 4}},
+    "roles": {"actor": {"pool": "main", "tp": 2, "dp": 2, "colocate": "engine"},
+              "ref": {"pool": "main", "dp": 4, "colocate": "engine"},
+              "critic": {"pool": "main", "dp": 4}},
+})
+
+
+@pytest.fixture(scope="module")
+def session(ray_local):
+    s = Session(MAPPING, {"actor": RoleClass(Probe, kwargs={"tp": 2}), "ref": RoleClass(Probe, kwargs={"scale": 10}),
+                          "critic": Probe}, timeout=60).start()
+    yield s
+    s.shutdown()
+
+
+def test_placement_colocation_and_rendezvous(session):
+    actor, ref, critic = (session.groups[r].where() for r in ("actor", "ref", "critic"))
+    assert [w["rank"] for w in actor] == [0, 1, 2, 3]
+    assert [w["pid"] for w in actor] == [w["pid"] for w in ref]          # colocated: one process
+    assert not {w["pid"] for w in actor} & {w["pid"] for w in critic}   # separate processes ...
+    assert [w["gpus"] for w in actor] == [w["gpus"] for w in critic]    # ... on the same devices
+    assert len({tuple(w["gpus"]) for w in actor}) == 4
+    assert len({w["master"] for w in actor}) == 1
+    assert session.groups["critic"].all_reduce_ranks() == [6.0] * 4
+
+
+def test_dp_dispatch_splits_pads_and_collects_one_rank_per_group(session):
+    batch = Batch({"x": torch.arange(7)}, {"text": list("abcdefg")})
+    out = session.groups["actor"].scaled(batch, offset=1)   # dp=2 (tp=2): chunks of 4, 1 padding row
+    assert out["y"].tolist() == [x + 1 for x in range(7)]
+    assert out["dp"].tolist() == [0, 0, 0, 0, 1, 1, 1]
+    assert out["text"] == list("ABCDEFG")
+    out = session.groups["ref"].scaled(batch)               # dp=4: chunks of 2
+    assert out["y"].tolist() == [10 * x for x in range(7)]
+    assert out["dp"].tolist() == [0, 0, 1, 1, 2, 2, 3]
+
+
+def test_other_dispatch_modes(session):
+    actor = session.groups["actor"]
+    assert actor.hello("ada") == "hello ada from 0"
+    assert actor.add([1, 2, 3, 4], b=[10, 20, 30, 40]) == [11, 23, 35, 47]
+    with pytest.raises(ValueError, match="list of 4 per-rank values"):
+        actor.add([1, 2], b=[1, 2, 3, 4])
+    assert "dispatch=dp" in repr(actor.scaled)
+
+
+def test_futures_let_independent_calls_overlap(session):
+    name = f"signal-{time.time()}"
+    signal = Signal.options(name=name).remote()
+    pending = session.groups["critic"].wait_for(name)       # blocking=False: returns a future
+    assert not pending.done()
+    session.groups["actor"].release(name)                   # would deadlock if calls were serial
+    assert pending.result(timeout=30) == "released"
+    ray.kill(signal)
+
+
+def test_spans_record_every_call_with_bytes(session):
+    session.timeline.clear()
+    batch = Batch({"x": torch.arange(8)}, {"text": list("abcdefgh")})
+    session.groups["ref"].scaled(batch)
+    spans = session.timeline.spans(role="ref", method="scaled")
+    assert sorted(s.rank for s in spans) == [0, 1, 2, 3]
+    assert all(s.end >= s.start and s.bytes_in == 2 * 8 and s.bytes_out == 2 * 8 * 2 for s in spans)
+
+
+def test_errors_name_role_rank_method_with_traceback(session):
+    with pytest.raises(WorkerError) as info:
+        session.groups["critic"].fail_on(2)
+    err = info.value
+    assert (err.role, err.rank, err.method, err.kind) == ("critic", 2, "fail_on", "raised")
+    assert "ValueError: bad input on purpose at rank 2" in str(err) and "Traceback" in str(err)
+    assert session.groups["critic"].fail_on(-1) == [0, 1, 2, 3]   # the group still works
+
+
+def test_timeouts_do_not_hang(session):
+    with pytest.raises(WorkerError, match="worker actor rank 0 timed out in nap"):
+        session.groups["actor"].nap.submit(3).result(timeout=0.5)
+    session.groups["actor"].nap(0)  # the worker is fine afterwards
+
+
+def test_dead_worker_is_named_and_group_can_be_recreated(session):
+    saved, loaded = [], []
+    session.add_remap_hook(save=lambda role, g: saved.append(role) or role,
+                           load=lambda role, g, state: loaded.append((role, state)))
+    with pytest.raises(WorkerError) as info:
+        session.groups["critic"].die()
+    assert info.value.kind == "died" and info.value.rank == 0 and info.value.role == "critic"
+    group = session.recreate("critic")
+    assert group.all_reduce_ranks() == [6.0] * 4
+    assert loaded == [("critic", None)]  # the dead group's state could not be saved
+    session._hooks.clear()
+
+
+def test_remap_recreates_only_changed_roles_and_validates_first(session):
+    before = {r: [w["pid"] for w in session.groups[r].where()] for r in ("actor", "ref", "critic")}
+    data = MAPPING.to_dict()
+    data["roles"]["critic"] = {"pool": "main", "tp": 2, "dp": 2}
+    bad = DeviceMapping.from_dict({**data, "roles": {**data["roles"], "critic": {"pool": "main", "dp": 3}}})
+    with pytest.raises(MappingError, match="roles.critic: tp x pp x dp"):
+        session.remap(bad)
+    assert [w["pid"] for w in session.groups["critic"].where()] == before["critic"]   # untouched
+
+    calls = []
+    session.add_remap_hook(save=lambda role, g: f"state-of-{role}", load=lambda role, g, s: calls.append((role, s)))
+    changed = session.remap(DeviceMapping.from_dict(data))
+    assert changed == {"critic"} and calls == [("critic", "state-of-critic")]
+    after = {r: [w["pid"] for w in session.groups[r].where()] for r in ("actor", "ref", "critic")}
+    assert after["actor"] == before["actor"] and after["ref"] == before["ref"]
+    assert not set(after["critic"]) & set(before["critic"])
+    session._hooks.clear()

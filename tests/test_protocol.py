@@ -1,0 +1,57 @@
+"""Batch: splitting, padding, merging, repeating and pickling keep every row where it belongs."""
+import pickle
+
+import pytest
+import torch
+
+from hybridlab.protocol import Batch
+
+
+def make(n=5):
+    return Batch({"x": torch.arange(n * 2).view(n, 2), "h": torch.arange(n, dtype=torch.bfloat16)},
+                 {"text": [f"s{i}" for i in range(n)]}, {"step": 3})
+
+
+def test_mismatched_lengths_name_the_fields():
+    with pytest.raises(ValueError, match=r"tensors\['x'\].*objects\['t'\]"):
+        Batch({"x": torch.zeros(3)}, {"t": [1, 2]})
+
+
+@pytest.mark.parametrize("n,chunks", [(5, 2), (5, 4), (8, 4), (2, 4), (1, 3)])
+def test_chunk_pads_and_concat_restores(n, chunks):
+    b = make(n)
+    parts = b.chunk(chunks)
+    assert len(parts) == chunks and len({len(p) for p in parts}) == 1
+    assert sum(p.meta.get("_pad", 0) for p in parts) == len(parts[0]) * chunks - n
+    back = Batch.concat(parts)
+    assert torch.equal(back["x"], b["x"]) and back["text"] == b["text"] and back.meta == {"step": 3}
+
+
+def test_take_select_union_repeat():
+    b = make(4)
+    assert b[1:3]["text"] == ["s1", "s2"]
+    assert b.take(torch.tensor([True, False, False, True]))["text"] == ["s0", "s3"]
+    assert b[[3, 0]]["x"].tolist() == [[6, 7], [0, 1]]
+    assert b.select(["x"]).keys() == ["x"]
+    with pytest.raises(KeyError, match="no field"):
+        b["nope"]
+    merged = b.select(["x"]).union(Batch({"r": torch.ones(4)}))
+    assert merged.keys() == ["x", "r"]
+    with pytest.raises(ValueError, match="tensor 'x' differs"):
+        b.union(Batch({"x": torch.zeros(4, 2, dtype=torch.long)}))
+    assert b.repeat(2)["text"] == ["s0", "s0", "s1", "s1", "s2", "s2", "s3", "s3"]
+    assert b.repeat(2, interleave=False)["text"][:5] == ["s0", "s1", "s2", "s3", "s0"]
+
+
+def test_pickle_keeps_dtypes_and_values():
+    b = make(3)
+    back = pickle.loads(pickle.dumps(b))
+    assert back["h"].dtype == torch.bfloat16 and torch.equal(back["h"], b["h"])
+    assert torch.equal(back["x"], b["x"]) and back["text"] == b["text"] and back.meta == b.meta
+    assert b.nbytes == 3 * 2 * 8 + 3 * 2
+
+
+def test_pickle_large_tensors_through_buffers():
+    b = Batch({"x": torch.randn(5000, 4), "h": torch.randn(5000, 4).to(torch.bfloat16)})
+    back = pickle.loads(pickle.dumps(b, protocol=5))
+    assert torch.equal(back["x"], b["x"]) and torch.equal(back["h"], b["h"]) and back["h"].dtype == torch.bfloat16
