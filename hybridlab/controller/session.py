@@ -46,7 +46,12 @@ class Session:
             raise MappingError("device mapping is invalid:\n  - " + "\n  - ".join(problems))
 
     def start(self) -> "Session":
-        """Connect to Ray, reserve the pools and start every role's workers; returns self."""
+        """Connect to Ray, reserve the pools and start every role's workers; returns self.
+
+        Calling it on a started session does nothing (``with Session(...).start()`` is fine).
+        """
+        if self._sets:
+            return self
         resources = connect(**self._connect_args)
         self._check(self.mapping, resources.get("GPU", 0))
         for pool, members in self.mapping.process_sets():

@@ -37,7 +37,7 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(hidden=128, layers=3, heads=4, kv_heads=2, intermediate=352),    # ~0.6M
+    "tiny": Preset(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=256),    # ~0.6M
     "small": Preset(hidden=256, layers=8, heads=8, kv_heads=4, intermediate=688),   # ~6M
     "mid": Preset(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1408),    # ~25M
 }

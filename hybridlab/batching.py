@@ -1,0 +1,40 @@
+"""Build the RL Batch layout from token ids: left-padded prompts + right-padded responses."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from hybridlab.protocol import Batch
+
+
+def sequences_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+                    response_len: int | None = None) -> Batch:
+    """Return a Batch with ``prompts``, ``responses``, ``input_ids``, ``attention_mask``,
+    ``position_ids`` and ``response_mask`` (verl's layout).
+
+    Prompts are left-padded to the longest prompt, responses right-padded to ``response_len``
+    (default: the longest response), so every response starts at the same column.
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    p_len = max(len(p) for p in prompts)
+    r_len = response_len or max(1, max(len(r) for r in responses))
+    n = len(prompts)
+    prompt_ids = torch.full((n, p_len), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((n, p_len), dtype=torch.long)
+    response_ids = torch.full((n, r_len), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((n, r_len), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        if len(r) > r_len:
+            raise ValueError(f"response {i} has {len(r)} tokens, more than response_len={r_len}")
+        if p:
+            prompt_ids[i, p_len - len(p):] = torch.as_tensor(p)
+            prompt_mask[i, p_len - len(p):] = 1
+        if r:
+            response_ids[i, :len(r)] = torch.as_tensor(r)
+            response_mask[i, :len(r)] = 1
+    mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return Batch({"prompts": prompt_ids, "responses": response_ids,
+                  "input_ids": torch.cat([prompt_ids, response_ids], dim=1), "attention_mask": mask,
+                  "position_ids": (mask.cumsum(-1) - 1).clamp(min=0), "response_mask": response_mask})

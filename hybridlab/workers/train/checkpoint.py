@@ -1,0 +1,98 @@
+"""Layout-independent checkpoints of a training role, and plain HF export.
+
+A checkpoint directory is an ordinary Hugging Face checkpoint (config, tokenizer,
+``model.safetensors`` in HF names) plus ``optimizer.safetensors`` (AdamW moments in the same
+HF names and layout) and ``trainer_state.json`` (step counters, RNG). Because every tensor is
+stored in HF layout, a run saved at TP=2 resumes at TP=1 or any other layout. Directories are
+written beside the target and renamed into place, so a crash never leaves half a checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+          "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def _merge(parts: list[dict | None], key: str) -> dict[str, torch.Tensor]:
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        if part and part.get(key):
+            merged.update(part[key])
+    return merged
+
+
+def _write(out: Path, source_dir: Path, tensors: dict[str, dict[str, torch.Tensor]], state: dict | None) -> Path:
+    from safetensors.torch import save_file
+
+    from hybridlab.models.zoo import replace_dir
+
+    out = Path(out)
+    if out.exists() and not (out / "config.json").is_file():
+        raise FileExistsError(f"{out} exists and is not a checkpoint directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for name in COPIED:
+            if (Path(source_dir) / name).is_file():
+                shutil.copy2(Path(source_dir) / name, tmp / name)
+        for filename, named in tensors.items():
+            save_file({k: v.contiguous() for k, v in named.items()}, str(tmp / filename))
+        if state is not None:
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def export_hf(group, source_dir: str | Path, out: str | Path) -> Path:
+    """Write the role's current weights as a plain HF checkpoint directory; returns its path."""
+    weights = {}
+    for part in group.export_hf():
+        if part:
+            weights.update(part)
+    model = {k: v for k, v in weights.items() if not k.startswith("value_head.")}
+    files = {"model.safetensors": model}
+    heads = {k: v for k, v in weights.items() if k.startswith("value_head.")}
+    if heads:
+        files["value_head.safetensors"] = heads
+    return _write(Path(out), Path(source_dir), files, None)
+
+
+def save_checkpoint(group, source_dir: str | Path, out: str | Path) -> Path:
+    """Save weights, AdamW moments, step and RNG of a training role; returns the directory."""
+    parts = group.checkpoint_state()
+    model = _merge(parts, "model")
+    files = {"model.safetensors": {k: v for k, v in model.items() if not k.startswith("value_head.")}}
+    heads = {k: v for k, v in model.items() if k.startswith("value_head.")}
+    if heads:
+        files["value_head.safetensors"] = heads
+    moments = {m: _merge(parts, m) for m in ("exp_avg", "exp_avg_sq")}
+    if moments["exp_avg"]:
+        files["optimizer.safetensors"] = {f"{m}/{k}": v for m, named in moments.items() for k, v in named.items()}
+    first = next(p for p in parts if p)
+    state = {"step": first["step"], "adam_step": first.get("adam_step", 0.0),
+             "rng": first["rng"].tolist()}
+    return _write(Path(out), Path(source_dir), files, state)
+
+
+def load_optimizer(group, checkpoint_dir: str | Path) -> int:
+    """Load a checkpoint's optimizer moments and step counter into a role started from that
+    checkpoint's weights (any layout); returns the restored step."""
+    from safetensors.torch import load_file
+
+    checkpoint_dir = Path(checkpoint_dir)
+    state = json.loads((checkpoint_dir / "trainer_state.json").read_text())
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    if (checkpoint_dir / "optimizer.safetensors").is_file():
+        for key, value in load_file(str(checkpoint_dir / "optimizer.safetensors")).items():
+            moment, name = key.split("/", 1)
+            moments.setdefault(moment, {})[name] = value
+    group.load_optimizer_state(moments, state["step"], state["adam_step"], state.get("rng"))
+    return state["step"]

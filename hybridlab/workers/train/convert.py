@@ -1,0 +1,188 @@
+"""Hugging Face (Qwen2 / Llama) <-> megatron-core weights, for any TP x PP layout.
+
+Megatron's local layer spec fuses QKV per key/value group as [q heads of the group; k; v] and
+fc1 as [gate; up] *per TP shard*, keeps norms as separate modules, and numbers each pipeline
+stage's layers from 0. The functions here are pure (no process groups): ``hf_to_megatron``
+cuts one rank's shard out of full HF tensors; ``megatron_to_hf`` joins the TP shards of one
+pipeline stage back into HF tensors. Optimizer moments shaped like the weights convert the
+same way, which is what makes checkpoints layout-independent.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridlab.errors import UserError
+
+SUPPORTED = ("qwen2", "llama")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """The architecture facts the conversion and the model builder need."""
+
+    arch: str
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    rope_theta: float
+    tied: bool
+    qkv_bias: bool
+    max_positions: int
+
+    @classmethod
+    def from_hf(cls, config: Any) -> "ModelSpec":
+        """Return the spec of an HF config object, dict, or checkpoint directory."""
+        if isinstance(config, (str, Path)):
+            config = json.loads((Path(config) / "config.json").read_text())
+        get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        arch = get("model_type")
+        if arch not in SUPPORTED:
+            raise UserError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED)}")
+        if get("rope_scaling"):
+            raise UserError("rope_scaling is not supported yet by the Megatron converter")
+        heads = get("num_attention_heads")
+        hidden = get("hidden_size")
+        rope = get("rope_parameters") or {}
+        return cls(arch=arch, vocab_size=get("vocab_size"), hidden=hidden, layers=get("num_hidden_layers"),
+                   heads=heads, kv_heads=get("num_key_value_heads") or heads,
+                   head_dim=get("head_dim") or hidden // heads, intermediate=get("intermediate_size"),
+                   eps=get("rms_norm_eps"), rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
+                   tied=bool(get("tie_word_embeddings", False)),
+                   qkv_bias=arch == "qwen2" or bool(get("attention_bias", False)),
+                   max_positions=get("max_position_embeddings"))
+
+    def layout_problems(self, tp: int, pp: int) -> list[str]:
+        """Return why this model cannot run at tp x pp (empty if it can)."""
+        out = []
+        if self.heads % tp:
+            out.append(f"{self.heads} attention heads are not divisible by tp={tp}")
+        if self.kv_heads % tp:
+            out.append(f"{self.kv_heads} key/value heads are not divisible by tp={tp}")
+        if self.vocab_size % tp:
+            out.append(f"the vocabulary of {self.vocab_size} is not divisible by tp={tp}")
+        if self.intermediate % tp:
+            out.append(f"the MLP width {self.intermediate} is not divisible by tp={tp}")
+        if self.layers % pp:
+            out.append(f"{self.layers} layers are not divisible by pp={pp}")
+        return out
+
+    def check_layout(self, tp: int, pp: int) -> None:
+        """Raise UserError if the model cannot be split tp x pp."""
+        problems = self.layout_problems(tp, pp)
+        if problems:
+            raise UserError(f"cannot split this {self.arch} model as tp={tp}, pp={pp}: " + "; ".join(problems))
+
+
+def _stage_layers(spec: ModelSpec, pp: int, pp_rank: int) -> range:
+    per = spec.layers // pp
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def _fuse_qkv(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[q; k; v] by rows -> Megatron's per-group [q_g; k_g; v_g] (works for weights and biases)."""
+    d, per = spec.head_dim, spec.heads // spec.kv_heads
+    rest = q.shape[1:]
+    q = q.reshape(spec.kv_heads, per * d, *rest)
+    k = k.reshape(spec.kv_heads, d, *rest)
+    v = v.reshape(spec.kv_heads, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def _split_qkv(spec: ModelSpec, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d, per = spec.head_dim, spec.heads // spec.kv_heads
+    rest = fused.shape[1:]
+    groups = fused.reshape(spec.kv_heads, (per + 2) * d, *rest)
+    q, k, v = groups.split([per * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], spec: ModelSpec, tp: int, tp_rank: int, pp: int,
+                   pp_rank: int) -> dict[str, torch.Tensor]:
+    """Return the Megatron state dict of rank (tp_rank, pp_rank) cut from full HF tensors."""
+    def shard(t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.chunk(tp, dim=dim)[tp_rank].clone()
+
+    out: dict[str, torch.Tensor] = {}
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    if first:
+        out["embedding.word_embeddings.weight"] = shard(hf["model.embed_tokens.weight"], 0)
+    for local, layer in enumerate(_stage_layers(spec, pp, pp_rank)):
+        src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
+        attn = src + "self_attn."
+        out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"].clone()
+        out[dst + "self_attention.linear_qkv.weight"] = shard(_fuse_qkv(
+            spec, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]), 0)
+        if spec.qkv_bias:
+            out[dst + "self_attention.linear_qkv.bias"] = shard(_fuse_qkv(
+                spec, hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"]), 0)
+        out[dst + "self_attention.linear_proj.weight"] = shard(hf[attn + "o_proj.weight"], 1)
+        out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"].clone()
+        mlp = src + "mlp."
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+            [shard(hf[mlp + "gate_proj.weight"], 0), shard(hf[mlp + "up_proj.weight"], 0)])
+        out[dst + "mlp.linear_fc2.weight"] = shard(hf[mlp + "down_proj.weight"], 1)
+    if last:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
+        if not spec.tied or pp > 1:  # tied + PP>1: the last stage keeps its own copy of the embedding
+            head = hf["model.embed_tokens.weight"] if spec.tied else hf["lm_head.weight"]
+            out["output_layer.weight"] = shard(head, 0)
+    return out
+
+
+def megatron_to_hf(shards: list[dict[str, torch.Tensor]], spec: ModelSpec, pp: int,
+                   pp_rank: int) -> dict[str, torch.Tensor]:
+    """Return the HF tensors of pipeline stage ``pp_rank`` joined from its TP shards (in TP order)."""
+    def join(name: str, dim: int) -> torch.Tensor:
+        return torch.cat([s[name] for s in shards], dim=dim)
+
+    out: dict[str, torch.Tensor] = {}
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    if first:
+        out["model.embed_tokens.weight"] = join("embedding.word_embeddings.weight", 0)
+    for local, layer in enumerate(_stage_layers(spec, pp, pp_rank)):
+        src, dst = f"decoder.layers.{local}.", f"model.layers.{layer}."
+        attn = dst + "self_attn."
+        out[dst + "input_layernorm.weight"] = shards[0][src + "input_layernorm.weight"]
+        names = ("weight", "bias") if spec.qkv_bias else ("weight",)
+        for kind in names:
+            # Each TP shard holds whole key/value groups; split groups per shard, then re-join.
+            parts = [_split_qkv(dataclasses.replace(spec, heads=spec.heads // len(shards),
+                                                    kv_heads=spec.kv_heads // len(shards)),
+                                s[src + f"self_attention.linear_qkv.{kind}"]) for s in shards]
+            for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+                out[attn + f"{proj}.{kind}"] = torch.cat([p[i] for p in parts])
+        out[attn + "o_proj.weight"] = join(src + "self_attention.linear_proj.weight", 1)
+        out[dst + "post_attention_layernorm.weight"] = shards[0][src + "pre_mlp_layernorm.weight"]
+        fc1 = [s[src + "mlp.linear_fc1.weight"].chunk(2) for s in shards]
+        out[dst + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in fc1])
+        out[dst + "mlp.up_proj.weight"] = torch.cat([u for _, u in fc1])
+        out[dst + "mlp.down_proj.weight"] = join(src + "mlp.linear_fc2.weight", 1)
+    if last:
+        out["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"]
+        if not spec.tied:
+            out["lm_head.weight"] = join("output_layer.weight", 0)
+    return out
+
+
+def load_hf_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Return every tensor of an HF checkpoint directory (safetensors), in fp32."""
+    from safetensors.torch import load_file
+
+    # model*.safetensors covers sharded checkpoints; value_head.safetensors is a critic's head.
+    files = sorted(Path(model_dir).glob("model*.safetensors")) + sorted(Path(model_dir).glob("value_head.safetensors"))
+    if not files:
+        raise UserError(f"{model_dir}: no model*.safetensors weights found")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update({k: v.float() for k, v in load_file(str(f)).items()})
+    return state

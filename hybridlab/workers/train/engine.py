@@ -1,0 +1,300 @@
+"""MegatronEngine: one rank's model, optimizer and the forward/backward passes the RL roles use.
+
+Inputs follow verl's layout: ``input_ids`` = prompt (left-padded) + response (right-padded),
+``attention_mask``, ``position_ids`` and ``responses``. Log-probabilities and entropies come
+from vocabulary-parallel logits without gathering the vocabulary on one rank. Updates run
+through megatron-core's pipeline schedules (micro-batches, gradient accumulation), then the
+gradients are averaged over data-parallel ranks, clipped and stepped with AdamW. The loss is
+passed in, so the engine knows nothing of PPO versus GRPO.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+from typing import Callable
+
+import torch
+
+from hybridlab.workers.train import cpu_compat  # noqa: F401  (filters megatron's import warnings)
+from hybridlab.workers.train.convert import ModelSpec, load_hf_state
+from hybridlab.workers.train.model import build_model, init_parallel
+
+# loss_fn(outputs, micro) -> (loss, metrics). outputs holds log_probs and entropy (actor) or
+# values (critic), [micro_batch, response_len]. The loss is this micro-batch's *contribution*:
+# contributions are summed over micro-batches and data-parallel ranks, so normalise by
+# micro["global_tokens"] (response tokens in the whole mini-batch) or micro["global_seqs"].
+# That makes the gradient independent of the micro-batch size and of the layout.
+LossFn = Callable[[dict, dict], tuple[torch.Tensor, dict]]
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule of a trainable role."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    total_steps: int = 0          # 0: constant after warm-up; else cosine decay to min_lr_ratio
+    min_lr_ratio: float = 0.0
+    optimizer: str = "adamw"      # "adamw" or "sgd"
+
+    def lr_factor(self, step: int) -> float:
+        """Return the multiplier of ``lr`` at optimizer step ``step``."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if not self.total_steps:
+            return 1.0
+        frac = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def vocab_parallel_logprobs_entropy(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (log p(target), entropy) from logits split over TP ranks along the vocabulary.
+
+    The loss is replicated on TP ranks, so the sums use Megatron's all-reduce whose backward is
+    the identity (each rank already holds the full upstream gradient).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as allsum
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    shard = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * shard
+    peak = logits.detach().max(-1, keepdim=True).values
+    if tp > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    shifted = logits - peak
+    exp = shifted.exp()
+    total = exp.sum(-1, keepdim=True)
+    local = target - start
+    inside = (local >= 0) & (local < shard)
+    picked = shifted.gather(-1, local.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1) * inside
+    if tp > 1:
+        total, picked = allsum(total), allsum(picked)
+    log_total = total.log()
+    expected = (exp / total * shifted).sum(-1)
+    if tp > 1:
+        expected = allsum(expected)
+    return picked - log_total.squeeze(-1), log_total.squeeze(-1) - expected
+
+
+def _replicated(name: str) -> bool:
+    return "layernorm" in name or name.startswith("output_layer.linear")
+
+
+def attention_mask_4d(mask: torch.Tensor) -> torch.Tensor:
+    """[b, s] 1/0 token mask -> Megatron's [b, 1, s, s] bool mask (True = do not attend)."""
+    s = mask.shape[1]
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)
+    return (causal.unsqueeze(0) | ~mask.bool().unsqueeze(1)).unsqueeze(1)
+
+
+class MegatronEngine:
+    """This rank's share of a model under megatron-core, with optional optimizer."""
+
+    def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, *, value_head: bool = False,
+                 optim: OptimConfig | None = None, seed: int = 0, temperature: float = 1.0):
+        self.spec = ModelSpec.from_hf(model_dir)
+        self.spec.check_layout(tp, pp)
+        init_parallel(tp, pp, seed)
+        from megatron.core import parallel_state as ps
+
+        self.ps, self.tp, self.pp = ps, tp, pp
+        self.value_head, self.temperature = value_head, temperature
+        torch.manual_seed(seed)
+        self.model = build_model(self.spec, tp, pp, load_hf_state(model_dir), value_head=value_head)
+        self.optim_cfg = optim
+        self.step_count = 0
+        self.optimizer = None
+        if optim is not None:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            if optim.optimizer == "adamw":
+                self.optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                                                   weight_decay=optim.weight_decay)
+            elif optim.optimizer == "sgd":
+                self.optimizer = torch.optim.SGD(params, lr=optim.lr, weight_decay=optim.weight_decay)
+            else:
+                raise ValueError(f"unknown optimizer {optim.optimizer!r}; choose adamw or sgd")
+        else:
+            self.model.requires_grad_(False)
+
+    # ------------------------------------------------------------------ layout
+    def dp_info(self) -> tuple[int, int, bool]:
+        """Return (dp rank, dp size, answers): TP rank 0 of the last pipeline stage answers."""
+        ps = self.ps
+        collect = ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage()
+        return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), collect
+
+    # ------------------------------------------------------------- micro-batches
+    def _micro_batches(self, batch, micro_batch_size: int) -> tuple[list[dict], int]:
+        n = len(batch)
+        mbs = max(1, min(micro_batch_size, n))
+        count = -(-n // mbs)
+        pad = count * mbs - n
+        tensors = {k: v for k, v in batch.tensors.items()}
+        if pad:  # repeat row 0 and mask it out of every loss
+            tensors = {k: torch.cat([v, v[:1].expand(pad, *v.shape[1:])]) for k, v in tensors.items()}
+            if "response_mask" in tensors:
+                tensors["response_mask"][n:] = 0
+        micros = [{k: v[i * mbs:(i + 1) * mbs] for k, v in tensors.items()} for i in range(count)]
+        totals = self._global_totals(batch)
+        for m in micros:
+            m.update(totals, num_microbatches=count)
+        return micros, pad
+
+    def _global_totals(self, batch) -> dict[str, torch.Tensor]:
+        """Response tokens and sequences of the whole mini-batch, summed over DP ranks."""
+        import torch.distributed as dist
+
+        mask = batch.tensors.get("response_mask")
+        local = torch.tensor([float(mask.sum()) if mask is not None else 0.0, float(len(batch))])
+        if self.ps.get_data_parallel_world_size() > 1:
+            dist.all_reduce(local, group=self.ps.get_data_parallel_group())
+        return {"global_tokens": local[0].clamp(min=1), "global_seqs": local[1].clamp(min=1)}
+
+    def _forward_step(self, loss_fn: LossFn | None, data_iterator, model):
+        micro = next(data_iterator)
+        mask = micro["attention_mask"]
+        position_ids = micro.get("position_ids")
+        if position_ids is None:
+            position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        output = model(micro["input_ids"], position_ids, attention_mask_4d(mask))
+        return output, partial(self._loss, loss_fn, micro)
+
+    def _outputs(self, output: torch.Tensor, micro: dict) -> dict:
+        resp_len = micro["responses"].shape[1]
+        if self.value_head:  # value of the state before each response token
+            return {"values": output[:, -resp_len - 1:-1, 0]}
+        logits = output[:, -resp_len - 1:-1, :] / self.temperature
+        logp, entropy = vocab_parallel_logprobs_entropy(logits, micro["responses"])
+        return {"log_probs": logp, "entropy": entropy}
+
+    def _loss(self, loss_fn: LossFn | None, micro: dict, output: torch.Tensor):
+        outputs = self._outputs(output, micro)
+        if loss_fn is None:  # forward only: hand the outputs back through the metrics channel
+            return output.sum() * 0.0, {k: v.detach() for k, v in outputs.items()}
+        loss, metrics = loss_fn(outputs, micro)
+        # Megatron divides each micro-batch loss by the number of micro-batches; undo that, as the
+        # loss is already a share of the mini-batch total. (Metrics are copied: the schedule
+        # divides the returned tensor in place.)
+        return loss * micro["num_microbatches"], {k: torch.as_tensor(v).detach().clone().float()
+                                                  for k, v in metrics.items()}
+
+    def _run(self, batch, micro_batch_size: int, loss_fn: LossFn | None) -> tuple[list[dict], int]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        micros, pad = self._micro_batches(batch, micro_batch_size)
+        seq = micros[0]["input_ids"].shape[1]
+        store = get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(micros),
+            model=[self.model], num_microbatches=len(micros), seq_length=seq,
+            micro_batch_size=micros[0]["input_ids"].shape[0], forward_only=loss_fn is None)
+        return store, pad
+
+    # -------------------------------------------------------------- public API
+    @torch.no_grad()
+    def forward(self, batch, micro_batch_size: int = 8) -> dict[str, torch.Tensor] | None:
+        """Return log_probs and entropy (or values for a critic) for the response tokens,
+        [batch, response_len], on the answering rank; None on the other ranks."""
+        self.model.eval()
+        store, pad = self._run(batch, micro_batch_size, None)
+        if not store:
+            return None
+        out = {k: torch.cat([s[k] for s in store]) for k in store[0]}
+        return {k: v[:len(v) - pad] for k, v in out.items()}
+
+    def train_step(self, batch, loss_fn: LossFn, micro_batch_size: int = 8) -> dict[str, float]:
+        """Accumulate gradients of ``loss_fn`` over micro-batches, average over DP, clip and step.
+
+        Returns metrics averaged over micro-batches (and DP ranks), plus grad_norm and lr.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("this engine is frozen (no optimizer): it cannot train")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        store, _ = self._run(batch, micro_batch_size, loss_fn)
+        self._finalize_grads()
+        grad_norm = self._clip_grads(self.optim_cfg.grad_clip)
+        lr = self.optim_cfg.lr * self.optim_cfg.lr_factor(self.step_count)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.step_count += 1
+        metrics = self._reduce_metrics(store)
+        metrics.update(grad_norm=grad_norm, lr=lr)
+        return metrics
+
+    # ------------------------------------------------------------------ grads
+    def _finalize_grads(self) -> None:
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        ps = self.ps
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if ps.get_pipeline_model_parallel_world_size() > 1 and self.spec.tied and not self.value_head:
+            # The first stage's embedding and the last stage's output layer are one weight.
+            if ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage():
+                shared = self.model.shared_embedding_or_output_weight()
+                if shared is not None and shared.grad is not None:
+                    dist.all_reduce(shared.grad, group=ps.get_embedding_group())
+        # Losses are shares of the global mini-batch loss, so DP gradients add up (no mean).
+        if ps.get_data_parallel_world_size() > 1 and params:
+            flat = _flatten_dense_tensors([p.grad for p in params])
+            dist.all_reduce(flat, group=ps.get_data_parallel_group())
+            for p, g in zip(params, _unflatten_dense_tensors(flat, [p.grad for p in params])):
+                p.grad.copy_(g)
+
+    def _clip_grads(self, max_norm: float) -> float:
+        import torch.distributed as dist
+
+        ps = self.ps
+        total = torch.zeros(1)
+        last_shared = (ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_pipeline_last_stage()
+                       and self.spec.tied and not self.value_head)
+        shared = self.model.shared_embedding_or_output_weight() if last_shared else None
+        for name, p in self.model.named_parameters():
+            if p.grad is None or p is shared:  # count the tied embedding once (first stage)
+                continue
+            # Norms and the value head are replicated on TP ranks (count them once); everything
+            # else is a shard. (Megatron's tensor_model_parallel attribute is unset when weights
+            # are created on the CPU without initialization, so names decide.)
+            if not _replicated(name) or ps.get_tensor_model_parallel_rank() == 0:
+                total += p.grad.float().pow(2).sum()
+        for size, group in ((ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()),
+                            (ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_group())):
+            if size > 1:
+                dist.all_reduce(total, group=group)
+        norm = total.sqrt().item()
+        if max_norm and max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(max_norm / (norm + 1e-6))
+        return norm
+
+    def _reduce_metrics(self, store: list[dict]) -> dict[str, float]:
+        import torch.distributed as dist
+
+        ps = self.ps
+        keys = sorted(store[0]) if store else []
+        local = torch.tensor([float(torch.stack([s[k].mean() for s in store]).mean()) for k in keys]) \
+            if keys else torch.zeros(0)
+        # Only last-stage ranks hold metrics: share the key count through the pipeline first.
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            obj = [keys]
+            dist.broadcast_object_list(obj, src=ps.get_pipeline_model_parallel_last_rank(),
+                                       group=ps.get_pipeline_model_parallel_group())
+            keys = obj[0]
+            if not store:
+                local = torch.zeros(len(keys))
+            dist.broadcast(local, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        if ps.get_data_parallel_world_size() > 1 and len(keys):
+            dist.all_reduce(local, group=ps.get_data_parallel_group())
+            local /= ps.get_data_parallel_world_size()
+        return dict(zip(keys, local.tolist()))

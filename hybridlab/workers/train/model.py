@@ -1,0 +1,93 @@
+"""Build a megatron-core GPTModel for one rank from an HF checkpoint, and the parallel state."""
+from __future__ import annotations
+
+import torch
+
+from hybridlab.workers.train.convert import ModelSpec
+
+
+def init_parallel(tp: int, pp: int, seed: int = 0) -> None:
+    """Join torch.distributed (env rendezvous) and set up Megatron's TP/PP/DP groups once.
+
+    Roles colocated in one process share this state, so they must use the same tp and pp.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from hybridlab.controller.worker import Worker
+    from hybridlab.workers.train import cpu_compat
+
+    cpu_compat.enable()
+    Worker.init_distributed()
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+        if have != (tp, pp):
+            raise ValueError(f"this process already runs Megatron with tp={have[0]}, pp={have[1]}; colocated"
+                             f" training roles must share one layout (asked tp={tp}, pp={pp})")
+        return
+    if dist.get_world_size() % (tp * pp):
+        raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tp x pp = {tp * pp}")
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32):
+    """Return the megatron-core TransformerConfig matching an HF Qwen2/Llama model."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=spec.layers, hidden_size=spec.hidden, ffn_hidden_size=spec.intermediate,
+        num_attention_heads=spec.heads, num_query_groups=spec.kv_heads, kv_channels=spec.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=spec.eps, add_bias_linear=False, add_qkv_bias=spec.qkv_bias,
+        gated_linear_unit=True, activation_func=F.silu, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=dtype,
+        pipeline_dtype=dtype, use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=False, rotary_interleaved=False, attention_softmax_in_fp32=True,
+        bf16=dtype == torch.bfloat16)
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar head replacing the LM output layer of a critic (replicated on every TP rank)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden, 1, bias=True)
+        torch.nn.init.zeros_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return self.linear(hidden_states), None
+
+
+def build_model(spec: ModelSpec, tp: int, pp: int, hf_state: dict[str, torch.Tensor], value_head: bool = False):
+    """Return this rank's GPTModel holding its shard of ``hf_state`` (a critic if ``value_head``)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from hybridlab.workers.train.convert import hf_to_megatron
+
+    config = transformer_config(spec, tp, pp)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                     vocab_size=spec.vocab_size, max_sequence_length=spec.max_positions,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                     parallel_output=True, share_embeddings_and_output_weights=spec.tied and not value_head,
+                     position_embedding_type="rope", rotary_base=int(spec.rope_theta))
+    state = hf_to_megatron(hf_state, spec, tp, ps.get_tensor_model_parallel_rank(), pp,
+                           ps.get_pipeline_model_parallel_rank())
+    if value_head:
+        state.pop("output_layer.weight", None)
+        if ps.is_pipeline_last_stage():
+            model.output_layer = ValueHead(spec.hidden)
+            for k in ("linear.weight", "linear.bias"):
+                if f"value_head.{k}" in hf_state:
+                    state[f"output_layer.{k}"] = hf_state[f"value_head.{k}"].clone()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state") and not k.startswith("output_layer.linear")]
+    if missing or unexpected:
+        raise RuntimeError(f"weight conversion mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model

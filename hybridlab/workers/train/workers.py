@@ -1,0 +1,160 @@
+"""Training roles on megatron-core: actor, reference and critic workers for the controller."""
+from __future__ import annotations
+
+import torch
+
+from hybridlab.controller.worker import Dispatch, Worker, register
+from hybridlab.protocol import Batch
+from hybridlab.workers.train.engine import LossFn, MegatronEngine, OptimConfig
+
+
+def sft_loss(outputs: dict, micro: dict) -> tuple[torch.Tensor, dict]:
+    """Supervised loss: negative log-likelihood of the response tokens, averaged over every
+    response token of the mini-batch; returns (this micro-batch's share, metrics)."""
+    mask = micro["response_mask"].float()
+    nll_sum = -(outputs["log_probs"] * mask).sum()
+    return nll_sum / micro["global_tokens"], {"sft_loss": nll_sum.detach() / mask.sum().clamp(min=1)}
+
+
+class TrainWorker(Worker):
+    """Shared plumbing: engine construction, layout, weight export and checkpoint state."""
+
+    value_head = False
+    frozen = False
+
+    def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, optim: OptimConfig | dict | None = None,
+                 seed: int = 0, temperature: float = 1.0, micro_batch_size: int = 8):
+        if isinstance(optim, dict):
+            optim = OptimConfig(**optim)
+        if optim is None and not self.frozen:
+            optim = OptimConfig()
+        self.micro_batch_size = micro_batch_size
+        self.engine = MegatronEngine(model_dir, tp, pp, value_head=self.value_head,
+                                     optim=None if self.frozen else optim, seed=seed, temperature=temperature)
+
+    def dp_info(self) -> tuple[int, int, bool]:
+        return self.engine.dp_info()
+
+    def _gather_stage(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """All-gather TP shards of this stage; return HF tensors on (tp 0, dp 0), else None."""
+        import torch.distributed as dist
+
+        from hybridlab.workers.train.convert import megatron_to_hf
+
+        ps = self.engine.ps
+        tp = ps.get_tensor_model_parallel_world_size()
+        shards = [dict() for _ in range(tp)]
+        for name, tensor in named.items():
+            parts = [torch.empty_like(tensor) for _ in range(tp)] if tp > 1 else [tensor]
+            if tp > 1:
+                dist.all_gather(parts, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
+            for r in range(tp):
+                shards[r][name] = parts[r]
+        if ps.get_tensor_model_parallel_rank() != 0 or ps.get_data_parallel_rank() != 0:
+            return None
+        hf_names = {k: v for k, v in named.items() if not k.startswith("output_layer.linear")}
+        out = megatron_to_hf([{k: s[k] for k in hf_names} for s in shards], self.engine.spec,
+                             self.engine.pp, ps.get_pipeline_model_parallel_rank())
+        for k in ("weight", "bias"):
+            if f"output_layer.linear.{k}" in named:
+                out[f"value_head.linear.{k}"] = named[f"output_layer.linear.{k}"]
+        return out
+
+    def _named_params(self) -> dict[str, torch.Tensor]:
+        return {k: p.detach() for k, p in self.engine.model.named_parameters()}
+
+    @register(Dispatch.ALL)
+    def export_hf(self) -> dict[str, torch.Tensor] | None:
+        """Return this stage's weights in HF names and layout (from one rank per stage), else None."""
+        return self._gather_stage(self._named_params())
+
+    @register(Dispatch.ALL)
+    def checkpoint_state(self) -> dict | None:
+        """Return this stage's weights and optimizer moments in HF layout, plus step and RNG."""
+        state = {"model": self._gather_stage(self._named_params()), "step": self.engine.step_count,
+                 "rng": torch.get_rng_state()}
+        opt = self.engine.optimizer
+        if opt is not None and isinstance(opt, torch.optim.AdamW):
+            names = dict(self.engine.model.named_parameters())
+            for moment in ("exp_avg", "exp_avg_sq"):
+                named = {k: opt.state[p][moment] if p in opt.state else torch.zeros_like(p)
+                         for k, p in names.items()}
+                state[moment] = self._gather_stage(named)
+            steps = [float(s["step"]) for s in opt.state.values() if "step" in s]
+            state["adam_step"] = max(steps) if steps else 0.0
+        return state if state["model"] is not None else None
+
+    @register(Dispatch.ALL)
+    def load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int, adam_step: float,
+                             rng: list[int] | None = None) -> None:
+        """Load AdamW moments given in HF layout (any source layout) into this rank's shards,
+        with the step counter and the saved RNG state."""
+        from hybridlab.workers.train.convert import hf_to_megatron
+
+        ps, eng = self.engine.ps, self.engine
+        opt = eng.optimizer
+        eng.step_count = step
+        if rng is not None:
+            torch.set_rng_state(torch.tensor(rng, dtype=torch.uint8))
+        if opt is None or not moments:
+            return
+        args = (eng.spec, eng.tp, ps.get_tensor_model_parallel_rank(), eng.pp, ps.get_pipeline_model_parallel_rank())
+        shards = {m: hf_to_megatron(moments[m], *args) for m in ("exp_avg", "exp_avg_sq")}
+        for name, p in eng.model.named_parameters():
+            if name.startswith("output_layer.linear"):
+                key = name.replace("output_layer.linear", "value_head.linear")
+                local = {m: moments[m][key].clone() for m in shards}
+            elif name == "output_layer.weight" and name not in shards["exp_avg"]:
+                continue
+            else:
+                local = {m: shards[m][name] for m in shards}
+            opt.state[p] = {"step": torch.tensor(float(adam_step)), **local}
+
+
+class ActorWorker(TrainWorker):
+    """The policy: log-probs of its own samples, PPO-style updates, supervised steps."""
+
+    @register(Dispatch.DP)
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """Return ``old_log_probs`` and ``entropy`` of the responses, [batch, response_len]."""
+        out = self.engine.forward(batch, self.micro_batch_size)
+        return None if out is None else Batch({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
+
+    @register(Dispatch.DP)
+    def update_actor(self, batch: Batch, loss_fn: LossFn) -> dict:
+        """Take one optimizer step of ``loss_fn`` over the batch; returns metrics (DP-averaged)."""
+        return self.engine.train_step(batch, loss_fn, self.micro_batch_size)
+
+    @register(Dispatch.DP)
+    def sft_step(self, batch: Batch) -> dict:
+        """Take one optimizer step of the supervised loss on the responses; returns metrics."""
+        return self.engine.train_step(batch, sft_loss, self.micro_batch_size)
+
+
+class RefWorker(TrainWorker):
+    """The frozen reference policy."""
+
+    frozen = True
+
+    @register(Dispatch.DP)
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """Return ``ref_log_prob`` of the responses, [batch, response_len]."""
+        out = self.engine.forward(batch, self.micro_batch_size)
+        return None if out is None else Batch({"ref_log_prob": out["log_probs"]})
+
+
+class CriticWorker(TrainWorker):
+    """The value model: the actor's architecture with a scalar head."""
+
+    value_head = True
+
+    @register(Dispatch.DP)
+    def compute_values(self, batch: Batch) -> Batch:
+        """Return ``values`` for the states before each response token, [batch, response_len]."""
+        out = self.engine.forward(batch, self.micro_batch_size)
+        return None if out is None else Batch({"values": out["values"]})
+
+    @register(Dispatch.DP)
+    def update_critic(self, batch: Batch, loss_fn: LossFn) -> dict:
+        """Take one optimizer step of the value loss; returns metrics (DP-averaged)."""
+        return self.engine.train_step(batch, loss_fn, self.micro_batch_size)
