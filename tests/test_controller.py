@@ -95,23 +95,23 @@ class Signal:
 MAPPING = DeviceMapping.from_dict({
     "pools": {"main": {"devices": 4}},
     "roles": {"actor": {"pool": "main", "tp": 2, "dp": 2, "colocate": "engine"},
-              "ref": {"pool": "main", "dp": 4, "colocate": "engine"},
+              "reward": {"pool": "main", "dp": 4, "colocate": "engine"},
               "critic": {"pool": "main", "dp": 4}},
 })
 
 
 @pytest.fixture(scope="module")
 def session(ray_local):
-    s = Session(MAPPING, {"actor": RoleClass(Probe, kwargs={"tp": 2}), "ref": RoleClass(Probe, kwargs={"scale": 10}),
+    s = Session(MAPPING, {"actor": RoleClass(Probe, kwargs={"tp": 2}), "reward": RoleClass(Probe, kwargs={"scale": 10}),
                           "critic": Probe}, timeout=60).start()
     yield s
     s.shutdown()
 
 
 def test_placement_colocation_and_rendezvous(session):
-    actor, ref, critic = (session.groups[r].where() for r in ("actor", "ref", "critic"))
+    actor, reward, critic = (session.groups[r].where() for r in ("actor", "reward", "critic"))
     assert [w["rank"] for w in actor] == [0, 1, 2, 3]
-    assert [w["pid"] for w in actor] == [w["pid"] for w in ref]          # colocated: one process
+    assert [w["pid"] for w in actor] == [w["pid"] for w in reward]          # colocated: one process
     assert not {w["pid"] for w in actor} & {w["pid"] for w in critic}   # separate processes ...
     assert [w["gpus"] for w in actor] == [w["gpus"] for w in critic]    # ... on the same devices
     assert len({tuple(w["gpus"]) for w in actor}) == 4
@@ -125,7 +125,7 @@ def test_dp_dispatch_splits_pads_and_collects_one_rank_per_group(session):
     assert out["y"].tolist() == [x + 1 for x in range(7)]
     assert out["dp"].tolist() == [0, 0, 0, 0, 1, 1, 1]
     assert out["text"] == list("ABCDEFG")
-    out = session.groups["ref"].scaled(batch)               # dp=4: chunks of 2
+    out = session.groups["reward"].scaled(batch)               # dp=4: chunks of 2
     assert out["y"].tolist() == [10 * x for x in range(7)]
     assert out["dp"].tolist() == [0, 0, 1, 1, 2, 2, 3]
 
@@ -152,8 +152,8 @@ def test_futures_let_independent_calls_overlap(session):
 def test_spans_record_every_call_with_bytes(session):
     session.timeline.clear()
     batch = Batch({"x": torch.arange(8)}, {"text": list("abcdefgh")})
-    session.groups["ref"].scaled(batch)
-    spans = session.timeline.spans(role="ref", method="scaled")
+    session.groups["reward"].scaled(batch)
+    spans = session.timeline.spans(role="reward", method="scaled")
     assert sorted(s.rank for s in spans) == [0, 1, 2, 3]
     assert all(s.end >= s.start and s.bytes_in == 2 * 8 and s.bytes_out == 2 * 8 * 2 for s in spans)
 
@@ -187,7 +187,7 @@ def test_dead_worker_is_named_and_group_can_be_recreated(session):
 
 
 def test_remap_recreates_only_changed_roles_and_validates_first(session):
-    before = {r: [w["pid"] for w in session.groups[r].where()] for r in ("actor", "ref", "critic")}
+    before = {r: [w["pid"] for w in session.groups[r].where()] for r in ("actor", "reward", "critic")}
     data = MAPPING.to_dict()
     data["roles"]["critic"] = {"pool": "main", "tp": 2, "dp": 2}
     bad = DeviceMapping.from_dict({**data, "roles": {**data["roles"], "critic": {"pool": "main", "dp": 3}}})
@@ -199,7 +199,7 @@ def test_remap_recreates_only_changed_roles_and_validates_first(session):
     session.add_remap_hook(save=lambda role, g: f"state-of-{role}", load=lambda role, g, s: calls.append((role, s)))
     changed = session.remap(DeviceMapping.from_dict(data))
     assert changed == {"critic"} and calls == [("critic", "state-of-critic")]
-    after = {r: [w["pid"] for w in session.groups[r].where()] for r in ("actor", "ref", "critic")}
-    assert after["actor"] == before["actor"] and after["ref"] == before["ref"]
+    after = {r: [w["pid"] for w in session.groups[r].where()] for r in ("actor", "reward", "critic")}
+    assert after["actor"] == before["actor"] and after["reward"] == before["reward"]
     assert not set(after["critic"]) & set(before["critic"])
     session._hooks.clear()

@@ -46,6 +46,15 @@ def test_invalid_mappings_name_the_problem(change, message):
         DeviceMapping.from_yaml(text).validate(model=MODEL, cluster_gpus=4)
 
 
+def test_colocated_training_roles_must_share_their_layout():
+    m = DeviceMapping.from_dict({"pools": {"p": {"devices": 4}},
+                                 "roles": {"actor": {"pool": "p", "tp": 2, "dp": 2, "colocate": "e"},
+                                           "ref": {"pool": "p", "dp": 4, "colocate": "e"},
+                                           "rollout": {"pool": "p", "dp": 4, "colocate": "e"}}})
+    assert m.problems() == ["colocate 'e': training roles in one process must share tp and pp"
+                            " (actor tp=2 pp=1, ref tp=1 pp=1)"]
+
+
 def test_layer_and_kv_head_checks_and_device_count():
     m = DeviceMapping.from_dict({"pools": {"p": {"devices": 4}},
                                  "roles": {"actor": {"pool": "p", "tp": 4}, "rollout": {"pool": "p", "tp": 4}}})

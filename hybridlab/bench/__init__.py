@@ -8,6 +8,7 @@ from hybridlab.errors import unknown
 
 BENCHES = {
     "dispatch": "hybridlab.bench.dispatch",
+    "train": "hybridlab.bench.train",
 }
 
 

@@ -27,6 +27,7 @@ from hybridlab.controller.resources import STRATEGIES
 from hybridlab.errors import UserError
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward")
+TRAINING_ROLES = ("actor", "ref", "critic")  # run on megatron-core
 
 
 class MappingError(UserError):
@@ -172,6 +173,11 @@ class DeviceMapping:
             if len(pools) > 1:
                 out.append(f"colocate {group!r}: roles {', '.join(members)} share processes so they must use one pool,"
                            f" but they are on {', '.join(sorted(pools))}")
+            # Megatron's parallel state is per process: colocated training roles share one layout.
+            trainers = {m: (self.roles[m].tp, self.roles[m].pp) for m in members if m in TRAINING_ROLES}
+            if len(set(trainers.values())) > 1:
+                shapes = ", ".join(f"{m} tp={tp} pp={pp}" for m, (tp, pp) in trainers.items())
+                out.append(f"colocate {group!r}: training roles in one process must share tp and pp ({shapes})")
         if cluster_gpus is not None:
             need = sum(p.devices for p in self.pools.values() if isinstance(p.devices, int))
             if need > cluster_gpus:

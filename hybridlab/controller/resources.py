@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 
 import ray
 
@@ -40,8 +39,11 @@ def connect(address: str | None = None, num_gpus: int | None = None, num_cpus: i
 
 
 def _short_temp_dir() -> str:
-    # Ray puts unix sockets under its temp dir; their paths must stay under ~107 characters.
-    return tempfile.mkdtemp(prefix="hlray-", dir="/tmp")
+    # Ray puts unix sockets under its temp dir; their paths must stay under ~107 characters,
+    # so use a short, stable folder (Ray adds one session_* folder per cluster inside it).
+    path = os.path.join("/tmp", f"hlray-{os.getuid()}")
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def _cuda_device_count() -> int:

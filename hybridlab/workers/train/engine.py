@@ -163,7 +163,9 @@ class MegatronEngine:
         position_ids = micro.get("position_ids")
         if position_ids is None:
             position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        output = model(micro["input_ids"], position_ids, attention_mask_4d(mask))
+        # Without padding the mask is plain causal, which the attention kernel applies itself.
+        mask_4d = None if bool(mask.all()) else attention_mask_4d(mask)
+        output = model(micro["input_ids"], position_ids, mask_4d)
         return output, partial(self._loss, loss_fn, micro)
 
     def _outputs(self, output: torch.Tensor, micro: dict) -> dict:
