@@ -5,7 +5,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 from hybridlab.errors import UserError
 
@@ -42,6 +41,7 @@ def cmd_zoo(args) -> int:
 
 def cmd_sft(args) -> int:
     from hybridlab import sft
+    from hybridlab.atomic import check_model_dir_target
     from hybridlab.evaluate import accuracy, load_hf
     from hybridlab.models.zoo import resolve_model
 
@@ -50,9 +50,7 @@ def cmd_sft(args) -> int:
                         batch_size=args.batch_size, seed=args.seed,
                         train_samples=args.train_samples)
     cfg.validate()
-    out = Path(args.out)
-    if out.exists() and not (out / "config.json").is_file():
-        raise UserError(f"{out} exists and is not a model directory; choose a new --out path")
+    out = check_model_dir_target(args.out)  # before the expensive part
     model, tokenizer = load_hf(resolve_model(args.model))
     summary = sft.train(model, tokenizer, task, cfg)
     sft.save_checkpoint(model, tokenizer, out)

@@ -8,13 +8,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from hybridlab.atomic import atomic_model_dir
 from hybridlab.errors import UserError
 from hybridlab.tasks import Sample, Task
 
@@ -110,17 +109,7 @@ def train(model, tokenizer, task: Task, cfg: SFTConfig, progress: bool = True) -
 
 def save_checkpoint(model, tokenizer, out: str | os.PathLike) -> Path:
     """Save model and tokenizer to ``out`` atomically (written aside, then renamed); returns the path."""
-    from hybridlab.models.zoo import replace_dir
-
-    out = Path(out)
-    if out.exists() and not (out / "config.json").is_file():
-        raise UserError(f"{out} exists and is not a model directory; choose a new --out path")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_model_dir(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return Path(out)

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from hybridlab.atomic import atomic_model_dir
 from hybridlab.errors import UserError
 
 ARCHS = ("qwen2", "llama")
@@ -111,12 +110,7 @@ def build(name: str, out: str | os.PathLike, seed: int = 0) -> Path:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     preset, arch = parse_preset(name)
-    out = Path(out)
-    if out.exists() and not (out / "config.json").is_file():
-        raise UserError(f"{out} exists and is not a model directory; choose a new --out path")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_model_dir(out) as tmp:
         tokenizer = train_tokenizer(seed)
         torch.manual_seed(seed)
         config = model_config(preset, arch)
@@ -124,25 +118,7 @@ def build(name: str, out: str | os.PathLike, seed: int = 0) -> Path:
         model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def replace_dir(new: Path, target: Path) -> None:
-    """Move directory ``new`` to ``target``, replacing an old ``target`` without a half-written moment."""
-    if not target.exists():
-        try:
-            os.rename(new, target)
-            return
-        except OSError:
-            if not target.exists():
-                raise
-    old = target.with_name(f".{target.name}.old.{os.getpid()}")
-    os.rename(target, old)
-    os.rename(new, target)
-    shutil.rmtree(old, ignore_errors=True)
+    return Path(out)
 
 
 def resolve_model(spec: str | os.PathLike, seed: int = 0) -> Path:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from hybridlab.atomic import atomic_model_dir
 
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
           "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
@@ -30,14 +31,7 @@ def _merge(parts: list[dict | None], key: str) -> dict[str, torch.Tensor]:
 def _write(out: Path, source_dir: Path, tensors: dict[str, dict[str, torch.Tensor]], state: dict | None) -> Path:
     from safetensors.torch import save_file
 
-    from hybridlab.models.zoo import replace_dir
-
-    out = Path(out)
-    if out.exists() and not (out / "config.json").is_file():
-        raise FileExistsError(f"{out} exists and is not a checkpoint directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_model_dir(out) as tmp:
         for name in COPIED:
             if (Path(source_dir) / name).is_file():
                 shutil.copy2(Path(source_dir) / name, tmp / name)
@@ -45,10 +39,7 @@ def _write(out: Path, source_dir: Path, tensors: dict[str, dict[str, torch.Tenso
             save_file({k: v.contiguous() for k, v in named.items()}, str(tmp / filename))
         if state is not None:
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-        replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return Path(out)
 
 
 def export_hf(group, source_dir: str | Path, out: str | Path) -> Path:

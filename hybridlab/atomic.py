@@ -1,0 +1,51 @@
+"""Write a model directory so that readers see the old one or the new one, never half of it."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from hybridlab.errors import UserError
+
+
+def replace_dir(new: Path, target: Path) -> None:
+    """Move directory ``new`` to ``target``, replacing an old ``target`` without a half-written moment."""
+    if not target.exists():
+        try:
+            os.rename(new, target)
+            return
+        except OSError:
+            if not target.exists():
+                raise
+    old = target.with_name(f".{target.name}.old.{os.getpid()}")
+    os.rename(target, old)
+    os.rename(new, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def check_model_dir_target(out: str | os.PathLike) -> Path:
+    """Return ``out`` as a Path if it is free or an earlier model directory, else raise UserError."""
+    out = Path(out)
+    if out.exists() and not (out / "config.json").is_file():
+        raise UserError(f"{out} exists and is not a model directory; choose a new path")
+    return out
+
+
+@contextlib.contextmanager
+def atomic_model_dir(out: str | os.PathLike) -> Iterator[Path]:
+    """Yield a scratch folder beside ``out``; on success it replaces ``out`` whole.
+
+    ``out`` must be free or an earlier model directory (one with a config.json). On an error
+    the scratch folder is removed and ``out`` is left as it was.
+    """
+    out = check_model_dir_target(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
