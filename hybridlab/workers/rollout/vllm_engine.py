@@ -1,0 +1,48 @@
+"""vLLM in the worker's own process: start, generate from token ids, reload weights in place."""
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+
+from hybridlab.workers.rollout.sampling import SamplingConfig
+
+
+def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: int):
+    """Return a vLLM ``LLM`` running in this process with an explicitly sized KV cache."""
+    # In-process engine: needed to reload weights from this process (see docs/install.md).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    gc.freeze()  # objects from imports are never collected; freezing them speeds up engine start
+    return LLM(model=model_dir, dtype=dtype, max_model_len=context, kv_cache_memory_bytes=kv_cache_mb << 20,
+               enforce_eager=True, seed=seed, logprobs_mode="processed_logprobs",
+               enable_prefix_caching=False)
+
+
+def generate(llm, prompts: list[list[int]], cfg: SamplingConfig, eos_id: int | None):
+    """Return (responses, log-probs): one token list and one float list per sample, n per prompt."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0,
+                            max_tokens=cfg.max_tokens, stop_token_ids=cfg.stop_token_ids, seed=cfg.seed,
+                            logprobs=0, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    responses, logprobs = [], []
+    for out in outputs:
+        for completion in out.outputs:
+            ids = list(completion.token_ids)
+            responses.append(ids)
+            logprobs.append([step[t].logprob for step, t in zip(completion.logprobs, ids)])
+    return responses, logprobs
+
+
+def reload_weights(llm, named: list[tuple[str, torch.Tensor]], tied: bool) -> int:
+    """Load HF-named tensors into the running engine; returns the number of tensors loaded."""
+    named = list(named)
+    if tied:  # the engine keeps a prepacked copy of the tied output layer: send it explicitly
+        named += [("lm_head.weight", t) for n, t in named if n == "model.embed_tokens.weight"]
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+    return len(named)

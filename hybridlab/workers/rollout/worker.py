@@ -1,0 +1,91 @@
+"""RolloutWorker: generation on vLLM (or transformers) inside a worker group.
+
+Input: a Batch whose object field ``prompt_ids`` holds token-id lists (optionally ``index``
+for error messages; any other per-sample fields ride along). Output: the input repeated
+``n`` times (interleaved: a a b b) plus verl's layout from ``hybridlab.batching`` and
+``rollout_log_probs``, the sampled tokens' log-probabilities under the sampling temperature.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hybridlab.batching import sequences_batch
+from hybridlab.controller.worker import Dispatch, Worker, register
+from hybridlab.protocol import Batch
+from hybridlab.workers.rollout.sampling import SamplingConfig, fit_prompts
+
+BACKENDS = ("vllm", "hf")
+
+
+class RolloutWorker(Worker):
+    """Holds one generation engine per rank (vLLM in this process, or transformers)."""
+
+    def __init__(self, model_dir: str, backend: str = "vllm", max_model_len: int | None = None,
+                 kv_cache_mb: int = 256, dtype: str = "float32", truncate_prompts: bool = False, seed: int = 0):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown rollout backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+        import json
+
+        config = json.loads(open(os.path.join(model_dir, "config.json")).read())
+        self.model_dir, self.backend, self.truncate = model_dir, backend, truncate_prompts
+        self.context = max_model_len or config["max_position_embeddings"]
+        self.pad_id = config.get("pad_token_id") or 0
+        self.eos_id = config.get("eos_token_id")
+        self.tied = bool(config.get("tie_word_embeddings", False))
+        if backend == "vllm":
+            from hybridlab.workers.rollout.vllm_engine import start_llm
+
+            self.llm = start_llm(model_dir, self.context, kv_cache_mb, dtype, seed)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+
+    @register(Dispatch.DP)
+    def generate(self, batch: Batch, sampling: SamplingConfig | dict | None = None) -> Batch:
+        """Return the batch repeated n times with generated responses and their log-probs."""
+        cfg = SamplingConfig(**sampling) if isinstance(sampling, dict) else (sampling or SamplingConfig())
+        cfg.validate()
+        if "prompt_ids" not in batch:
+            raise ValueError("generate needs an object field 'prompt_ids' (token-id lists) in the batch")
+        prompts = fit_prompts(batch["prompt_ids"], cfg.max_tokens, self.context, self.truncate,
+                              batch.objects.get("index"))
+        if self.backend == "vllm":
+            from hybridlab.workers.rollout.vllm_engine import generate
+
+            responses, logprobs = generate(self.llm, prompts, cfg, self.eos_id)
+        else:
+            from hybridlab.workers.rollout.hf_engine import generate_ids
+
+            responses, logprobs = generate_ids(self.model, prompts, cfg, self.pad_id, self.eos_id)
+        repeated = batch.repeat(cfg.n)
+        out = sequences_batch([p for p in prompts for _ in range(cfg.n)], responses, self.pad_id,
+                              response_len=cfg.max_tokens)
+        lp = torch.zeros(out["responses"].shape, dtype=torch.float32)
+        for i, row in enumerate(logprobs):
+            lp[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+        out.tensors["rollout_log_probs"] = lp
+        out.objects["prompt_ids"] = [p for p in prompts for _ in range(cfg.n)]  # as used (maybe truncated)
+        for key, values in repeated.objects.items():
+            out.objects.setdefault(key, values)
+        for key, values in repeated.tensors.items():
+            out.tensors.setdefault(key, values)
+        return out
+
+    @register(Dispatch.ALL)
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        """Load HF-named tensors into the engine in place; returns how many were loaded.
+
+        A call must carry whole fused groups (q, k and v of a layer; gate and up), as the
+        engine fuses them on load.
+        """
+        if self.backend == "hf":
+            missing = self.model.load_state_dict(dict(named), strict=False).unexpected_keys
+            if missing:
+                raise KeyError(f"unknown weight names for this model: {missing[:5]}")
+            return len(named)
+        from hybridlab.workers.rollout.vllm_engine import reload_weights
+
+        return reload_weights(self.llm, named, self.tied)

@@ -1,0 +1,87 @@
+"""Rollout on vLLM (one engine for the module) against the transformers backend."""
+import pytest
+import torch
+
+from hybridlab import sft
+from hybridlab.controller.group import RoleClass, WorkerError
+from hybridlab.controller.mapping import DeviceMapping
+from hybridlab.controller.session import Session
+from hybridlab.evaluate import load_hf
+from hybridlab.protocol import Batch
+from hybridlab.tasks import get_task
+from hybridlab.workers.rollout.sampling import SamplingConfig
+from hybridlab.workers.rollout.worker import RolloutWorker
+from hybridlab.workers.train.convert import load_hf_state
+
+GREEDY = {"temperature": 0, "max_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def trained_dir(tiny_dir, tmp_path_factory):
+    """tiny after a short SFT on addition: peaked distributions, so greedy decoding is stable."""
+    model, tok = load_hf(tiny_dir)
+    sft.train(model, tok, get_task("arith"), sft.SFTConfig(steps=300, warmup_steps=20), progress=False)
+    return sft.save_checkpoint(model, tok, tmp_path_factory.mktemp("sft") / "tiny-arith")
+
+
+@pytest.fixture(scope="module")
+def prompts(trained_dir):
+    _, tok = load_hf(trained_dir)
+    samples = get_task("arith").split("test", 16)
+    ids = [tok(s.prompt, add_special_tokens=False).input_ids for s in samples]
+    return Batch(objects={"prompt_ids": ids, "index": list(range(16)), "answer": [s.ground_truth for s in samples]})
+
+
+@pytest.fixture(scope="module")
+def rollout(ray_local, tiny_dir):
+    """One vLLM engine, started from the *untrained* tiny model (tests load weights into it)."""
+    mapping = DeviceMapping.from_dict({"pools": {"p": {"devices": 1}}, "roles": {"rollout": {"pool": "p"}}})
+    roles = {"rollout": RoleClass(RolloutWorker, kwargs=dict(model_dir=str(tiny_dir), max_model_len=64))}
+    with Session(mapping, roles, timeout=300) as session:
+        yield session.groups["rollout"]
+
+
+def test_loaded_weights_give_the_same_greedy_outputs_as_transformers(rollout, trained_dir, prompts):
+    hf = RolloutWorker(str(trained_dir), backend="hf", max_model_len=64)   # reference, in this process
+    expected = hf.generate(prompts, GREEDY)
+    before = rollout.generate(prompts, GREEDY)
+    assert not torch.equal(before["responses"], expected["responses"])     # untrained weights differ
+    state = load_hf_state(trained_dir)
+    assert rollout.load_weights(sorted(state.items())) == [len(state) + 1]  # + the tied output layer
+    after = rollout.generate(prompts, GREEDY)
+    assert torch.equal(after["responses"], expected["responses"])
+    assert torch.equal(after["response_mask"], expected["response_mask"])
+    assert (after["rollout_log_probs"] - expected["rollout_log_probs"]).abs().max() < 1e-4
+    # The model learned addition: most greedy answers are right.
+    decoded = [r[m.bool()].tolist() for r, m in zip(after["responses"], after["response_mask"])]
+    assert all(d[-1] == 2 for d in decoded)                                # ends with </s>
+
+
+def test_samples_are_interleaved_and_log_probs_match_a_recomputation(rollout, trained_dir, prompts):
+    out = rollout.generate(prompts, {"temperature": 0.7, "max_tokens": 6, "n": 3, "seed": 3})
+    assert len(out) == 48 and out["index"][:6] == [0, 0, 0, 1, 1, 1]
+    assert out["answer"][3] == prompts["answer"][1]
+    model, _ = load_hf(trained_dir)
+    with torch.no_grad():
+        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
+                       position_ids=out["position_ids"]).logits
+    r = out["responses"].shape[1]
+    logp = torch.log_softmax(logits[:, -r - 1:-1] / 0.7, -1).gather(-1, out["responses"].unsqueeze(-1)).squeeze(-1)
+    mask = out["response_mask"].bool()
+    assert (out["rollout_log_probs"] - logp)[mask].abs().max() < 1e-4
+
+
+def test_too_long_prompts_are_named_or_truncated(rollout, trained_dir):
+    long = Batch(objects={"prompt_ids": [[5, 6], list(range(3, 63))], "index": [10, 11]})
+    with pytest.raises(WorkerError, match="prompt 11 has 60 tokens; with max_tokens=6 it does not fit"):
+        rollout.generate(long, GREEDY)
+    hf = RolloutWorker(str(trained_dir), backend="hf", max_model_len=64, truncate_prompts=True)
+    out = hf.generate(long, GREEDY)
+    assert out["prompt_ids"][1] == list(range(5, 63))   # kept the last 64 - 6 = 58 tokens
+
+
+def test_bad_sampling_settings_are_refused():
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingConfig(top_p=0).validate()
+    with pytest.raises(ValueError, match="unknown rollout backend 'tgi'"):
+        RolloutWorker("unused", backend="tgi")
