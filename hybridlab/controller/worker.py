@@ -59,6 +59,7 @@ class Worker:
     rank: int = 0
     world_size: int = 1
     role: str = ""
+    peers: dict = {}  # role -> worker object, for the roles colocated in this process
 
     def dp_info(self) -> tuple[int, int, bool]:
         """Return (data-parallel rank, data-parallel size, answers for its DP group).
@@ -140,6 +141,7 @@ class WorkerHost:
             try:
                 obj = cls.__new__(cls)
                 obj.rank, obj.world_size, obj.role = rank, world_size, role
+                obj.peers = self.workers  # colocated roles reach each other in memory
                 obj.__init__(*args, **kwargs)
             except BaseException:
                 raise RemoteError(role, rank, "__init__", traceback.format_exc()) from None

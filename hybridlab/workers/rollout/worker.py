@@ -89,3 +89,14 @@ class RolloutWorker(Worker):
         from hybridlab.workers.rollout.vllm_engine import reload_weights
 
         return reload_weights(self.llm, named, self.tied)
+
+    @register(Dispatch.ALL)
+    def load_weight_refs(self, refs: list) -> int:
+        """Fetch bucket parts (dicts of HF tensors) from Ray's object store and load them;
+        returns the number of tensors loaded."""
+        import ray
+
+        named: dict[str, torch.Tensor] = {}
+        for part in ray.get(list(refs)):
+            named.update(part)
+        return self.load_weights(sorted(named.items()))

@@ -145,33 +145,64 @@ def megatron_to_hf(shards: list[dict[str, torch.Tensor]], spec: ModelSpec, pp: i
     def join(name: str, dim: int) -> torch.Tensor:
         return torch.cat([s[name] for s in shards], dim=dim)
 
+    # Tensors absent from the shards are skipped, so a subset (one bucket of layers) converts too.
     out: dict[str, torch.Tensor] = {}
-    first, last = pp_rank == 0, pp_rank == pp - 1
-    if first:
+    have = shards[0]
+    if "embedding.word_embeddings.weight" in have:
         out["model.embed_tokens.weight"] = join("embedding.word_embeddings.weight", 0)
     for local, layer in enumerate(_stage_layers(spec, pp, pp_rank)):
         src, dst = f"decoder.layers.{local}.", f"model.layers.{layer}."
         attn = dst + "self_attn."
-        out[dst + "input_layernorm.weight"] = shards[0][src + "input_layernorm.weight"]
-        names = ("weight", "bias") if spec.qkv_bias else ("weight",)
-        for kind in names:
+        for kind in ("weight", "bias"):
+            if src + f"self_attention.linear_qkv.{kind}" not in have:
+                continue
             # Each TP shard holds whole key/value groups; split groups per shard, then re-join.
             parts = [_split_qkv(dataclasses.replace(spec, heads=spec.heads // len(shards),
                                                     kv_heads=spec.kv_heads // len(shards)),
                                 s[src + f"self_attention.linear_qkv.{kind}"]) for s in shards]
             for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
                 out[attn + f"{proj}.{kind}"] = torch.cat([p[i] for p in parts])
-        out[attn + "o_proj.weight"] = join(src + "self_attention.linear_proj.weight", 1)
-        out[dst + "post_attention_layernorm.weight"] = shards[0][src + "pre_mlp_layernorm.weight"]
-        fc1 = [s[src + "mlp.linear_fc1.weight"].chunk(2) for s in shards]
-        out[dst + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in fc1])
-        out[dst + "mlp.up_proj.weight"] = torch.cat([u for _, u in fc1])
-        out[dst + "mlp.down_proj.weight"] = join(src + "mlp.linear_fc2.weight", 1)
-    if last:
-        out["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"]
-        if not spec.tied:
-            out["lm_head.weight"] = join("output_layer.weight", 0)
+        if src + "mlp.linear_fc1.weight" in have:
+            fc1 = [s[src + "mlp.linear_fc1.weight"].chunk(2) for s in shards]
+            out[dst + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in fc1])
+            out[dst + "mlp.up_proj.weight"] = torch.cat([u for _, u in fc1])
+        for mega, hf, dim in (("input_layernorm.weight", "input_layernorm.weight", None),
+                              ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", None),
+                              ("self_attention.linear_proj.weight", "self_attn.o_proj.weight", 1),
+                              ("mlp.linear_fc2.weight", "mlp.down_proj.weight", 1)):
+            if src + mega in have:
+                out[dst + hf] = have[src + mega] if dim is None else join(src + mega, dim)
+    if "decoder.final_layernorm.weight" in have:
+        out["model.norm.weight"] = have["decoder.final_layernorm.weight"]
+    if not spec.tied and "output_layer.weight" in have:
+        out["lm_head.weight"] = join("output_layer.weight", 0)
     return out
+
+
+def megatron_names(spec: ModelSpec, pp: int, pp_rank: int, hf_names: list[str]) -> list[str]:
+    """Return the Megatron parameter names of stage ``pp_rank`` that hold the given HF tensors."""
+    layers = list(_stage_layers(spec, pp, pp_rank))
+    out = []
+    for name in hf_names:
+        if name == "model.embed_tokens.weight" and pp_rank == 0:
+            out.append("embedding.word_embeddings.weight")
+        elif name == "model.norm.weight" and pp_rank == pp - 1:
+            out.append("decoder.final_layernorm.weight")
+        elif name == "lm_head.weight" and pp_rank == pp - 1:
+            out.append("output_layer.weight")
+        elif name.startswith("model.layers.") and int(name.split(".")[2]) in layers:
+            local = layers.index(int(name.split(".")[2]))
+            part = name.split(".", 3)[3]
+            mapped = {"input_layernorm.weight": "input_layernorm.weight",
+                      "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+                      "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+                      "mlp.down_proj.weight": "mlp.linear_fc2.weight"}.get(part)
+            if mapped is None and part.startswith("self_attn."):
+                mapped = "self_attention.linear_qkv." + part.rsplit(".", 1)[1]
+            elif mapped is None:
+                mapped = "mlp.linear_fc1.weight"
+            out.append(f"decoder.layers.{local}.{mapped}")
+    return list(dict.fromkeys(out))
 
 
 def load_hf_state(model_dir: str | Path) -> dict[str, torch.Tensor]:

