@@ -105,11 +105,24 @@ def cmd_bench(args) -> int:
         if not value:
             raise UserError(f"benchmark option {pair!r} must look like key=value")
         options[key.replace("-", "_")] = int(value) if value.isdigit() else value
+    from hybridlab.bench import BENCHES
+
+    if args.name not in BENCHES:
+        raise UserError(f"unknown benchmark {args.name!r}; choose one of: {', '.join(sorted(BENCHES))}")
+    # Engines log to standard output (vLLM, Ray's worker forwarding, C++ code): send all of it to
+    # standard error while the benchmark runs, so standard output carries only the JSON.
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
     try:
         result = run(args.name, **options)
     except TypeError as exc:
         raise UserError(f"benchmark {args.name!r}: {exc}") from None
-    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2), flush=True)
     return 0
 
 

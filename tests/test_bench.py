@@ -4,14 +4,37 @@ import json
 from hybridlab.cli import main
 
 
-def test_bench_dispatch_json(ray_local, capsys):
-    assert main(["bench", "dispatch", "--json", "--opt", "iters=20", "--opt", "batch_mb=4"]) == 0
-    result = json.loads(capsys.readouterr().out)
+def _bench(argv, capfd) -> dict:
+    assert main(["bench", *argv, "--json"]) == 0
+    # Ray forwards worker output to this process asynchronously: take the JSON line.
+    return json.loads([line for line in capfd.readouterr().out.splitlines() if line.startswith("{")][-1])
+
+
+def test_bench_dispatch_json(ray_local, capfd):
+    result = _bench(["dispatch", "--opt", "iters=20", "--opt", "batch_mb=4"], capfd)
     assert {"bare_ray_ms", "dispatch_ms", "overhead_ms", "batch_mb_per_s"} <= set(result)
     assert set(result["dispatch_ms"]) == {"all", "dp", "rank_zero", "raw"}
     assert result["batch_mb_per_s"] > 0 and result["bare_ray_ms"] > 0
 
 
-def test_unknown_benchmark_lists_names(capsys):
+def test_unknown_benchmark_lists_names(capfd):
     assert main(["bench", "nope", "--json"]) == 2
-    assert "unknown benchmark 'nope'; choose one of: dispatch" in capsys.readouterr().err
+    assert "unknown benchmark 'nope'; choose one of: dispatch, rollout, sync, train" in capfd.readouterr().err
+
+
+def test_bench_train_json(ray_local, capfd):
+    result = _bench(["train", "--opt", "models=tiny", "--opt", "steps=1", "--opt", "batch_size=4"], capfd)
+    assert {"tokens_per_s", "hf_tokens_per_s", "ratio_tp1_vs_hf", "peak_rss_mb", "max_abs_logprob_diff_vs_hf"} <= set(result)
+    assert set(result["tokens_per_s"]) == {"tiny_tp1", "tiny_tp2"}
+    assert max(result["max_abs_logprob_diff_vs_hf"].values()) < 1e-5
+
+
+def test_bench_rollout_json(ray_local, capfd):
+    result = _bench(["rollout", "--opt", "model=tiny", "--opt", "prompts=4", "--opt", "max_new_tokens=8"], capfd)
+    assert {"ours_tokens_per_s", "vllm_tokens_per_s", "hf_tokens_per_s", "ratio_vs_vllm", "ratio_vs_hf"} <= set(result)
+
+
+def test_bench_sync_json(ray_local, capfd):
+    result = _bench(["sync", "--opt", "model=tiny", "--opt", "warm_steps=3"], capfd)
+    assert {"sync_s", "naive_s", "speedup", "bytes_moved", "greedy_match"} <= set(result)
+    assert result["greedy_match"] is True and result["bytes_moved"] > 0

@@ -9,6 +9,8 @@ from hybridlab.errors import unknown
 BENCHES = {
     "dispatch": "hybridlab.bench.dispatch",
     "train": "hybridlab.bench.train",
+    "rollout": "hybridlab.bench.rollout",
+    "sync": "hybridlab.bench.sync",
 }
 
 

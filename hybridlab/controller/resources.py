@@ -26,7 +26,9 @@ def connect(address: str | None = None, num_gpus: int | None = None, num_cpus: i
     """
     if not ray.is_initialized():
         env = {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                            "RAY_DEDUP_LOGS": "0"}}
+                            "RAY_DEDUP_LOGS": "0",
+                            # vLLM's per-engine INFO lines drown the notebook; warnings still show.
+                            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}}
         if address:
             ray.init(address=address, runtime_env=env, log_to_driver=True)
         else:

@@ -17,6 +17,8 @@ def generate_ids(model, prompts: list[list[int]], cfg: SamplingConfig, pad_id: i
     greedy = cfg.temperature == 0
     extra = {} if greedy else dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None)
     stops = [eos_id] + list(cfg.stop_token_ids or []) if eos_id is not None else cfg.stop_token_ids
+    if cfg.ignore_eos:
+        stops = None
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=cfg.max_tokens, do_sample=not greedy,
                          eos_token_id=stops, pad_token_id=pad_id, output_scores=True, return_dict_in_generate=True,
                          **extra)

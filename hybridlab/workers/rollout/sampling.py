@@ -16,6 +16,7 @@ class SamplingConfig:
     max_tokens: int = 32
     stop_token_ids: list[int] | None = None
     seed: int | None = None
+    ignore_eos: bool = False    # generate max_tokens whatever the model says (benchmarks)
 
     def validate(self) -> "SamplingConfig":
         """Raise ValueError naming the first impossible field; returns self."""

@@ -13,6 +13,7 @@ def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: 
     """Return a vLLM ``LLM`` running in this process with an explicitly sized KV cache."""
     # In-process engine: needed to reload weights from this process (see docs/install.md).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from vllm import LLM
 
     gc.freeze()  # objects from imports are never collected; freezing them speeds up engine start
@@ -28,7 +29,7 @@ def generate(llm, prompts: list[list[int]], cfg: SamplingConfig, eos_id: int | N
 
     params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0,
                             max_tokens=cfg.max_tokens, stop_token_ids=cfg.stop_token_ids, seed=cfg.seed,
-                            logprobs=0, detokenize=False)
+                            logprobs=0, detokenize=False, ignore_eos=cfg.ignore_eos)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     responses, logprobs = [], []
     for out in outputs:
