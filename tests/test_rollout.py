@@ -85,3 +85,19 @@ def test_bad_sampling_settings_are_refused():
         SamplingConfig(top_p=0).validate()
     with pytest.raises(ValueError, match="unknown rollout backend 'tgi'"):
         RolloutWorker("unused", backend="tgi")
+
+
+def test_text_prompts_stop_tokens_and_sleep(rollout, trained_dir, prompts):
+    _, tok = load_hf(trained_dir)
+    texts = Batch(objects={"prompt": [tok.decode(p) for p in prompts["prompt_ids"]]})
+    by_ids = rollout.generate(prompts, GREEDY)
+    assert torch.equal(rollout.generate(texts, GREEDY)["responses"], by_ids["responses"])
+    nine = tok("9", add_special_tokens=False).input_ids[0]
+    out = rollout.generate(prompts, {**GREEDY, "stop_token_ids": [nine]})
+    for row, mask in zip(out["responses"], out["response_mask"]):
+        ids = row[mask.bool()].tolist()
+        assert nine not in ids[:-1]                 # generation stopped at the first "9"
+    assert any(row[mask.bool()].tolist()[-1] == nine for row, mask in zip(out["responses"], out["response_mask"]))
+    rollout.sleep()
+    rollout.wake_up()
+    assert torch.equal(rollout.generate(prompts, GREEDY)["responses"], by_ids["responses"])

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from hybridlab import sft
-from hybridlab.controller.group import RoleClass
+from hybridlab.controller.group import RoleClass, WorkerError
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.controller.session import Session
 from hybridlab.evaluate import load_hf
@@ -87,6 +87,16 @@ def test_separate_sync_survives_a_trainer_layout_change(ray_local, trained_dir, 
         layout["roles"]["actor"] = {"pool": "train", "dp": 2}
         assert s.remap(DeviceMapping.from_dict(layout)) == {"actor"}
         s.groups["rollout"].load_weights(sorted(checkpoint_state_of(trained_dir).items()))   # scramble back
+        sync_weights(s.groups["actor"], s.groups["rollout"], spec, TrainerLayout(dp=2), RolloutLayout())
+        assert torch.equal(s.groups["rollout"].generate(prompts, GREEDY)["responses"], first)
+
+        # An engine crash is named; the rollout is re-created and re-synced.
+        import ray
+        ray.kill(s.groups["rollout"].hostset.hosts[0])
+        with pytest.raises(WorkerError) as crash:
+            s.groups["rollout"].generate(prompts, GREEDY)
+        assert crash.value.kind == "died" and crash.value.role == "rollout"
+        s.recreate("rollout")
         sync_weights(s.groups["actor"], s.groups["rollout"], spec, TrainerLayout(dp=2), RolloutLayout())
         assert torch.equal(s.groups["rollout"].generate(prompts, GREEDY)["responses"], first)
 

@@ -1,7 +1,8 @@
 """RolloutWorker: generation on vLLM (or transformers) inside a worker group.
 
-Input: a Batch whose object field ``prompt_ids`` holds token-id lists (optionally ``index``
-for error messages; any other per-sample fields ride along). Output: the input repeated
+Input: a Batch whose object field ``prompt_ids`` holds token-id lists, or ``prompt`` holds
+texts (tokenized here with the model's tokenizer); optionally ``index`` for error messages;
+any other per-sample fields ride along. Output: the input repeated
 ``n`` times (interleaved: a a b b) plus verl's layout from ``hybridlab.batching`` and
 ``rollout_log_probs``, the sampled tokens' log-probabilities under the sampling temperature.
 """
@@ -48,10 +49,13 @@ class RolloutWorker(Worker):
         """Return the batch repeated n times with generated responses and their log-probs."""
         cfg = SamplingConfig(**sampling) if isinstance(sampling, dict) else (sampling or SamplingConfig())
         cfg.validate()
-        if "prompt_ids" not in batch:
-            raise ValueError("generate needs an object field 'prompt_ids' (token-id lists) in the batch")
-        prompts = fit_prompts(batch["prompt_ids"], cfg.max_tokens, self.context, self.truncate,
-                              batch.objects.get("index"))
+        if "prompt_ids" in batch:
+            ids = batch["prompt_ids"]
+        elif "prompt" in batch:
+            ids = [self.tokenizer(text, add_special_tokens=False).input_ids for text in batch["prompt"]]
+        else:
+            raise ValueError("generate needs an object field 'prompt_ids' (token-id lists) or 'prompt' (texts)")
+        prompts = fit_prompts(ids, cfg.max_tokens, self.context, self.truncate, batch.objects.get("index"))
         if self.backend == "vllm":
             from hybridlab.workers.rollout.vllm_engine import generate
 
@@ -73,6 +77,27 @@ class RolloutWorker(Worker):
         for key, values in repeated.tensors.items():
             out.tensors.setdefault(key, values)
         return out
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer, loaded on first use."""
+        if getattr(self, "_tokenizer", None) is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        return self._tokenizer
+
+    @register(Dispatch.ALL)
+    def sleep(self) -> None:
+        """Free the engine's KV cache (and offload weights) while training runs; a no-op on CPU."""
+        if self.backend == "vllm":
+            self.llm.sleep(level=1)
+
+    @register(Dispatch.ALL)
+    def wake_up(self) -> None:
+        """Re-allocate what ``sleep`` freed before the next rollout; a no-op on CPU."""
+        if self.backend == "vllm":
+            self.llm.wake_up()
 
     @register(Dispatch.ALL)
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
