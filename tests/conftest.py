@@ -38,6 +38,19 @@ def tiny_llama_dir(hybridlab_home):
     return resolve_model("tiny-llama")
 
 
+@pytest.fixture(scope="session")
+def trained_dir(tiny_dir, tmp_path_factory):
+    """tiny after a short SFT on addition (about 10 s): peaked distributions, so greedy
+    decoding is a sharp check of weights."""
+    from hybridlab import sft
+    from hybridlab.evaluate import load_hf
+    from hybridlab.tasks import get_task
+
+    model, tok = load_hf(tiny_dir)
+    sft.train(model, tok, get_task("arith"), sft.SFTConfig(steps=300, warmup_steps=20), progress=False)
+    return sft.save_checkpoint(model, tok, tmp_path_factory.mktemp("sft") / "tiny-arith")
+
+
 @pytest.fixture(scope="module")
 def ray_local(tmp_path_factory):
     """A local Ray cluster with 4 logical GPUs and its own temp dir, shared by one test module."""

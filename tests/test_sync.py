@@ -2,7 +2,6 @@
 import pytest
 import torch
 
-from hybridlab import sft
 from hybridlab.controller.group import RoleClass, WorkerError
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.controller.session import Session
@@ -17,13 +16,6 @@ from hybridlab.workers.rollout.worker import RolloutWorker
 from hybridlab.workers.train.workers import ActorWorker
 
 GREEDY = {"temperature": 0, "max_tokens": 6}
-
-
-@pytest.fixture(scope="module")
-def trained_dir(tiny_dir, tmp_path_factory):
-    model, tok = load_hf(tiny_dir)
-    sft.train(model, tok, get_task("arith"), sft.SFTConfig(steps=300, warmup_steps=20), progress=False)
-    return sft.save_checkpoint(model, tok, tmp_path_factory.mktemp("sft") / "tiny-arith")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ each gets its own WorkerGroup over the shared hosts.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Callable, Sequence
 
 import ray
