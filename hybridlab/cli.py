@@ -26,6 +26,7 @@ def _task_from_args(args):
 
 
 def cmd_zoo(args) -> int:
+    """Build or list zoo models; returns the exit status."""
     from hybridlab.models import zoo
 
     if args.zoo_cmd == "list":
@@ -40,6 +41,7 @@ def cmd_zoo(args) -> int:
 
 
 def cmd_sft(args) -> int:
+    """Run a supervised warm start and save the checkpoint; returns the exit status."""
     from hybridlab import sft
     from hybridlab.atomic import check_model_dir_target
     from hybridlab.evaluate import accuracy, load_hf
@@ -63,6 +65,7 @@ def cmd_sft(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    """Print greedy accuracy on a task or dataset; returns the exit status."""
     from hybridlab.evaluate import accuracy, load_hf
     from hybridlab.models.zoo import resolve_model
 
@@ -89,6 +92,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_data(args) -> int:
+    """Write a task split as a verl-format file; returns the exit status."""
     from hybridlab.tasks.dataset import save_dataset
 
     task = _task_from_args(args)
@@ -97,6 +101,7 @@ def cmd_data(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    """Run a benchmark and print its JSON; returns the exit status."""
     from hybridlab.bench import run
 
     options = {}

@@ -33,6 +33,7 @@ class BenchActor(ActorWorker):
 
 
 def make_batch(n: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0):
+    """Return a Batch of random prompts and responses of fixed lengths (no padding)."""
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(3, vocab, (n, prompt_len), generator=g).tolist()
     responses = torch.randint(3, vocab, (n, response_len), generator=g).tolist()
@@ -70,6 +71,7 @@ def hf_step_time(model_dir, batch, steps: int, threads: int) -> tuple[float, tor
 
 
 def megatron_run(model_dir, batch, tp: int, steps: int, threads: int, micro_batch_size: int) -> dict:
+    """Return median step seconds, initial log-probs and peak RSS of a Megatron actor at ``tp``."""
     mapping = DeviceMapping.from_dict({"pools": {"bench": {"devices": tp, "cpus_per_device": threads / tp}},
                                        "roles": {"actor": {"pool": "bench", "tp": tp}}})
     roles = {"actor": RoleClass(BenchActor, kwargs=dict(model_dir=str(model_dir), tp=tp, optim={"lr": 1e-5},

@@ -35,6 +35,7 @@ class Task:
         self.format_score = float(format_score)
 
     def make_sample(self, rng: random.Random) -> Sample:  # pragma: no cover - abstract
+        """Return one random sample drawn with ``rng``."""
         raise NotImplementedError
 
     def check(self, response: str, ground_truth: Any) -> tuple[bool, bool]:  # pragma: no cover
