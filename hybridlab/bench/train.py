@@ -6,6 +6,7 @@ TP2; transformers runs in this process with the same thread count.
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -103,8 +104,6 @@ def run(models: str = "small,mid", steps: int = 5, batch_size: int = 16, prompt_
                  "max_abs_logprob_diff_vs_hf": {}}
     for name in models.split(","):
         model_dir = resolve_model(name)
-        import json
-
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         batch = make_batch(batch_size, prompt_len, response_len, vocab)
         tokens = batch_size * (prompt_len + response_len)

@@ -184,9 +184,11 @@ class DeviceMapping:
                 out.append(f"too few devices: the pools need {need} devices, the cluster has {cluster_gpus:g} GPUs")
         return out
 
-    def validate(self, model: Any = None, cluster_gpus: float | None = None) -> "DeviceMapping":
-        """Raise MappingError listing every problem; returns self when the mapping can run."""
-        problems = self.problems(model, cluster_gpus)
+    def validate(self, model: Any = None, cluster_gpus: float | None = None,
+                 extra: list[str] | None = None) -> "DeviceMapping":
+        """Raise MappingError listing every problem (plus ``extra`` ones the caller found);
+        returns self when the mapping can run."""
+        problems = self.problems(model, cluster_gpus) + list(extra or [])
         if problems:
             raise MappingError("device mapping is invalid:\n  - " + "\n  - ".join(problems))
         return self

@@ -38,12 +38,10 @@ class Session:
 
     # ------------------------------------------------------------ lifecycle
     def _check(self, mapping: DeviceMapping, cluster_gpus: float | None = None) -> None:
-        missing = [r for r in mapping.roles if r not in self.workers]
-        problems = mapping.problems(self.model, cluster_gpus) + [
-            f"roles.{r}: no worker class was given for this role (have: {', '.join(self.workers) or 'none'})"
-            for r in missing]
-        if problems:
-            raise MappingError("device mapping is invalid:\n  - " + "\n  - ".join(problems))
+        have = ", ".join(self.workers) or "none"
+        mapping.validate(self.model, cluster_gpus, extra=[
+            f"roles.{r}: no worker class was given for this role (have: {have})"
+            for r in mapping.roles if r not in self.workers])
 
     def start(self) -> "Session":
         """Connect to Ray, reserve the pools and start every role's workers; returns self.

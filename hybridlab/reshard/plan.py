@@ -127,14 +127,14 @@ def buckets(spec: ModelSpec, bucket_bytes: int, itemsize: int = 4) -> list[list[
     """
     import math
 
+    shapes = hf_shapes(spec)
     groups: dict[str, list[str]] = {}
-    for name in hf_shapes(spec):
+    for name in shapes:
         short = name.split(".")[-2]
         prefix = name.rsplit(".", 2)[0]
         key = f"{prefix}.qkv" if short in ("q_proj", "k_proj", "v_proj") else \
             f"{prefix}.gate_up" if short in ("gate_proj", "up_proj") else name
         groups.setdefault(key, []).append(name)
-    shapes = hf_shapes(spec)
     out, current, size = [], [], 0
     for names in groups.values():
         group_bytes = sum(math.prod(shapes[n]) * itemsize for n in names)

@@ -19,7 +19,6 @@ class Span:
     bytes_out: int = 0
     stage: str = ""
     pid: int = 0
-    ok: bool = True
 
     @property
     def seconds(self) -> float:
