@@ -155,7 +155,8 @@ class MegatronEngine:
         local = torch.tensor([float(mask.sum()) if mask is not None else 0.0, float(len(batch))])
         if self.ps.get_data_parallel_world_size() > 1:
             dist.all_reduce(local, group=self.ps.get_data_parallel_group())
-        return {"global_tokens": local[0].clamp(min=1), "global_seqs": local[1].clamp(min=1)}
+        return {"global_tokens": local[0].clamp(min=1), "global_seqs": local[1].clamp(min=1),
+                "dp_size": self.ps.get_data_parallel_world_size()}
 
     def _forward_step(self, loss_fn: LossFn | None, data_iterator, model):
         micro = next(data_iterator)

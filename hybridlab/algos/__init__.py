@@ -1,0 +1,27 @@
+"""RL algorithms under verl's names and signatures, so verl recipes port unchanged.
+
+Registries select them by string in configs: ``ADV_ESTIMATORS`` (gae, grpo, rloo,
+reinforce_plus_plus, reinforce_plus_plus_baseline, remax), ``POLICY_LOSSES`` (vanilla),
+``AGG_MODES`` and ``KL_PENALTIES``.
+"""
+from hybridlab.algos.advantages import (ADV_ESTIMATORS, compute_gae_advantage_return, compute_grpo_outcome_advantage,
+                                        compute_reinforce_plus_plus_baseline_outcome_advantage,
+                                        compute_reinforce_plus_plus_outcome_advantage, compute_remax_outcome_advantage,
+                                        compute_rloo_outcome_advantage, get_adv_estimator_fn, register_adv_est)
+from hybridlab.algos.dapo import informative_groups, overlong_penalty
+from hybridlab.algos.functional import (entropy_from_logits, logprobs_from_logits, masked_mean, masked_var,
+                                        masked_whiten)
+from hybridlab.algos.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, get_kl_controller
+from hybridlab.algos.losses import (AGG_MODES, KL_PENALTIES, POLICY_LOSSES, agg_loss, compute_policy_loss,
+                                    compute_policy_loss_vanilla, compute_value_loss, get_policy_loss_fn, kl_penalty,
+                                    register_policy_loss)
+
+__all__ = [
+    "ADV_ESTIMATORS", "AGG_MODES", "KL_PENALTIES", "POLICY_LOSSES", "AdaptiveKLController", "FixedKLController",
+    "agg_loss", "apply_kl_penalty", "compute_gae_advantage_return", "compute_grpo_outcome_advantage",
+    "compute_policy_loss", "compute_policy_loss_vanilla", "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage", "compute_remax_outcome_advantage",
+    "compute_rloo_outcome_advantage", "compute_value_loss", "entropy_from_logits", "get_adv_estimator_fn",
+    "get_kl_controller", "get_policy_loss_fn", "informative_groups", "kl_penalty", "logprobs_from_logits",
+    "masked_mean", "masked_var", "masked_whiten", "overlong_penalty", "register_adv_est", "register_policy_loss",
+]

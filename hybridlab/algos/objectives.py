@@ -1,0 +1,62 @@
+"""The actor and critic objectives handed to the Megatron engine's ``train_step``.
+
+They follow the engine's loss contract (see ``workers/train/engine.py``): each call sees one
+micro-batch and returns its share of the mini-batch loss, plus metrics. Settings arrive as a
+plain dict so the objective pickles to the workers by reference.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from hybridlab.algos.functional import masked_mean
+from hybridlab.algos.losses import agg_loss, compute_value_loss, get_policy_loss_fn, kl_penalty
+
+
+def _scale(micro: dict) -> torch.Tensor:
+    # Metrics are averaged over micro-batches and DP ranks; a share times their count averages
+    # back to the mini-batch value.
+    return micro["num_microbatches"] * micro.get("dp_size", 1)
+
+
+def actor_objective(cfg: dict, outputs: dict, micro: dict) -> tuple[torch.Tensor, dict]:
+    """PPO-style policy loss with optional entropy bonus and KL-to-reference loss; returns
+    (this micro-batch's share of the loss, metrics)."""
+    share = {"global_tokens": micro["global_tokens"], "global_seqs": micro["global_seqs"]}
+    mask, log_prob, mode = micro["response_mask"].float(), outputs["log_probs"], cfg["loss_agg_mode"]
+    policy_loss = get_policy_loss_fn(cfg.get("policy_loss", "vanilla"))
+    pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
+        micro["old_log_probs"], log_prob, micro["advantages"], mask, mode, cfg, **share)
+    loss = pg_loss
+    metrics = {"actor/pg_loss": pg_loss.detach() * _scale(micro), "actor/pg_clipfrac": clipfrac,
+               "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": clipfrac_lower,
+               "actor/entropy": masked_mean(outputs["entropy"].detach(), mask)}
+    if cfg.get("entropy_coeff", 0.0):
+        loss = loss - cfg["entropy_coeff"] * agg_loss(outputs["entropy"], mask, mode, **share)
+    if cfg.get("use_kl_loss", False):
+        kl = kl_penalty(log_prob, micro["ref_log_prob"], cfg.get("kl_loss_type", "low_var_kl"))
+        kl_loss = agg_loss(kl, mask, mode, **share)
+        loss = loss + cfg.get("kl_loss_coef", 0.001) * kl_loss
+        metrics["actor/kl_loss"] = kl_loss.detach() * _scale(micro)
+    return loss, metrics
+
+
+def critic_objective(cfg: dict, outputs: dict, micro: dict) -> tuple[torch.Tensor, dict]:
+    """Clipped value loss; returns (this micro-batch's share, metrics)."""
+    share = {"global_tokens": micro["global_tokens"], "global_seqs": micro["global_seqs"]}
+    mask = micro["response_mask"].float()
+    vf_loss, vf_clipfrac = compute_value_loss(outputs["values"], micro["returns"], micro["values"], mask,
+                                              cfg["cliprange_value"], cfg["loss_agg_mode"], **share)
+    return vf_loss, {"critic/vf_loss": vf_loss.detach() * _scale(micro), "critic/vf_clipfrac": vf_clipfrac,
+                     "critic/vpred_mean": masked_mean(outputs["values"].detach(), mask)}
+
+
+def actor_loss(cfg: dict):
+    """Return the engine loss function for the actor with settings ``cfg``."""
+    return partial(actor_objective, dict(cfg))
+
+
+def critic_loss(cfg: dict):
+    """Return the engine loss function for the critic with settings ``cfg``."""
+    return partial(critic_objective, dict(cfg))
