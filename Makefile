@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-RUN_DIR ?= runs/quickstart
+RUN_DIR ?=
 
 .PHONY: install run test bench clean-venv
 
@@ -16,10 +16,10 @@ $(STAMP): requirements.txt pyproject.toml scripts/install.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/install.sh
 	touch $(STAMP)
 
-# Until the RL loop lands, the main job is the supervised warm start plus its evaluation.
+# The main job: the embedded default run (GRPO on arith with the tiny zoo model after a short
+# supervised warm start). It prints the run directory; summary.json there has the accuracies.
 run: $(STAMP)
-	$(VENV)/bin/hybridlab sft --task arith --model tiny --out $(RUN_DIR)/sft-tiny-arith
-	$(VENV)/bin/hybridlab eval --model $(RUN_DIR)/sft-tiny-arith --task arith --json
+	$(VENV)/bin/hybridlab train $(if $(RUN_DIR),trainer.run_dir=$(RUN_DIR))
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -100,12 +100,37 @@ def cmd_data(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    """Run RL training from a config (default: GRPO on arith with tiny); returns the exit status."""
+    from hybridlab.config import load_config
+    from hybridlab.dataflow.session import RLSession
+
+    cfg = load_config(args.config, args.overrides)  # every config error surfaces here, before work
+    rl = RLSession(cfg, ray_address=args.ray_address, ray_temp_dir=args.ray_temp_dir)
+    print(f"run directory: {rl.run_dir}", flush=True)
+    try:
+        summary = rl.train()
+    finally:
+        rl.shutdown()
+    print(f"accuracy before {summary['accuracy_before']:.3f} -> after {summary['accuracy_after']:.3f} "
+          f"({summary['steps']} steps, {summary['rl_seconds']} s; stopped by {summary['stopped_by']})")
+    print(f"summary: {rl.run_dir / 'summary.json'}", flush=True)
+    return 0
+
+
 def cmd_bench(args) -> int:
     """Run a benchmark and print its JSON; returns the exit status."""
     from hybridlab.bench import run
 
     options = {}
-    for pair in args.opt:
+    pairs = list(args.opt)
+    extra = list(getattr(args, "extra", []))
+    while extra:  # --some-option VALUE flags, e.g. --model small --steps 3
+        flag = extra.pop(0)
+        if not flag.startswith("--") or not extra:
+            raise UserError(f"benchmark option {flag!r} must look like --name VALUE")
+        pairs.append(f"{flag[2:]}={extra.pop(0)}")
+    for pair in pairs:
         key, _, value = pair.partition("=")
         if not value:
             raise UserError(f"benchmark option {pair!r} must look like key=value")
@@ -179,17 +204,32 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", required=True, help="file ending in .parquet or .jsonl")
     d.set_defaults(func=cmd_data)
 
+    t = sub.add_parser("train", help="RL training from a config or preset (default: GRPO on arith, tiny model)")
+    t.add_argument("config", nargs="?", default=None,
+                   help="YAML file or preset name in configs/ (grpo, ppo, rloo, ...); omit for the default run")
+    t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. trainer.steps=50")
+    t.add_argument("--ray-address", default=None, help="attach to an existing Ray cluster (e.g. auto)")
+    t.add_argument("--ray-temp-dir", default=None, help="temp folder of a local Ray cluster (short path)")
+    t.set_defaults(func=cmd_train)
+
     b = sub.add_parser("bench", help="run a benchmark (prints JSON: ratios against a baseline in one run)")
     b.add_argument("name", help="benchmark name, e.g. dispatch")
     b.add_argument("--json", action="store_true", help="print one JSON object on one line")
-    b.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="benchmark option")
+    b.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="benchmark option (also accepted as --key VALUE, e.g. --model small --steps 3)")
     b.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the process exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "cmd", None) != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
+    if getattr(args, "cmd", None) == "train" and args.config and "=" in args.config:
+        args.overrides, args.config = [args.config, *args.overrides], None  # only overrides were given
     if getattr(args, "cmd", None) == "eval" and not (args.task or args.data):
         print("error: eval needs --task NAME or --data FILE", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ def test_bench_dispatch_json(ray_local, capfd):
 
 def test_unknown_benchmark_lists_names(capfd):
     assert main(["bench", "nope", "--json"]) == 2
-    assert "unknown benchmark 'nope'; choose one of: dispatch, rollout, sync, train" in capfd.readouterr().err
+    assert "unknown benchmark 'nope'; choose one of: dispatch, e2e, rollout, sync, train" in capfd.readouterr().err
 
 
 def test_bench_train_json(ray_local, capfd):
@@ -38,3 +38,12 @@ def test_bench_sync_json(ray_local, capfd):
     result = _bench(["sync", "--opt", "model=tiny", "--opt", "warm_steps=10"], capfd)
     assert {"sync_s", "naive_s", "speedup", "bytes_moved", "greedy_match"} <= set(result)
     assert result["greedy_match"] is True and result["bytes_moved"] > 0
+
+
+def test_bench_e2e_json_against_trl(ray_local, capfd):
+    result = _bench(["e2e", "--model", "tiny", "--prompts-per-step", "2", "--group", "2", "--max-new-tokens", "8",
+                     "--steps", "1", "--warmup", "0"], capfd)
+    assert {"median_step_s", "completion_tokens_per_s", "params", "prompts_per_step", "group", "max_new_tokens",
+            "trl_completion_tokens_per_s", "speedup_vs_trl"} <= set(result)
+    assert (result["prompts_per_step"], result["group"], result["max_new_tokens"]) == (2, 2, 8)
+    assert 500_000 < result["params"] < 800_000 and result["speedup_vs_trl"] > 0

@@ -11,6 +11,7 @@ BENCHES = {
     "train": "hybridlab.bench.train",
     "rollout": "hybridlab.bench.rollout",
     "sync": "hybridlab.bench.sync",
+    "e2e": "hybridlab.bench.e2e",
 }
 
 

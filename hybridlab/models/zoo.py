@@ -150,3 +150,23 @@ def count_parameters(name: str) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config(preset, arch))
     return sum(p.numel() for p in model.parameters())
+
+
+def build_reward_model(base: str | os.PathLike, out: str | os.PathLike, seed: int = 0) -> Path:
+    """Save ``base`` (a zoo name or checkpoint) with a scalar head as a sequence-classification
+    checkpoint (one label: the reward), the head initialised from ``seed``; returns ``out``."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from hybridlab.atomic import check_model_dir_target
+
+    src = resolve_model(base)
+    out = check_model_dir_target(out)
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_pretrained(src, num_labels=1, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    with atomic_model_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return Path(out)

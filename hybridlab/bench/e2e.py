@@ -1,0 +1,135 @@
+"""End-to-end GRPO steps: hybridlab (vLLM rollout + Megatron training through Ray) against
+Hugging Face TRL's GRPOTrainer on the CPU, same model, task, batch, group and lengths.
+
+Both generate exactly ``max_new_tokens`` per completion (end-of-sequence ignored; TRL through
+``min_new_tokens``), score them with the arith rule, and take one optimizer step per RL step
+without a reference model (TRL's default beta=0). Both run with the same number of threads,
+one after the other in this process (TRL) and in one Ray worker (ours).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def _config(model: str, prompts_per_step: int, group: int, max_new_tokens: int, steps: int, run_dir: str,
+            telemetry: bool = True) -> list[str]:
+    return [f"model={model}", "warm_start.steps=0", f"data.prompts_per_step={prompts_per_step}",
+            f"rollout.n={group}", f"rollout.max_new_tokens={max_new_tokens}", "rollout.ignore_eos=true",
+            "rollout.kv_cache_mb=256", f"actor.ppo_mini_batch_size={prompts_per_step}", "actor.use_kl_loss=false",
+            "actor.micro_batch_size=16", "actor.lr=1e-5", f"trainer.steps={steps}", "trainer.progress=false",
+            f"trainer.tensorboard={str(telemetry).lower()}", f"trainer.run_dir={run_dir}", "data.test_samples=8",
+            "dataflow=[generate, reward, old_logprob, advantages, update_actor, sync_weights]"]
+
+
+def ours(model_dir: str, prompts_per_step: int, group: int, max_new_tokens: int, steps: int, warmup: int) -> dict:
+    """Return per-step seconds and completion tokens of hybridlab's GRPO steps."""
+    from hybridlab.dataflow.session import RLSession
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rl = RLSession(None, _config(model_dir, prompts_per_step, group, max_new_tokens, steps, f"{tmp}/run"))
+        try:
+            rl.start()
+            seconds, tokens = [], []
+            for i in range(warmup + steps):
+                start = time.perf_counter()
+                result = rl.step()
+                if i >= warmup:
+                    seconds.append(time.perf_counter() - start)
+                    tokens.append(int(result.batch["response_mask"].sum()))
+            stage_s = {k.split("/")[1][:-2]: round(v, 3) for k, v in result.metrics.items() if k.startswith("timing/")}
+        finally:
+            rl.shutdown()
+    return {"seconds": seconds, "tokens": tokens, "last_step_stages_s": stage_s}
+
+
+def trl(model_dir: str, prompts_per_step: int, group: int, max_new_tokens: int, steps: int, warmup: int,
+        threads: int) -> dict:
+    """Return per-step seconds and completion tokens of TRL's GRPOTrainer on the same work."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hybridlab.tasks import get_task
+
+    torch.set_num_threads(threads)
+    task = get_task("arith")
+    samples = task.split("train", prompts_per_step * (steps + warmup) * 2, seed=0)
+    data = Dataset.from_dict({"prompt": [s.prompt for s in samples], "ground_truth": [s.ground_truth for s in samples]})
+
+    def reward(completions, ground_truth, **_):
+        return [task.score(c, g) for c, g in zip(completions, ground_truth)]
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.marks: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.marks.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            self.marks.append(time.perf_counter())
+
+    clock = Clock()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = GRPOConfig(output_dir=tmp, per_device_train_batch_size=prompts_per_step * group, num_generations=group,
+                          max_completion_length=max_new_tokens, generation_kwargs={"min_new_tokens": max_new_tokens},
+                          temperature=1.0, learning_rate=1e-5, max_steps=steps + warmup, use_cpu=True, bf16=False,
+                          report_to="none", save_strategy="no", logging_steps=10**6, beta=0.0,
+                          dataloader_num_workers=0, disable_tqdm=True)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                              processing_class=tokenizer, callbacks=[clock])
+        trainer.train()
+    pairs = list(zip(clock.marks[::2], clock.marks[1::2]))[warmup:]
+    per_step = prompts_per_step * group * max_new_tokens
+    return {"seconds": [end - start for start, end in pairs], "tokens": [per_step] * len(pairs)}
+
+
+def _summary(result: dict) -> dict:
+    median = statistics.median(result["seconds"])
+    return {"median_step_s": round(median, 3),
+            "completion_tokens_per_s": round(statistics.median(result["tokens"]) / median, 1)}
+
+
+def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new_tokens: int = 64, steps: int = 5,
+        warmup: int = 1, peer: str = "trl") -> dict:
+    """Return hybridlab's and TRL's median step time and completion tokens/s, and their ratio."""
+    from hybridlab.controller.resources import connect
+    from hybridlab.models.zoo import resolve_model
+
+    threads = max(1, min(2, os.cpu_count() or 1))
+    model_dir = str(resolve_model(model))
+    params = _count(model_dir)
+    out = {"model": model, "params": params, "prompts_per_step": prompts_per_step, "group": group,
+           "max_new_tokens": max_new_tokens, "steps": steps, "threads": threads}
+    import ray
+
+    attached = ray.is_initialized()  # a caller's cluster stays up; one we start is stopped
+    connect(num_gpus=1)
+    mine = ours(model_dir, prompts_per_step, group, max_new_tokens, steps, warmup)
+    out.update(_summary(mine), stages_s=mine["last_step_stages_s"])
+    if not attached:
+        ray.shutdown()  # free the cores for the peer
+    if peer == "trl":
+        theirs = _summary(trl(model_dir, prompts_per_step, group, max_new_tokens, steps, warmup, threads))
+        out.update(trl_median_step_s=theirs["median_step_s"],
+                   trl_completion_tokens_per_s=theirs["completion_tokens_per_s"],
+                   speedup_vs_trl=round(out["completion_tokens_per_s"] / theirs["completion_tokens_per_s"], 2))
+    return out
+
+
+def _count(model_dir: str) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for p in model.parameters())

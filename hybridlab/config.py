@@ -1,0 +1,276 @@
+"""RunConfig: everything one RL run needs, as nested dataclasses loaded from YAML plus overrides.
+
+``load_config(path_or_preset, ["actor.lr=1e-4", ...])`` returns a validated RunConfig; every
+mistake (unknown key, wrong type, impossible size) is a ConfigError that names the key and
+what is allowed, raised before any worker starts. The defaults are the embedded default run:
+GRPO on ``arith`` with the tiny zoo model after a short supervised warm start.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from hybridlab.errors import UserError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(UserError):
+    """A configuration that cannot run; the message names the key."""
+
+
+@dataclasses.dataclass
+class WarmStartConfig:
+    """Supervised warm start before RL (0 steps: start RL from the model as is)."""
+    steps: int = 400
+    lr: float = 3e-3
+    batch_size: int = 64
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Where prompts come from: a task's generator, or verl-format files."""
+    task: str = "arith"
+    task_options: dict = dataclasses.field(default_factory=dict)
+    train_files: Optional[str] = None
+    test_files: Optional[str] = None
+    train_samples: int = 4000
+    test_samples: int = 200
+    prompts_per_step: int = 32
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """Sampling on the rollout engines."""
+    backend: str = "vllm"
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                      # 0: no top-k cut
+    max_new_tokens: int = 8
+    ignore_eos: bool = False            # generate exactly max_new_tokens (benchmarks)
+    kv_cache_mb: int = 64
+
+
+@dataclasses.dataclass
+class KLControlConfig:
+    """The coefficient of a KL reward penalty."""
+    type: str = "fixed"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclasses.dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop groups whose rewards are all equal, generate more to refill."""
+    enable: bool = False
+    max_num_gen_batches: int = 4
+
+
+@dataclasses.dataclass
+class OverlongConfig:
+    """DAPO's soft overlong penalty on responses within ``len`` tokens of the maximum."""
+    enable: bool = False
+    len: int = 2
+    penalty_factor: float = 1.0
+
+
+@dataclasses.dataclass
+class AlgorithmConfig:
+    """Advantage estimation and reward shaping."""
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = dataclasses.field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = dataclasses.field(default_factory=FilterGroupsConfig)
+    overlong_buffer: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
+
+
+@dataclasses.dataclass
+class ActorConfig:
+    """The policy's optimizer and PPO objective."""
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    ppo_mini_batch_size: int = 16       # prompts per optimizer step (x rollout.n sequences)
+    ppo_epochs: int = 1
+    micro_batch_size: int = 64          # sequences per forward/backward
+    policy_loss: str = "vanilla"
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = True
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+
+
+@dataclasses.dataclass
+class CriticConfig:
+    """The value model's optimizer and clipped loss (used by GAE)."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    ppo_mini_batch_size: int = 16
+    ppo_epochs: int = 1
+    micro_batch_size: int = 64
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+
+
+@dataclasses.dataclass
+class RewardConfig:
+    """How responses are scored: ``rule`` (the task's scorer), ``function`` (an import path
+    ``module:fn`` or ``file.py:fn`` with verl's compute_score signature) or ``model``."""
+    kind: str = "rule"
+    function: Optional[str] = None
+    model: Optional[str] = None
+    format_score: float = 0.0
+    error_score: float = 0.0
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """The loop: steps, time limit, evaluation, logging and the run directory."""
+    steps: int = 200
+    max_minutes: float = 9.0
+    eval_every: int = 25
+    run_dir: Optional[str] = None
+    seed: int = 0
+    off_policy: bool = False
+    tensorboard: bool = True
+    devices: int = 1
+    progress: bool = True
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """One RL run."""
+    name: str = "grpo"
+    model: str = "tiny"
+    warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = dataclasses.field(default_factory=ActorConfig)
+    critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    dataflow: Optional[list] = None     # stage names; None: the preset of algorithm.adv_estimator
+    mapping: Optional[dict] = None      # a DeviceMapping dict; None: all roles colocated
+
+    def to_dict(self) -> dict:
+        """Return the config as plain data (what ``config.yaml`` in the run directory holds)."""
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------ building
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(value: Any, tp, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], where)
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, where)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    check = origin or tp
+    if check is bool and not isinstance(value, bool) or check is not bool and isinstance(value, bool) \
+            or not isinstance(value, check):
+        raise ConfigError(f"{where}: expected {_type_name(check)}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def build(cls, data: Any, where: str = ""):
+    """Return ``cls`` built from the dict ``data``; unknown keys and wrong types are ConfigErrors."""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping of keys, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    bad = [k for k in data if k not in fields]
+    if bad:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(f"unknown key {prefix}{bad[0]}; allowed keys{' in ' + where if where else ''}: "
+                          f"{', '.join(fields)}")
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def apply_override(data: dict, pair: str) -> None:
+    """Apply one ``dotted.key=value`` override (the value is parsed as YAML) to ``data`` in place."""
+    if "=" not in pair:
+        raise ConfigError(f"override {pair!r} must look like key=value, e.g. actor.lr=1e-4")
+    key, raw = pair.split("=", 1)
+    value = yaml.safe_load(raw) if raw.strip() else None
+    node, cls, parts = data, RunConfig, key.strip().split(".")
+    for i, part in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(cls)} if cls else {}
+        if cls and part not in fields:
+            where = ".".join(parts[:i]) or "the config"
+            raise ConfigError(f"unknown key {'.'.join(parts[:i + 1])}; allowed keys in {where}: {', '.join(fields)}")
+        if i == len(parts) - 1:
+            node[part] = value
+            return
+        hint = typing.get_type_hints(cls)[part] if cls else None
+        cls = hint if hint is not None and dataclasses.is_dataclass(hint) else None
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{'.'.join(parts[:i + 1])} is not a section; cannot set {key}")
+
+
+def resolve_config_path(source: str | Path) -> Path:
+    """Return the YAML file for ``source``: a path, or a preset name from configs/."""
+    path = Path(source)
+    if path.is_file():
+        return path
+    preset = CONFIG_DIR / f"{source}.yaml"
+    if preset.is_file():
+        return preset
+    presets = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
+    raise ConfigError(f"no config file {str(source)!r}; give a YAML path or a preset: {', '.join(presets)}")
+
+
+def load_config(source: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Return the validated RunConfig from a YAML file or preset name (None: the defaults) plus
+    ``key=value`` overrides."""
+    data: dict = {}
+    if source is not None:
+        path = resolve_config_path(source)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    for pair in overrides or []:
+        apply_override(data, pair)
+    cfg = build(RunConfig, data)
+    from hybridlab.dataflow.validate import validate_config
+
+    validate_config(cfg)
+    return cfg

@@ -1,0 +1,387 @@
+"""RLSession: RL training you can drive one step at a time from a notebook, or run to the end.
+
+    rl = RLSession("grpo", ["trainer.steps=50"]).start()
+    result = rl.step()            # the step's Batch and metrics, for inspection
+    rl.dataflow = Dataflow([...]) # edit the step between steps; workers keep running
+    rl.train()                    # the rest, with a progress bar; returns the summary
+    rl.shutdown()
+
+It owns a controller Session (Ray, pools, worker groups per the device mapping), the prompt
+source, the dataflow, the KL controller and the run directory (config.yaml, metrics.jsonl,
+TensorBoard events, summary.json).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hybridlab.config import ConfigError, RunConfig, load_config
+from hybridlab.dataflow.graph import Dataflow
+from hybridlab.dataflow.stages import generation_metrics
+from hybridlab.dataflow.prompts import PromptSource, load_samples, prompt_batch
+from hybridlab.dataflow.validate import PROMPT_FIELDS, dataflow_names, default_mapping
+from hybridlab.protocol import Batch
+
+
+def _dig(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one RL step produced: the final Batch (every field the stages wrote) and metrics."""
+
+    step: int
+    batch: Batch
+    metrics: dict[str, Any]
+
+
+class StepContext:
+    """What stage functions see: the config, the worker groups and a few shared services."""
+
+    def __init__(self, rl: "RLSession"):
+        self.rl = rl
+        self.cfg = rl.cfg
+        self.kl_ctrl = rl.kl_ctrl
+        self.warnings: list[str] = []
+
+    def group(self, role: str):
+        """Return the WorkerGroup of ``role``."""
+        return self.rl.session.groups[role]
+
+    def sampling(self, **overrides) -> dict:
+        """Return the rollout sampling settings (with ``overrides``) as a dict."""
+        r = self.cfg.rollout
+        params = {"n": r.n, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
+                  "max_tokens": r.max_new_tokens, "ignore_eos": r.ignore_eos, "seed": self.cfg.trainer.seed + self.rl.step_count}
+        params.update(overrides)
+        return params
+
+    def warn(self, message: str) -> None:
+        """Record a warning for this step's metrics and show it once."""
+        self.warnings.append(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def rerun_rollout(self, stages: list[str]) -> Batch:
+        """Run ``stages`` (e.g. generate, reward) on fresh prompts; returns their batch."""
+        batch, _ = Dataflow(stages).run(self, self.rl.prompts.next())
+        return batch
+
+    def sync(self):
+        """Copy the actor's weights into the rollout engines; returns the SyncReport."""
+        return self.rl.sync_weights()
+
+
+class RLSession:
+    """RL training held by a notebook kernel or the CLI; see the module docstring."""
+
+    def __init__(self, config: RunConfig | str | os.PathLike | None = None, overrides: list[str] | None = None, *,
+                 ray_address: str | None = None, ray_temp_dir: str | None = None):
+        self.cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
+        if isinstance(config, RunConfig) and overrides:
+            raise ValueError("pass overrides with a config path or preset name, not with a RunConfig object")
+        names = dataflow_names(self.cfg)
+        self._dataflow = Dataflow(names)
+        from hybridlab.algos.kl import get_kl_controller
+        from hybridlab.controller.mapping import DeviceMapping
+
+        self.mapping = DeviceMapping.from_dict(self.cfg.mapping or default_mapping(self.cfg, names))
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.run_dir = Path(self.cfg.trainer.run_dir or Path("runs") / f"{self.cfg.name}-{stamp}")
+        self.kl_ctrl = get_kl_controller(self.cfg.algorithm.kl_ctrl)
+        self._ray = dict(address=ray_address, temp_dir=ray_temp_dir)
+        self.session = None
+        self.step_count = 0
+        self.history: list[dict] = []
+        self._pending = None   # off-policy: the GroupFuture of the next step's rollout
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> "RLSession":
+        """Create the run directory, run the warm start, start the workers; returns self."""
+        if self.session is not None:
+            return self
+        from transformers import AutoTokenizer
+
+        from hybridlab.controller.session import Session
+        from hybridlab.models.zoo import resolve_model
+        from hybridlab.workers.train.convert import ModelSpec
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        model_dir = Path(resolve_model(self.cfg.model))
+        if self.cfg.warm_start.steps:
+            model_dir = self._warm_start(model_dir)
+        self.model_dir = model_dir
+        self.spec = ModelSpec.from_hf(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.prompts = PromptSource(load_samples(self.cfg, "train"), self.tokenizer, self.cfg.data.prompts_per_step,
+                                    seed=self.cfg.data.seed)
+        self.test_samples = load_samples(self.cfg, "test")
+        processes = sum(1 for _ in self.mapping.process_sets())
+        env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // processes))}
+        devices = sum(p.devices for p in self.mapping.pools.values())
+        self.session = Session(self.mapping, self._workers(str(model_dir)), address=self._ray["address"],
+                               num_gpus=None if self._ray["address"] else devices, env=env,
+                               ray_temp_dir=self._ray["temp_dir"])
+        self.session.start()
+        from hybridlab.telemetry.metrics import MetricsLog
+
+        self.log = MetricsLog(self.run_dir, self.cfg.trainer.tensorboard)
+        return self
+
+    def _warm_start(self, base: Path) -> Path:
+        from hybridlab import sft
+        from hybridlab.evaluate import load_hf
+        from hybridlab.tasks import get_task
+
+        ws = self.cfg.warm_start
+        out = self.run_dir / "warm_start"
+        if (out / "config.json").is_file():  # resumed run directory: reuse
+            return out
+        model, tokenizer = load_hf(base)
+        task = get_task(self.cfg.data.task, **self.cfg.data.task_options)
+        cfg = sft.SFTConfig(steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size, warmup_steps=min(50, ws.steps // 5),
+                            seed=self.cfg.trainer.seed)
+        sft.train(model, tokenizer, task, cfg, progress=self.cfg.trainer.progress)
+        return sft.save_checkpoint(model, tokenizer, out)
+
+    def _workers(self, model_dir: str) -> dict:
+        from hybridlab.controller.group import RoleClass
+        from hybridlab.workers.reward.worker import RewardWorker
+        from hybridlab.workers.rollout.worker import RolloutWorker
+        from hybridlab.workers.train.workers import ActorWorker, CriticWorker, RefWorker
+
+        c, roles = self.cfg, self.mapping.roles
+        temperature = c.rollout.temperature or 1.0  # log-probs under the sampling distribution
+        seed = c.trainer.seed
+
+        def layout(role):
+            return {"tp": roles[role].tp, "pp": roles[role].pp}
+
+        def optim(section):
+            return {"lr": section.lr, "weight_decay": section.weight_decay, "grad_clip": section.grad_clip,
+                    "warmup_steps": section.warmup_steps}
+
+        make = {
+            "actor": lambda: RoleClass(ActorWorker, (model_dir,), dict(
+                **layout("actor"), optim=optim(c.actor), seed=seed, temperature=temperature,
+                micro_batch_size=c.actor.micro_batch_size)),
+            "ref": lambda: RoleClass(RefWorker, (model_dir,), dict(
+                **layout("ref"), seed=seed, temperature=temperature, micro_batch_size=c.actor.micro_batch_size)),
+            "critic": lambda: RoleClass(CriticWorker, (model_dir,), dict(
+                **layout("critic"), optim=optim(c.critic), seed=seed, micro_batch_size=c.critic.micro_batch_size)),
+            "rollout": lambda: RoleClass(RolloutWorker, (model_dir,), dict(
+                backend=c.rollout.backend, kv_cache_mb=c.rollout.kv_cache_mb, seed=seed)),
+            "reward": lambda: RoleClass(RewardWorker, (model_dir,), dict(
+                kind="rule" if c.reward.kind == "model" else c.reward.kind, function=c.reward.function,
+                format_score=c.reward.format_score, error_score=c.reward.error_score)),
+        }
+        return {role: make[role]() for role in roles}
+
+    def shutdown(self) -> None:
+        """Stop the workers and close the logs (the Ray connection stays for the kernel)."""
+        self._pending = None
+        if self.session is not None:
+            self.session.shutdown()
+            self.session = None
+            self.log.close()
+
+    def __enter__(self) -> "RLSession":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -------------------------------------------------------------- dataflow
+    @property
+    def dataflow(self) -> Dataflow:
+        """The stages each step runs; assign a new Dataflow (or list of names) between steps."""
+        return self._dataflow
+
+    @dataflow.setter
+    def dataflow(self, value: Dataflow | list) -> None:
+        flow = value if isinstance(value, Dataflow) else Dataflow(value)
+        flow.validate(self.cfg, self.mapping.roles, PROMPT_FIELDS)
+        self._dataflow = flow
+        self.cfg = dataclasses.replace(self.cfg, dataflow=flow.names)
+        self._drop_pending()
+
+    def update(self, *overrides: str) -> RunConfig:
+        """Change settings between steps with ``key=value`` overrides (e.g.
+        ``"algorithm.adv_estimator=rloo"``); returns the new config. Everything is validated
+        first; the model, device mapping, warm start and worker settings are fixed once
+        workers run (start a new session to change those)."""
+        from hybridlab.config import apply_override, build
+        from hybridlab.dataflow.validate import validate_config
+
+        data = self.cfg.to_dict()
+        for pair in overrides:
+            apply_override(data, pair)
+        new = build(RunConfig, data)
+        fixed = ("model", "warm_start", "mapping", "trainer.devices", "rollout.backend", "rollout.kv_cache_mb",
+                 "actor.lr", "actor.micro_batch_size", "critic.lr", "critic.micro_batch_size", "reward.kind",
+                 "reward.function")
+        if self.session is not None:
+            for key in fixed:
+                if _dig(new, key) != _dig(self.cfg, key):
+                    raise ConfigError(f"{key} cannot change while workers run; start a new RLSession for that")
+        if new.dataflow is None and self.cfg.dataflow is None:
+            new.dataflow = self._dataflow.names  # keep edits made through .dataflow
+        validate_config(new)
+        flow = Dataflow(dataflow_names(new)).validate(new, self.mapping.roles, PROMPT_FIELDS)
+        if new.algorithm.kl_ctrl != self.cfg.algorithm.kl_ctrl:
+            from hybridlab.algos.kl import get_kl_controller
+
+            self.kl_ctrl = get_kl_controller(new.algorithm.kl_ctrl)
+        if new.trainer.off_policy != self.cfg.trainer.off_policy:
+            self._drop_pending()
+        self.cfg, self._dataflow = new, flow
+        return new
+
+    def _drop_pending(self) -> None:
+        if self._pending is not None:
+            self._pending.result()  # let it finish; its samples are not used
+            self._pending = None
+
+    # ------------------------------------------------------------------ steps
+    def step(self) -> StepResult:
+        """Run one RL step through the dataflow; returns its Batch and metrics (also logged)."""
+        if self.session is None:
+            self.start()
+        ctx = StepContext(self)
+        self._dataflow.validate(self.cfg, self.mapping.roles, PROMPT_FIELDS)
+        start = time.perf_counter()
+        skip: tuple[str, ...] = ()
+        staleness = 0
+        pre_metrics: dict = {}
+        if self.cfg.trainer.off_policy:
+            # The rollout for the next step is submitted now, before this step's update and sync
+            # reach the (serially executing) workers, so it samples from the current weights.
+            rollout = self.session.groups["rollout"]
+            if self._pending is None:
+                self._pending = rollout.generate.submit(self.prompts.next(), ctx.sampling())
+            else:
+                staleness = 1
+            batch = self._pending.result()
+            pre_metrics = generation_metrics(self.cfg, batch)
+            self._pending = rollout.generate.submit(self.prompts.next(), ctx.sampling(seed=ctx.sampling()["seed"] + 1))
+            skip = ("generate",)
+        else:
+            batch = self.prompts.next()
+        batch, metrics = self._dataflow.run(ctx, batch, skip=skip)
+        metrics = {**pre_metrics, **metrics}
+        seconds = time.perf_counter() - start
+        tokens = int(batch["response_mask"].sum()) if "response_mask" in batch else 0
+        metrics.update({"timing/step_s": seconds, "perf/tokens_per_s": tokens / seconds if seconds else 0.0,
+                        "rollout/staleness": staleness, "warnings": len(ctx.warnings)})
+        self.step_count += 1
+        self.history.append({"step": self.step_count, **metrics})
+        self.log.write(self.step_count, metrics)
+        return StepResult(self.step_count, batch, metrics)
+
+    def sync_weights(self):
+        """Copy the actor's weights into the rollout engines now; returns the SyncReport."""
+        from hybridlab.reshard.plan import RolloutLayout, TrainerLayout
+        from hybridlab.reshard.transfer import sync_weights
+
+        a, r = self.mapping.roles["actor"], self.mapping.roles["rollout"]
+        return sync_weights(self.session.groups["actor"], self.session.groups["rollout"], self.spec,
+                            TrainerLayout(tp=a.tp, pp=a.pp, dp=a.dp), RolloutLayout(tp=r.tp, replicas=r.dp))
+
+    # -------------------------------------------------------------- evaluation
+    def evaluate(self, samples: list | None = None) -> dict:
+        """Return greedy accuracy of the current rollout weights on the test prompts:
+        ``{"accuracy", "n", "reward_mean"}``."""
+        samples = samples if samples is not None else self.test_samples
+        if not samples:
+            return {"accuracy": float("nan"), "n": 0, "reward_mean": float("nan")}
+        prompts = prompt_batch(samples, self.tokenizer, list(range(len(samples))))
+        ctx = StepContext(self)
+        out = self.session.groups["rollout"].generate(prompts, ctx.sampling(n=1, temperature=0.0))
+        scored = self.session.groups["reward"].compute_reward(
+            out.select(["responses", "response_mask", "ground_truth", "data_source"]))
+        return {"accuracy": float(scored["acc"].nanmean()), "n": len(samples),
+                "reward_mean": float(scored["token_level_scores"].sum(-1).mean())}
+
+    def decoded(self, batch: Batch, limit: int = 16) -> list[dict]:
+        """Return the first ``limit`` rows of a step's batch as readable dicts (prompt, response,
+        reward, advantage) for a notebook table."""
+        rows = []
+        for i in range(min(limit, len(batch))):
+            n = int(batch["response_mask"][i].sum())
+            row = {"prompt": batch["prompt"][i] if "prompt" in batch else "",
+                   "response": self.tokenizer.decode(batch["responses"][i, :n].tolist(), skip_special_tokens=True)}
+            if "token_level_scores" in batch:
+                row["reward"] = round(float(batch["token_level_scores"][i].sum()), 4)
+            if "advantages" in batch:
+                row["advantage"] = round(float(batch["advantages"][i, 0]), 4)
+            rows.append(row)
+        return rows
+
+    # ------------------------------------------------------------------ loop
+    def train(self, steps: int | None = None) -> dict:
+        """Run ``steps`` steps (default trainer.steps) within trainer.max_minutes, evaluating
+        greedy accuracy before, every trainer.eval_every steps and after; writes and returns
+        the summary (also ``summary.json`` in the run directory)."""
+        from tqdm.auto import tqdm
+
+        if self.session is None:
+            self.start()
+        t = self.cfg.trainer
+        steps = steps or t.steps
+        started = time.perf_counter()
+        deadline = started + t.max_minutes * 60
+        before = self.evaluate()
+        curve = [{"step": self.step_count, "accuracy": before["accuracy"], "seconds": 0.0}]
+        self.log.write(self.step_count, {"eval/accuracy": before["accuracy"]})
+        stopped = "steps"
+        bar = tqdm(total=steps, desc=f"{self.cfg.name} rl", disable=not t.progress, dynamic_ncols=True)
+        for _ in range(steps):
+            if time.perf_counter() > deadline:
+                stopped = f"time limit ({t.max_minutes:g} min)"
+                break
+            result = self.step()
+            bar.update(1)
+            bar.set_postfix(reward=f"{result.metrics.get('reward/mean', float('nan')):.3f}",
+                            acc=f"{result.metrics.get('accuracy', float('nan')):.3f}")
+            if t.eval_every and self.step_count % t.eval_every == 0:
+                ev = self.evaluate()
+                curve.append({"step": self.step_count, "accuracy": ev["accuracy"],
+                              "seconds": round(time.perf_counter() - started, 1)})
+                self.log.write(self.step_count, {"eval/accuracy": ev["accuracy"]})
+                bar.write(f"step {self.step_count}: greedy test accuracy {ev['accuracy']:.3f}")
+        bar.close()
+        self._drop_pending()
+        after = self.evaluate()
+        if curve[-1]["step"] != self.step_count:
+            curve.append({"step": self.step_count, "accuracy": after["accuracy"],
+                          "seconds": round(time.perf_counter() - started, 1)})
+            self.log.write(self.step_count, {"eval/accuracy": after["accuracy"]})
+        return self._write_summary(before, after, curve, time.perf_counter() - started, stopped)
+
+    def _write_summary(self, before: dict, after: dict, curve: list, seconds: float, stopped: str) -> dict:
+        steps = [h for h in self.history]
+        step_s = sum(h.get("timing/step_s", 0.0) for h in steps)
+        sync_s = sum(h.get("sync/seconds", 0.0) for h in steps)
+        summary = {
+            "run_dir": str(self.run_dir), "name": self.cfg.name, "algorithm": self.cfg.algorithm.adv_estimator,
+            "dataflow": self._dataflow.names, "model": self.cfg.model, "task": self.cfg.data.task,
+            "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"], "eval_n": after["n"],
+            "steps": self.step_count, "stopped_by": stopped, "rl_seconds": round(seconds, 1),
+            "mean_step_s": round(step_s / len(steps), 3) if steps else None,
+            "sync_fraction_of_step": round(sync_s / step_s, 4) if step_s else None,
+            "eval_curve": curve,
+        }
+        tmp = self.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2))
+        tmp.replace(self.run_dir / "summary.json")
+        return summary

@@ -1,0 +1,269 @@
+"""The stages an RL step is made of, each bound to a role, with declared inputs and outputs.
+
+A stage function takes (ctx, batch) and returns (new fields as a Batch or None, metrics).
+A stage with ``replaces_rows`` returns the whole new batch instead (generate repeats each
+prompt n times; DAPO's filter drops groups). Outputs starting with ``@`` are markers, not
+fields: they order stages that touch no common field (sync after the actor update).
+Stages are registered by name, so a dataflow is a list of strings a config or a notebook
+can edit; ``register_stage`` adds your own.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from hybridlab.algos.advantages import ADV_INPUTS, compute_advantage
+from hybridlab.algos.dapo import informative_groups, overlong_penalty
+from hybridlab.algos.functional import masked_mean
+from hybridlab.algos.kl import apply_kl_penalty
+from hybridlab.algos.objectives import actor_loss, critic_loss
+from hybridlab.errors import unknown
+from hybridlab.protocol import Batch
+
+if TYPE_CHECKING:
+    from hybridlab.dataflow.context import StepContext
+
+StageFn = Callable[["StepContext", Batch], tuple[Batch | None, dict]]
+PROMPT_FIELDS = ("prompt", "prompt_ids", "uid", "ground_truth", "data_source")
+SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One node of the dataflow: ``fn`` runs against ``role``'s workers (None: the controller)."""
+
+    name: str
+    role: str | None
+    inputs: Callable[[Any], tuple[str, ...]]
+    outputs: Callable[[Any], tuple[str, ...]]
+    fn: StageFn
+    replaces_rows: bool = False
+    needs: tuple[str, ...] = ()        # other roles the stage uses (sync_weights: rollout)
+    doc: str = ""
+
+
+STAGES: dict[str, Stage] = {}
+
+
+def register_stage(name: str, role: str | None, inputs, outputs, replaces_rows: bool = False,
+                   needs: tuple[str, ...] = ()):
+    """Decorator: register ``fn`` as stage ``name``. ``inputs``/``outputs`` are field tuples or
+    functions of the RunConfig returning them. Returns the function."""
+    as_fn = (lambda v: v if callable(v) else (lambda cfg, v=tuple(v): v))
+    def decorator(fn: StageFn) -> StageFn:
+        STAGES[name] = Stage(name, role, as_fn(inputs), as_fn(outputs), fn, replaces_rows, needs,
+                             (fn.__doc__ or "").strip().split("\n")[0])
+        return fn
+    return decorator
+
+
+def get_stage(name: str) -> Stage:
+    """Return the registered stage ``name``; the error lists the stage names."""
+    if name not in STAGES:
+        raise unknown("dataflow stage", name, STAGES)
+    return STAGES[name]
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    values = values.float()
+    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/std": float(values.std()) if len(values) > 1 else 0.0,
+            f"{prefix}/max": float(values.max()), f"{prefix}/min": float(values.min())}
+
+
+# ---------------------------------------------------------------- rollout
+@register_stage("generate", "rollout", ("prompt_ids", "uid"),
+                ("prompts", *SEQUENCE_FIELDS, "rollout_log_probs"), replaces_rows=True)
+def generate(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
+    """Sample rollout.n responses per prompt on the rollout engines."""
+    out = ctx.group("rollout").generate(batch, ctx.sampling())
+    return out, generation_metrics(ctx.cfg, out)
+
+
+def generation_metrics(cfg, out: Batch) -> dict:
+    """Return response-length statistics of a generated batch."""
+    lengths = out["response_mask"].sum(-1)
+    return {"response_length/mean": float(lengths.float().mean()), "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": float((lengths >= cfg.rollout.max_new_tokens).float().mean()),
+            "rollout/tokens": int(lengths.sum())}
+
+
+@register_stage("reward", "reward", ("responses", "response_mask", "ground_truth", "data_source"),
+                ("token_level_scores", "token_level_rewards", "acc"))
+def reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
+    """Score each response with the configured rule or function (a raising one scores error_score)."""
+    fields = ["responses", "response_mask", "ground_truth", "data_source"] + \
+        [k for k in ("extra_info",) if k in batch]
+    out = ctx.group("reward").compute_reward(batch.select(fields))
+    return _finish_reward(ctx, batch, out)
+
+
+@register_stage("reward_model", "reward", ("input_ids", "attention_mask", "position_ids", "response_mask"),
+                ("token_level_scores", "token_level_rewards", "acc"))
+def reward_model(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
+    """Score each sequence with the reward model at reward.model (loaded on first use)."""
+    if not ctx.cfg.reward.model:
+        raise ValueError("the reward_model stage needs reward.model (a sequence-classification checkpoint)")
+    fields = [*SEQUENCE_FIELDS, "ground_truth", "data_source"]
+    out = ctx.group("reward").compute_model_reward(batch.select(fields), ctx.cfg.reward.model)
+    return _finish_reward(ctx, batch, out)
+
+
+def _finish_reward(ctx: "StepContext", batch: Batch, out: Batch) -> tuple[Batch, dict]:
+    scores = out["token_level_scores"]
+    metrics = _stats("reward", scores.sum(-1))
+    metrics["accuracy"] = float(torch.nanmean(out["acc"])) if len(out) else 0.0
+    if "reward_error" in out:
+        errors = out["reward_error"]
+        metrics["reward/errors"] = int(errors.sum())
+        if errors.any():
+            first = next(m for m in out["reward_error_msg"] if m)
+            ctx.warn(f"reward function raised on {int(errors.sum())} of {len(errors)} samples "
+                     f"(scored {ctx.cfg.reward.error_score}); first: {first}")
+    overlong = ctx.cfg.algorithm.overlong_buffer
+    if overlong.enable:
+        lengths = batch["response_mask"].sum(-1)
+        penalty = overlong_penalty(lengths, ctx.cfg.rollout.max_new_tokens, overlong.len, overlong.penalty_factor)
+        scores = scores + _last_token(penalty, batch["response_mask"])
+        metrics["reward/overlong_penalty"] = float(penalty.mean())
+    return Batch({"token_level_scores": scores, "token_level_rewards": scores, "acc": out["acc"]}), metrics
+
+
+def _last_token(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    out[torch.arange(len(values)), (mask.sum(-1) - 1).clamp(min=0)] = values.float()
+    return out
+
+
+@register_stage("filter_groups", None, ("token_level_scores", "uid"), (), replaces_rows=True,
+                needs=("rollout", "reward"))
+def filter_groups(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
+    """DAPO dynamic sampling: keep groups whose rewards differ, generating more prompts to refill."""
+    want = ctx.cfg.data.prompts_per_step
+    kept, rounds, seen = None, 0, 0
+    current = batch
+    while True:
+        rounds += 1
+        good = set(informative_groups(current["uid"], current["token_level_scores"].sum(-1)))
+        seen += len(set(current["uid"]))
+        part = current.take([i for i, u in enumerate(current["uid"]) if u in good])
+        kept = part if kept is None else Batch.concat([kept, part])
+        if len(set(kept["uid"])) >= want or rounds >= ctx.cfg.algorithm.filter_groups.max_num_gen_batches:
+            break
+        current = ctx.rerun_rollout(["generate", "reward"])
+    uids = list(dict.fromkeys(kept["uid"]))[:want]
+    if not uids:  # nothing informative: train on the last batch rather than on nothing
+        ctx.warn("filter_groups: every group had equal rewards; keeping the unfiltered batch")
+        return batch, {"filter_groups/kept_prompts": 0, "filter_groups/generation_rounds": rounds}
+    keep = set(uids)
+    kept = kept.take([i for i, u in enumerate(kept["uid"]) if u in keep])
+    return kept, {"filter_groups/kept_prompts": len(uids), "filter_groups/generation_rounds": rounds,
+                  "filter_groups/kept_fraction": len(uids) / max(1, seen)}
+
+
+@register_stage("remax_baseline", "rollout", ("prompt_ids", "uid"), ("reward_baselines",), needs=("reward",))
+def remax_baseline(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
+    """ReMax: reward of each prompt's greedy response, the per-prompt baseline."""
+    firsts = list({u: i for i, u in reversed(list(enumerate(batch["uid"])))}.values())
+    prompts = batch.select(["prompt_ids", "uid", "ground_truth", "data_source"]).take(sorted(firsts))
+    greedy = ctx.group("rollout").generate(prompts, ctx.sampling(n=1, temperature=0.0))
+    scored = ctx.group("reward").compute_reward(greedy.select(["responses", "response_mask", "ground_truth",
+                                                               "data_source"]))
+    by_uid = dict(zip(greedy["uid"], scored["token_level_scores"].sum(-1).tolist()))
+    baselines = torch.tensor([by_uid[u] for u in batch["uid"]], dtype=torch.float32)
+    return Batch({"reward_baselines": baselines}), {"reward/greedy_baseline_mean": float(baselines.mean())}
+
+
+# ------------------------------------------------------------ model passes
+@register_stage("old_logprob", "actor", SEQUENCE_FIELDS, ("old_log_probs", "entropy"))
+def old_logprob(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
+    """Log-probs (and entropy) of the sampled tokens under the actor before its update."""
+    out = ctx.group("actor").compute_log_prob(batch.select(SEQUENCE_FIELDS, meta=False))
+    return out, {"actor/entropy_before": float(masked_mean(out["entropy"], batch["response_mask"].float()))}
+
+
+@register_stage("ref_logprob", "ref", SEQUENCE_FIELDS, ("ref_log_prob",))
+def ref_logprob(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
+    """Log-probs of the sampled tokens under the frozen reference model."""
+    return ctx.group("ref").compute_ref_log_prob(batch.select(SEQUENCE_FIELDS, meta=False)), {}
+
+
+@register_stage("values", "critic", SEQUENCE_FIELDS, ("values",))
+def values(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
+    """The critic's value of each response position."""
+    out = ctx.group("critic").compute_values(batch.select(SEQUENCE_FIELDS, meta=False))
+    return out, {"critic/values_mean": float(masked_mean(out["values"], batch["response_mask"].float()))}
+
+
+# --------------------------------------------------------- controller math
+@register_stage("kl_reward", None, ("token_level_scores", "old_log_probs", "ref_log_prob", "response_mask"),
+                ("token_level_rewards",))
+def kl_reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
+    """Subtract beta x KL(actor || reference) per token from the scores (fixed or adaptive beta)."""
+    rewards, metrics = apply_kl_penalty(batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
+                                        batch["response_mask"], ctx.kl_ctrl, ctx.cfg.algorithm.kl_penalty)
+    return Batch({"token_level_rewards": rewards}), metrics
+
+
+@register_stage("advantages", None,
+                lambda cfg: ("token_level_rewards", "response_mask", *ADV_INPUTS[cfg.algorithm.adv_estimator]),
+                ("advantages", "returns"))
+def advantages(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
+    """Advantages and returns with the configured estimator (algorithm.adv_estimator)."""
+    algo = ctx.cfg.algorithm
+    fields = {k: batch[k] for k in ("token_level_rewards", "response_mask", *ADV_INPUTS[algo.adv_estimator])}
+    adv, ret = compute_advantage(algo.adv_estimator, fields, algo)
+    mask = batch["response_mask"].bool()
+    return Batch({"advantages": adv, "returns": ret}), {**_stats("advantages", adv[mask]),
+                                                       **_stats("returns", ret[mask])}
+
+
+# ----------------------------------------------------------------- updates
+def _mini_batches(batch: Batch, prompts: int, n: int, epochs: int) -> list[Batch]:
+    rows = max(1, prompts * n)
+    return [batch.take(slice(s, s + rows)) for _ in range(epochs) for s in range(0, len(batch), rows)]
+
+
+def _mean_metrics(results: list[list[dict]]) -> dict[str, float]:
+    flat = [m for per_step in results for m in per_step]
+    return {k: sum(m[k] for m in flat) / len(flat) for k in flat[0]} if flat else {}
+
+
+@register_stage("update_critic", "critic", (*SEQUENCE_FIELDS, "values", "returns"), ("@critic_updated",))
+def update_critic(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
+    """Optimizer steps of the clipped value loss over mini-batches and epochs."""
+    c = ctx.cfg.critic
+    loss = critic_loss({"cliprange_value": c.cliprange_value, "loss_agg_mode": c.loss_agg_mode})
+    data = batch.select([*SEQUENCE_FIELDS, "values", "returns"], meta=False)
+    group = ctx.group("critic")
+    results = [group.update_critic(mb, loss) for mb in _mini_batches(data, c.ppo_mini_batch_size,
+                                                                       ctx.cfg.rollout.n, c.ppo_epochs)]
+    metrics = _mean_metrics(results)
+    return None, {(k if k.startswith("critic/") else f"critic/{k}"): v for k, v in metrics.items()}
+
+
+def _actor_fields(cfg) -> tuple[str, ...]:
+    return (*SEQUENCE_FIELDS, "old_log_probs", "advantages", *(("ref_log_prob",) if cfg.actor.use_kl_loss else ()))
+
+
+@register_stage("update_actor", "actor", _actor_fields, ("@actor_updated",))
+def update_actor(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
+    """Optimizer steps of the policy loss (+ KL loss, entropy bonus) over mini-batches and epochs."""
+    a = ctx.cfg.actor
+    loss = actor_loss({k: getattr(a, k) for k in ("policy_loss", "clip_ratio", "clip_ratio_low", "clip_ratio_high",
+                                                  "clip_ratio_c", "loss_agg_mode", "entropy_coeff", "use_kl_loss",
+                                                  "kl_loss_coef", "kl_loss_type")})
+    data = batch.select(_actor_fields(ctx.cfg), meta=False)
+    group = ctx.group("actor")
+    results = [group.update_actor(mb, loss) for mb in _mini_batches(data, a.ppo_mini_batch_size,
+                                                                      ctx.cfg.rollout.n, a.ppo_epochs)]
+    metrics = _mean_metrics(results)
+    return None, {(k if k.startswith("actor/") else f"actor/{k}"): v for k, v in metrics.items()}
+
+
+@register_stage("sync_weights", "actor", ("@actor_updated",), ("@weights_synced",), needs=("rollout",))
+def sync_weights(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
+    """Reshard the actor's new weights into the rollout engines, bucket by bucket."""
+    report = ctx.sync()
+    return None, {"sync/bytes": report.bytes_moved, "sync/seconds": report.seconds, "sync/buckets": report.buckets}

@@ -1,0 +1,191 @@
+"""Config checks that run before any worker starts, and the defaults derived from a config
+(the dataflow of an algorithm, the all-colocated device mapping)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridlab.config import ConfigError, RunConfig
+
+PROMPT_FIELDS = ("prompt", "prompt_ids", "uid", "ground_truth", "data_source")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+def default_dataflow(cfg: RunConfig) -> list[str]:
+    """Return the stage names of the standard step for the config's algorithm and reward."""
+    algo, est = cfg.algorithm, cfg.algorithm.adv_estimator
+    stages = ["generate", "reward_model" if cfg.reward.kind == "model" else "reward"]
+    if algo.filter_groups.enable:
+        stages.append("filter_groups")
+    if est == "remax":
+        stages.append("remax_baseline")
+    stages.append("old_logprob")
+    if cfg.actor.use_kl_loss or algo.use_kl_in_reward:
+        stages.append("ref_logprob")
+    if est == "gae":
+        stages.append("values")
+    if algo.use_kl_in_reward:
+        stages.append("kl_reward")
+    stages.append("advantages")
+    if est == "gae":
+        stages.append("update_critic")
+    return stages + ["update_actor", "sync_weights"]
+
+
+def dataflow_names(cfg: RunConfig) -> list[str]:
+    """Return the configured dataflow, or the default one for the algorithm."""
+    return list(cfg.dataflow) if cfg.dataflow else default_dataflow(cfg)
+
+
+def roles_needed(names: list[str]) -> list[str]:
+    """Return the roles the stages run on, in the canonical role order."""
+    from hybridlab.controller.mapping import ROLES
+    from hybridlab.dataflow.stages import get_stage
+
+    used = {r for n in names for s in [get_stage(n)] for r in (s.role, *s.needs) if r}
+    return [r for r in ROLES if r in used]
+
+
+def default_mapping(cfg: RunConfig, names: list[str]) -> dict:
+    """Return the hybrid-engine mapping: every needed role in one set of processes on
+    ``trainer.devices`` devices, data parallel over them."""
+    devices = cfg.trainer.devices
+    return {"pools": {"main": {"devices": devices}},
+            "roles": {r: {"pool": "main", "dp": devices, "colocate": "engine"} for r in roles_needed(names)}}
+
+
+def _choice(problems: list[str], key: str, value, allowed) -> None:
+    if value not in allowed:
+        problems.append(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _at_least(problems: list[str], key: str, value, low) -> None:
+    if value < low:
+        problems.append(f"{key}: must be at least {low}, got {value!r}")
+
+
+def validate_config(cfg: RunConfig) -> None:
+    """Raise ConfigError listing every problem of ``cfg``, each naming its key."""
+    from hybridlab.algos import ADV_ESTIMATORS, AGG_MODES, KL_PENALTIES, POLICY_LOSSES
+    from hybridlab.controller.mapping import DeviceMapping
+    from hybridlab.dataflow.graph import Dataflow
+    from hybridlab.dataflow.stages import STAGES
+    from hybridlab.workers.rollout.worker import BACKENDS
+
+    p: list[str] = []
+    r, a, algo, data = cfg.rollout, cfg.actor, cfg.algorithm, cfg.data
+    _choice(p, "rollout.backend", r.backend, BACKENDS)
+    _at_least(p, "rollout.n", r.n, 1)
+    _at_least(p, "rollout.max_new_tokens", r.max_new_tokens, 1)
+    _at_least(p, "rollout.temperature", r.temperature, 0.0)
+    _at_least(p, "rollout.top_k", r.top_k, 0)
+    if not 0 < r.top_p <= 1:
+        p.append(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
+    _choice(p, "algorithm.adv_estimator", algo.adv_estimator, sorted(ADV_ESTIMATORS))
+    if algo.adv_estimator in GROUP_ESTIMATORS and r.n < 2:
+        p.append(f"rollout.n: {algo.adv_estimator} compares samples within a group, so the group size must be at"
+                 f" least 2, got {r.n}")
+    _choice(p, "algorithm.kl_penalty", algo.kl_penalty, KL_PENALTIES)
+    _choice(p, "algorithm.kl_ctrl.type", algo.kl_ctrl.type, ("fixed", "adaptive"))
+    _choice(p, "actor.kl_loss_type", a.kl_loss_type, KL_PENALTIES)
+    _choice(p, "actor.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
+    _choice(p, "critic.loss_agg_mode", cfg.critic.loss_agg_mode, AGG_MODES)
+    _choice(p, "actor.policy_loss", a.policy_loss, sorted(POLICY_LOSSES))
+    if a.clip_ratio_c <= 1:
+        p.append(f"actor.clip_ratio_c: the dual-clip bound must be greater than 1, got {a.clip_ratio_c}")
+    if algo.overlong_buffer.enable and not 0 < algo.overlong_buffer.len <= r.max_new_tokens:
+        p.append(f"algorithm.overlong_buffer.len: must be in 1..rollout.max_new_tokens ({r.max_new_tokens}),"
+                 f" got {algo.overlong_buffer.len}")
+    for key, value in (("data.prompts_per_step", data.prompts_per_step), ("data.train_samples", data.train_samples),
+                       ("data.test_samples", data.test_samples), ("trainer.steps", cfg.trainer.steps),
+                       ("trainer.devices", cfg.trainer.devices), ("actor.ppo_epochs", a.ppo_epochs),
+                       ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size), ("actor.micro_batch_size",
+                                                                              a.micro_batch_size),
+                       ("critic.ppo_mini_batch_size", cfg.critic.ppo_mini_batch_size),
+                       ("critic.micro_batch_size", cfg.critic.micro_batch_size)):
+        _at_least(p, key, value, 1)
+    _at_least(p, "warm_start.steps", cfg.warm_start.steps, 0)
+    _at_least(p, "trainer.eval_every", cfg.trainer.eval_every, 0)
+    if cfg.trainer.max_minutes <= 0:
+        p.append(f"trainer.max_minutes: must be positive, got {cfg.trainer.max_minutes}")
+    uses_critic = any(n in ("values", "update_critic") for n in dataflow_names(cfg))
+    for section in ("actor", "critic") if uses_critic else ("actor",):
+        mini = getattr(cfg, section).ppo_mini_batch_size
+        if mini >= 1 and data.prompts_per_step % mini:
+            p.append(f"{section}.ppo_mini_batch_size: {mini} prompts does not divide data.prompts_per_step"
+                     f" ({data.prompts_per_step})")
+    _choice(p, "reward.kind", cfg.reward.kind, ("rule", "function", "model"))
+    if cfg.reward.kind == "function" and not cfg.reward.function:
+        p.append("reward.function: reward.kind is 'function', so give an import path like mypkg.rewards:score")
+    if cfg.reward.kind == "model" and not cfg.reward.model:
+        p.append("reward.model: reward.kind is 'model', so give a reward-model checkpoint directory")
+    _check_data_and_model(cfg, p)
+
+    names = dataflow_names(cfg)
+    bad = [n for n in names if n not in STAGES]
+    if bad:
+        p.append(f"dataflow: unknown stage(s) {', '.join(map(str, bad))}; stages are: {', '.join(sorted(STAGES))}")
+    else:
+        mapping_data = cfg.mapping or default_mapping(cfg, names)
+        try:
+            mapping = DeviceMapping.from_dict(mapping_data)
+            p += [f"mapping.{x}" if not x.startswith(("too few", "colocate")) else f"mapping: {x}"
+                  for x in mapping.problems(_model_config(cfg))]
+            p += Dataflow(names).problems(cfg, mapping.roles, PROMPT_FIELDS)
+            p += _dp_problems(cfg, mapping)
+        except ConfigError:
+            raise
+        except Exception as exc:  # MappingError: malformed mapping
+            p.append(f"mapping: {exc}")
+        if cfg.trainer.off_policy and names[0] != "generate":
+            p.append("trainer.off_policy: the dataflow must start with 'generate' to overlap the next rollout")
+    if p:
+        raise ConfigError("config is invalid:\n  - " + "\n  - ".join(p))
+
+
+def _dp_problems(cfg: RunConfig, mapping) -> list[str]:
+    out = []
+    n = cfg.rollout.n
+    for role, section in (("actor", cfg.actor), ("critic", cfg.critic)):
+        layout = mapping.roles.get(role)
+        if layout is None:
+            continue
+        rows = section.ppo_mini_batch_size * n
+        if rows % layout.dp:
+            out.append(f"{role}.ppo_mini_batch_size: {section.ppo_mini_batch_size} prompts x rollout.n {n} = {rows}"
+                       f" sequences per update is not divisible by the {role}'s data-parallel size {layout.dp}")
+    return out
+
+
+def _check_data_and_model(cfg: RunConfig, p: list[str]) -> None:
+    from hybridlab.errors import UserError
+    from hybridlab.models.zoo import parse_preset
+
+    if not Path(cfg.model).is_dir():
+        try:
+            parse_preset(cfg.model)
+        except UserError as exc:
+            p.append(f"model: {exc}")
+    if cfg.reward.model and not Path(cfg.reward.model).is_dir():
+        p.append(f"reward.model: no checkpoint directory {cfg.reward.model!r}")
+    for key in ("train_files", "test_files"):
+        path = getattr(cfg.data, key)
+        if path and not Path(path).is_file():
+            p.append(f"data.{key}: no file {path!r}")
+    if not cfg.data.train_files:
+        from hybridlab.tasks import get_task
+
+        try:
+            get_task(cfg.data.task, **cfg.data.task_options)
+        except UserError as exc:
+            p.append(f"data.task: {exc}")
+    if cfg.warm_start.steps and cfg.data.train_files:
+        p.append("warm_start.steps: the supervised warm start needs a task's worked answers; set it to 0 with"
+                 " data.train_files")
+
+
+def _model_config(cfg: RunConfig) -> dict | None:
+    """The model's config.json when it is a directory (zoo presets pass the head checks by design)."""
+    import json
+
+    path = Path(cfg.model) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None

@@ -1,0 +1,36 @@
+"""MetricsLog: per-step metrics appended to ``metrics.jsonl`` and TensorBoard event files."""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+
+class MetricsLog:
+    """Appends one JSON line per step (flushed at once) and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = open(self.path, "a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def write(self, step: int, metrics: dict) -> None:
+        """Record ``metrics`` for ``step`` (non-finite numbers are written as null)."""
+        clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in metrics.items()}
+        self._file.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+        if self._tb is not None:
+            for k, v in clean.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        """Close the files."""
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()

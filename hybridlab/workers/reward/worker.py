@@ -1,0 +1,93 @@
+"""RewardWorker: scores responses with rules, a user's function or a reward model.
+
+``compute_reward`` (rules or function) and ``compute_model_reward`` return, per sample: ``token_level_scores`` (the score on the response's
+last token, zeros elsewhere), ``acc`` (task accuracy where a rule scorer knows the data
+source), ``reward_error`` (1 where the function raised) and the object field
+``reward_error_msg``. A raising reward function never stops the run: the sample gets
+``error_score`` and is counted.
+"""
+from __future__ import annotations
+
+import torch
+
+from hybridlab.controller.worker import Dispatch, Worker, register
+from hybridlab.protocol import Batch
+from hybridlab.workers.reward.scoring import RuleScorer, load_function, score_one
+
+KINDS = ("rule", "function", "model")  # "model" scores through compute_model_reward
+
+
+class RewardWorker(Worker):
+    """One rank of the reward role; ``kind`` picks the scorer."""
+
+    def __init__(self, model_dir: str, kind: str = "rule", function: str | None = None,
+                 format_score: float = 0.0, error_score: float = 0.0):
+        from transformers import AutoTokenizer
+
+        if kind not in KINDS:
+            raise ValueError(f"unknown reward kind {kind!r}; choose one of: {', '.join(KINDS)}")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.kind, self.error_score = kind, error_score
+        self.rules = RuleScorer(format_score)
+        self.fn = load_function(function) if kind == "function" else self.rules
+        self.reward_models: dict[str, object] = {}
+
+    def _texts(self, batch: Batch) -> list[str]:
+        lengths = batch["response_mask"].sum(-1).tolist()
+        return [self.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
+                for row, n in zip(batch["responses"], lengths)]
+
+    def _accuracy(self, source: str, text: str, truth) -> float:
+        try:
+            return float(self.rules.task(source).check(text, truth)[0])
+        except Exception:  # no built-in task for this data source: accuracy unknown
+            return float("nan")
+
+    @register(Dispatch.DP)
+    def compute_reward(self, batch: Batch) -> Batch:
+        """Return token_level_scores, acc, reward_error and reward_error_msg for the batch."""
+        texts = self._texts(batch)
+        n = len(batch)
+        scores, acc, errors, messages = torch.zeros(n), torch.zeros(n), torch.zeros(n), [""] * n
+        truths = batch.objects.get("ground_truth", [None] * n)
+        sources = batch.objects.get("data_source", [""] * n)
+        extras = batch.objects.get("extra_info", [None] * n)
+        for i, text in enumerate(texts):
+            try:
+                score, sample_acc = score_one(self.fn, sources[i], text, truths[i], extras[i])
+                scores[i] = score
+                acc[i] = sample_acc if sample_acc is not None else self._accuracy(sources[i], text, truths[i])
+            except Exception as exc:  # a bad sample must not end the run
+                scores[i], errors[i] = self.error_score, 1.0
+                messages[i] = f"{type(exc).__name__}: {exc}"
+                acc[i] = self._accuracy(sources[i], text, truths[i])
+        return Batch({"token_level_scores": _on_last_token(scores, batch["response_mask"]), "acc": acc,
+                      "reward_error": errors}, {"reward_error_msg": messages})
+
+    @register(Dispatch.DP)
+    @torch.no_grad()
+    def compute_model_reward(self, batch: Batch, model: str) -> Batch:
+        """Return token_level_scores from the sequence-classification reward model at ``model``
+        (loaded on first use, so a reward-model stage can be added without a restart) and acc."""
+        if self.reward_models.get(model) is None:
+            from transformers import AutoModelForSequenceClassification
+
+            self.reward_models[model] = AutoModelForSequenceClassification.from_pretrained(
+                model, dtype=torch.float32).eval()
+        out = self.reward_models[model](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                        position_ids=batch["position_ids"])
+        texts = self._texts(batch)
+        n = len(batch)
+        truths = batch.objects.get("ground_truth", [None] * n)
+        sources = batch.objects.get("data_source", [""] * n)
+        acc = torch.tensor([self._accuracy(s, t, g) for s, t, g in zip(sources, texts, truths)])
+        return Batch({"token_level_scores": _on_last_token(out.logits[:, 0].float(), batch["response_mask"]),
+                      "acc": acc})
+
+
+def _on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Return [batch, response_len] zeros with each sample's score on its last response token."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    last = (response_mask.sum(-1) - 1).clamp(min=0)
+    out[torch.arange(len(scores)), last] = scores
+    return out

@@ -1,0 +1,110 @@
+"""Config loading and validation: every mistake names its key before any worker starts."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hybridlab.config import CONFIG_DIR, ConfigError, RunConfig, load_config
+from hybridlab.dataflow.graph import Dataflow, DataflowError
+from hybridlab.dataflow.validate import PROMPT_FIELDS, default_dataflow, roles_needed
+
+
+def test_defaults_are_the_grpo_preset():
+    default, preset = load_config(), load_config("grpo")
+    assert default.algorithm.adv_estimator == "grpo" and default.model == "tiny" and default.data.task == "arith"
+    assert preset.dataflow == default_dataflow(default)
+    assert preset.to_dict() == {**default.to_dict(), "dataflow": preset.dataflow}
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+def test_every_preset_loads_and_its_dataflow_is_the_default_for_its_settings(preset):
+    cfg = load_config(preset)
+    assert cfg.dataflow == default_dataflow(cfg)
+
+
+def test_presets_cover_the_algorithms():
+    names = {p.stem for p in CONFIG_DIR.glob("*.yaml")}
+    assert {"ppo", "grpo", "rloo", "reinforce_plus_plus", "remax", "dapo"} <= names
+    assert "critic" in roles_needed(load_config("ppo").dataflow)
+    assert "critic" not in roles_needed(load_config("grpo").dataflow)
+
+
+def test_overrides_parse_values_as_yaml():
+    cfg = load_config(None, ["actor.lr=1e-4", "rollout.n=4", "trainer.off_policy=true", "data.task_options={digits: 3}"])
+    assert cfg.actor.lr == 1e-4 and cfg.rollout.n == 4 and cfg.trainer.off_policy is True
+    assert cfg.data.task_options == {"digits": 3}
+
+
+@pytest.mark.parametrize("override, words", [
+    (["actor.lrr=1"], ["actor.lrr", "allowed keys in actor", "lr"]),
+    (["bogus=1"], ["bogus", "allowed keys"]),
+    (["rollout.n=two"], ["rollout.n", "expected int", "'two'"]),
+    (["trainer.off_policy=3"], ["trainer.off_policy", "expected bool"]),
+    (["rollout.n=1"], ["rollout.n", "group size must be at least 2"]),
+    (["data.prompts_per_step=30"], ["actor.ppo_mini_batch_size", "does not divide data.prompts_per_step"]),
+    (["algorithm.adv_estimator=gpro"], ["algorithm.adv_estimator", "'gpro'", "grpo", "rloo"]),
+    (["actor.loss_agg_mode=mean"], ["actor.loss_agg_mode", "seq-mean-token-mean"]),
+    (["model=huge"], ["model", "unknown zoo model"]),
+    (["reward.kind=function"], ["reward.function", "import path"]),
+    (["data.task=sudoku"], ["data.task", "arith"]),
+])
+def test_bad_values_name_the_key_and_what_is_allowed(override, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, override)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+def test_batch_must_divide_over_data_parallel_ranks():
+    with pytest.raises(ConfigError, match=r"actor.ppo_mini_batch_size: 1 prompts x rollout.n 3 = 3 sequences.*"
+                                          r"data-parallel size 2"):
+        load_config(None, ["trainer.devices=2", "rollout.n=3", "actor.ppo_mini_batch_size=1"])
+
+
+def test_every_problem_is_listed_at_once():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["rollout.n=1", "trainer.steps=0", "rollout.top_p=2"])
+    text = str(err.value)
+    assert "rollout.n" in text and "trainer.steps" in text and "rollout.top_p" in text
+
+
+def test_dataflow_missing_input_and_absent_role_are_named():
+    cfg = load_config()
+    no_ref = ["generate", "reward", "old_logprob", "advantages", "update_actor", "sync_weights"]
+    with pytest.raises(DataflowError) as err:
+        Dataflow(no_ref).validate(cfg, ["actor", "rollout", "ref", "reward"], PROMPT_FIELDS)
+    assert "update_actor: input 'ref_log_prob'" in str(err.value) and "ref_logprob" in str(err.value)
+    ppo = load_config("ppo")
+    with pytest.raises(DataflowError, match="values: runs on role 'critic', which the device mapping does not have"):
+        Dataflow(ppo.dataflow).validate(ppo, ["actor", "rollout", "ref", "reward"], PROMPT_FIELDS)
+    with pytest.raises(ConfigError, match="unknown key mapping|mapping"):
+        load_config("ppo", ["mapping={pools: {main: {devices: 1}}, roles: {actor: {pool: main}}}"])
+
+
+def test_stage_dependencies_let_independent_passes_overlap():
+    cfg = load_config("ppo")
+    flow = Dataflow(cfg.dataflow)
+    deps = dict(zip(flow.names, flow.dependencies(cfg)))
+    index = {n: i for i, n in enumerate(flow.names)}
+    # old log-probs, reference log-probs and values need only the generated batch: they may run together
+    for stage in ("old_logprob", "ref_logprob", "values"):
+        assert deps[stage] == {index["generate"]}, (stage, deps[stage])
+    assert index["update_actor"] in deps["sync_weights"]
+    assert index["kl_reward"] in deps["advantages"] and index["values"] in deps["advantages"]
+
+
+def test_cli_rejects_a_bad_config_before_starting_anything(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "hybridlab.cli", "train", "grpo", "actor.lrr=1",
+                          f"trainer.run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "error: unknown key actor.lrr" in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_run_config_round_trips_through_a_dict():
+    cfg = load_config("ppo")
+    from hybridlab.config import build
+
+    assert build(RunConfig, cfg.to_dict()) == cfg

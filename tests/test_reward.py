@@ -1,0 +1,63 @@
+"""RewardWorker's scorers, used in-process: rules, a user's function that sometimes raises, and
+a reward model with a scalar head compared with transformers."""
+from __future__ import annotations
+
+import torch
+
+from hybridlab.batching import sequences_batch
+from hybridlab.protocol import Batch
+from hybridlab.workers.reward.worker import RewardWorker
+
+
+def _batch(tokenizer, prompts, responses, truths, source="arith") -> Batch:
+    p_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+    r_ids = [tokenizer(r, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for r in responses]
+    batch = sequences_batch(p_ids, r_ids, tokenizer.pad_token_id)
+    batch.objects.update(ground_truth=list(truths), data_source=[source] * len(prompts))
+    return batch
+
+
+def test_rule_scores_sit_on_the_last_response_token(tiny_dir):
+    worker = RewardWorker(str(tiny_dir), kind="rule", format_score=0.1)
+    batch = _batch(worker.tokenizer, ["1+2=", "3+4=", "5+5="], ["3", "8", "ten"], ["3", "7", "10"])
+    out = worker.compute_reward(batch)
+    scores = out["token_level_scores"]
+    lengths = batch["response_mask"].sum(-1)
+    assert torch.allclose(scores.sum(-1), torch.tensor([1.0, 0.1, 0.0]))  # right, well-formed wrong, malformed
+    for i, n in enumerate(lengths.tolist()):
+        assert scores[i, n - 1] == scores[i].sum()
+    assert out["acc"].tolist() == [1.0, 0.0, 0.0] and out["reward_error"].sum() == 0
+
+
+def test_a_raising_reward_function_scores_error_score_and_is_counted(tiny_dir, tmp_path):
+    module = tmp_path / "my_reward.py"
+    module.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if solution_str == '8':\n"
+        "        raise RuntimeError('cannot parse ' + solution_str)\n"
+        "    return {'score': 2.0 if solution_str == ground_truth else -1.0, 'acc': solution_str == ground_truth}\n")
+    worker = RewardWorker(str(tiny_dir), kind="function", function=f"{module}:compute_score", error_score=-5.0)
+    out = worker.compute_reward(_batch(worker.tokenizer, ["1+2=", "3+4=", "5+5="], ["3", "8", "11"], ["3", "7", "10"]))
+    assert out["token_level_scores"].sum(-1).tolist() == [2.0, -5.0, -1.0]
+    assert out["reward_error"].tolist() == [0.0, 1.0, 0.0]
+    assert out["reward_error_msg"][1] == "RuntimeError: cannot parse 8"
+    assert out["acc"].tolist() == [1.0, 0.0, 0.0]
+
+
+def test_reward_model_scores_equal_transformers(tiny_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from hybridlab.models.zoo import build_reward_model
+
+    rm_dir = build_reward_model(tiny_dir, tmp_path / "rm", seed=3)
+    worker = RewardWorker(str(tiny_dir), kind="rule")
+    batch = _batch(worker.tokenizer, ["1+2=", "13+24="], ["3", "37"], ["3", "37"])
+    out = worker.compute_model_reward(batch, str(rm_dir))
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
+    expect = []
+    for i in range(len(batch)):  # one unpadded sequence at a time
+        ids = batch["input_ids"][i][batch["attention_mask"][i].bool()].unsqueeze(0)
+        with torch.no_grad():
+            expect.append(float(model(input_ids=ids).logits[0, 0]))
+    assert torch.allclose(out["token_level_scores"].sum(-1), torch.tensor(expect), atol=1e-5)
+    assert out["acc"].tolist() == [1.0, 1.0]

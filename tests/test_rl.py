@@ -1,0 +1,135 @@
+"""RL steps end to end on real engines (vLLM rollout, Megatron actor/critic/ref, reward workers):
+one session on two data-parallel devices, whose dataflow is edited between steps."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import hybridlab.algos as A
+from hybridlab.dataflow.graph import DataflowError, StageError
+from hybridlab.dataflow.session import RLSession
+from hybridlab.dataflow.stages import STAGES, register_stage
+
+GRPO_FLOW = "[generate, reward, old_logprob, ref_logprob, advantages, update_actor, sync_weights]"
+
+
+@pytest.fixture(scope="module")
+def rl(ray_local, trained_dir, tmp_path_factory):
+    """A PPO session (actor, critic, ref, rollout and reward colocated on 2 devices, DP 2)."""
+    run_dir = tmp_path_factory.mktemp("rl") / "run"
+    session = RLSession("ppo", [f"model={trained_dir}", "warm_start.steps=0", "trainer.devices=2",
+                                "data.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=6",
+                                "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
+                                "data.test_samples=32", "trainer.progress=false", f"trainer.run_dir={run_dir}"])
+    session.start()
+    yield session
+    session.shutdown()
+
+
+def pids(rl):
+    return sorted(p["pid"] for p in rl.session.groups["actor"].placements)
+
+
+def assert_rollout_matches_actor(batch):
+    """The sampled tokens' log-probs from vLLM equal the actor's: the last weight sync landed."""
+    mask = batch["response_mask"].bool()
+    assert (batch["old_log_probs"] - batch["rollout_log_probs"])[mask].abs().max() < 1e-4
+
+
+def test_ppo_step_fills_every_field_and_logs_metrics(rl):
+    result = rl.step()
+    b, m = result.batch, result.metrics
+    assert len(b) == 8 * 4
+    for field in ("responses", "token_level_scores", "token_level_rewards", "old_log_probs", "ref_log_prob",
+                  "values", "advantages", "returns"):
+        assert field in b, field
+    adv, ret = A.compute_gae_advantage_return(b["token_level_rewards"], b["values"], b["response_mask"].float(),
+                                              gamma=1.0, lam=0.95)
+    assert torch.allclose(b["advantages"], adv, atol=1e-5) and torch.allclose(b["returns"], ret, atol=1e-5)
+    expect_rewards, _ = A.apply_kl_penalty(b["token_level_scores"], b["old_log_probs"], b["ref_log_prob"],
+                                           b["response_mask"], A.FixedKLController(0.001), "kl")
+    assert torch.allclose(b["token_level_rewards"], expect_rewards, atol=1e-6)
+    for key in ("reward/mean", "accuracy", "response_length/mean", "actor/pg_loss", "actor/pg_clipfrac",
+                "actor/reward_kl_penalty", "critic/vf_loss", "advantages/mean", "timing/generate_s",
+                "timing/update_actor_s", "perf/tokens_per_s", "sync/seconds"):
+        assert key in m, key
+    assert m["sync/bytes"] > 0 and m["rollout/staleness"] == 0
+    logged = [json.loads(line) for line in (rl.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged[-1]["step"] == result.step and logged[-1]["reward/mean"] == pytest.approx(m["reward/mean"])
+    assert list((rl.run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    rows = rl.decoded(b, limit=3)
+    assert set(rows[0]) == {"prompt", "response", "reward", "advantage"} and "=" in rows[0]["prompt"]
+
+
+def test_drop_the_critic_switch_to_grpo_then_rloo_without_restarting(rl):
+    before = pids(rl)
+    rl.update("algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "actor.use_kl_loss=true",
+              f"dataflow={GRPO_FLOW}")
+    b = rl.step().batch
+    assert "values" not in b
+    adv, _ = A.compute_grpo_outcome_advantage(b["token_level_rewards"], b["response_mask"].float(), b["uid"])
+    assert torch.allclose(b["advantages"], adv, atol=1e-5)
+    assert_rollout_matches_actor(b)
+    rl.update("algorithm.adv_estimator=rloo")
+    b = rl.step().batch
+    adv, _ = A.compute_rloo_outcome_advantage(b["token_level_rewards"], b["response_mask"].float(), b["uid"])
+    assert torch.allclose(b["advantages"], adv, atol=1e-5)
+    assert pids(rl) == before
+
+
+def test_a_missing_input_is_named_and_nothing_changes(rl):
+    flow = rl.dataflow.names
+    with pytest.raises(DataflowError, match="update_actor: input 'old_log_probs' is not produced"):
+        rl.dataflow = ["generate", "reward", "ref_logprob", "advantages", "update_actor", "sync_weights"]
+    assert rl.dataflow.names == flow
+
+
+def test_a_reward_model_stage_is_added_between_steps(rl, trained_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from hybridlab.models.zoo import build_reward_model
+
+    rm = build_reward_model(trained_dir, tmp_path / "rm")
+    flow = rl.dataflow.names
+    rl.update(f"reward.model={rm}", "dataflow=" + GRPO_FLOW.replace("reward,", "reward_model,"))
+    try:
+        b = rl.step().batch
+    finally:
+        rl.update("dataflow=" + json.dumps(flow))
+    model = AutoModelForSequenceClassification.from_pretrained(rm, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expect = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                       position_ids=b["position_ids"]).logits[:, 0]
+    assert torch.allclose(b["token_level_scores"].sum(-1), expect, atol=1e-4)
+
+
+def test_one_step_off_policy_records_staleness(rl):
+    rl.update("trainer.off_policy=true")
+    try:
+        first, second = rl.step(), rl.step()
+    finally:
+        rl.update("trainer.off_policy=false")
+    assert first.metrics["rollout/staleness"] == 0 and second.metrics["rollout/staleness"] == 1
+    assert "advantages" in second.batch and second.metrics["sync/bytes"] > 0
+
+
+def test_a_failing_stage_is_named(rl):
+    @register_stage("explode", None, ("responses",), ("boom",))
+    def explode(ctx, batch):
+        raise ValueError("no such thing")
+
+    flow = rl.dataflow.names
+    try:
+        rl.dataflow = ["generate", "explode"]
+        with pytest.raises(StageError, match="stage 'explode' \\(role controller\\) failed: ValueError: no such"):
+            rl.step()
+    finally:
+        STAGES.pop("explode")
+        rl.dataflow = flow
+
+
+def test_evaluate_reports_greedy_accuracy(rl):
+    ev = rl.evaluate()
+    assert ev["n"] == 32 and 0.0 <= ev["accuracy"] <= 1.0
