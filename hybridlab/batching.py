@@ -38,3 +38,12 @@ def sequences_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequen
     return Batch({"prompts": prompt_ids, "responses": response_ids,
                   "input_ids": torch.cat([prompt_ids, response_ids], dim=1), "attention_mask": mask,
                   "position_ids": (mask.cumsum(-1) - 1).clamp(min=0), "response_mask": response_mask})
+
+
+def on_last_token(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Return [batch, response_len] zeros with each sample's value on its last response token
+    (how outcome rewards are laid out per token)."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    last = (response_mask.sum(-1) - 1).clamp(min=0)
+    out[torch.arange(len(values)), last] = values.float()
+    return out

@@ -27,7 +27,7 @@ class ConfigError(UserError):
 @dataclasses.dataclass
 class WarmStartConfig:
     """Supervised warm start before RL (0 steps: start RL from the model as is)."""
-    steps: int = 400
+    steps: int = 600
     lr: float = 3e-3
     batch_size: int = 64
 
@@ -99,10 +99,10 @@ class AlgorithmConfig:
 @dataclasses.dataclass
 class ActorConfig:
     """The policy's optimizer and PPO objective."""
-    lr: float = 2e-4
+    lr: float = 1e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    warmup_steps: int = 0
+    warmup_steps: int = 10              # Adam's first steps move every weight by ~lr: ramp up
     ppo_mini_batch_size: int = 16       # prompts per optimizer step (x rollout.n sequences)
     ppo_epochs: int = 1
     micro_batch_size: int = 64          # sequences per forward/backward

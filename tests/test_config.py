@@ -49,6 +49,8 @@ def test_overrides_parse_values_as_yaml():
     (["model=huge"], ["model", "unknown zoo model"]),
     (["reward.kind=function"], ["reward.function", "import path"]),
     (["data.task=sudoku"], ["data.task", "arith"]),
+    (["trainer.off_policy=true", "dataflow=[generate, reward, rollout_as_old_logprob, ref_logprob, advantages,"
+      " update_actor, sync_weights]"], ["trainer.off_policy", "use the old_logprob stage"]),
 ])
 def test_bad_values_name_the_key_and_what_is_allowed(override, words):
     with pytest.raises(ConfigError) as err:

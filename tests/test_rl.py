@@ -79,6 +79,16 @@ def test_drop_the_critic_switch_to_grpo_then_rloo_without_restarting(rl):
     assert pids(rl) == before
 
 
+def test_rollout_log_probs_can_stand_in_for_old_log_probs(rl):
+    flow = rl.dataflow.names
+    rl.dataflow = [n if n != "old_logprob" else "rollout_as_old_logprob" for n in flow]
+    try:
+        b = rl.step().batch
+    finally:
+        rl.dataflow = flow
+    assert torch.equal(b["old_log_probs"], b["rollout_log_probs"]) and "entropy" not in b
+
+
 def test_a_missing_input_is_named_and_nothing_changes(rl):
     flow = rl.dataflow.names
     with pytest.raises(DataflowError, match="update_actor: input 'old_log_probs' is not produced"):
@@ -133,3 +143,29 @@ def test_a_failing_stage_is_named(rl):
 def test_evaluate_reports_greedy_accuracy(rl):
     ev = rl.evaluate()
     assert ev["n"] == 32 and 0.0 <= ev["accuracy"] <= 1.0
+
+
+def test_remax_and_dapo_dataflows(rl):
+    flow = rl.dataflow.names
+    saved = [f"algorithm.adv_estimator={rl.cfg.algorithm.adv_estimator}",
+             f"actor.use_kl_loss={str(rl.cfg.actor.use_kl_loss).lower()}", "dataflow=" + json.dumps(flow)]
+    try:
+        rl.update("algorithm.adv_estimator=remax", "actor.use_kl_loss=false",
+                  "dataflow=[generate, reward, remax_baseline, old_logprob, advantages, update_actor, sync_weights]")
+        b = rl.step().batch
+        adv, _ = A.compute_remax_outcome_advantage(b["token_level_rewards"], b["reward_baselines"],
+                                                   b["response_mask"].float())
+        assert torch.allclose(b["advantages"], adv, atol=1e-6)
+        assert set(b["reward_baselines"].tolist()) <= {0.0, 1.0}  # the greedy answer's rule reward
+        rl.update("algorithm.adv_estimator=grpo", "algorithm.filter_groups.enable=true",
+                  "dataflow=[generate, reward, filter_groups, old_logprob, advantages, update_actor, sync_weights]")
+        result = rl.step()
+        b, m = result.batch, result.metrics
+        groups = {}
+        for uid, score in zip(b["uid"], b["token_level_scores"].sum(-1).tolist()):
+            groups.setdefault(uid, []).append(score)
+        assert len(groups) <= rl.cfg.data.prompts_per_step and m["filter_groups/generation_rounds"] >= 1
+        if m["filter_groups/kept_prompts"]:  # every kept group teaches something
+            assert all(max(s) > min(s) and len(s) == rl.cfg.rollout.n for s in groups.values())
+    finally:
+        rl.update("algorithm.filter_groups.enable=false", *saved)

@@ -21,9 +21,9 @@ def _config(model: str, prompts_per_step: int, group: int, max_new_tokens: int, 
     return [f"model={model}", "warm_start.steps=0", f"data.prompts_per_step={prompts_per_step}",
             f"rollout.n={group}", f"rollout.max_new_tokens={max_new_tokens}", "rollout.ignore_eos=true",
             "rollout.kv_cache_mb=256", f"actor.ppo_mini_batch_size={prompts_per_step}", "actor.use_kl_loss=false",
-            "actor.micro_batch_size=16", "actor.lr=1e-5", f"trainer.steps={steps}", "trainer.progress=false",
+            "actor.micro_batch_size=64", "actor.lr=1e-5", f"trainer.steps={steps}", "trainer.progress=false",
             f"trainer.tensorboard={str(telemetry).lower()}", f"trainer.run_dir={run_dir}", "data.test_samples=8",
-            "dataflow=[generate, reward, old_logprob, advantages, update_actor, sync_weights]"]
+            "dataflow=[generate, reward, rollout_as_old_logprob, advantages, update_actor, sync_weights]"]
 
 
 def ours(model_dir: str, prompts_per_step: int, group: int, max_new_tokens: int, steps: int, warmup: int) -> dict:

@@ -19,6 +19,7 @@ from hybridlab.algos.dapo import informative_groups, overlong_penalty
 from hybridlab.algos.functional import masked_mean
 from hybridlab.algos.kl import apply_kl_penalty
 from hybridlab.algos.objectives import actor_loss, critic_loss
+from hybridlab.batching import on_last_token
 from hybridlab.errors import unknown
 from hybridlab.protocol import Batch
 
@@ -125,15 +126,9 @@ def _finish_reward(ctx: "StepContext", batch: Batch, out: Batch) -> tuple[Batch,
     if overlong.enable:
         lengths = batch["response_mask"].sum(-1)
         penalty = overlong_penalty(lengths, ctx.cfg.rollout.max_new_tokens, overlong.len, overlong.penalty_factor)
-        scores = scores + _last_token(penalty, batch["response_mask"])
+        scores = scores + on_last_token(penalty, batch["response_mask"])
         metrics["reward/overlong_penalty"] = float(penalty.mean())
     return Batch({"token_level_scores": scores, "token_level_rewards": scores, "acc": out["acc"]}), metrics
-
-
-def _last_token(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(mask.shape, dtype=torch.float32)
-    out[torch.arange(len(values)), (mask.sum(-1) - 1).clamp(min=0)] = values.float()
-    return out
 
 
 @register_stage("filter_groups", None, ("token_level_scores", "uid"), (), replaces_rows=True,
@@ -181,6 +176,13 @@ def old_logprob(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Log-probs (and entropy) of the sampled tokens under the actor before its update."""
     out = ctx.group("actor").compute_log_prob(batch.select(SEQUENCE_FIELDS, meta=False))
     return out, {"actor/entropy_before": float(masked_mean(out["entropy"], batch["response_mask"].float()))}
+
+
+@register_stage("rollout_as_old_logprob", None, ("rollout_log_probs",), ("old_log_probs",))
+def rollout_as_old_logprob(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
+    """Use the rollout engine's log-probs as the old policy's (saves a forward pass; exact when
+    the rollout holds the actor's current weights, which each step's weight sync ensures)."""
+    return Batch({"old_log_probs": batch["rollout_log_probs"]}), {}
 
 
 @register_stage("ref_logprob", "ref", SEQUENCE_FIELDS, ("ref_log_prob",))

@@ -138,6 +138,9 @@ def validate_config(cfg: RunConfig) -> None:
             p.append(f"mapping: {exc}")
         if cfg.trainer.off_policy and names[0] != "generate":
             p.append("trainer.off_policy: the dataflow must start with 'generate' to overlap the next rollout")
+        if cfg.trainer.off_policy and "rollout_as_old_logprob" in names:
+            p.append("trainer.off_policy: off-policy samples come from older weights, so their rollout log-probs are"
+                     " not the current policy's; use the old_logprob stage instead of rollout_as_old_logprob")
     if p:
         raise ConfigError("config is invalid:\n  - " + "\n  - ".join(p))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridlab.batching import on_last_token
 from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.protocol import Batch
 from hybridlab.workers.reward.scoring import RuleScorer, load_function, score_one
@@ -61,7 +62,7 @@ class RewardWorker(Worker):
                 scores[i], errors[i] = self.error_score, 1.0
                 messages[i] = f"{type(exc).__name__}: {exc}"
                 acc[i] = self._accuracy(sources[i], text, truths[i])
-        return Batch({"token_level_scores": _on_last_token(scores, batch["response_mask"]), "acc": acc,
+        return Batch({"token_level_scores": on_last_token(scores, batch["response_mask"]), "acc": acc,
                       "reward_error": errors}, {"reward_error_msg": messages})
 
     @register(Dispatch.DP)
@@ -81,13 +82,6 @@ class RewardWorker(Worker):
         truths = batch.objects.get("ground_truth", [None] * n)
         sources = batch.objects.get("data_source", [""] * n)
         acc = torch.tensor([self._accuracy(s, t, g) for s, t, g in zip(sources, texts, truths)])
-        return Batch({"token_level_scores": _on_last_token(out.logits[:, 0].float(), batch["response_mask"]),
+        return Batch({"token_level_scores": on_last_token(out.logits[:, 0].float(), batch["response_mask"]),
                       "acc": acc})
 
-
-def _on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Return [batch, response_len] zeros with each sample's score on its last response token."""
-    out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    last = (response_mask.sum(-1) - 1).clamp(min=0)
-    out[torch.arange(len(scores)), last] = scores
-    return out
