@@ -118,6 +118,23 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_dashboard(args) -> int:
+    """Serve a run's live dashboard until interrupted; returns the exit status."""
+    from pathlib import Path
+
+    from hybridlab.telemetry.dashboard import serve
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"no run directory {str(run_dir)!r} (hybridlab train prints it)")
+    if not (run_dir / "telemetry.jsonl").is_file():
+        print(f"note: {run_dir} has no telemetry.jsonl yet; the page fills in when the run writes it", flush=True)
+    print(f"dashboard of {run_dir} on http://{args.address}:{args.port or '(free port, printed by panel)'}/",
+          flush=True)
+    serve(run_dir, port=args.port, address=args.address, show=False, threaded=False)
+    return 0
+
+
 def cmd_bench(args) -> int:
     """Run a benchmark and print its JSON; returns the exit status."""
     from hybridlab.bench import run
@@ -211,6 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--ray-address", default=None, help="attach to an existing Ray cluster (e.g. auto)")
     t.add_argument("--ray-temp-dir", default=None, help="temp folder of a local Ray cluster (short path)")
     t.set_defaults(func=cmd_train)
+
+    dash = sub.add_parser("dashboard", help="serve a run's live dashboard (read-only; replays finished runs)")
+    dash.add_argument("run_dir", help="the run directory hybridlab train printed")
+    dash.add_argument("--port", type=int, default=5006)
+    dash.add_argument("--address", default="localhost", help="interface to bind (default: localhost only)")
+    dash.set_defaults(func=cmd_dashboard)
 
     b = sub.add_parser("bench", help="run a benchmark (prints JSON: ratios against a baseline in one run)")
     b.add_argument("name", help="benchmark name, e.g. dispatch")

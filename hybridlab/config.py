@@ -153,6 +153,7 @@ class TrainerConfig:
     seed: int = 0
     off_policy: bool = False
     tensorboard: bool = True
+    telemetry: bool = True              # the hub: spans, metrics, device samples -> telemetry.jsonl
     devices: int = 1
     progress: bool = True
 

@@ -20,4 +20,18 @@ echo "installing pinned requirements (first time: several minutes, about 4.5 GB)
 # exist"). hybridlab is text-only, so remove them (tests/test_install.py guards this).
 "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -m pip install --quiet --no-deps -e .
+# The dashboard's browser test drives Debian's chromium through playwright (never a downloaded
+# browser). Install it when missing and we may (root with apt); otherwise that test is skipped
+# with a message saying how to install it.
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing Debian's chromium for the dashboard browser test"
+    if ! apt-get install -y -q chromium >/dev/null 2>&1; then
+      apt-get update -q >/dev/null 2>&1 || true
+      apt-get install -y -q chromium >/dev/null 2>&1 || echo "warning: could not install chromium; the browser test will be skipped"
+    fi
+  else
+    echo "note: chromium is not installed (apt-get install chromium) ; the browser test will be skipped"
+  fi
+fi
 "$VENV/bin/python" -c "import transformers.models.qwen2.modeling_qwen2, vllm, megatron.core, ray, panel; print('hybridlab environment ready')"

@@ -4,7 +4,8 @@ Hugging Face TRL's GRPOTrainer on the CPU, same model, task, batch, group and le
 Both generate exactly ``max_new_tokens`` per completion (end-of-sequence ignored; TRL through
 ``min_new_tokens``), score them with the arith rule, and take one optimizer step per RL step
 without a reference model (TRL's default beta=0). Both run with the same number of threads,
-one after the other in this process (TRL) and in one Ray worker (ours).
+one after the other in this process (TRL) and in one Ray worker (ours). Ours runs twice, with
+the telemetry hub on (the reported figures) and off, to measure telemetry's overhead.
 """
 from __future__ import annotations
 
@@ -22,16 +23,18 @@ def _config(model: str, prompts_per_step: int, group: int, max_new_tokens: int, 
             f"rollout.n={group}", f"rollout.max_new_tokens={max_new_tokens}", "rollout.ignore_eos=true",
             "rollout.kv_cache_mb=256", f"actor.ppo_mini_batch_size={prompts_per_step}", "actor.use_kl_loss=false",
             "actor.micro_batch_size=64", "actor.lr=1e-5", f"trainer.steps={steps}", "trainer.progress=false",
-            f"trainer.tensorboard={str(telemetry).lower()}", f"trainer.run_dir={run_dir}", "data.test_samples=8",
+            f"trainer.telemetry={str(telemetry).lower()}", f"trainer.run_dir={run_dir}", "data.test_samples=8",
             "dataflow=[generate, reward, rollout_as_old_logprob, advantages, update_actor, sync_weights]"]
 
 
-def ours(model_dir: str, prompts_per_step: int, group: int, max_new_tokens: int, steps: int, warmup: int) -> dict:
+def ours(model_dir: str, prompts_per_step: int, group: int, max_new_tokens: int, steps: int, warmup: int,
+         telemetry: bool = True) -> dict:
     """Return per-step seconds and completion tokens of hybridlab's GRPO steps."""
     from hybridlab.dataflow.session import RLSession
 
     with tempfile.TemporaryDirectory() as tmp:
-        rl = RLSession(None, _config(model_dir, prompts_per_step, group, max_new_tokens, steps, f"{tmp}/run"))
+        rl = RLSession(None, _config(model_dir, prompts_per_step, group, max_new_tokens, steps, f"{tmp}/run",
+                                     telemetry))
         try:
             rl.start()
             seconds, tokens = [], []
@@ -117,6 +120,9 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
     connect(num_gpus=1)
     mine = ours(model_dir, prompts_per_step, group, max_new_tokens, steps, warmup)
     out.update(_summary(mine), stages_s=mine["last_step_stages_s"])
+    quiet = _summary(ours(model_dir, prompts_per_step, group, max_new_tokens, steps, warmup, telemetry=False))
+    out.update(median_step_s_telemetry_off=quiet["median_step_s"],
+               telemetry_overhead_pct=round(100 * (out["median_step_s"] / quiet["median_step_s"] - 1), 1))
     if not attached:
         ray.shutdown()  # free the cores for the peer
     if peer == "trl":

@@ -146,6 +146,20 @@ class WorkerHost:
             except BaseException:
                 raise RemoteError(role, rank, "__init__", traceback.format_exc()) from None
             self.workers[role] = obj
+        self._start_sampler(",".join(roles))
+
+    def _start_sampler(self, roles: str) -> None:
+        """Send device samples to the run's telemetry hub, if the session named one."""
+        from hybridlab.telemetry.hub import ENV_HUB, NAMESPACE, DeviceSampler
+
+        name = os.environ.get(ENV_HUB)
+        if not name:
+            return
+        try:
+            hub = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return
+        self.sampler = DeviceSampler(hub, roles, self.rank, [str(g) for g in ray.get_gpu_ids()]).start()
 
     def dp_info(self, role: str) -> tuple[int, int, bool]:
         """Return the role's (dp_rank, dp_size, collect) on this rank."""

@@ -122,6 +122,9 @@ class Dataflow:
 
 
 def _timed(stage: Stage, ctx: Any, batch: Batch):
+    timeline = getattr(ctx, "timeline", None)
+    if timeline is not None:  # worker calls made by this thread are stamped with the stage
+        timeline.stage = stage.name
     start = time.perf_counter()
     new, metrics = stage.fn(ctx, batch)
     return new, metrics, time.perf_counter() - start

@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.stages import generation_metrics
 from hybridlab.dataflow.prompts import PromptSource, load_samples, prompt_batch
 from hybridlab.dataflow.validate import PROMPT_FIELDS, dataflow_names, default_mapping
+from hybridlab.dataflow.context import BackgroundRun, StepContext
 from hybridlab.protocol import Batch
 
 
@@ -43,42 +43,6 @@ class StepResult:
     step: int
     batch: Batch
     metrics: dict[str, Any]
-
-
-class StepContext:
-    """What stage functions see: the config, the worker groups and a few shared services."""
-
-    def __init__(self, rl: "RLSession"):
-        self.rl = rl
-        self.cfg = rl.cfg
-        self.kl_ctrl = rl.kl_ctrl
-        self.warnings: list[str] = []
-
-    def group(self, role: str):
-        """Return the WorkerGroup of ``role``."""
-        return self.rl.session.groups[role]
-
-    def sampling(self, **overrides) -> dict:
-        """Return the rollout sampling settings (with ``overrides``) as a dict."""
-        r = self.cfg.rollout
-        params = {"n": r.n, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
-                  "max_tokens": r.max_new_tokens, "ignore_eos": r.ignore_eos, "seed": self.cfg.trainer.seed + self.rl.step_count}
-        params.update(overrides)
-        return params
-
-    def warn(self, message: str) -> None:
-        """Record a warning for this step's metrics and show it once."""
-        self.warnings.append(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-
-    def rerun_rollout(self, stages: list[str]) -> Batch:
-        """Run ``stages`` (e.g. generate, reward) on fresh prompts; returns their batch."""
-        batch, _ = Dataflow(stages).run(self, self.rl.prompts.next())
-        return batch
-
-    def sync(self):
-        """Copy the actor's weights into the rollout engines; returns the SyncReport."""
-        return self.rl.sync_weights()
 
 
 class RLSession:
@@ -103,6 +67,8 @@ class RLSession:
         self.step_count = 0
         self.history: list[dict] = []
         self._pending = None   # off-policy: the GroupFuture of the next step's rollout
+        self.hub = None        # the telemetry hub actor (trainer.telemetry)
+        self._stop_requested = False
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> "RLSession":
@@ -132,11 +98,40 @@ class RLSession:
         self.session = Session(self.mapping, self._workers(str(model_dir)), address=self._ray["address"],
                                num_gpus=None if self._ray["address"] else devices, env=env,
                                ray_temp_dir=self._ray["temp_dir"])
+        if self.cfg.trainer.telemetry:
+            self._start_telemetry(env, devices)
         self.session.start()
         from hybridlab.telemetry.metrics import MetricsLog
 
         self.log = MetricsLog(self.run_dir, self.cfg.trainer.tensorboard)
         return self
+
+    def _start_telemetry(self, env: dict, devices: int) -> None:
+        """Start the run's hub before the workers (they send it device samples) and forward
+        every worker call's span to it."""
+        from hybridlab.controller.resources import connect
+        from hybridlab.telemetry.hub import ENV_HUB, hub_name, start_hub
+
+        connect(address=self._ray["address"], num_gpus=None if self._ray["address"] else devices,
+                temp_dir=self._ray["temp_dir"])
+        self.hub = start_hub(self.run_dir)
+        env[ENV_HUB] = hub_name(self.run_dir)
+        self.session.env = env
+        self.hub.add.remote("run", [{"time": time.time(), "name": self.cfg.name, "run_dir": str(self.run_dir),
+                                     "algorithm": self.cfg.algorithm.adv_estimator,
+                                     "dataflow": self._dataflow.names, "mapping": self.mapping.to_dict()}])
+        self.session.timeline.subscribe(
+            lambda spans: self.hub.add.remote("span", [dataclasses.asdict(s) for s in spans]))
+
+    def _emit(self, kind: str, record: dict) -> None:
+        if self.hub is not None:
+            self.hub.add.remote(kind, [{"time": time.time(), **record}])
+
+    def dashboard(self):
+        """Return the live dashboard of this run (display it in a notebook cell); read-only."""
+        from hybridlab.telemetry.dashboard import build_dashboard
+
+        return build_dashboard(self.run_dir)
 
     def _warm_start(self, base: Path) -> Path:
         from hybridlab import sft
@@ -194,6 +189,12 @@ class RLSession:
             self.session.shutdown()
             self.session = None
             self.log.close()
+        if self.hub is not None:
+            import ray
+
+            ray.get(self.hub.close.remote())  # everything sent so far is on disk
+            ray.kill(self.hub)
+            self.hub = None
 
     def __enter__(self) -> "RLSession":
         return self.start()
@@ -286,6 +287,7 @@ class RLSession:
         self.step_count += 1
         self.history.append({"step": self.step_count, **metrics})
         self.log.write(self.step_count, metrics)
+        self._emit("metrics", {"step": self.step_count, **metrics})
         return StepResult(self.step_count, batch, metrics)
 
     def sync_weights(self):
@@ -294,8 +296,11 @@ class RLSession:
         from hybridlab.reshard.transfer import sync_weights
 
         a, r = self.mapping.roles["actor"], self.mapping.roles["rollout"]
-        return sync_weights(self.session.groups["actor"], self.session.groups["rollout"], self.spec,
-                            TrainerLayout(tp=a.tp, pp=a.pp, dp=a.dp), RolloutLayout(tp=r.tp, replicas=r.dp))
+        report = sync_weights(self.session.groups["actor"], self.session.groups["rollout"], self.spec,
+                              TrainerLayout(tp=a.tp, pp=a.pp, dp=a.dp), RolloutLayout(tp=r.tp, replicas=r.dp))
+        self._emit("sync", {"step": self.step_count + 1, "bytes": report.bytes_moved, "buckets": report.buckets,
+                            "seconds": report.seconds, "mode": report.mode})
+        return report
 
     # -------------------------------------------------------------- evaluation
     def evaluate(self, samples: list | None = None) -> dict:
@@ -343,11 +348,16 @@ class RLSession:
         before = self.evaluate()
         curve = [{"step": self.step_count, "accuracy": before["accuracy"], "seconds": 0.0}]
         self.log.write(self.step_count, {"eval/accuracy": before["accuracy"]})
+        self._emit("eval", {"step": self.step_count, "accuracy": before["accuracy"]})
         stopped = "steps"
+        self._stop_requested = False
         bar = tqdm(total=steps, desc=f"{self.cfg.name} rl", disable=not t.progress, dynamic_ncols=True)
         for _ in range(steps):
             if time.perf_counter() > deadline:
                 stopped = f"time limit ({t.max_minutes:g} min)"
+                break
+            if self._stop_requested:
+                stopped = "stop requested"
                 break
             result = self.step()
             bar.update(1)
@@ -358,6 +368,7 @@ class RLSession:
                 curve.append({"step": self.step_count, "accuracy": ev["accuracy"],
                               "seconds": round(time.perf_counter() - started, 1)})
                 self.log.write(self.step_count, {"eval/accuracy": ev["accuracy"]})
+                self._emit("eval", {"step": self.step_count, "accuracy": ev["accuracy"]})
                 bar.write(f"step {self.step_count}: greedy test accuracy {ev['accuracy']:.3f}")
         bar.close()
         self._drop_pending()
@@ -366,7 +377,15 @@ class RLSession:
             curve.append({"step": self.step_count, "accuracy": after["accuracy"],
                           "seconds": round(time.perf_counter() - started, 1)})
             self.log.write(self.step_count, {"eval/accuracy": after["accuracy"]})
+            self._emit("eval", {"step": self.step_count, "accuracy": after["accuracy"]})
         return self._write_summary(before, after, curve, time.perf_counter() - started, stopped)
+
+    def start_background(self, steps: int | None = None) -> "BackgroundRun":
+        """Run ``train(steps)`` in a background thread so the notebook kernel stays responsive;
+        returns a handle with ``done()``, ``stop()`` and ``wait()``."""
+        if self.session is None:
+            self.start()
+        return BackgroundRun(self, steps)
 
     def _write_summary(self, before: dict, after: dict, curve: list, seconds: float, stopped: str) -> dict:
         steps = [h for h in self.history]
@@ -385,3 +404,4 @@ class RLSession:
         tmp.write_text(json.dumps(summary, indent=2))
         tmp.replace(self.run_dir / "summary.json")
         return summary
+

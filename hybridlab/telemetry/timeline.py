@@ -33,7 +33,16 @@ class Timeline:
         self._spans: list[Span] = []
         self._lock = threading.Lock()
         self._listeners: list = []
-        self.stage = ""  # the dataflow stage being run; stamped on new spans
+        self._local = threading.local()
+
+    @property
+    def stage(self) -> str:
+        """The dataflow stage this thread is running (stamped on the spans it adds)."""
+        return getattr(self._local, "stage", "")
+
+    @stage.setter
+    def stage(self, name: str) -> None:
+        self._local.stage = name
 
     def add(self, spans: Iterable[Span]) -> None:
         """Append spans and hand them to every listener."""

@@ -1,0 +1,88 @@
+"""What a running step sees (StepContext) and a training run in a background thread (BackgroundRun)."""
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+from hybridlab.dataflow.graph import Dataflow
+from hybridlab.protocol import Batch
+
+if TYPE_CHECKING:
+    from hybridlab.dataflow.session import RLSession
+
+
+class StepContext:
+    """What stage functions see: the config, the worker groups and a few shared services."""
+
+    def __init__(self, rl: "RLSession"):
+        self.rl = rl
+        self.cfg = rl.cfg
+        self.kl_ctrl = rl.kl_ctrl
+        self.warnings: list[str] = []
+
+    @property
+    def timeline(self):
+        """The session's Timeline (stages stamp their worker calls on it)."""
+        return self.rl.session.timeline
+
+    def group(self, role: str):
+        """Return the WorkerGroup of ``role``."""
+        return self.rl.session.groups[role]
+
+    def sampling(self, **overrides) -> dict:
+        """Return the rollout sampling settings (with ``overrides``) as a dict."""
+        r = self.cfg.rollout
+        params = {"n": r.n, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
+                  "max_tokens": r.max_new_tokens, "ignore_eos": r.ignore_eos, "seed": self.cfg.trainer.seed + self.rl.step_count}
+        params.update(overrides)
+        return params
+
+    def warn(self, message: str) -> None:
+        """Record a warning for this step's metrics and show it once."""
+        self.warnings.append(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def rerun_rollout(self, stages: list[str]) -> Batch:
+        """Run ``stages`` (e.g. generate, reward) on fresh prompts; returns their batch."""
+        batch, _ = Dataflow(stages).run(self, self.rl.prompts.next())
+        return batch
+
+    def sync(self):
+        """Copy the actor's weights into the rollout engines; returns the SyncReport."""
+        return self.rl.sync_weights()
+
+
+class BackgroundRun:
+    """``RLSession.train`` running in a thread; the kernel stays free while it runs."""
+
+    def __init__(self, rl: "RLSession", steps: int | None):
+        import threading
+
+        self.rl, self.summary, self.error = rl, None, None
+        self._thread = threading.Thread(target=self._run, args=(steps,), name="hybridlab-train", daemon=True)
+        self._thread.start()
+
+    def _run(self, steps: int | None) -> None:
+        try:
+            self.summary = self.rl.train(steps)
+        except BaseException as exc:  # kept for wait() to re-raise in the kernel's thread
+            self.error = exc
+
+    def done(self) -> bool:
+        """Return True once training has finished (or failed)."""
+        return not self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Ask the run to stop after the current step (it still evaluates and writes its summary)."""
+        self.rl._stop_requested = True
+
+    def wait(self, timeout: float | None = None) -> dict | None:
+        """Wait for the run to end; returns its summary (re-raises its error)."""
+        self._thread.join(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.summary
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else f"running, step {self.rl.step_count}"
+        return f"BackgroundRun({state})"

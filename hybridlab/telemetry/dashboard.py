@@ -1,0 +1,193 @@
+"""The live dashboard of a run: Panel + Bokeh, fed by the telemetry hub or its file.
+
+``build_dashboard(run_dir)`` returns a read-only Panel layout: a status line (run, step, mean
+reward), reward and accuracy curves, a per-worker phase timeline (a Gantt chart of the last
+steps, coloured by stage), per-device utilization and weight-sync bytes and seconds per step.
+A periodic callback on the server's own loop polls for new records every second and streams
+only the new points (Bokeh models may only change on the document's loop). In the process
+that runs the session it reads the live hub; elsewhere (``hybridlab dashboard``, ``panel
+serve``) it follows the hub's append-only ``telemetry.jsonl``, which also replays finished runs.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from hybridlab.telemetry.hub import find_hub, read_records
+
+STAGE_COLORS = {"generate": "#4e79a7", "reward": "#f28e2b", "reward_model": "#f28e2b", "remax_baseline": "#edc948",
+                "old_logprob": "#59a14f", "rollout_as_old_logprob": "#59a14f", "ref_logprob": "#76b7b2",
+                "values": "#b07aa1", "update_critic": "#ff9da7", "update_actor": "#e15759",
+                "sync_weights": "#9c755f", "filter_groups": "#bab0ac"}
+GANTT_SPANS = 600          # spans kept in the timeline (about the last few steps)
+POLL_MS = 1000
+
+
+class RecordSource:
+    """New telemetry records since the last poll: from the live hub, else from the run's file."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.hub = find_hub(self.run_dir)
+        self.cursor = 0
+
+    def poll(self) -> list[dict]:
+        """Return the records that arrived since the previous call."""
+        if self.hub is not None:
+            import ray
+
+            try:
+                records, self.cursor = ray.get(self.hub.since.remote(self.cursor), timeout=5)
+                return records
+            except Exception:  # the run ended and its hub is gone: continue from the file
+                self.hub, self.cursor = None, 0
+        records, self.cursor = read_records(self.run_dir, self.cursor)
+        return records
+
+
+class Dashboard:
+    """The plots and the state that turns records into streamed points."""
+
+    def __init__(self, run_dir: str | Path):
+        import panel as pn
+        from bokeh.models import ColumnDataSource, FactorRange
+        from bokeh.plotting import figure
+
+        self.source = RecordSource(run_dir)
+        self.run_name, self.step, self.reward = Path(run_dir).name, 0, float("nan")
+        self.t0: float | None = None
+        self.status = pn.pane.Markdown(self._status_text(), name="status")
+        self.curves = ColumnDataSource({"step": [], "reward": [], "accuracy": []})
+        self.evals = ColumnDataSource({"step": [], "accuracy": []})
+        self.spans = ColumnDataSource({"worker": [], "left": [], "right": [], "stage": [], "color": []})
+        self.sync = ColumnDataSource({"step": [], "mb": [], "seconds": []})
+        self.devices: dict[str, ColumnDataSource] = {}
+
+        common = dict(height=260, sizing_mode="stretch_width", toolbar_location="above")
+        self.reward_fig = figure(title="reward and accuracy per step", x_axis_label="step", **common)
+        self.reward_fig.line("step", "reward", source=self.curves, legend_label="mean reward", color="#4e79a7")
+        self.reward_fig.line("step", "accuracy", source=self.curves, legend_label="sample accuracy",
+                             color="#59a14f")
+        self.reward_fig.scatter("step", "accuracy", source=self.evals, legend_label="greedy test accuracy",
+                                color="#e15759", size=7)
+        self.reward_fig.legend.location = "top_left"
+        self.gantt_fig = figure(title="worker phases (last steps)", y_range=FactorRange(), x_axis_label="seconds",
+                                **common)
+        self.gantt_fig.hbar(y="worker", left="left", right="right", height=0.7, color="color", legend_field="stage",
+                            source=self.spans)
+        self.gantt_fig.legend.location = "top_left"
+        self.device_fig = figure(title="device utilization (CPU % per worker process; GPU % with NVML)",
+                                 x_axis_label="seconds", **common)
+        self.sync_fig = figure(title="weight sync per step: MB (bars) and seconds (line, x100)",
+                               x_axis_label="step", **common)
+        self.sync_fig.vbar(x="step", top="mb", width=0.8, source=self.sync, color="#9c755f")
+        self.sync_fig.line(x="step", y="seconds", source=self.sync, color="#000000")
+        self.layout = pn.Column(self.status, pn.Row(self.reward_fig, self.sync_fig, sizing_mode="stretch_width"),
+                                self.gantt_fig, self.device_fig, sizing_mode="stretch_width")
+
+    def _status_text(self) -> str:
+        reward = "n/a" if self.reward != self.reward else f"{self.reward:.3f}"
+        return f"run {self.run_name} · step {self.step} · mean reward {reward}"
+
+    def _clock(self, t: float) -> float:
+        if self.t0 is None:
+            self.t0 = t
+        return t - self.t0
+
+    def update(self) -> None:
+        """Poll the source and stream the new points (call on the document's loop)."""
+        records = self.source.poll()
+        if not records:
+            return
+        curves, evals, spans, sync = ([] for _ in range(4))
+        devices: dict[str, list[dict]] = {}
+        for r in records:
+            kind = r.get("kind")
+            if kind == "run":
+                self.run_name = r.get("name", self.run_name)
+            elif kind == "metrics":
+                self.step, self.reward = r["step"], r.get("reward/mean", float("nan"))
+                curves.append(r)
+            elif kind == "eval":
+                evals.append(r)
+            elif kind == "span":
+                spans.append(r)
+            elif kind == "sync":
+                sync.append(r)
+            elif kind == "device":
+                devices.setdefault(f"{r['device']} {r['role']} r{r['rank']}", []).append(r)
+        if curves:
+            self.curves.stream({"step": [r["step"] for r in curves],
+                                "reward": [r.get("reward/mean", float("nan")) for r in curves],
+                                "accuracy": [r.get("accuracy", float("nan")) for r in curves]})
+        if evals:
+            self.evals.stream({"step": [r["step"] for r in evals], "accuracy": [r["accuracy"] for r in evals]})
+        if spans:
+            self._stream_spans(spans)
+        if sync:
+            self.sync.stream({"step": [r["step"] for r in sync], "mb": [r["bytes"] / 2**20 for r in sync],
+                              "seconds": [100 * r["seconds"] for r in sync]})
+        for label, rows in devices.items():
+            self._stream_device(label, rows)
+        self.status.object = self._status_text()
+
+    def _stream_spans(self, spans: list[dict]) -> None:
+        workers = [f"{s['role']} {s['rank']}" for s in spans]
+        known = list(self.gantt_fig.y_range.factors)
+        new = sorted(set(workers) - set(known))
+        if new:
+            self.gantt_fig.y_range.factors = sorted(known + new)
+        self.spans.stream({"worker": workers, "left": [self._clock(s["start"]) for s in spans],
+                           "right": [self._clock(s["end"]) for s in spans],
+                           "stage": [s.get("stage") or s["method"] for s in spans],
+                           "color": [STAGE_COLORS.get(s.get("stage") or "", "#bab0ac") for s in spans]},
+                          rollover=GANTT_SPANS)
+
+    def _stream_device(self, label: str, rows: list[dict]) -> None:
+        from bokeh.models import ColumnDataSource
+        from bokeh.palettes import Category10_10
+
+        if label not in self.devices:
+            self.devices[label] = ColumnDataSource({"t": [], "util": [], "memory_mb": []})
+            color = Category10_10[len(self.devices) % 10]
+            self.device_fig.line("t", "util", source=self.devices[label], legend_label=label, color=color)
+        self.devices[label].stream({"t": [self._clock(r["time"]) for r in rows], "util": [r["util"] for r in rows],
+                                    "memory_mb": [r["memory_mb"] for r in rows]}, rollover=3600)
+
+
+def build_dashboard(run_dir: str | Path):
+    """Return the dashboard layout of ``run_dir`` with its 1 s update loop attached; read-only."""
+    import panel as pn
+
+    board = Dashboard(run_dir)
+    board.update()  # a late viewer sees the whole history at once
+    pn.state.add_periodic_callback(board.update, period=POLL_MS)
+    board.layout.dashboard = board  # keep the state reachable (tests, debugging)
+    return board.layout
+
+
+def serve(run_dir: str | Path, port: int = 0, address: str = "localhost", show: bool = False, threaded: bool = False):
+    """Serve the dashboard of ``run_dir`` on ``address:port`` (0 picks a free port); returns
+    (server or server thread, port). ``threaded=True`` returns at once (notebooks, tests)."""
+    import socket
+
+    import panel as pn
+
+    if not port:
+        with socket.socket() as s:
+            s.bind((address, 0))
+            port = s.getsockname()[1]
+    origins = sorted({f"{address}:{port}", f"localhost:{port}", f"127.0.0.1:{port}"})
+    server = pn.serve({"/": lambda: build_dashboard(run_dir)}, port=port, address=address, show=show,
+                      threaded=threaded, title=f"hybridlab {Path(run_dir).name}", websocket_origin=origins,
+                      verbose=False)
+    return server, port
+
+
+def wait_for_file(run_dir: str | Path, timeout_s: float = 30.0) -> bool:
+    """Return True once the run's telemetry file exists (False after ``timeout_s``)."""
+    path = Path(run_dir) / "telemetry.jsonl"
+    end = time.time() + timeout_s
+    while not path.exists() and time.time() < end:
+        time.sleep(0.2)
+    return path.exists()

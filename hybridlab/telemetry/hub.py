@@ -1,0 +1,154 @@
+"""TelemetryHub: a named Ray actor that gathers a run's telemetry and persists it append-only.
+
+Records are dicts with a ``kind``: ``run`` (name, config), ``span`` (a worker call: role, rank,
+method, stage, start, end, bytes), ``metrics`` (one RL step), ``eval``, ``sync`` (bytes,
+buckets, seconds) and ``device`` (one sample of a worker's device: CPU% and resident memory
+on CPU machines, utilization and memory through NVML on GPUs). Each ``add`` appends JSON lines
+to ``RUN_DIR/telemetry.jsonl`` and flushes, so a crash loses at most what was in flight and a
+finished or crashed run can be replayed from the file. ``since(cursor)`` serves live viewers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+TELEMETRY_FILE = "telemetry.jsonl"
+ENV_HUB = "HYBRIDLAB_TELEMETRY_HUB"      # workers find the hub by this actor name
+NAMESPACE = "hybridlab"
+
+
+def hub_name(run_dir: str | os.PathLike) -> str:
+    """Return the actor name of a run directory's hub (stable for the same absolute path)."""
+    digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+    return f"hybridlab-telemetry-{digest}"
+
+
+class TelemetryHub:
+    """Append-only store of a run's telemetry (wrapped as a Ray actor by ``start_hub``)."""
+
+    def __init__(self, run_dir: str):
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.path = Path(run_dir) / TELEMETRY_FILE
+        self._file = open(self.path, "a", buffering=1)
+        self.records: list[dict] = []
+
+    def add(self, kind: str, items: list[dict]) -> int:
+        """Append records of ``kind``; returns the number of records held."""
+        lines = []
+        for item in items:
+            record = {"kind": kind, **item}
+            self.records.append(record)
+            lines.append(json.dumps(record, default=float))
+        if lines:
+            self._file.write("\n".join(lines) + "\n")
+            self._file.flush()
+        return len(self.records)
+
+    def since(self, cursor: int) -> tuple[list[dict], int]:
+        """Return (records after position ``cursor``, the new cursor)."""
+        return self.records[cursor:], len(self.records)
+
+    def close(self) -> None:
+        """Close the file (the records stay readable)."""
+        self._file.close()
+
+
+def start_hub(run_dir: str | os.PathLike):
+    """Start (or find) the hub actor of ``run_dir`` in the connected Ray cluster; returns its handle."""
+    import ray
+
+    actor = ray.remote(num_cpus=0, max_concurrency=4)(TelemetryHub)
+    return actor.options(name=hub_name(run_dir), namespace=NAMESPACE, get_if_exists=True).remote(str(run_dir))
+
+
+def find_hub(run_dir: str | os.PathLike):
+    """Return the live hub of ``run_dir`` if this process is connected to its Ray cluster, else None."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    try:
+        return ray.get_actor(hub_name(run_dir), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+class DeviceSampler:
+    """A thread in a worker process that sends one device sample per second to the hub.
+
+    On CPU machines it reports this process's CPU% and resident memory (psutil), attributed
+    to the logical device(s) the worker holds; with NVML (``nvidia-ml-py``) it reports each
+    visible GPU's utilization and memory.
+    """
+
+    def __init__(self, hub, role: str, rank: int, devices: list[str], period_s: float = 1.0):
+        self.hub, self.role, self.rank, self.devices, self.period = hub, role, rank, devices, period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="device-sampler", daemon=True)
+
+    def start(self) -> "DeviceSampler":
+        """Start sampling in the background; returns self."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop sampling."""
+        self._stop.set()
+
+    def _loop(self) -> None:
+        import psutil
+
+        proc = psutil.Process()
+        proc.cpu_percent(None)
+        nvml = _nvml()
+        while not self._stop.wait(self.period):
+            now = time.time()
+            if nvml is not None:
+                samples = [dict(time=now, device=f"GPU {d}", role=self.role, rank=self.rank, **nvml(int(d)))
+                           for d in self.devices]
+            else:
+                device = ",".join(self.devices) or "cpu"
+                samples = [{"time": now, "device": f"GPU {device}" if self.devices else "cpu", "role": self.role,
+                            "rank": self.rank, "pid": proc.pid, "util": proc.cpu_percent(None),
+                            "memory_mb": proc.memory_info().rss / 2**20}]
+            try:
+                self.hub.add.remote("device", samples)
+            except Exception:  # the hub is gone (run over): stop quietly
+                return
+
+
+def _nvml() -> Any:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        if pynvml.nvmlDeviceGetCount() == 0:
+            return None
+    except Exception:
+        return None
+
+    def sample(index: int) -> dict:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        util = pynvml.nvmlDeviceGetUtilizationRates(handle)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        return {"util": float(util.gpu), "memory_mb": mem.used / 2**20}
+    return sample
+
+
+def read_records(run_dir: str | os.PathLike, offset: int = 0) -> tuple[list[dict], int]:
+    """Return (complete records in the run's telemetry file after byte ``offset``, new offset);
+    a half-written last line is left for the next read."""
+    path = Path(run_dir) / TELEMETRY_FILE
+    if not path.is_file():
+        return [], offset
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    records = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+    return records, offset + end

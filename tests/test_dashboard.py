@@ -1,0 +1,100 @@
+"""Telemetry and the live dashboard on a real run: the hub's file, replay, and a served page
+watched in headless Chromium while the run progresses."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridlab.dataflow.session import RLSession
+from hybridlab.telemetry.dashboard import Dashboard
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+
+
+@pytest.fixture(scope="module")
+def rl(ray_local, trained_dir, tmp_path_factory):
+    """A GRPO session with telemetry on (tiny, small batches, one device)."""
+    run_dir = tmp_path_factory.mktemp("dash") / "run"
+    session = RLSession(None, [f"model={trained_dir}", "warm_start.steps=0", "data.prompts_per_step=8",
+                               "rollout.n=4", "actor.ppo_mini_batch_size=8", "data.test_samples=16",
+                               "trainer.eval_every=5", "trainer.progress=false", f"trainer.run_dir={run_dir}"])
+    session.start()
+    yield session
+    session.shutdown()
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium")
+    if path is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium; scripts/install.sh does it as root)")
+    return path
+
+
+def _status_step(page) -> int:
+    status = page.get_by_text(re.compile(r"· step \d+ · mean reward")).first
+    status.wait_for(timeout=30_000)
+    text = status.text_content()
+    found = re.search(r"step\s+(\d+)", text)
+    assert found, f"status line reads {text!r}"
+    return int(found.group(1))
+
+
+def test_served_dashboard_renders_and_follows_the_run(rl):
+    from playwright.sync_api import sync_playwright
+
+    from hybridlab.telemetry.dashboard import serve
+
+    chromium = _chromium()
+    rl.step()  # something to show at once
+    server, port = serve(rl.run_dir, port=0, threaded=True)
+    run = rl.start_background(40)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, headless=True,
+                                        args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                                              "--disable-component-update", "--no-first-run"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page.goto(f"http://localhost:{port}/", timeout=60_000)
+            first = _status_step(page)
+            deadline = time.time() + 60
+            later = first
+            while later <= first and time.time() < deadline:
+                time.sleep(1.0)
+                later = _status_step(page)
+            assert later > first, f"status stayed at step {first}"
+            page.locator("canvas").first.wait_for(timeout=20_000)
+            assert page.locator("canvas").count() >= 4  # reward, sync, phases, devices
+            assert page.locator("text=worker phases").count() >= 1 or page.locator("canvas").count() >= 4
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+            browser.close()
+    finally:
+        run.stop()
+        run.wait(600)
+        server.stop()
+    assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
+
+
+def test_hub_file_holds_every_kind_and_replays(rl):
+    steps = rl.step_count
+    rl.shutdown()  # the hub flushes and goes; the file stays
+    records = [json.loads(line) for line in (rl.run_dir / "telemetry.jsonl").read_text().splitlines()]
+    kinds = {r["kind"] for r in records}
+    assert {"run", "span", "metrics", "sync", "eval", "device"} <= kinds
+    stages = {r["stage"] for r in records if r["kind"] == "span"}
+    assert {"generate", "reward", "old_logprob", "ref_logprob", "update_actor"} <= stages
+    devices = [r for r in records if r["kind"] == "device"]
+    assert all(r["device"].startswith("GPU ") and r["memory_mb"] > 10 for r in devices)
+    assert [r["step"] for r in records if r["kind"] == "metrics"] == list(range(1, steps + 1))
+
+    board = Dashboard(rl.run_dir)  # no live hub now: replay from the file
+    board.update()
+    assert board.curves.data["step"] == list(range(1, steps + 1))
+    assert f"step {steps} ·" in board.status.object
+    assert len(board.spans.data["worker"]) > 0 and board.devices
+    assert len(board.sync.data["step"]) == steps
