@@ -146,9 +146,9 @@ class RewardConfig:
 @dataclasses.dataclass
 class TrainerConfig:
     """The loop: steps, time limit, evaluation, logging and the run directory."""
-    steps: int = 200
-    max_minutes: float = 9.0
-    eval_every: int = 25
+    steps: int = 1000
+    max_minutes: float = 8.5            # RL loop budget; the whole default run takes about 10 min
+    eval_every: int = 50
     run_dir: Optional[str] = None
     seed: int = 0
     off_policy: bool = False

@@ -158,7 +158,7 @@ def test_entropy_and_logprobs_from_logits():
 
 
 def test_dapo_helpers():
-    assert A.informative_groups(["a", "a", "b", "b", "c"], torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0])) == ["b"]
+    assert A.informative_groups(["a", "a", "b", "b", "c"], torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0])) == ["b", "c"]
     pen = A.overlong_penalty(torch.tensor([4, 6, 8]), max_response_length=8, buffer_len=4, penalty_factor=1.0)
     assert torch.allclose(pen, torch.tensor([0.0, -0.5, -1.0]))
 

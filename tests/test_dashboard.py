@@ -82,7 +82,12 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
 
 def test_hub_file_holds_every_kind_and_replays(rl):
     steps = rl.step_count
+    live = Dashboard(rl.run_dir)
+    assert live.source.hub is not None  # in the session's process it reads the live hub
+    live.update()
     rl.shutdown()  # the hub flushes and goes; the file stays
+    live.update()  # switches to the file without repeating what the hub gave
+    assert live.curves.data["step"] == list(range(1, steps + 1))
     records = [json.loads(line) for line in (rl.run_dir / "telemetry.jsonl").read_text().splitlines()]
     kinds = {r["kind"] for r in records}
     assert {"run", "span", "metrics", "sync", "eval", "device"} <= kinds
@@ -98,3 +103,37 @@ def test_hub_file_holds_every_kind_and_replays(rl):
     assert f"step {steps} ·" in board.status.object
     assert len(board.spans.data["worker"]) > 0 and board.devices
     assert len(board.sync.data["step"]) == steps
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("how", ["cli", "panel serve"])
+def test_the_same_app_is_served_by_the_cli_and_by_panel_serve(rl, how):
+    import subprocess
+    import sys
+    import urllib.request
+
+    port = _free_port()
+    app = Path(__file__).resolve().parent.parent / "dashboards" / "live.py"
+    cmd = ([sys.executable, "-m", "hybridlab.cli", "dashboard", str(rl.run_dir), "--port", str(port)] if how == "cli"
+           else [sys.executable, "-m", "panel", "serve", str(app), "--port", str(port), "--args", str(rl.run_dir)])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://localhost:{port}/" + ("" if how == "cli" else "live")
+    try:
+        body = ""
+        for _ in range(60):
+            try:
+                body = urllib.request.urlopen(url, timeout=5).read().decode()
+                break
+            except OSError:
+                time.sleep(0.5)
+        assert "bokeh" in body.lower(), f"{how}: no page at {url}"
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -1,6 +1,7 @@
 """Advantage estimators under verl's names, arguments, defaults and return values.
 
-Each returns ``(advantages, returns)``, both [batch, response_len], zero outside the response.
+Each returns ``(advantages, returns)``, both [batch, response_len]. Outcome estimators are zero
+outside the response; GAE's entries past the response carry no meaning (losses mask them).
 Outcome estimators (GRPO, RLOO, REINFORCE++-baseline) group samples by ``index`` (one id per
 prompt; the n samples of a prompt share it); a group of one has mean 0 (and std 1 for GRPO).
 """

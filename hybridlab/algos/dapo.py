@@ -10,11 +10,12 @@ import torch
 
 def informative_groups(uids: Sequence, scores: torch.Tensor) -> list:
     """Return the group ids (in first-seen order) whose samples' scores are not all equal: a group
-    where every sample earned the same reward has zero advantage and teaches nothing."""
+    where every sample earned the same reward has zero advantage and teaches nothing. Groups of
+    one are kept (as verl does): their advantage is the raw score."""
     by_uid: dict = defaultdict(list)
     for uid, s in zip(uids, scores.tolist()):
         by_uid[uid].append(s)
-    return [uid for uid, values in by_uid.items() if len(values) > 1 and max(values) > min(values)]
+    return [uid for uid, values in by_uid.items() if len(values) == 1 or max(values) > min(values)]
 
 
 def overlong_penalty(response_lengths: torch.Tensor, max_response_length: int, buffer_len: int,

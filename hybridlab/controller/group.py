@@ -8,6 +8,7 @@ each gets its own WorkerGroup over the shared hosts.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Callable, Sequence
 
 import ray
@@ -45,6 +46,9 @@ class HostSet:
     hosts: list
     placements: list[dict]
     roles: tuple[str, ...]
+    # Calls from concurrent threads (dataflow stages) are submitted to all ranks under this
+    # lock, so every rank runs them in the same order: colocated roles share collectives.
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
     def kill(self) -> None:
         """Terminate every process of the set (their roles' groups become unusable)."""
@@ -228,6 +232,10 @@ class WorkerGroup:
         return self._dp
 
     def _dispatch(self, method: str, dispatch: Dispatch, args: tuple, kwargs: dict) -> GroupFuture:
+        with self.hostset.lock:
+            return self._submit(method, dispatch, args, kwargs)
+
+    def _submit(self, method: str, dispatch: Dispatch, args: tuple, kwargs: dict) -> GroupFuture:
         hosts = self.hostset.hosts
         remote = self._remote[method]  # per rank: the host's direct actor method for role.method
         ranks = list(range(len(hosts)))

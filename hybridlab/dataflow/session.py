@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,15 @@ from hybridlab.dataflow.prompts import PromptSource, load_samples, prompt_batch
 from hybridlab.dataflow.validate import PROMPT_FIELDS, dataflow_names, default_mapping
 from hybridlab.dataflow.context import BackgroundRun, StepContext
 from hybridlab.protocol import Batch
+
+
+# Built into workers, prompts or the run directory when the session is created.
+FIXED_SETTINGS = ("name", "model", "warm_start", "data", "mapping", "trainer.devices", "trainer.run_dir",
+                  "trainer.telemetry", "trainer.tensorboard", "trainer.seed", "rollout.backend",
+                  "rollout.kv_cache_mb", "rollout.temperature", "actor.lr", "actor.weight_decay", "actor.grad_clip",
+                  "actor.warmup_steps", "actor.micro_batch_size", "critic.lr", "critic.weight_decay",
+                  "critic.grad_clip", "critic.warmup_steps", "critic.micro_batch_size", "reward.kind",
+                  "reward.function", "reward.format_score", "reward.error_score")
 
 
 def _dig(cfg: Any, dotted: str) -> Any:
@@ -68,7 +78,10 @@ class RLSession:
         self.history: list[dict] = []
         self._pending = None   # off-policy: the GroupFuture of the next step's rollout
         self.hub = None        # the telemetry hub actor (trainer.telemetry)
+        self.log = None        # MetricsLog, once started
         self._stop_requested = False
+        self._lock = threading.RLock()  # a step, or an edit of the session; never both
+        self._dashboards: list = []
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> "RLSession":
@@ -98,9 +111,13 @@ class RLSession:
         self.session = Session(self.mapping, self._workers(str(model_dir)), address=self._ray["address"],
                                num_gpus=None if self._ray["address"] else devices, env=env,
                                ray_temp_dir=self._ray["temp_dir"])
-        if self.cfg.trainer.telemetry:
-            self._start_telemetry(env, devices)
-        self.session.start()
+        try:
+            if self.cfg.trainer.telemetry:
+                self._start_telemetry(env, devices)
+            self.session.start()
+        except BaseException:
+            self.shutdown()  # nothing half-started stays behind; start() may be called again
+            raise
         from hybridlab.telemetry.metrics import MetricsLog
 
         self.log = MetricsLog(self.run_dir, self.cfg.trainer.tensorboard)
@@ -131,7 +148,9 @@ class RLSession:
         """Return the live dashboard of this run (display it in a notebook cell); read-only."""
         from hybridlab.telemetry.dashboard import build_dashboard
 
-        return build_dashboard(self.run_dir)
+        layout = build_dashboard(self.run_dir)
+        self._dashboards.append(layout.dashboard)  # its poller stops when the session shuts down
+        return layout
 
     def _warm_start(self, base: Path) -> Path:
         from hybridlab import sft
@@ -185,10 +204,15 @@ class RLSession:
     def shutdown(self) -> None:
         """Stop the workers and close the logs (the Ray connection stays for the kernel)."""
         self._pending = None
+        for board in self._dashboards:
+            board.stop()
+        self._dashboards.clear()
         if self.session is not None:
             self.session.shutdown()
             self.session = None
+        if getattr(self, "log", None) is not None:
             self.log.close()
+            self.log = None
         if self.hub is not None:
             import ray
 
@@ -212,9 +236,10 @@ class RLSession:
     def dataflow(self, value: Dataflow | list) -> None:
         flow = value if isinstance(value, Dataflow) else Dataflow(value)
         flow.validate(self.cfg, self.mapping.roles, PROMPT_FIELDS)
-        self._dataflow = flow
-        self.cfg = dataclasses.replace(self.cfg, dataflow=flow.names)
-        self._drop_pending()
+        with self._lock:  # between steps, never in the middle of one
+            self._dataflow = flow
+            self.cfg = dataclasses.replace(self.cfg, dataflow=flow.names)
+            self._drop_pending()
 
     def update(self, *overrides: str) -> RunConfig:
         """Change settings between steps with ``key=value`` overrides (e.g.
@@ -228,24 +253,20 @@ class RLSession:
         for pair in overrides:
             apply_override(data, pair)
         new = build(RunConfig, data)
-        fixed = ("model", "warm_start", "mapping", "trainer.devices", "rollout.backend", "rollout.kv_cache_mb",
-                 "actor.lr", "actor.micro_batch_size", "critic.lr", "critic.micro_batch_size", "reward.kind",
-                 "reward.function")
-        if self.session is not None:
-            for key in fixed:
-                if _dig(new, key) != _dig(self.cfg, key):
-                    raise ConfigError(f"{key} cannot change while workers run; start a new RLSession for that")
-        if new.dataflow is None and self.cfg.dataflow is None:
-            new.dataflow = self._dataflow.names  # keep edits made through .dataflow
+        for key in FIXED_SETTINGS:
+            if _dig(new, key) != _dig(self.cfg, key):
+                raise ConfigError(f"{key} is fixed once the session exists (workers, prompts and run directory"
+                                  f" are built from it); create a new RLSession to change it")
         validate_config(new)
         flow = Dataflow(dataflow_names(new)).validate(new, self.mapping.roles, PROMPT_FIELDS)
-        if new.algorithm.kl_ctrl != self.cfg.algorithm.kl_ctrl:
-            from hybridlab.algos.kl import get_kl_controller
+        with self._lock:  # between steps, never in the middle of one
+            if new.algorithm.kl_ctrl != self.cfg.algorithm.kl_ctrl:
+                from hybridlab.algos.kl import get_kl_controller
 
-            self.kl_ctrl = get_kl_controller(new.algorithm.kl_ctrl)
-        if new.trainer.off_policy != self.cfg.trainer.off_policy:
-            self._drop_pending()
-        self.cfg, self._dataflow = new, flow
+                self.kl_ctrl = get_kl_controller(new.algorithm.kl_ctrl)
+            if new.trainer.off_policy != self.cfg.trainer.off_policy or new.rollout != self.cfg.rollout:
+                self._drop_pending()
+            self.cfg, self._dataflow = new, flow
         return new
 
     def _drop_pending(self) -> None:
@@ -258,6 +279,10 @@ class RLSession:
         """Run one RL step through the dataflow; returns its Batch and metrics (also logged)."""
         if self.session is None:
             self.start()
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> StepResult:
         ctx = StepContext(self)
         self._dataflow.validate(self.cfg, self.mapping.roles, PROMPT_FIELDS)
         start = time.perf_counter()

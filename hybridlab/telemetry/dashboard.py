@@ -29,19 +29,23 @@ class RecordSource:
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
         self.hub = find_hub(self.run_dir)
-        self.cursor = 0
+        self.cursor = 0        # records read from the hub
+        self.offset = 0        # bytes of the file covered by what was read (hub or file)
 
     def poll(self) -> list[dict]:
         """Return the records that arrived since the previous call."""
         if self.hub is not None:
             import ray
+            from ray.exceptions import GetTimeoutError, RayActorError
 
-            try:
-                records, self.cursor = ray.get(self.hub.since.remote(self.cursor), timeout=5)
+            try:  # short wait: this runs on the page's event loop
+                records, self.cursor, self.offset = ray.get(self.hub.since.remote(self.cursor), timeout=1)
                 return records
-            except Exception:  # the run ended and its hub is gone: continue from the file
-                self.hub, self.cursor = None, 0
-        records, self.cursor = read_records(self.run_dir, self.cursor)
+            except GetTimeoutError:
+                return []
+            except RayActorError:  # the run ended and its hub is gone: continue from the file
+                self.hub = None
+        records, self.offset = read_records(self.run_dir, self.offset)
         return records
 
 
@@ -84,6 +88,12 @@ class Dashboard:
         self.sync_fig.line(x="step", y="seconds", source=self.sync, color="#000000")
         self.layout = pn.Column(self.status, pn.Row(self.reward_fig, self.sync_fig, sizing_mode="stretch_width"),
                                 self.gantt_fig, self.device_fig, sizing_mode="stretch_width")
+
+    def stop(self) -> None:
+        """Stop polling (a notebook's dashboard has no server session that would end it)."""
+        callback = getattr(self, "callback", None)
+        if callback is not None:
+            callback.stop()
 
     def _status_text(self) -> str:
         reward = "n/a" if self.reward != self.reward else f"{self.reward:.3f}"
@@ -161,8 +171,8 @@ def build_dashboard(run_dir: str | Path):
 
     board = Dashboard(run_dir)
     board.update()  # a late viewer sees the whole history at once
-    pn.state.add_periodic_callback(board.update, period=POLL_MS)
-    board.layout.dashboard = board  # keep the state reachable (tests, debugging)
+    board.callback = pn.state.add_periodic_callback(board.update, period=POLL_MS)
+    board.layout.dashboard = board  # keep the state reachable (tests, the session's shutdown)
     return board.layout
 
 

@@ -34,28 +34,34 @@ class TelemetryHub:
     def __init__(self, run_dir: str):
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(run_dir) / TELEMETRY_FILE
-        self._file = open(self.path, "a", buffering=1)
+        self._file = open(self.path, "ab")
         self.records: list[dict] = []
+        self.offset = self._file.tell()  # byte offset of the file after the last record held
+        self._lock = threading.Lock()    # the actor serves several calls at once
 
     def add(self, kind: str, items: list[dict]) -> int:
         """Append records of ``kind``; returns the number of records held."""
-        lines = []
-        for item in items:
-            record = {"kind": kind, **item}
-            self.records.append(record)
-            lines.append(json.dumps(record, default=float))
-        if lines:
-            self._file.write("\n".join(lines) + "\n")
+        records = [{"kind": kind, **item} for item in items]
+        data = "".join(json.dumps(r, default=float) + "\n" for r in records).encode()
+        with self._lock:
+            if self._file.closed:
+                return len(self.records)
+            self._file.write(data)
             self._file.flush()
-        return len(self.records)
+            self.records.extend(records)
+            self.offset += len(data)
+            return len(self.records)
 
-    def since(self, cursor: int) -> tuple[list[dict], int]:
-        """Return (records after position ``cursor``, the new cursor)."""
-        return self.records[cursor:], len(self.records)
+    def since(self, cursor: int) -> tuple[list[dict], int, int]:
+        """Return (records after position ``cursor``, the new cursor, the file's byte offset
+        after them, where a reader of the file can continue)."""
+        with self._lock:
+            return self.records[cursor:], len(self.records), self.offset
 
     def close(self) -> None:
         """Close the file (the records stay readable)."""
-        self._file.close()
+        with self._lock:
+            self._file.close()
 
 
 def start_hub(run_dir: str | os.PathLike):
@@ -102,6 +108,7 @@ class DeviceSampler:
 
     def _loop(self) -> None:
         import psutil
+        import ray
 
         proc = psutil.Process()
         proc.cpu_percent(None)
@@ -116,9 +123,15 @@ class DeviceSampler:
                 samples = [{"time": now, "device": f"GPU {device}" if self.devices else "cpu", "role": self.role,
                             "rank": self.rank, "pid": proc.pid, "util": proc.cpu_percent(None),
                             "memory_mb": proc.memory_info().rss / 2**20}]
+            previous = getattr(self, "_last", None)
+            if previous is not None and ray.wait([previous], timeout=0)[0]:
+                try:
+                    ray.get(previous)
+                except Exception:  # the hub is gone (the run is over): stop quietly
+                    return
             try:
-                self.hub.add.remote("device", samples)
-            except Exception:  # the hub is gone (run over): stop quietly
+                self._last = self.hub.add.remote("device", samples)
+            except Exception:
                 return
 
 
