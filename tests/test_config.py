@@ -110,3 +110,19 @@ def test_run_config_round_trips_through_a_dict():
     from hybridlab.config import build
 
     assert build(RunConfig, cfg.to_dict()) == cfg
+
+
+def test_a_config_object_is_validated_when_a_session_is_made():
+    import dataclasses
+
+    from hybridlab.dataflow.session import RLSession
+
+    bad = dataclasses.replace(load_config(), rollout=dataclasses.replace(load_config().rollout, n=1))
+    with pytest.raises(ConfigError, match="rollout.n"):
+        RLSession(bad)
+
+
+def test_parameter_counts_of_presets_and_checkpoints_agree(tiny_dir):
+    from hybridlab.models.zoo import count_parameters
+
+    assert count_parameters("tiny") == count_parameters(tiny_dir) > 500_000

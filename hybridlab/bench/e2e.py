@@ -71,6 +71,8 @@ def trl(model_dir: str, prompts_per_step: int, group: int, max_new_tokens: int, 
         return [task.score(c, g) for c, g in zip(completions, ground_truth)]
 
     class Clock(TrainerCallback):
+        """Wall-clock marks at the start and end of every trainer step."""
+
         def __init__(self):
             self.marks: list[float] = []
 
@@ -107,11 +109,11 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
         warmup: int = 1, peer: str = "trl") -> dict:
     """Return hybridlab's and TRL's median step time and completion tokens/s, and their ratio."""
     from hybridlab.controller.resources import connect
-    from hybridlab.models.zoo import resolve_model
+    from hybridlab.models.zoo import count_parameters, resolve_model
 
     threads = max(1, min(2, os.cpu_count() or 1))
     model_dir = str(resolve_model(model))
-    params = _count(model_dir)
+    params = count_parameters(model_dir)
     out = {"model": model, "params": params, "prompts_per_step": prompts_per_step, "group": group,
            "max_new_tokens": max_new_tokens, "steps": steps, "threads": threads}
     import ray
@@ -132,10 +134,3 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
                    speedup_vs_trl=round(out["completion_tokens_per_s"] / theirs["completion_tokens_per_s"], 2))
     return out
 
-
-def _count(model_dir: str) -> int:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    return sum(p.numel() for p in model.parameters())

@@ -6,6 +6,8 @@ import random
 from hybridlab.protocol import Batch
 from hybridlab.tasks import Sample
 
+PROMPT_FIELDS = ("prompt", "prompt_ids", "uid", "ground_truth", "data_source")  # what prompt_batch makes
+
 
 def load_samples(cfg, split: str) -> list:
     """Return the config's ``split`` samples ("train" or "test") from its files or its task."""

@@ -24,9 +24,10 @@ import yaml
 
 from hybridlab.config import ConfigError, RunConfig, load_config
 from hybridlab.dataflow.graph import Dataflow
-from hybridlab.dataflow.stages import generation_metrics
+from hybridlab.dataflow.stages import REWARD_FIELDS, generation_metrics
 from hybridlab.dataflow.prompts import PromptSource, load_samples, prompt_batch
-from hybridlab.dataflow.validate import PROMPT_FIELDS, dataflow_names, default_mapping
+from hybridlab.dataflow.prompts import PROMPT_FIELDS
+from hybridlab.dataflow.validate import dataflow_names, default_mapping
 from hybridlab.dataflow.context import BackgroundRun, StepContext
 from hybridlab.protocol import Batch
 
@@ -60,9 +61,15 @@ class RLSession:
 
     def __init__(self, config: RunConfig | str | os.PathLike | None = None, overrides: list[str] | None = None, *,
                  ray_address: str | None = None, ray_temp_dir: str | None = None):
-        self.cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
-        if isinstance(config, RunConfig) and overrides:
-            raise ValueError("pass overrides with a config path or preset name, not with a RunConfig object")
+        if isinstance(config, RunConfig):
+            if overrides:
+                raise ValueError("pass overrides with a config path or preset name, not with a RunConfig object")
+            from hybridlab.dataflow.validate import validate_config
+
+            validate_config(config)  # the dataflow is validated here, on update() and on assignment
+            self.cfg = config
+        else:
+            self.cfg = load_config(config, overrides)
         names = dataflow_names(self.cfg)
         self._dataflow = Dataflow(names)
         from hybridlab.algos.kl import get_kl_controller
@@ -284,7 +291,6 @@ class RLSession:
 
     def _step(self) -> StepResult:
         ctx = StepContext(self)
-        self._dataflow.validate(self.cfg, self.mapping.roles, PROMPT_FIELDS)
         start = time.perf_counter()
         skip: tuple[str, ...] = ()
         staleness = 0
@@ -337,8 +343,7 @@ class RLSession:
         prompts = prompt_batch(samples, self.tokenizer, list(range(len(samples))))
         ctx = StepContext(self)
         out = self.session.groups["rollout"].generate(prompts, ctx.sampling(n=1, temperature=0.0))
-        scored = self.session.groups["reward"].compute_reward(
-            out.select(["responses", "response_mask", "ground_truth", "data_source"]))
+        scored = self.session.groups["reward"].compute_reward(out.select(REWARD_FIELDS))
         return {"accuracy": float(scored["acc"].nanmean()), "n": len(samples),
                 "reward_mean": float(scored["token_level_scores"].sum(-1).mean())}
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from hybridlab.dataflow.context import StepContext
 
 StageFn = Callable[["StepContext", Batch], tuple[Batch | None, dict]]
-PROMPT_FIELDS = ("prompt", "prompt_ids", "uid", "ground_truth", "data_source")
+REWARD_FIELDS = ("responses", "response_mask", "ground_truth", "data_source")  # what scoring reads
 SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 
 
@@ -90,12 +90,11 @@ def generation_metrics(cfg, out: Batch) -> dict:
             "rollout/tokens": int(lengths.sum())}
 
 
-@register_stage("reward", "reward", ("responses", "response_mask", "ground_truth", "data_source"),
+@register_stage("reward", "reward", REWARD_FIELDS,
                 ("token_level_scores", "token_level_rewards", "acc"))
 def reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Score each response with the configured rule or function (a raising one scores error_score)."""
-    fields = ["responses", "response_mask", "ground_truth", "data_source"] + \
-        [k for k in ("extra_info",) if k in batch]
+    fields = [*REWARD_FIELDS, *(k for k in ("extra_info",) if k in batch)]
     out = ctx.group("reward").compute_reward(batch.select(fields))
     return _finish_reward(ctx, batch, out)
 
@@ -163,8 +162,7 @@ def remax_baseline(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     firsts = list({u: i for i, u in reversed(list(enumerate(batch["uid"])))}.values())
     prompts = batch.select(["prompt_ids", "uid", "ground_truth", "data_source"]).take(sorted(firsts))
     greedy = ctx.group("rollout").generate(prompts, ctx.sampling(n=1, temperature=0.0))
-    scored = ctx.group("reward").compute_reward(greedy.select(["responses", "response_mask", "ground_truth",
-                                                               "data_source"]))
+    scored = ctx.group("reward").compute_reward(greedy.select(REWARD_FIELDS))
     by_uid = dict(zip(greedy["uid"], scored["token_level_scores"].sum(-1).tolist()))
     baselines = torch.tensor([by_uid[u] for u in batch["uid"]], dtype=torch.float32)
     return Batch({"reward_baselines": baselines}), {"reward/greedy_baseline_mean": float(baselines.mean())}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from hybridlab.config import ConfigError, RunConfig
 
-PROMPT_FIELDS = ("prompt", "prompt_ids", "uid", "ground_truth", "data_source")
+from hybridlab.dataflow.prompts import PROMPT_FIELDS
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
 

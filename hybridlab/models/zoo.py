@@ -141,14 +141,18 @@ def resolve_model(spec: str | os.PathLike, seed: int = 0) -> Path:
     return cached
 
 
-def count_parameters(name: str) -> int:
-    """Return the number of distinct parameters of a preset (tied weights counted once)."""
+def count_parameters(name: str | os.PathLike) -> int:
+    """Return the number of distinct parameters of a preset or a checkpoint directory (tied
+    weights counted once), without loading weights."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    preset, arch = parse_preset(name)
+    if Path(name).is_dir():
+        config = AutoConfig.from_pretrained(name)
+    else:
+        config = model_config(*parse_preset(str(name)))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config(preset, arch))
+        model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())
 
 

@@ -10,7 +10,6 @@ serve``) it follows the hub's append-only ``telemetry.jsonl``, which also replay
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from hybridlab.telemetry.hub import find_hub, read_records
@@ -193,11 +192,3 @@ def serve(run_dir: str | Path, port: int = 0, address: str = "localhost", show: 
                       verbose=False)
     return server, port
 
-
-def wait_for_file(run_dir: str | Path, timeout_s: float = 30.0) -> bool:
-    """Return True once the run's telemetry file exists (False after ``timeout_s``)."""
-    path = Path(run_dir) / "telemetry.jsonl"
-    end = time.time() + timeout_s
-    while not path.exists() and time.time() < end:
-        time.sleep(0.2)
-    return path.exists()
