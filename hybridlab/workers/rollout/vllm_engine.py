@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 
 import torch
@@ -16,10 +17,23 @@ def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from vllm import LLM
 
+    _quiet_rotary_reload_warning()
     gc.freeze()  # objects from imports are never collected; freezing them speeds up engine start
     return LLM(model=model_dir, dtype=dtype, max_model_len=context, kv_cache_memory_bytes=kv_cache_mb << 20,
                enforce_eager=True, seed=seed, logprobs_mode="processed_logprobs",
                enable_prefix_caching=False)
+
+
+def _not_rotary_reload_warning(record: logging.LogRecord) -> bool:
+    """False for vLLM's "RotaryEmbedding: Failed to load weights", printed on every in-place
+    reload: the rotary table is computed, not loaded, and stays as it was (syncs are exact)."""
+    return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
+def _quiet_rotary_reload_warning() -> None:
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if _not_rotary_reload_warning not in logger.filters:
+        logger.addFilter(_not_rotary_reload_warning)
 
 
 def generate(llm, prompts: list[list[int]], cfg: SamplingConfig, eos_id: int | None):
