@@ -27,7 +27,7 @@ class ConfigError(UserError):
 @dataclasses.dataclass
 class WarmStartConfig:
     """Supervised warm start before RL (0 steps: start RL from the model as is)."""
-    steps: int = 600
+    steps: int = 800                    # the tiny model on arith: about 56% greedy accuracy
     lr: float = 3e-3
     batch_size: int = 64
 
@@ -40,7 +40,7 @@ class DataConfig:
     train_files: Optional[str] = None
     test_files: Optional[str] = None
     train_samples: int = 4000
-    test_samples: int = 200
+    test_samples: int = 500
     prompts_per_step: int = 32
     seed: int = 0
 
@@ -113,7 +113,8 @@ class ActorConfig:
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
-    use_kl_loss: bool = True
+    use_rollout_log_probs: bool = True  # old log-probs = the rollout's (exact on-policy; saves a pass)
+    use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
 

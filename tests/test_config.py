@@ -51,12 +51,26 @@ def test_overrides_parse_values_as_yaml():
     (["data.task=sudoku"], ["data.task", "arith"]),
     (["trainer.off_policy=true", "dataflow=[generate, reward, rollout_as_old_logprob, ref_logprob, advantages,"
       " update_actor, sync_weights]"], ["trainer.off_policy", "use the old_logprob stage"]),
+    (["rollout.top_p=0.9", "dataflow=[generate, reward, rollout_as_old_logprob, advantages, update_actor,"
+      " sync_weights]"], ["rollout.top_p=0.9", "truncated distribution", "old_logprob stage"]),
 ])
 def test_bad_values_name_the_key_and_what_is_allowed(override, words):
     with pytest.raises(ConfigError) as err:
         load_config(None, override)
     for word in words:
         assert word in str(err.value), (word, str(err.value))
+
+
+@pytest.mark.parametrize("override, old_stage", [
+    ([], "rollout_as_old_logprob"),                     # on-policy, full distribution: exact
+    (["actor.use_rollout_log_probs=false"], "old_logprob"),
+    (["trainer.off_policy=true"], "old_logprob"),       # samples from older weights
+    (["rollout.top_p=0.9"], "old_logprob"),             # log-probs of a truncated distribution
+    (["rollout.top_k=5"], "old_logprob"),
+])
+def test_rollout_log_probs_stand_in_for_old_ones_only_where_exact(override, old_stage):
+    names = default_dataflow(load_config(None, override))
+    assert old_stage in names and not {"old_logprob", "rollout_as_old_logprob"} - {old_stage} & set(names)
 
 
 def test_batch_must_divide_over_data_parallel_ranks():
@@ -73,7 +87,7 @@ def test_every_problem_is_listed_at_once():
 
 
 def test_dataflow_missing_input_and_absent_role_are_named():
-    cfg = load_config()
+    cfg = load_config("rloo")  # KL loss on: update_actor needs ref_log_prob
     no_ref = ["generate", "reward", "old_logprob", "advantages", "update_actor", "sync_weights"]
     with pytest.raises(DataflowError) as err:
         Dataflow(no_ref).validate(cfg, ["actor", "rollout", "ref", "reward"], PROMPT_FIELDS)

@@ -92,7 +92,7 @@ def test_hub_file_holds_every_kind_and_replays(rl):
     kinds = {r["kind"] for r in records}
     assert {"run", "span", "metrics", "sync", "eval", "device"} <= kinds
     stages = {r["stage"] for r in records if r["kind"] == "span"}
-    assert {"generate", "reward", "old_logprob", "ref_logprob", "update_actor"} <= stages
+    assert {"generate", "reward", "update_actor", "sync_weights"} <= stages
     devices = [r for r in records if r["kind"] == "device"]
     assert all(r["device"].startswith("GPU ") and r["memory_mb"] > 10 for r in devices)
     assert [r["step"] for r in records if r["kind"] == "metrics"] == list(range(1, steps + 1))

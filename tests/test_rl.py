@@ -141,8 +141,15 @@ def test_a_failing_stage_is_named(rl):
 
 
 def test_evaluate_reports_greedy_accuracy(rl):
+    import time
+
+    since = time.time()
     ev = rl.evaluate()
     assert ev["n"] == 32 and 0.0 <= ev["accuracy"] <= 1.0
+    # the dashboard shows these calls as the evaluate stage, not as a bare method name
+    spans = rl.session.timeline.spans(since=since)
+    assert {s.method for s in spans} >= {"generate", "compute_reward"}
+    assert {s.stage for s in spans} == {"evaluate"}
 
 
 def test_remax_and_dapo_dataflows(rl):

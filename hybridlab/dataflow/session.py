@@ -342,8 +342,12 @@ class RLSession:
             return {"accuracy": float("nan"), "n": 0, "reward_mean": float("nan")}
         prompts = prompt_batch(samples, self.tokenizer, list(range(len(samples))))
         ctx = StepContext(self)
-        out = self.session.groups["rollout"].generate(prompts, ctx.sampling(n=1, temperature=0.0))
-        scored = self.session.groups["reward"].compute_reward(out.select(REWARD_FIELDS))
+        self.session.timeline.stage = "evaluate"  # the dashboard labels these calls by stage
+        try:
+            out = self.session.groups["rollout"].generate(prompts, ctx.sampling(n=1, temperature=0.0))
+            scored = self.session.groups["reward"].compute_reward(out.select(REWARD_FIELDS))
+        finally:
+            self.session.timeline.stage = ""
         return {"accuracy": float(scored["acc"].nanmean()), "n": len(samples),
                 "reward_mean": float(scored["token_level_scores"].sum(-1).mean())}
 

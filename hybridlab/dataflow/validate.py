@@ -18,7 +18,8 @@ def default_dataflow(cfg: RunConfig) -> list[str]:
         stages.append("filter_groups")
     if est == "remax":
         stages.append("remax_baseline")
-    stages.append("old_logprob")
+    stages.append("rollout_as_old_logprob" if cfg.actor.use_rollout_log_probs and not cfg.trainer.off_policy
+                  and not rollout_log_prob_problem(cfg) else "old_logprob")
     if cfg.actor.use_kl_loss or algo.use_kl_in_reward:
         stages.append("ref_logprob")
     if est == "gae":
@@ -29,6 +30,15 @@ def default_dataflow(cfg: RunConfig) -> list[str]:
     if est == "gae":
         stages.append("update_critic")
     return stages + ["update_actor", "sync_weights"]
+
+
+def rollout_log_prob_problem(cfg: RunConfig) -> str:
+    """Return why the rollout's log-probs cannot stand in for the actor's, or "" if they can."""
+    r = cfg.rollout
+    if r.top_p < 1 or r.top_k:  # vLLM's log-probs are then of the truncated distribution
+        return (f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: the rollout's log-probs are of the truncated"
+                f" distribution, not the actor's; use the old_logprob stage (or top_p=1, top_k=0)")
+    return ""
 
 
 def dataflow_names(cfg: RunConfig) -> list[str]:
@@ -141,6 +151,8 @@ def validate_config(cfg: RunConfig) -> None:
         if cfg.trainer.off_policy and "rollout_as_old_logprob" in names:
             p.append("trainer.off_policy: off-policy samples come from older weights, so their rollout log-probs are"
                      " not the current policy's; use the old_logprob stage instead of rollout_as_old_logprob")
+        if "rollout_as_old_logprob" in names and rollout_log_prob_problem(cfg):
+            p.append(rollout_log_prob_problem(cfg))
     if p:
         raise ConfigError("config is invalid:\n  - " + "\n  - ".join(p))
 

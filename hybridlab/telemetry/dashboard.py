@@ -17,7 +17,7 @@ from hybridlab.telemetry.hub import find_hub, read_records
 STAGE_COLORS = {"generate": "#4e79a7", "reward": "#f28e2b", "reward_model": "#f28e2b", "remax_baseline": "#edc948",
                 "old_logprob": "#59a14f", "rollout_as_old_logprob": "#59a14f", "ref_logprob": "#76b7b2",
                 "values": "#b07aa1", "update_critic": "#ff9da7", "update_actor": "#e15759",
-                "sync_weights": "#9c755f", "filter_groups": "#bab0ac"}
+                "sync_weights": "#9c755f", "filter_groups": "#bab0ac", "evaluate": "#79706e"}
 GANTT_SPANS = 600          # spans kept in the timeline (about the last few steps)
 POLL_MS = 1000
 
