@@ -113,7 +113,7 @@ class ActorConfig:
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
-    use_rollout_log_probs: bool = True  # old log-probs = the rollout's (exact on-policy; saves a pass)
+    use_rollout_log_probs: bool = True  # default dataflow: old log-probs = the rollout's where exact
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
@@ -148,7 +148,7 @@ class RewardConfig:
 class TrainerConfig:
     """The loop: steps, time limit, evaluation, logging and the run directory."""
     steps: int = 1000
-    max_minutes: float = 8.5            # RL loop budget; the whole default run takes about 10 min
+    max_minutes: float = 8.5            # RL loop budget (a guard: the default run's 1,000 steps take ~7 min)
     eval_every: int = 50
     run_dir: Optional[str] = None
     seed: int = 0
@@ -172,7 +172,7 @@ class RunConfig:
     critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
-    dataflow: Optional[list] = None     # stage names; None: the preset of algorithm.adv_estimator
+    dataflow: Optional[list] = None     # stage names; None: follow the settings (validate.default_dataflow)
     mapping: Optional[dict] = None      # a DeviceMapping dict; None: all roles colocated
 
     def to_dict(self) -> dict:

@@ -8,27 +8,28 @@ import pytest
 
 from hybridlab.config import CONFIG_DIR, ConfigError, RunConfig, load_config
 from hybridlab.dataflow.graph import Dataflow, DataflowError
-from hybridlab.dataflow.validate import PROMPT_FIELDS, default_dataflow, roles_needed
+from hybridlab.dataflow.validate import PROMPT_FIELDS, dataflow_names, default_dataflow, roles_needed
 
 
 def test_defaults_are_the_grpo_preset():
     default, preset = load_config(), load_config("grpo")
     assert default.algorithm.adv_estimator == "grpo" and default.model == "tiny" and default.data.task == "arith"
-    assert preset.dataflow == default_dataflow(default)
-    assert preset.to_dict() == {**default.to_dict(), "dataflow": preset.dataflow}
+    assert preset.dataflow is None and preset.to_dict() == default.to_dict()
+    assert dataflow_names(preset) == ["generate", "reward", "rollout_as_old_logprob", "advantages", "update_actor",
+                                      "sync_weights"]
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
 def test_every_preset_loads_and_its_dataflow_is_the_default_for_its_settings(preset):
     cfg = load_config(preset)
-    assert cfg.dataflow == default_dataflow(cfg)
+    assert cfg.dataflow is None or cfg.dataflow == default_dataflow(cfg)
 
 
 def test_presets_cover_the_algorithms():
     names = {p.stem for p in CONFIG_DIR.glob("*.yaml")}
     assert {"ppo", "grpo", "rloo", "reinforce_plus_plus", "remax", "dapo"} <= names
-    assert "critic" in roles_needed(load_config("ppo").dataflow)
-    assert "critic" not in roles_needed(load_config("grpo").dataflow)
+    assert "critic" in roles_needed(dataflow_names(load_config("ppo")))
+    assert "critic" not in roles_needed(dataflow_names(load_config("grpo")))
 
 
 def test_overrides_parse_values_as_yaml():
@@ -53,6 +54,8 @@ def test_overrides_parse_values_as_yaml():
       " update_actor, sync_weights]"], ["trainer.off_policy", "use the old_logprob stage"]),
     (["rollout.top_p=0.9", "dataflow=[generate, reward, rollout_as_old_logprob, advantages, update_actor,"
       " sync_weights]"], ["rollout.top_p=0.9", "truncated distribution", "old_logprob stage"]),
+    (["rollout.top_k=5", "dataflow=[generate, reward, rollout_as_old_logprob, advantages, update_actor,"
+      " sync_weights]"], ["rollout.top_k=5", "truncated distribution", "leave `dataflow` unset"]),
 ])
 def test_bad_values_name_the_key_and_what_is_allowed(override, words):
     with pytest.raises(ConfigError) as err:
@@ -69,8 +72,14 @@ def test_bad_values_name_the_key_and_what_is_allowed(override, words):
     (["rollout.top_k=5"], "old_logprob"),
 ])
 def test_rollout_log_probs_stand_in_for_old_ones_only_where_exact(override, old_stage):
-    names = default_dataflow(load_config(None, override))
-    assert old_stage in names and not {"old_logprob", "rollout_as_old_logprob"} - {old_stage} & set(names)
+    for source in (None, "grpo"):  # the default run and its preset follow the settings
+        names = dataflow_names(load_config(source, override))
+        assert old_stage in names and not {"old_logprob", "rollout_as_old_logprob"} - {old_stage} & set(names)
+
+
+def test_the_grpo_preset_gains_the_reference_pass_with_a_kl_loss():
+    names = dataflow_names(load_config("grpo", ["actor.use_kl_loss=true"]))
+    assert names.index("ref_logprob") < names.index("update_actor")
 
 
 def test_batch_must_divide_over_data_parallel_ranks():

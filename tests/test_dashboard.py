@@ -80,6 +80,14 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
     assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
 
 
+def test_a_setting_that_needs_a_role_the_session_lacks_is_refused(rl):
+    from hybridlab.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"role\(s\) ref .*create a new RLSession"):
+        rl.update("actor.use_kl_loss=true")  # the default session has no reference model
+    assert rl.cfg.actor.use_kl_loss is False
+
+
 def test_hub_file_holds_every_kind_and_replays(rl):
     steps = rl.step_count
     live = Dashboard(rl.run_dir)

@@ -89,6 +89,17 @@ def test_rollout_log_probs_can_stand_in_for_old_log_probs(rl):
     assert torch.equal(b["old_log_probs"], b["rollout_log_probs"]) and "entropy" not in b
 
 
+def test_inexact_rollout_log_probs_are_refused_when_assigned(rl):
+    flow = rl.dataflow.names
+    rl.update("rollout.top_k=5")
+    try:
+        with pytest.raises(DataflowError, match="rollout.top_k=5.*truncated distribution"):
+            rl.dataflow = [n if n != "old_logprob" else "rollout_as_old_logprob" for n in flow]
+    finally:
+        rl.update("rollout.top_k=0")
+    assert rl.dataflow.names == flow
+
+
 def test_a_missing_input_is_named_and_nothing_changes(rl):
     flow = rl.dataflow.names
     with pytest.raises(DataflowError, match="update_actor: input 'old_log_probs' is not produced"):

@@ -71,6 +71,19 @@ def test_too_long_prompts_are_named_or_truncated(rollout, trained_dir):
     assert out["prompt_ids"][1] == list(range(5, 63))   # kept the last 64 - 6 = 58 tokens
 
 
+def test_only_the_rotary_reload_warning_is_filtered():
+    import logging
+
+    from hybridlab.workers.rollout.vllm_engine import _not_rotary_reload_warning
+
+    def record(*args):
+        return logging.LogRecord("vllm", logging.WARNING, "layerwise.py", 266, "%s: Failed to load weights", args, None)
+
+    assert not _not_rotary_reload_warning(record("RotaryEmbedding"))
+    assert not _not_rotary_reload_warning(record("Llama3RotaryEmbedding"))
+    assert _not_rotary_reload_warning(record("QKVParallelLinear"))  # a real failure stays visible
+
+
 def test_bad_sampling_settings_are_refused():
     with pytest.raises(ValueError, match="top_p must be in"):
         SamplingConfig(top_p=0).validate()

@@ -23,11 +23,11 @@ from typing import Any
 import yaml
 
 from hybridlab.config import ConfigError, RunConfig, load_config
-from hybridlab.dataflow.graph import Dataflow
+from hybridlab.dataflow.graph import Dataflow, DataflowError
 from hybridlab.dataflow.stages import REWARD_FIELDS, generation_metrics
 from hybridlab.dataflow.prompts import PromptSource, load_samples, prompt_batch
 from hybridlab.dataflow.prompts import PROMPT_FIELDS
-from hybridlab.dataflow.validate import dataflow_names, default_mapping
+from hybridlab.dataflow.validate import dataflow_names, default_mapping, roles_needed, rollout_as_old_problems
 from hybridlab.dataflow.context import BackgroundRun, StepContext
 from hybridlab.protocol import Batch
 
@@ -243,6 +243,9 @@ class RLSession:
     def dataflow(self, value: Dataflow | list) -> None:
         flow = value if isinstance(value, Dataflow) else Dataflow(value)
         flow.validate(self.cfg, self.mapping.roles, PROMPT_FIELDS)
+        problems = rollout_as_old_problems(self.cfg, flow.names)
+        if problems:
+            raise DataflowError("dataflow is invalid:\n  - " + "\n  - ".join(problems))
         with self._lock:  # between steps, never in the middle of one
             self._dataflow = flow
             self.cfg = dataclasses.replace(self.cfg, dataflow=flow.names)
@@ -265,7 +268,12 @@ class RLSession:
                 raise ConfigError(f"{key} is fixed once the session exists (workers, prompts and run directory"
                                   f" are built from it); create a new RLSession to change it")
         validate_config(new)
-        flow = Dataflow(dataflow_names(new)).validate(new, self.mapping.roles, PROMPT_FIELDS)
+        names = dataflow_names(new)
+        missing = [r for r in roles_needed(names) if r not in self.mapping.roles]
+        if missing:
+            raise ConfigError(f"these settings need the role(s) {', '.join(missing)} (dataflow: {', '.join(names)}),"
+                              f" which this session's workers do not include; create a new RLSession with them")
+        flow = Dataflow(names).validate(new, self.mapping.roles, PROMPT_FIELDS)
         with self._lock:  # between steps, never in the middle of one
             if new.algorithm.kl_ctrl != self.cfg.algorithm.kl_ctrl:
                 from hybridlab.algos.kl import get_kl_controller
@@ -342,12 +350,13 @@ class RLSession:
             return {"accuracy": float("nan"), "n": 0, "reward_mean": float("nan")}
         prompts = prompt_batch(samples, self.tokenizer, list(range(len(samples))))
         ctx = StepContext(self)
-        self.session.timeline.stage = "evaluate"  # the dashboard labels these calls by stage
+        timeline, outer = self.session.timeline, self.session.timeline.stage
+        timeline.stage = "evaluate"  # the dashboard labels these calls by stage
         try:
             out = self.session.groups["rollout"].generate(prompts, ctx.sampling(n=1, temperature=0.0))
             scored = self.session.groups["reward"].compute_reward(out.select(REWARD_FIELDS))
         finally:
-            self.session.timeline.stage = ""
+            timeline.stage = outer
         return {"accuracy": float(scored["acc"].nanmean()), "n": len(samples),
                 "reward_mean": float(scored["token_level_scores"].sum(-1).mean())}
 

@@ -18,8 +18,8 @@ def default_dataflow(cfg: RunConfig) -> list[str]:
         stages.append("filter_groups")
     if est == "remax":
         stages.append("remax_baseline")
-    stages.append("rollout_as_old_logprob" if cfg.actor.use_rollout_log_probs and not cfg.trainer.off_policy
-                  and not rollout_log_prob_problem(cfg) else "old_logprob")
+    exact = cfg.actor.use_rollout_log_probs and not rollout_as_old_problems(cfg, ["rollout_as_old_logprob"])
+    stages.append("rollout_as_old_logprob" if exact else "old_logprob")
     if cfg.actor.use_kl_loss or algo.use_kl_in_reward:
         stages.append("ref_logprob")
     if est == "gae":
@@ -32,13 +32,22 @@ def default_dataflow(cfg: RunConfig) -> list[str]:
     return stages + ["update_actor", "sync_weights"]
 
 
-def rollout_log_prob_problem(cfg: RunConfig) -> str:
-    """Return why the rollout's log-probs cannot stand in for the actor's, or "" if they can."""
+def rollout_as_old_problems(cfg: RunConfig, names: list[str]) -> list[str]:
+    """Return why the stages ``names`` may not take the rollout's log-probs as the old policy's
+    (the rollout_as_old_logprob stage) under ``cfg``; empty when they may."""
+    if "rollout_as_old_logprob" not in names:
+        return []
+    fix = ("; use the old_logprob stage instead of rollout_as_old_logprob (or leave `dataflow` unset: the"
+           " stages then follow the settings)")
+    out = []
+    if cfg.trainer.off_policy:
+        out.append("trainer.off_policy: off-policy samples come from older weights, so their rollout log-probs are"
+                   " not the current policy's" + fix)
     r = cfg.rollout
-    if r.top_p < 1 or r.top_k:  # vLLM's log-probs are then of the truncated distribution
-        return (f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: the rollout's log-probs are of the truncated"
-                f" distribution, not the actor's; use the old_logprob stage (or top_p=1, top_k=0)")
-    return ""
+    if r.top_p < 1 or r.top_k:  # vLLM's processed log-probs are then of the truncated distribution
+        out.append(f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: the rollout's log-probs are of the truncated"
+                   f" distribution, not the actor's" + fix)
+    return out
 
 
 def dataflow_names(cfg: RunConfig) -> list[str]:
@@ -148,11 +157,7 @@ def validate_config(cfg: RunConfig) -> None:
             p.append(f"mapping: {exc}")
         if cfg.trainer.off_policy and names[0] != "generate":
             p.append("trainer.off_policy: the dataflow must start with 'generate' to overlap the next rollout")
-        if cfg.trainer.off_policy and "rollout_as_old_logprob" in names:
-            p.append("trainer.off_policy: off-policy samples come from older weights, so their rollout log-probs are"
-                     " not the current policy's; use the old_logprob stage instead of rollout_as_old_logprob")
-        if "rollout_as_old_logprob" in names and rollout_log_prob_problem(cfg):
-            p.append(rollout_log_prob_problem(cfg))
+        p += rollout_as_old_problems(cfg, names)
     if p:
         raise ConfigError("config is invalid:\n  - " + "\n  - ".join(p))
 

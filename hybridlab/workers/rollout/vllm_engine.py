@@ -25,9 +25,10 @@ def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: 
 
 
 def _not_rotary_reload_warning(record: logging.LogRecord) -> bool:
-    """False for vLLM's "RotaryEmbedding: Failed to load weights", printed on every in-place
+    """False for vLLM's "<...>RotaryEmbedding: Failed to load weights", printed on every in-place
     reload: the rotary table is computed, not loaded, and stays as it was (syncs are exact)."""
-    return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+    return not (record.msg == "%s: Failed to load weights" and bool(record.args)
+                and str(record.args[0]).endswith("RotaryEmbedding"))
 
 
 def _quiet_rotary_reload_warning() -> None:
