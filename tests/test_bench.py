@@ -46,5 +46,6 @@ def test_bench_e2e_json_against_trl(ray_local, capfd):
     assert {"median_step_s", "completion_tokens_per_s", "params", "prompts_per_step", "group", "max_new_tokens",
             "trl_completion_tokens_per_s", "speedup_vs_trl", "median_step_s_telemetry_off",
             "telemetry_overhead_pct"} <= set(result)
+    assert result["telemetry_sessions"] == 2  # on, off, off, on
     assert (result["prompts_per_step"], result["group"], result["max_new_tokens"]) == (2, 2, 8)
     assert 500_000 < result["params"] < 800_000 and result["speedup_vs_trl"] > 0

@@ -4,8 +4,9 @@ Hugging Face TRL's GRPOTrainer on the CPU, same model, task, batch, group and le
 Both generate exactly ``max_new_tokens`` per completion (end-of-sequence ignored; TRL through
 ``min_new_tokens``), score them with the arith rule, and take one optimizer step per RL step
 without a reference model (TRL's default beta=0). Both run with the same number of threads,
-one after the other in this process (TRL) and in one Ray worker (ours). Ours runs twice, with
-the telemetry hub on (the reported figures) and off, to measure telemetry's overhead.
+one after the other in this process (TRL) and in one Ray worker (ours). Ours runs four times,
+with the telemetry hub on (the reported figures), off, off and on again: alternating cancels
+the drift between sessions, which one on/off pair mistook for a telemetry cost of -3% to +11%.
 """
 from __future__ import annotations
 
@@ -99,13 +100,21 @@ def trl(model_dir: str, prompts_per_step: int, group: int, max_new_tokens: int, 
     return {"seconds": [end - start for start, end in pairs], "tokens": [per_step] * len(pairs)}
 
 
+# Telemetry on, off, off, on: each setting sees early and late sessions alike.
+TELEMETRY_ORDER = (True, False, False, True)
+
+
+def _pooled(results: list[dict]) -> dict:
+    return {"seconds": [s for r in results for s in r["seconds"]], "tokens": [t for r in results for t in r["tokens"]]}
+
+
 def _summary(result: dict) -> dict:
     median = statistics.median(result["seconds"])
     return {"median_step_s": round(median, 3),
             "completion_tokens_per_s": round(statistics.median(result["tokens"]) / median, 1)}
 
 
-def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new_tokens: int = 64, steps: int = 5,
+def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new_tokens: int = 64, steps: int = 10,
         warmup: int = 1, peer: str = "trl") -> dict:
     """Return hybridlab's and TRL's median step time and completion tokens/s, and their ratio."""
     from hybridlab.controller.resources import connect
@@ -120,11 +129,14 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
 
     attached = ray.is_initialized()  # a caller's cluster stays up; one we start is stopped
     connect(num_gpus=1)
-    mine = ours(model_dir, prompts_per_step, group, max_new_tokens, steps, warmup)
-    out.update(_summary(mine), stages_s=mine["last_step_stages_s"])
-    quiet = _summary(ours(model_dir, prompts_per_step, group, max_new_tokens, steps, warmup, telemetry=False))
+    runs: dict[bool, list[dict]] = {True: [], False: []}
+    for telemetry in TELEMETRY_ORDER:
+        runs[telemetry].append(ours(model_dir, prompts_per_step, group, max_new_tokens, steps, warmup, telemetry))
+    out.update(_summary(_pooled(runs[True])), stages_s=runs[True][0]["last_step_stages_s"])
+    quiet = _summary(_pooled(runs[False]))
     out.update(median_step_s_telemetry_off=quiet["median_step_s"],
-               telemetry_overhead_pct=round(100 * (out["median_step_s"] / quiet["median_step_s"] - 1), 1))
+               telemetry_overhead_pct=round(100 * (out["median_step_s"] / quiet["median_step_s"] - 1), 1),
+               telemetry_sessions=len(runs[True]))
     if not attached:
         ray.shutdown()  # free the cores for the peer
     if peer == "trl":
