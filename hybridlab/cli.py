@@ -122,16 +122,17 @@ def cmd_dashboard(args) -> int:
     """Serve a run's live dashboard until interrupted; returns the exit status."""
     from pathlib import Path
 
-    from hybridlab.telemetry.dashboard import serve
+    from hybridlab.telemetry.dashboard import free_port, serve
+    from hybridlab.telemetry.hub import TELEMETRY_FILE
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise UserError(f"no run directory {str(run_dir)!r} (hybridlab train prints it)")
-    if not (run_dir / "telemetry.jsonl").is_file():
-        print(f"note: {run_dir} has no telemetry.jsonl yet; the page fills in when the run writes it", flush=True)
-    print(f"dashboard of {run_dir} on http://{args.address}:{args.port or '(free port, printed by panel)'}/",
-          flush=True)
-    serve(run_dir, port=args.port, address=args.address, show=False, threaded=False)
+    if not (run_dir / TELEMETRY_FILE).is_file():
+        print(f"note: {run_dir} has no {TELEMETRY_FILE} yet; the page fills in when the run writes it", flush=True)
+    port = args.port or free_port(args.address)
+    print(f"dashboard of {run_dir} on http://{args.address}:{port}/", flush=True)
+    serve(run_dir, port=port, address=args.address, show=False, threaded=False)
     return 0
 
 

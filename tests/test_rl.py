@@ -127,6 +127,9 @@ def test_a_reward_model_stage_is_added_between_steps(rl, trained_dir, tmp_path):
 
 
 def test_one_step_off_policy_records_staleness(rl):
+    import time
+
+    since = time.time()
     rl.update("trainer.off_policy=true")
     try:
         first, second = rl.step(), rl.step()
@@ -134,6 +137,17 @@ def test_one_step_off_policy_records_staleness(rl):
         rl.update("trainer.off_policy=false")
     assert first.metrics["rollout/staleness"] == 0 and second.metrics["rollout/staleness"] == 1
     assert "advantages" in second.batch and second.metrics["sync/bytes"] > 0
+    # rollouts submitted ahead (collected by the next step's thread) still count as generate
+    generated = [s for s in rl.session.timeline.spans(since=since) if s.method == "generate"]
+    assert generated and {s.stage for s in generated} == {"generate"}
+
+
+def test_a_stop_request_ends_train_after_the_current_step_and_is_consumed(rl):
+    steps = rl.step_count
+    rl.request_stop()  # before train() starts: still honoured
+    summary = rl.train(5)
+    assert summary["stopped_by"] == "stop requested" and rl.step_count == steps
+    assert rl.train(1)["stopped_by"] == "steps" and rl.step_count == steps + 1
 
 
 def test_a_failing_stage_is_named(rl):

@@ -157,6 +157,7 @@ class GroupFuture:
                  finish: Callable[[list], Any]):
         self.group, self.method, self._refs, self._ranks, self._finish = group, method, refs, ranks, finish
         self._done, self._value = False, None
+        self.stage = group.timeline.stage  # the submitting thread's stage, whoever collects the result
 
     def done(self) -> bool:
         """Return True once every rank has answered (without waiting)."""
@@ -170,7 +171,7 @@ class GroupFuture:
             answers = _get_all(self._refs, self._ranks, g.role, self.method,
                                g.timeout if timeout is None else timeout)
             g.timeline.add([Span(role=s[0], rank=s[1], method=s[2], start=s[3], end=s[4], bytes_in=s[5],
-                                 bytes_out=s[6], pid=s[7]) for _, s in answers])
+                                 bytes_out=s[6], pid=s[7], stage=self.stage) for _, s in answers])
             self._value = self._finish([r for r, _ in answers])
             self._done = True
         return self._value

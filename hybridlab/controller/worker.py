@@ -150,14 +150,10 @@ class WorkerHost:
 
     def _start_sampler(self, roles: str) -> None:
         """Send device samples to the run's telemetry hub, if the session named one."""
-        from hybridlab.telemetry.hub import ENV_HUB, NAMESPACE, DeviceSampler
+        from hybridlab.telemetry.hub import ENV_HUB, DeviceSampler, get_hub
 
-        name = os.environ.get(ENV_HUB)
-        if not name:
-            return
-        try:
-            hub = ray.get_actor(name, namespace=NAMESPACE)
-        except ValueError:
+        hub = get_hub(os.environ.get(ENV_HUB))
+        if hub is None:
             return
         self.sampler = DeviceSampler(hub, roles, self.rank, [str(g) for g in ray.get_gpu_ids()]).start()
 

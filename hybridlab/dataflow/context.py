@@ -74,10 +74,11 @@ class BackgroundRun:
 
     def stop(self) -> None:
         """Ask the run to stop after the current step (it still evaluates and writes its summary)."""
-        self.rl._stop_requested = True
+        self.rl.request_stop()
 
     def wait(self, timeout: float | None = None) -> dict | None:
-        """Wait for the run to end; returns its summary (re-raises its error)."""
+        """Wait for the run to end; returns its summary (re-raises its error), or None if it is
+        still running after ``timeout`` seconds."""
         self._thread.join(timeout)
         if self.error is not None:
             raise self.error

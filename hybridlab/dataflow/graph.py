@@ -66,6 +66,7 @@ class Dataflow:
                     hint = f"; add a stage that produces it ({', '.join(makers)}) before it" if makers else ""
                     out.append(f"dataflow[{i}] {stage.name}: input {field!r} is not produced by any earlier stage"
                                f"{hint}")
+            out += [f"dataflow[{i}] {stage.name}: {reason}" for reason in (stage.check(cfg) if stage.check else [])]
             have.update(stage.outputs(cfg))
         return out
 

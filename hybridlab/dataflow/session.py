@@ -23,11 +23,11 @@ from typing import Any
 import yaml
 
 from hybridlab.config import ConfigError, RunConfig, load_config
-from hybridlab.dataflow.graph import Dataflow, DataflowError
+from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.stages import REWARD_FIELDS, generation_metrics
 from hybridlab.dataflow.prompts import PromptSource, load_samples, prompt_batch
 from hybridlab.dataflow.prompts import PROMPT_FIELDS
-from hybridlab.dataflow.validate import dataflow_names, default_mapping, roles_needed, rollout_as_old_problems
+from hybridlab.dataflow.validate import dataflow_names, default_mapping, roles_needed
 from hybridlab.dataflow.context import BackgroundRun, StepContext
 from hybridlab.protocol import Batch
 
@@ -243,9 +243,6 @@ class RLSession:
     def dataflow(self, value: Dataflow | list) -> None:
         flow = value if isinstance(value, Dataflow) else Dataflow(value)
         flow.validate(self.cfg, self.mapping.roles, PROMPT_FIELDS)
-        problems = rollout_as_old_problems(self.cfg, flow.names)
-        if problems:
-            raise DataflowError("dataflow is invalid:\n  - " + "\n  - ".join(problems))
         with self._lock:  # between steps, never in the middle of one
             self._dataflow = flow
             self.cfg = dataclasses.replace(self.cfg, dataflow=flow.names)
@@ -307,13 +304,15 @@ class RLSession:
             # The rollout for the next step is submitted now, before this step's update and sync
             # reach the (serially executing) workers, so it samples from the current weights.
             rollout = self.session.groups["rollout"]
-            if self._pending is None:
-                self._pending = rollout.generate.submit(self.prompts.next(), ctx.sampling())
-            else:
-                staleness = 1
-            batch = self._pending.result()
-            pre_metrics = generation_metrics(self.cfg, batch)
-            self._pending = rollout.generate.submit(self.prompts.next(), ctx.sampling(seed=ctx.sampling()["seed"] + 1))
+            with self.session.timeline.staged("generate"):
+                if self._pending is None:
+                    self._pending = rollout.generate.submit(self.prompts.next(), ctx.sampling())
+                else:
+                    staleness = 1
+                batch = self._pending.result()
+                pre_metrics = generation_metrics(self.cfg, batch)
+                self._pending = rollout.generate.submit(self.prompts.next(),
+                                                        ctx.sampling(seed=ctx.sampling()["seed"] + 1))
             skip = ("generate",)
         else:
             batch = self.prompts.next()
@@ -350,13 +349,9 @@ class RLSession:
             return {"accuracy": float("nan"), "n": 0, "reward_mean": float("nan")}
         prompts = prompt_batch(samples, self.tokenizer, list(range(len(samples))))
         ctx = StepContext(self)
-        timeline, outer = self.session.timeline, self.session.timeline.stage
-        timeline.stage = "evaluate"  # the dashboard labels these calls by stage
-        try:
+        with self.session.timeline.staged("evaluate"):  # the dashboard labels these calls by stage
             out = self.session.groups["rollout"].generate(prompts, ctx.sampling(n=1, temperature=0.0))
             scored = self.session.groups["reward"].compute_reward(out.select(REWARD_FIELDS))
-        finally:
-            timeline.stage = outer
         return {"accuracy": float(scored["acc"].nanmean()), "n": len(samples),
                 "reward_mean": float(scored["token_level_scores"].sum(-1).mean())}
 
@@ -388,12 +383,9 @@ class RLSession:
         steps = steps or t.steps
         started = time.perf_counter()
         deadline = started + t.max_minutes * 60
-        before = self.evaluate()
-        curve = [{"step": self.step_count, "accuracy": before["accuracy"], "seconds": 0.0}]
-        self.log.write(self.step_count, {"eval/accuracy": before["accuracy"]})
-        self._emit("eval", {"step": self.step_count, "accuracy": before["accuracy"]})
+        curve: list[dict] = []
+        before = last = self._record_eval(curve, 0.0)
         stopped = "steps"
-        self._stop_requested = False
         bar = tqdm(total=steps, desc=f"{self.cfg.name} rl", disable=not t.progress, dynamic_ncols=True)
         for _ in range(steps):
             if time.perf_counter() > deadline:
@@ -401,27 +393,33 @@ class RLSession:
                 break
             if self._stop_requested:
                 stopped = "stop requested"
+                self._stop_requested = False  # consumed: the next train() runs normally
                 break
             result = self.step()
             bar.update(1)
             bar.set_postfix(reward=f"{result.metrics.get('reward/mean', float('nan')):.3f}",
                             acc=f"{result.metrics.get('accuracy', float('nan')):.3f}")
             if t.eval_every and self.step_count % t.eval_every == 0:
-                ev = self.evaluate()
-                curve.append({"step": self.step_count, "accuracy": ev["accuracy"],
-                              "seconds": round(time.perf_counter() - started, 1)})
-                self.log.write(self.step_count, {"eval/accuracy": ev["accuracy"]})
-                self._emit("eval", {"step": self.step_count, "accuracy": ev["accuracy"]})
-                bar.write(f"step {self.step_count}: greedy test accuracy {ev['accuracy']:.3f}")
+                last = self._record_eval(curve, time.perf_counter() - started)
+                bar.write(f"step {self.step_count}: greedy test accuracy {last['accuracy']:.3f}")
         bar.close()
         self._drop_pending()
-        after = self.evaluate()
-        if curve[-1]["step"] != self.step_count:
-            curve.append({"step": self.step_count, "accuracy": after["accuracy"],
-                          "seconds": round(time.perf_counter() - started, 1)})
-            self.log.write(self.step_count, {"eval/accuracy": after["accuracy"]})
-            self._emit("eval", {"step": self.step_count, "accuracy": after["accuracy"]})
+        # the last step may just have been evaluated: same weights, so its result stands
+        after = last if curve[-1]["step"] == self.step_count else self._record_eval(curve, time.perf_counter() - started)
         return self._write_summary(before, after, curve, time.perf_counter() - started, stopped)
+
+    def request_stop(self) -> None:
+        """Ask the running (or the next) ``train()`` to stop after its current step; it still
+        evaluates and writes its summary."""
+        self._stop_requested = True
+
+    def _record_eval(self, curve: list[dict], seconds: float) -> dict:
+        """Evaluate now, append the point to ``curve``, log and emit it; returns the evaluation."""
+        ev = self.evaluate()
+        curve.append({"step": self.step_count, "accuracy": ev["accuracy"], "seconds": round(seconds, 1)})
+        self.log.write(self.step_count, {"eval/accuracy": ev["accuracy"]})
+        self._emit("eval", {"step": self.step_count, "accuracy": ev["accuracy"]})
+        return ev
 
     def start_background(self, steps: int | None = None) -> "BackgroundRun":
         """Run ``train(steps)`` in a background thread so the notebook kernel stays responsive;
@@ -431,15 +429,14 @@ class RLSession:
         return BackgroundRun(self, steps)
 
     def _write_summary(self, before: dict, after: dict, curve: list, seconds: float, stopped: str) -> dict:
-        steps = [h for h in self.history]
-        step_s = sum(h.get("timing/step_s", 0.0) for h in steps)
-        sync_s = sum(h.get("sync/seconds", 0.0) for h in steps)
+        step_s = sum(h.get("timing/step_s", 0.0) for h in self.history)
+        sync_s = sum(h.get("sync/seconds", 0.0) for h in self.history)
         summary = {
             "run_dir": str(self.run_dir), "name": self.cfg.name, "algorithm": self.cfg.algorithm.adv_estimator,
             "dataflow": self._dataflow.names, "model": self.cfg.model, "task": self.cfg.data.task,
             "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"], "eval_n": after["n"],
             "steps": self.step_count, "stopped_by": stopped, "rl_seconds": round(seconds, 1),
-            "mean_step_s": round(step_s / len(steps), 3) if steps else None,
+            "mean_step_s": round(step_s / len(self.history), 3) if self.history else None,
             "sync_fraction_of_step": round(sync_s / step_s, 4) if step_s else None,
             "eval_curve": curve,
         }

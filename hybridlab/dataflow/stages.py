@@ -43,19 +43,21 @@ class Stage:
     replaces_rows: bool = False
     needs: tuple[str, ...] = ()        # other roles the stage uses (sync_weights: rollout)
     doc: str = ""
+    check: Callable[[Any], list[str]] | None = None  # settings under which the stage is wrong: reasons
 
 
 STAGES: dict[str, Stage] = {}
 
 
 def register_stage(name: str, role: str | None, inputs, outputs, replaces_rows: bool = False,
-                   needs: tuple[str, ...] = ()):
+                   needs: tuple[str, ...] = (), check: Callable[[Any], list[str]] | None = None):
     """Decorator: register ``fn`` as stage ``name``. ``inputs``/``outputs`` are field tuples or
-    functions of the RunConfig returning them. Returns the function."""
+    functions of the RunConfig returning them; ``check(cfg)`` returns the reasons the stage must
+    not run under a config (validation reports them). Returns the function."""
     as_fn = (lambda v: v if callable(v) else (lambda cfg, v=tuple(v): v))
     def decorator(fn: StageFn) -> StageFn:
         STAGES[name] = Stage(name, role, as_fn(inputs), as_fn(outputs), fn, replaces_rows, needs,
-                             (fn.__doc__ or "").strip().split("\n")[0])
+                             (fn.__doc__ or "").strip().split("\n")[0], check)
         return fn
     return decorator
 
@@ -176,7 +178,24 @@ def old_logprob(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     return out, {"actor/entropy_before": float(masked_mean(out["entropy"], batch["response_mask"].float()))}
 
 
-@register_stage("rollout_as_old_logprob", None, ("rollout_log_probs",), ("old_log_probs",))
+def rollout_log_probs_inexact(cfg) -> list[str]:
+    """Return why the rollout's log-probs are not the current policy's under ``cfg`` (empty:
+    they are, so they may stand in for the old log-probs)."""
+    fix = ("; use the old_logprob stage instead of rollout_as_old_logprob (or leave `dataflow` unset: the"
+           " stages then follow the settings)")
+    out = []
+    if cfg.trainer.off_policy:
+        out.append("trainer.off_policy: off-policy samples come from older weights, so their rollout log-probs are"
+                   " not the current policy's" + fix)
+    r = cfg.rollout
+    if r.top_p < 1 or r.top_k:  # vLLM's processed log-probs are then of the truncated distribution
+        out.append(f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: the rollout's log-probs are of the truncated"
+                   f" distribution, not the actor's" + fix)
+    return out
+
+
+@register_stage("rollout_as_old_logprob", None, ("rollout_log_probs",), ("old_log_probs",),
+                check=rollout_log_probs_inexact)
 def rollout_as_old_logprob(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Use the rollout engine's log-probs as the old policy's (saves a forward pass; exact when
     the rollout holds the actor's current weights, which each step's weight sync ensures)."""

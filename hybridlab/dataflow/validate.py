@@ -18,7 +18,9 @@ def default_dataflow(cfg: RunConfig) -> list[str]:
         stages.append("filter_groups")
     if est == "remax":
         stages.append("remax_baseline")
-    exact = cfg.actor.use_rollout_log_probs and not rollout_as_old_problems(cfg, ["rollout_as_old_logprob"])
+    from hybridlab.dataflow.stages import rollout_log_probs_inexact
+
+    exact = cfg.actor.use_rollout_log_probs and not rollout_log_probs_inexact(cfg)
     stages.append("rollout_as_old_logprob" if exact else "old_logprob")
     if cfg.actor.use_kl_loss or algo.use_kl_in_reward:
         stages.append("ref_logprob")
@@ -30,24 +32,6 @@ def default_dataflow(cfg: RunConfig) -> list[str]:
     if est == "gae":
         stages.append("update_critic")
     return stages + ["update_actor", "sync_weights"]
-
-
-def rollout_as_old_problems(cfg: RunConfig, names: list[str]) -> list[str]:
-    """Return why the stages ``names`` may not take the rollout's log-probs as the old policy's
-    (the rollout_as_old_logprob stage) under ``cfg``; empty when they may."""
-    if "rollout_as_old_logprob" not in names:
-        return []
-    fix = ("; use the old_logprob stage instead of rollout_as_old_logprob (or leave `dataflow` unset: the"
-           " stages then follow the settings)")
-    out = []
-    if cfg.trainer.off_policy:
-        out.append("trainer.off_policy: off-policy samples come from older weights, so their rollout log-probs are"
-                   " not the current policy's" + fix)
-    r = cfg.rollout
-    if r.top_p < 1 or r.top_k:  # vLLM's processed log-probs are then of the truncated distribution
-        out.append(f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: the rollout's log-probs are of the truncated"
-                   f" distribution, not the actor's" + fix)
-    return out
 
 
 def dataflow_names(cfg: RunConfig) -> list[str]:
@@ -157,7 +141,6 @@ def validate_config(cfg: RunConfig) -> None:
             p.append(f"mapping: {exc}")
         if cfg.trainer.off_policy and names[0] != "generate":
             p.append("trainer.off_policy: the dataflow must start with 'generate' to overlap the next rollout")
-        p += rollout_as_old_problems(cfg, names)
     if p:
         raise ConfigError("config is invalid:\n  - " + "\n  - ".join(p))
 

@@ -28,8 +28,7 @@ class RecordSource:
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
         self.hub = find_hub(self.run_dir)
-        self.cursor = 0        # records read from the hub
-        self.offset = 0        # bytes of the file covered by what was read (hub or file)
+        self.offset = 0        # bytes of the run's file covered by what was read (hub or file)
 
     def poll(self) -> list[dict]:
         """Return the records that arrived since the previous call."""
@@ -38,7 +37,7 @@ class RecordSource:
             from ray.exceptions import GetTimeoutError, RayActorError
 
             try:  # short wait: this runs on the page's event loop
-                records, self.cursor, self.offset = ray.get(self.hub.since.remote(self.cursor), timeout=1)
+                records, self.offset = ray.get(self.hub.since.remote(self.offset), timeout=1)
                 return records
             except GetTimeoutError:
                 return []
@@ -175,17 +174,21 @@ def build_dashboard(run_dir: str | Path):
     return board.layout
 
 
+def free_port(address: str = "localhost") -> int:
+    """Return a TCP port that is free on ``address`` now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
 def serve(run_dir: str | Path, port: int = 0, address: str = "localhost", show: bool = False, threaded: bool = False):
     """Serve the dashboard of ``run_dir`` on ``address:port`` (0 picks a free port); returns
     (server or server thread, port). ``threaded=True`` returns at once (notebooks, tests)."""
-    import socket
-
     import panel as pn
 
-    if not port:
-        with socket.socket() as s:
-            s.bind((address, 0))
-            port = s.getsockname()[1]
+    port = port or free_port(address)
     origins = sorted({f"{address}:{port}", f"localhost:{port}", f"127.0.0.1:{port}"})
     server = pn.serve({"/": lambda: build_dashboard(run_dir)}, port=port, address=address, show=show,
                       threaded=threaded, title=f"hybridlab {Path(run_dir).name}", websocket_origin=origins,

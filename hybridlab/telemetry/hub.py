@@ -5,7 +5,8 @@ method, stage, start, end, bytes), ``metrics`` (one RL step), ``eval``, ``sync``
 buckets, seconds) and ``device`` (one sample of a worker's device: CPU% and resident memory
 on CPU machines, utilization and memory through NVML on GPUs). Each ``add`` appends JSON lines
 to ``RUN_DIR/telemetry.jsonl`` and flushes, so a crash loses at most what was in flight and a
-finished or crashed run can be replayed from the file. ``since(cursor)`` serves live viewers.
+finished or crashed run can be replayed from the file. ``since(offset)`` serves live viewers
+from that same file, so the hub holds no copy of the records in memory.
 """
 from __future__ import annotations
 
@@ -35,28 +36,21 @@ class TelemetryHub:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(run_dir) / TELEMETRY_FILE
         self._file = open(self.path, "ab")
-        self.records: list[dict] = []
-        self.offset = self._file.tell()  # byte offset of the file after the last record held
         self._lock = threading.Lock()    # the actor serves several calls at once
 
     def add(self, kind: str, items: list[dict]) -> int:
-        """Append records of ``kind``; returns the number of records held."""
-        records = [{"kind": kind, **item} for item in items]
-        data = "".join(json.dumps(r, default=float) + "\n" for r in records).encode()
+        """Append records of ``kind``; returns the file's size in bytes after them."""
+        data = "".join(json.dumps({"kind": kind, **item}, default=float) + "\n" for item in items).encode()
         with self._lock:
-            if self._file.closed:
-                return len(self.records)
-            self._file.write(data)
-            self._file.flush()
-            self.records.extend(records)
-            self.offset += len(data)
-            return len(self.records)
+            if not self._file.closed:
+                self._file.write(data)
+                self._file.flush()
+            return self.path.stat().st_size
 
-    def since(self, cursor: int) -> tuple[list[dict], int, int]:
-        """Return (records after position ``cursor``, the new cursor, the file's byte offset
-        after them, where a reader of the file can continue)."""
+    def since(self, offset: int) -> tuple[list[dict], int]:
+        """Return (the records after byte ``offset`` of the run's file, the offset after them)."""
         with self._lock:
-            return self.records[cursor:], len(self.records), self.offset
+            return read_records(self.path.parent, offset)
 
     def close(self) -> None:
         """Close the file (the records stay readable)."""
@@ -74,12 +68,17 @@ def start_hub(run_dir: str | os.PathLike):
 
 def find_hub(run_dir: str | os.PathLike):
     """Return the live hub of ``run_dir`` if this process is connected to its Ray cluster, else None."""
+    return get_hub(hub_name(run_dir))
+
+
+def get_hub(name: str | None):
+    """Return the live hub actor called ``name`` in the connected Ray cluster, else None."""
     import ray
 
-    if not ray.is_initialized():
+    if not name or not ray.is_initialized():
         return None
     try:
-        return ray.get_actor(hub_name(run_dir), namespace=NAMESPACE)
+        return ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
         return None
 
@@ -95,6 +94,7 @@ class DeviceSampler:
     def __init__(self, hub, role: str, rank: int, devices: list[str], period_s: float = 1.0):
         self.hub, self.role, self.rank, self.devices, self.period = hub, role, rank, devices, period_s
         self._stop = threading.Event()
+        self._last = None                # the previous add() call, to notice the hub going away
         self._thread = threading.Thread(target=self._loop, name="device-sampler", daemon=True)
 
     def start(self) -> "DeviceSampler":
@@ -119,11 +119,11 @@ class DeviceSampler:
                 samples = [dict(time=now, device=f"GPU {d}", role=self.role, rank=self.rank, **nvml(int(d)))
                            for d in self.devices]
             else:
-                device = ",".join(self.devices) or "cpu"
+                device = ",".join(self.devices)
                 samples = [{"time": now, "device": f"GPU {device}" if self.devices else "cpu", "role": self.role,
                             "rank": self.rank, "pid": proc.pid, "util": proc.cpu_percent(None),
                             "memory_mb": proc.memory_info().rss / 2**20}]
-            previous = getattr(self, "_last", None)
+            previous = self._last
             if previous is not None and ray.wait([previous], timeout=0)[0]:
                 try:
                     ray.get(previous)

@@ -1,6 +1,7 @@
 """Spans: one record per worker call (role, rank, method, start, end, bytes in and out)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from typing import Iterable
@@ -37,16 +38,25 @@ class Timeline:
 
     @property
     def stage(self) -> str:
-        """The dataflow stage this thread is running (stamped on the spans it adds)."""
+        """The dataflow stage this thread is running (stamped on the worker calls it submits)."""
         return getattr(self._local, "stage", "")
 
     @stage.setter
     def stage(self, name: str) -> None:
         self._local.stage = name
 
+    @contextlib.contextmanager
+    def staged(self, name: str):
+        """Within the block, this thread's worker calls belong to stage ``name``; yields nothing."""
+        outer, self.stage = self.stage, name
+        try:
+            yield
+        finally:
+            self.stage = outer
+
     def add(self, spans: Iterable[Span]) -> None:
         """Append spans and hand them to every listener."""
-        spans = [dataclasses.replace(s, stage=s.stage or self.stage) for s in spans]
+        spans = list(spans)
         with self._lock:
             self._spans.extend(spans)
             listeners = list(self._listeners)
