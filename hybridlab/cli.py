@@ -50,7 +50,7 @@ def cmd_sft(args) -> int:
     task = _task_from_args(args)
     cfg = sft.SFTConfig(steps=args.steps, max_seconds=args.max_seconds, lr=args.lr,
                         batch_size=args.batch_size, seed=args.seed,
-                        train_samples=args.train_samples)
+                        train_samples=args.train_samples, target_accuracy=args.target_accuracy)
     cfg.validate()
     out = check_model_dir_target(args.out)  # before the expensive part
     model, tokenizer = load_hf(resolve_model(args.model))
@@ -58,6 +58,8 @@ def cmd_sft(args) -> int:
     sft.save_checkpoint(model, tokenizer, out)
     result = {"out": str(out), "task": args.task, "steps": summary["steps"], "seconds": summary["seconds"],
               "first_loss": round(summary["first_loss"], 4), "final_loss": round(summary["final_loss"], 4)}
+    if args.target_accuracy is not None:
+        result["held_out_accuracy"] = summary["held_out_accuracy"]
     if args.eval > 0:
         result["test_accuracy"] = accuracy(model, tokenizer, task, task.split("test", args.eval))["accuracy"]
     print(json.dumps(result))
@@ -199,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lr", type=float, default=3e-3)
     s.add_argument("--batch-size", type=int, default=64)
     s.add_argument("--train-samples", type=int, default=4000, help="distinct training prompts to draw")
+    s.add_argument("--target-accuracy", type=float, default=None, metavar="FRACTION",
+                   help="stop once greedy accuracy on 200 held-out training prompts reaches this (e.g. 0.5);"
+                        " --steps is then the cap, and missing the target is an error")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--eval", type=int, default=500, metavar="N",
                    help="greedy accuracy on N test prompts afterwards (0: skip)")

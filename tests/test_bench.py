@@ -19,7 +19,7 @@ def test_bench_dispatch_json(ray_local, capfd):
 
 def test_unknown_benchmark_lists_names(capfd):
     assert main(["bench", "nope", "--json"]) == 2
-    assert "unknown benchmark 'nope'; choose one of: dispatch, e2e, rollout, sync, train" in capfd.readouterr().err
+    assert "unknown benchmark 'nope'; choose one of: dispatch, e2e, learn, rollout, sync, train" in capfd.readouterr().err
 
 
 def test_bench_train_json(ray_local, capfd):
@@ -49,3 +49,8 @@ def test_bench_e2e_json_against_trl(ray_local, capfd):
     assert result["telemetry_sessions"] == 2  # on, off, off, on
     assert (result["prompts_per_step"], result["group"], result["max_new_tokens"]) == (2, 2, 8)
     assert 500_000 < result["params"] < 800_000 and result["speedup_vs_trl"] > 0
+
+
+def test_bench_learn_refuses_bad_seeds_before_any_run(capfd):
+    assert main(["bench", "learn", "--seeds", "0,x", "--json"]) == 2
+    assert "seeds must be integers separated by commas, e.g. 0,1,2; got '0,x'" in capfd.readouterr().err

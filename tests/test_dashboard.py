@@ -20,7 +20,7 @@ ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 def rl(ray_local, trained_dir, tmp_path_factory):
     """A GRPO session with telemetry on (tiny, small batches, one device)."""
     run_dir = tmp_path_factory.mktemp("dash") / "run"
-    session = RLSession(None, [f"model={trained_dir}", "warm_start.steps=0", "data.prompts_per_step=8",
+    session = RLSession(None, [f"model={trained_dir}", "warm_start.max_steps=0", "data.prompts_per_step=8",
                                "rollout.n=4", "actor.ppo_mini_batch_size=8", "data.test_samples=16",
                                "trainer.eval_every=5", "trainer.progress=false", f"trainer.run_dir={run_dir}"])
     session.start()
@@ -36,7 +36,7 @@ def _chromium() -> str:
 
 
 def _status_step(page) -> int:
-    status = page.get_by_text(re.compile(r"· step \d+ · mean reward")).first
+    status = page.get_by_text(re.compile(r"RL step \d+ · mean reward")).first
     status.wait_for(timeout=30_000)
     text = status.text_content()
     found = re.search(r"step\s+(\d+)", text)
@@ -145,3 +145,26 @@ def test_the_same_app_is_served_by_the_cli_and_by_panel_serve(rl, how):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_status_line_names_the_phase_from_warm_start_to_evaluation(tmp_path):
+    """A viewer who opens the page during the warm start sees the warm start, not 'step 0'."""
+    from hybridlab.telemetry.hub import TelemetryHub
+
+    hub = TelemetryHub(str(tmp_path))  # the hub's own file format, written in this process
+    board = Dashboard(tmp_path)
+    hub.add("run", [{"name": "grpo", "processor": "Test CPU (avx512_bf16, no AMX)"}])
+    hub.add("phase", [{"phase": "warm start", "step": 0, "max_steps": 4000}])
+    board.update()
+    assert board.status.object == "run grpo · warm start step 0/4000 · Test CPU (avx512_bf16, no AMX)"
+    hub.add("phase", [{"phase": "warm start", "step": 250, "max_steps": 4000, "accuracy": 0.125, "target": 0.5}])
+    board.update()
+    assert "warm start step 250/4000 · held-out accuracy 12.5% of target 50%" in board.status.object
+    hub.add("phase", [{"phase": "evaluate", "step": 0}])
+    board.update()
+    assert "evaluating after RL step 0" in board.status.object
+    hub.add("eval", [{"step": 0, "accuracy": 0.5}])
+    hub.add("metrics", [{"step": 1, "reward/mean": 0.25}])
+    board.update()
+    assert "RL step 1 · mean reward 0.250" in board.status.object
+    hub.close()

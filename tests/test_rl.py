@@ -19,7 +19,7 @@ GRPO_FLOW = "[generate, reward, old_logprob, ref_logprob, advantages, update_act
 def rl(ray_local, trained_dir, tmp_path_factory):
     """A PPO session (actor, critic, ref, rollout and reward colocated on 2 devices, DP 2)."""
     run_dir = tmp_path_factory.mktemp("rl") / "run"
-    session = RLSession("ppo", [f"model={trained_dir}", "warm_start.steps=0", "trainer.devices=2",
+    session = RLSession("ppo", [f"model={trained_dir}", "warm_start.max_steps=0", "trainer.devices=2",
                                 "data.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=6",
                                 "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
                                 "data.test_samples=32", "trainer.progress=false", f"trainer.run_dir={run_dir}"])

@@ -94,3 +94,43 @@ def test_sft_refuses_to_overwrite_a_foreign_directory(tmp_path, capsys):
 def test_config_validation_names_the_field():
     with pytest.raises(UserError, match="batch_size"):
         sft.SFTConfig(batch_size=0).validate()
+
+
+def test_held_out_prompts_are_training_prompts_never_trained_on_nor_tested():
+    task = get_task("arith")
+    cfg = sft.SFTConfig(train_samples=300, eval_samples=100)
+    trained, held_out = sft.held_out_split(task, cfg)
+    assert len(trained) == 300 and len(held_out) == 100
+    trained_prompts, held_prompts = {s.prompt for s in trained}, {s.prompt for s in held_out}
+    assert not trained_prompts & held_prompts
+    assert not held_prompts & {s.prompt for s in task.split("test", 500)}
+    assert held_prompts <= {s.prompt for s in task.split("train", 400)}  # from the train split
+
+
+def test_warm_start_stops_once_held_out_accuracy_reaches_its_target(tiny_dir):
+    model, tok = load_hf(tiny_dir)
+    task = get_task("arith")
+    cfg = sft.SFTConfig(steps=800, warmup_steps=20, target_accuracy=0.03, eval_every=50, eval_samples=200)
+    seen = []
+    summary = sft.train(model, tok, task, cfg, progress=False, on_check=lambda step, acc: seen.append((step, acc)))
+    checks = summary["checks"]
+    assert [(c["step"], c["accuracy"]) for c in checks] == seen
+    assert [c["step"] for c in checks] == list(range(50, summary["steps"] + 1, 50))
+    assert summary["steps"] < 800  # stopped on the target, not the cap
+    assert checks[-1]["accuracy"] >= 0.03 > max((c["accuracy"] for c in checks[:-1]), default=0.0)
+    _, held_out = sft.held_out_split(task, cfg)
+    assert sft.held_out_accuracy(model, tok, task, held_out) == summary["held_out_accuracy"]
+
+
+def test_warm_start_short_of_its_target_stops_with_a_message_naming_it(tiny_dir):
+    model, tok = load_hf(tiny_dir)
+    cfg = sft.SFTConfig(steps=50, warmup_steps=10, target_accuracy=0.9, eval_every=25, eval_samples=50)
+    with pytest.raises(sft.WarmStartError, match=r"warm start reached \d+\.\d% greedy accuracy on 50 held-out "
+                                                 r"training prompts after 50 steps \(the step cap\), short of its "
+                                                 r"target 90%"):
+        sft.train(model, tok, get_task("arith"), cfg, progress=False)
+
+
+def test_target_accuracy_outside_zero_to_one_is_refused():
+    with pytest.raises(UserError, match=r"target_accuracy must be in \(0, 1\], got 1.5"):
+        sft.SFTConfig(target_accuracy=1.5).validate()

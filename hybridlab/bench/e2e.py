@@ -20,7 +20,7 @@ import torch
 
 def _config(model: str, prompts_per_step: int, group: int, max_new_tokens: int, steps: int, run_dir: str,
             telemetry: bool = True) -> list[str]:
-    return [f"model={model}", "warm_start.steps=0", f"data.prompts_per_step={prompts_per_step}",
+    return [f"model={model}", "warm_start.max_steps=0", f"data.prompts_per_step={prompts_per_step}",
             f"rollout.n={group}", f"rollout.max_new_tokens={max_new_tokens}", "rollout.ignore_eos=true",
             "rollout.kv_cache_mb=256", f"actor.ppo_mini_batch_size={prompts_per_step}", "actor.use_kl_loss=false",
             "actor.micro_batch_size=64", "actor.lr=1e-5", f"trainer.steps={steps}", "trainer.progress=false",

