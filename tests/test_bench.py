@@ -19,7 +19,7 @@ def test_bench_dispatch_json(ray_local, capfd):
 
 def test_unknown_benchmark_lists_names(capfd):
     assert main(["bench", "nope", "--json"]) == 2
-    assert "unknown benchmark 'nope'; choose one of: dispatch, e2e, learn, rollout, sync, train" in capfd.readouterr().err
+    assert "unknown benchmark 'nope'; choose one of: dispatch, e2e, learn, remap, rollout, sync, train" in capfd.readouterr().err
 
 
 def test_bench_train_json(ray_local, capfd):

@@ -80,12 +80,22 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
     assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
 
 
-def test_a_setting_that_needs_a_role_the_session_lacks_is_refused(rl):
+def test_a_setting_that_needs_a_role_adds_it_to_the_default_mapping_and_the_dashboard_marks_it(rl):
     from hybridlab.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"role\(s\) ref .*create a new RLSession"):
-        rl.update("actor.use_kl_loss=true")  # the default session has no reference model
-    assert rl.cfg.actor.use_kl_loss is False
+    explicit = json.dumps(rl.mapping.to_dict())  # the same placement, written out: no ref role
+    with pytest.raises(ConfigError, match="ref_logprob: runs on role 'ref', which the device mapping does not have"):
+        rl.update("actor.use_kl_loss=true", f"mapping={explicit}")
+    assert rl.cfg.actor.use_kl_loss is False and "ref" not in rl.session.groups
+    rl.update("actor.use_kl_loss=true")  # the default mapping gains the reference model
+    report = rl.remaps[-1]
+    assert report.roles_added == ["ref"] and report.reason == "update"
+    assert "ref_logprob" in rl.dataflow.names and "actor/kl_loss" in rl.step().metrics
+    board = Dashboard(rl.run_dir)
+    board.update()
+    assert board.remaps[-1]["roles_added"] == ["ref"]
+    assert "ref (tp1 pp1 dp1, colocated: engine)" in board.mapping_pane.object
+    assert f"remapped after step {report.step}" in board.mapping_pane.object
 
 
 def test_hub_file_holds_every_kind_and_replays(rl):
@@ -98,7 +108,7 @@ def test_hub_file_holds_every_kind_and_replays(rl):
     assert live.curves.data["step"] == list(range(1, steps + 1))
     records = [json.loads(line) for line in (rl.run_dir / "telemetry.jsonl").read_text().splitlines()]
     kinds = {r["kind"] for r in records}
-    assert {"run", "span", "metrics", "sync", "eval", "device"} <= kinds
+    assert {"run", "span", "metrics", "sync", "eval", "device", "remap"} <= kinds
     stages = {r["stage"] for r in records if r["kind"] == "span"}
     assert {"generate", "reward", "update_actor", "sync_weights"} <= stages
     devices = [r for r in records if r["kind"] == "device"]
@@ -110,7 +120,9 @@ def test_hub_file_holds_every_kind_and_replays(rl):
     assert board.curves.data["step"] == list(range(1, steps + 1))
     assert f"step {steps} ·" in board.status.object
     assert len(board.spans.data["worker"]) > 0 and board.devices
-    assert len(board.sync.data["step"]) == steps
+    syncs = [r for r in records if r["kind"] == "sync"]
+    assert len(board.sync.data["step"]) == len(syncs) == steps + 1  # one per step, one after the remap
+    assert [r["step"] for r in syncs if r["reason"] == "step"] == list(range(1, steps + 1))
 
 
 def _free_port() -> int:

@@ -13,6 +13,7 @@ BENCHES = {
     "sync": "hybridlab.bench.sync",
     "e2e": "hybridlab.bench.e2e",
     "learn": "hybridlab.bench.learn",
+    "remap": "hybridlab.bench.remap",
 }
 
 

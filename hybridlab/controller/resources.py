@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import uuid
 
 import ray
 
@@ -17,12 +18,13 @@ STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 def connect(address: str | None = None, num_gpus: int | None = None, num_cpus: int | None = None,
-            temp_dir: str | None = None) -> dict:
+            temp_dir: str | None = None, min_gpus: int = 0) -> dict:
     """Connect to Ray and return the cluster's total resources.
 
     ``address=None`` starts a local cluster in this process with ``num_gpus`` logical GPUs
-    (default 4 without real GPUs); ``"auto"`` or ``"ray://..."`` attaches to an existing one.
-    An already connected process keeps its connection.
+    (default: the real GPUs, else max(4, ``min_gpus``) logical ones, so a session can remap onto
+    more devices than it started with); ``"auto"`` or ``"ray://..."`` attaches to an existing
+    one. An already connected process keeps its connection.
     """
     if not ray.is_initialized():
         env = {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -33,7 +35,7 @@ def connect(address: str | None = None, num_gpus: int | None = None, num_cpus: i
             ray.init(address=address, runtime_env=env, log_to_driver=True)
         else:
             real = _cuda_device_count()
-            ray.init(num_gpus=num_gpus if num_gpus is not None else (real or 4),
+            ray.init(num_gpus=num_gpus if num_gpus is not None else (real or max(4, min_gpus)),
                      num_cpus=num_cpus if num_cpus is not None else max(8, os.cpu_count() or 1),
                      include_dashboard=False, _temp_dir=temp_dir or _short_temp_dir(),
                      runtime_env=env, log_to_driver=True, configure_logging=False)
@@ -85,7 +87,8 @@ class ResourcePool:
         if total < self.devices:
             raise UserError(f"pool {self.name!r} needs {self.devices} devices but the cluster has {total:g} GPUs")
         bundles = [{"GPU": 1, "CPU": self.cpus_per_device} for _ in range(self.devices)]
-        pg = placement_group(bundles, strategy=self.strategy, name=f"hybridlab-{self.name}")
+        # Unique per reservation: two sessions (or a pool re-created by a remap) may share a name.
+        pg = placement_group(bundles, strategy=self.strategy, name=f"hybridlab-{self.name}-{uuid.uuid4().hex[:8]}")
         try:
             ray.get(pg.ready(), timeout=timeout)
         except ray.exceptions.GetTimeoutError:

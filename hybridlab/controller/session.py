@@ -98,15 +98,32 @@ class Session:
         after its new ones start, whenever ``remap`` or ``recreate`` replaces them."""
         self._hooks.append((save, load))
 
-    def remap(self, new: DeviceMapping) -> set[str]:
-        """Switch to mapping ``new``, re-creating only the roles whose placement changed; returns them.
+    def remove_remap_hook(self, save: SaveHook | None = None, load: LoadHook | None = None) -> None:
+        """Remove hooks added with ``add_remap_hook`` (the same two objects)."""
+        self._hooks.remove((save, load))
 
-        The new mapping is validated first: on an error nothing is touched.
+    def remap(self, new: DeviceMapping, workers: dict[str, RoleClass | type] | None = None,
+              recreate: set[str] | frozenset = frozenset()) -> set[str]:
+        """Switch to mapping ``new``, re-creating only the roles whose placement changed (plus
+        ``recreate``, e.g. roles whose built-in settings changed, with the roles that share their
+        processes); returns the re-created roles. ``workers`` gives classes for new roles or new
+        constructor arguments for existing ones.
+
+        Everything is validated first: on an error nothing is touched.
         """
-        self._check(new, ray.cluster_resources().get("GPU", 0))
-        changed = self.mapping.changed_roles(new)
+        merged = {**self.workers, **{r: w if isinstance(w, RoleClass) else RoleClass(w)
+                                     for r, w in (workers or {}).items()}}
+        have = ", ".join(merged) or "none"
+        new.validate(self.model, ray.cluster_resources().get("GPU", 0), extra=[
+            f"roles.{r}: no worker class was given for this role (have: {have})" for r in new.roles if r not in merged])
+        changed = self.mapping.changed_roles(new) | set(recreate)
+        for mapping in (self.mapping, new):  # a re-created role takes the roles sharing its processes along
+            for _, members in mapping.process_sets():
+                if changed & set(members):
+                    changed |= set(members)
         states = self._save(changed)
         self._teardown(changed)
+        self.workers = {r: w for r, w in merged.items() if r in new.roles}
         used = {r.pool for r in new.roles.values()}
         live = {self.mapping.roles[r].pool for s in self._sets for r in s.roles}
         for name in list(self.pools):  # release pools that changed shape or lost all their roles

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import queue
 import threading
 import time
 from pathlib import Path
@@ -23,28 +24,30 @@ from typing import Any
 import yaml
 
 from hybridlab.config import ConfigError, RunConfig, load_config
+from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.stages import REWARD_FIELDS, generation_metrics
 from hybridlab.dataflow.prompts import PromptSource, load_samples, prompt_batch
 from hybridlab.dataflow.prompts import PROMPT_FIELDS
-from hybridlab.dataflow.validate import dataflow_names, default_mapping, roles_needed
+from hybridlab.dataflow.roles import plan_update, role_classes
+from hybridlab.dataflow.validate import dataflow_names, default_mapping
 from hybridlab.dataflow.context import BackgroundRun, StepContext
 from hybridlab.protocol import Batch
 
 
-# Built into workers, prompts or the run directory when the session is created.
-FIXED_SETTINGS = ("name", "model", "warm_start", "data", "mapping", "trainer.devices", "trainer.run_dir",
-                  "trainer.telemetry", "trainer.tensorboard", "trainer.seed", "rollout.backend",
-                  "rollout.kv_cache_mb", "rollout.temperature", "actor.lr", "actor.weight_decay", "actor.grad_clip",
-                  "actor.warmup_steps", "actor.micro_batch_size", "critic.lr", "critic.weight_decay",
-                  "critic.grad_clip", "critic.warmup_steps", "critic.micro_batch_size", "reward.kind",
-                  "reward.function", "reward.format_score", "reward.error_score")
+class _Edit:
+    """A change of the session waiting for a step boundary, and its outcome."""
 
+    def __init__(self, fn):
+        self.fn, self.done, self.result, self.error = fn, threading.Event(), None, None
 
-def _dig(cfg: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as exc:  # handed to the waiting caller
+            self.error = exc
+        finally:
+            self.done.set()
 
 
 @dataclasses.dataclass
@@ -73,7 +76,6 @@ class RLSession:
         names = dataflow_names(self.cfg)
         self._dataflow = Dataflow(names)
         from hybridlab.algos.kl import get_kl_controller
-        from hybridlab.controller.mapping import DeviceMapping
 
         self.mapping = DeviceMapping.from_dict(self.cfg.mapping or default_mapping(self.cfg, names))
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -89,6 +91,8 @@ class RLSession:
         self._stop_requested = False
         self._lock = threading.RLock()  # a step, or an edit of the session; never both
         self.environment: dict = {}
+        self.remaps: list = []      # RemapReports, in order
+        self._edits: queue.Queue = queue.Queue()  # edits waiting for the next step boundary
         self.warm_start_info: dict | None = None  # steps, seconds, held-out accuracy of the warm start
         self._dashboards: list = []
 
@@ -111,10 +115,13 @@ class RLSession:
         self.environment = {**describe(self.cfg.trainer.seed), "worker_threads": int(env["OMP_NUM_THREADS"]),
                             "worker_processes": processes}
         _write_json(self.run_dir / "environment.json", self.environment)
+        from hybridlab.controller.resources import connect
+
         devices = sum(p.devices for p in self.mapping.pools.values())
         try:
+            connect(address=self._ray["address"], temp_dir=self._ray["temp_dir"], min_gpus=devices)
             if self.cfg.trainer.telemetry:  # first, so a viewer sees the warm start too
-                self._start_hub(env, devices)
+                self._start_hub(env)
             model_dir = Path(resolve_model(self.cfg.model))
             if self.cfg.warm_start.max_steps:
                 model_dir = self._warm_start(model_dir)
@@ -124,9 +131,8 @@ class RLSession:
             self.prompts = PromptSource(load_samples(self.cfg, "train"), self.tokenizer,
                                         self.cfg.data.prompts_per_step, seed=self.cfg.data.seed)
             self.test_samples = load_samples(self.cfg, "test")
-            self.session = Session(self.mapping, self._workers(str(model_dir)), address=self._ray["address"],
-                                   num_gpus=None if self._ray["address"] else devices, env=env,
-                                   ray_temp_dir=self._ray["temp_dir"])
+            self.session = Session(self.mapping, role_classes(self.cfg, self.mapping, str(model_dir)),
+                                   address=self._ray["address"], env=env, ray_temp_dir=self._ray["temp_dir"])
             if self.hub is not None:  # every worker call's span goes to the hub
                 self.session.timeline.subscribe(
                     lambda spans: self.hub.add.remote("span", [dataclasses.asdict(s) for s in spans]))
@@ -139,14 +145,11 @@ class RLSession:
         self.log = MetricsLog(self.run_dir, self.cfg.trainer.tensorboard)
         return self
 
-    def _start_hub(self, env: dict, devices: int) -> None:
+    def _start_hub(self, env: dict) -> None:
         """Start the run's hub before the warm start and the workers (they send it device
         samples through ``env``)."""
-        from hybridlab.controller.resources import connect
         from hybridlab.telemetry.hub import ENV_HUB, hub_name, start_hub
 
-        connect(address=self._ray["address"], num_gpus=None if self._ray["address"] else devices,
-                temp_dir=self._ray["temp_dir"])
         self.hub = start_hub(self.run_dir)
         env[ENV_HUB] = hub_name(self.run_dir)
         self.hub.add.remote("run", [{"time": time.time(), "name": self.cfg.name, "run_dir": str(self.run_dir),
@@ -203,39 +206,6 @@ class RLSession:
         _write_json(info_path, self.warm_start_info)
         return path
 
-    def _workers(self, model_dir: str) -> dict:
-        from hybridlab.controller.group import RoleClass
-        from hybridlab.workers.reward.worker import RewardWorker
-        from hybridlab.workers.rollout.worker import RolloutWorker
-        from hybridlab.workers.train.workers import ActorWorker, CriticWorker, RefWorker
-
-        c, roles = self.cfg, self.mapping.roles
-        temperature = c.rollout.temperature or 1.0  # log-probs under the sampling distribution
-        seed = c.trainer.seed
-
-        def layout(role):
-            return {"tp": roles[role].tp, "pp": roles[role].pp}
-
-        def optim(section):
-            return {"lr": section.lr, "weight_decay": section.weight_decay, "grad_clip": section.grad_clip,
-                    "warmup_steps": section.warmup_steps}
-
-        make = {
-            "actor": lambda: RoleClass(ActorWorker, (model_dir,), dict(
-                **layout("actor"), optim=optim(c.actor), seed=seed, temperature=temperature,
-                micro_batch_size=c.actor.micro_batch_size)),
-            "ref": lambda: RoleClass(RefWorker, (model_dir,), dict(
-                **layout("ref"), seed=seed, temperature=temperature, micro_batch_size=c.actor.micro_batch_size)),
-            "critic": lambda: RoleClass(CriticWorker, (model_dir,), dict(
-                **layout("critic"), optim=optim(c.critic), seed=seed, micro_batch_size=c.critic.micro_batch_size)),
-            "rollout": lambda: RoleClass(RolloutWorker, (model_dir,), dict(
-                backend=c.rollout.backend, kv_cache_mb=c.rollout.kv_cache_mb, seed=seed)),
-            "reward": lambda: RoleClass(RewardWorker, (model_dir,), dict(
-                kind="rule" if c.reward.kind == "model" else c.reward.kind, function=c.reward.function,
-                format_score=c.reward.format_score, error_score=c.reward.error_score)),
-        }
-        return {role: make[role]() for role in roles}
-
     def shutdown(self) -> None:
         """Stop the workers and close the logs (the Ray connection stays for the kernel)."""
         self._pending = None
@@ -271,16 +241,24 @@ class RLSession:
     def dataflow(self, value: Dataflow | list) -> None:
         flow = value if isinstance(value, Dataflow) else Dataflow(value)
         flow.validate(self.cfg, self.mapping.roles, PROMPT_FIELDS)
-        with self._lock:  # between steps, never in the middle of one
+
+        def assign() -> None:
             self._dataflow = flow
             self.cfg = dataclasses.replace(self.cfg, dataflow=flow.names)
             self._drop_pending()
 
+        self._at_step_boundary(assign)
+
     def update(self, *overrides: str) -> RunConfig:
-        """Change settings between steps with ``key=value`` overrides (e.g.
-        ``"algorithm.adv_estimator=rloo"``); returns the new config. Everything is validated
-        first; the model, device mapping, warm start and worker settings are fixed once
-        workers run (start a new session to change those)."""
+        """Change settings with ``key=value`` overrides (e.g. ``"algorithm.adv_estimator=rloo"``,
+        ``"actor.lr=5e-5"``, ``"mapping={...}"``); returns the new config once applied.
+
+        Everything is validated first. Settings the running workers take (learning rate,
+        clipping, micro-batch size, temperature...) are applied to them; settings built into a
+        role (rollout.kv_cache_mb, reward.*) re-create that role, and a new mapping remaps, both
+        with the trainers' state carried in memory. Only what would make it another run (the
+        model, the data, the warm start, the seed) is refused, with the reason. Applied between
+        steps: during a background run, at the next step boundary (this call waits for it)."""
         from hybridlab.config import apply_override, build
         from hybridlab.dataflow.validate import validate_config
 
@@ -288,26 +266,100 @@ class RLSession:
         for pair in overrides:
             apply_override(data, pair)
         new = build(RunConfig, data)
-        for key in FIXED_SETTINGS:
-            if _dig(new, key) != _dig(self.cfg, key):
-                raise ConfigError(f"{key} is fixed once the session exists (workers, prompts and run directory"
-                                  f" are built from it); create a new RLSession to change it")
         validate_config(new)
         names = dataflow_names(new)
-        missing = [r for r in roles_needed(names) if r not in self.mapping.roles]
-        if missing:
-            raise ConfigError(f"these settings need the role(s) {', '.join(missing)} (dataflow: {', '.join(names)}),"
-                              f" which this session's workers do not include; create a new RLSession with them")
-        flow = Dataflow(names).validate(new, self.mapping.roles, PROMPT_FIELDS)
-        with self._lock:  # between steps, never in the middle of one
-            if new.algorithm.kl_ctrl != self.cfg.algorithm.kl_ctrl:
-                from hybridlab.algos.kl import get_kl_controller
-
-                self.kl_ctrl = get_kl_controller(new.algorithm.kl_ctrl)
-            if new.trainer.off_policy != self.cfg.trainer.off_policy or new.rollout != self.cfg.rollout:
-                self._drop_pending()
-            self.cfg, self._dataflow = new, flow
+        # The default mapping gains the roles a new setting needs and keeps the ones it has
+        # (an idle critic costs nothing; dropping it would re-create every colocated process).
+        mapping = DeviceMapping.from_dict(new.mapping or default_mapping(new, names, keep=tuple(self.mapping.roles)))
+        plan = plan_update(self.cfg, new, mapping.roles)
+        flow = Dataflow(names)
+        if self.session is None:  # not started: nothing runs yet
+            flow.validate(new, mapping.roles, PROMPT_FIELDS)
+            self._set_config(new, flow, {})
+            self.mapping = mapping
+            return new
+        if not (plan.remap or plan.recreate or mapping != self.mapping):
+            flow.validate(new, mapping.roles, PROMPT_FIELDS)
+            self._at_step_boundary(lambda: self._set_config(new, flow, plan.configure))
+            return new
+        self._check_remap(new, mapping)
+        self._at_step_boundary(lambda: self._apply_remap(new, flow, mapping, plan.recreate, "update", plan.configure))
         return new
+
+    def remap(self, mapping: DeviceMapping | dict | str):
+        """Move the running session onto ``mapping`` (a DeviceMapping, a dict or YAML text):
+        re-creates only the roles whose placement changed, carries the trainers' weights, AdamW
+        moments, schedule position and RNG in memory, and resyncs the rollout. Refused before
+        anything is torn down if the mapping cannot run (the session keeps its old one).
+        Applied between steps (during a background run at the next step boundary; this call
+        waits for it); returns the RemapReport."""
+        from hybridlab.dataflow.remap import parse_mapping
+
+        new_mapping = parse_mapping(mapping)
+        new = dataclasses.replace(self.cfg, mapping=new_mapping.to_dict())
+        if self.session is None:
+            raise ConfigError("remap needs a started session (call start() first, or give the mapping in the"
+                              " config: mapping=...)")
+        self._check_remap(new, new_mapping)
+        flow = Dataflow(dataflow_names(new))
+        return self._at_step_boundary(lambda: self._apply_remap(new, flow, new_mapping, set(), "remap"))
+
+    def _check_remap(self, cfg: RunConfig, mapping) -> None:
+        import ray
+
+        from hybridlab.dataflow.remap import remap_problems
+
+        problems = remap_problems(cfg, mapping, ray.cluster_resources().get("GPU", 0), str(self.model_dir))
+        if problems:
+            raise ConfigError("this remap cannot run; the session keeps its mapping:\n  - " + "\n  - ".join(problems))
+
+    def _apply_remap(self, cfg: RunConfig, flow: Dataflow, mapping, recreate: set[str], reason: str,
+                     configure: dict[str, dict] | None = None):
+        from hybridlab.dataflow import remap
+
+        self._drop_pending()
+        report = remap.apply(self, cfg, mapping, recreate, reason)
+        # roles that kept their processes take their new live settings (re-created ones have them)
+        self._set_config(cfg, flow, {r: v for r, v in (configure or {}).items() if r not in report.roles_recreated})
+        self.remaps.append(report)
+        return report
+
+    def _set_config(self, new: RunConfig, flow: Dataflow, configure: dict[str, dict]) -> None:
+        """Apply a validated config between steps: live worker settings, KL controller, dataflow."""
+        for role, settings in configure.items():
+            self.session.groups[role].configure(**settings)
+        if new.algorithm.kl_ctrl != self.cfg.algorithm.kl_ctrl:
+            from hybridlab.algos.kl import get_kl_controller
+
+            self.kl_ctrl = get_kl_controller(new.algorithm.kl_ctrl)
+        if new.trainer.off_policy != self.cfg.trainer.off_policy or new.rollout != self.cfg.rollout:
+            self._drop_pending()
+        self.cfg, self._dataflow = new, flow
+
+    def _at_step_boundary(self, edit):
+        """Run ``edit()`` between steps and return its result: now if no step is running, else
+        as soon as the running step ends (the stepping thread, or this one, takes it first)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                return edit()
+            finally:
+                self._lock.release()
+        request = _Edit(edit)
+        self._edits.put(request)
+        while not request.done.wait(0.05):
+            if self._lock.acquire(blocking=False):  # no step took it (e.g. the run ended): do it here
+                try:
+                    self._run_edits()
+                finally:
+                    self._lock.release()
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    def _run_edits(self) -> None:
+        """Apply queued edits in order (called with the lock held, between steps)."""
+        while not self._edits.empty():
+            self._edits.get_nowait().run()
 
     def _drop_pending(self) -> None:
         if self._pending is not None:
@@ -320,6 +372,7 @@ class RLSession:
         if self.session is None:
             self.start()
         with self._lock:
+            self._run_edits()  # edits queued during the previous step apply before this one
             return self._step()
 
     def _step(self) -> StepResult:
@@ -356,16 +409,15 @@ class RLSession:
         self._emit("metrics", {"step": self.step_count, **metrics})
         return StepResult(self.step_count, batch, metrics)
 
-    def sync_weights(self):
-        """Copy the actor's weights into the rollout engines now; returns the SyncReport."""
-        from hybridlab.reshard.plan import RolloutLayout, TrainerLayout
-        from hybridlab.reshard.transfer import sync_weights
+    def sync_weights(self, reason: str = "step"):
+        """Copy the actor's weights into the rollout engines now; returns the SyncReport (the
+        dataflow's sync_weights stage calls this, and a remap with ``reason="remap"``)."""
+        from hybridlab.reshard.transfer import sync_mapped
 
-        a, r = self.mapping.roles["actor"], self.mapping.roles["rollout"]
-        report = sync_weights(self.session.groups["actor"], self.session.groups["rollout"], self.spec,
-                              TrainerLayout(tp=a.tp, pp=a.pp, dp=a.dp), RolloutLayout(tp=r.tp, replicas=r.dp))
-        self._emit("sync", {"step": self.step_count + 1, "bytes": report.bytes_moved, "buckets": report.buckets,
-                            "seconds": report.seconds, "mode": report.mode})
+        report = sync_mapped(self.session.groups, self.mapping, self.spec)
+        self._emit("sync", {"step": self.step_count + (reason == "step"), "bytes": report.bytes_moved,
+                            "buckets": report.buckets, "seconds": report.seconds, "mode": report.mode,
+                            "reason": reason})
         return report
 
     # -------------------------------------------------------------- evaluation
@@ -377,7 +429,8 @@ class RLSession:
             return {"accuracy": float("nan"), "n": 0, "reward_mean": float("nan")}
         prompts = prompt_batch(samples, self.tokenizer, list(range(len(samples))))
         ctx = StepContext(self)
-        with self.session.timeline.staged("evaluate"):  # the dashboard labels these calls by stage
+        # under the step lock: a remap or an edit waits for the evaluation as for a step
+        with self._lock, self.session.timeline.staged("evaluate"):  # the dashboard labels calls by stage
             out = self.session.groups["rollout"].generate(prompts, ctx.sampling(n=1, temperature=0.0))
             scored = self.session.groups["reward"].compute_reward(out.select(REWARD_FIELDS))
         return {"accuracy": float(scored["acc"].nanmean()), "n": len(samples),

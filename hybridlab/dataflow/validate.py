@@ -48,12 +48,17 @@ def roles_needed(names: list[str]) -> list[str]:
     return [r for r in ROLES if r in used]
 
 
-def default_mapping(cfg: RunConfig, names: list[str]) -> dict:
-    """Return the hybrid-engine mapping: every needed role in one set of processes on
-    ``trainer.devices`` devices, data parallel over them."""
+def default_mapping(cfg: RunConfig, names: list[str], keep: tuple[str, ...] = ()) -> dict:
+    """Return the hybrid-engine mapping: every needed role (and the roles in ``keep``, which a
+    running session already has) in one set of processes on ``trainer.devices`` devices, data
+    parallel over them."""
+    from hybridlab.controller.mapping import ROLES
+
     devices = cfg.trainer.devices
+    needed = roles_needed(names)
+    roles = [r for r in ROLES if r in needed or r in keep]
     return {"pools": {"main": {"devices": devices}},
-            "roles": {r: {"pool": "main", "dp": devices, "colocate": "engine"} for r in roles_needed(names)}}
+            "roles": {r: {"pool": "main", "dp": devices, "colocate": "engine"} for r in roles}}
 
 
 def _choice(problems: list[str], key: str, value, allowed) -> None:

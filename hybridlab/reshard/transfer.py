@@ -58,6 +58,18 @@ def sync_weights(actor, rollout, spec: ModelSpec, trainer: TrainerLayout, rollou
                       max_bucket_bytes=max(sizes), seconds=time.perf_counter() - start, plan=plan.summary())
 
 
+def layouts(mapping) -> tuple[TrainerLayout, RolloutLayout]:
+    """Return the actor's training layout and the rollout's layout in a DeviceMapping."""
+    a, r = mapping.roles["actor"], mapping.roles["rollout"]
+    return TrainerLayout(tp=a.tp, pp=a.pp, dp=a.dp), RolloutLayout(tp=r.tp, replicas=r.dp)
+
+
+def sync_mapped(groups: dict, mapping, spec: ModelSpec, bucket_mb: float = 64.0) -> SyncReport:
+    """Sync the actor's weights into the rollout engines of ``groups`` with the layouts of
+    ``mapping`` (what the dataflow's sync stage and a remap call); returns the SyncReport."""
+    return sync_weights(groups["actor"], groups["rollout"], spec, *layouts(mapping), bucket_mb=bucket_mb)
+
+
 def _bucket_bytes(spec: ModelSpec, groups: list[list[str]], itemsize: int = 4) -> list[int]:
     import math
 

@@ -61,6 +61,8 @@ class Dashboard:
         self.processor = ""
         self.t0: float | None = None
         self.status = pn.pane.Markdown(self._status_text(), name="status")
+        self.mapping_pane = pn.pane.Markdown("", name="mapping")  # the current device mapping
+        self.remaps: list[dict] = []
         self.curves = ColumnDataSource({"step": [], "reward": [], "accuracy": []})
         self.evals = ColumnDataSource({"step": [], "accuracy": []})
         self.spans = ColumnDataSource({"worker": [], "left": [], "right": [], "stage": [], "color": []})
@@ -86,7 +88,7 @@ class Dashboard:
                                x_axis_label="step", **common)
         self.sync_fig.vbar(x="step", top="mb", width=0.8, source=self.sync, color="#9c755f")
         self.sync_fig.line(x="step", y="seconds", source=self.sync, color="#000000")
-        self.layout = pn.Column(self.status, pn.Row(self.reward_fig, self.sync_fig, sizing_mode="stretch_width"),
+        self.layout = pn.Column(self.status, self.mapping_pane, pn.Row(self.reward_fig, self.sync_fig, sizing_mode="stretch_width"),
                                 self.gantt_fig, self.device_fig, sizing_mode="stretch_width")
 
     def stop(self) -> None:
@@ -128,6 +130,9 @@ class Dashboard:
             if kind == "run":
                 self.run_name = r.get("name", self.run_name)
                 self.processor = r.get("processor", "")
+                self.mapping_pane.object = mapping_text(r.get("mapping") or {})
+            elif kind == "remap":
+                self._mark_remap(r)
             elif kind == "phase":
                 self.phase = r
             elif kind == "metrics":
@@ -157,6 +162,17 @@ class Dashboard:
             self._stream_device(label, rows)
         self.status.object = self._status_text()
 
+    def _mark_remap(self, r: dict) -> None:
+        """Show the new mapping and mark the remap on the curves (a dashed line at its step)."""
+        from bokeh.models import Span
+
+        self.remaps.append(r)
+        roles = ", ".join(r.get("roles_recreated", [])) or "none"
+        self.mapping_pane.object = (mapping_text(r["mapping_after"]) + f"  \n*remapped after step {r['step']}:"
+                                    f" re-created {roles} in {r['seconds'].get('total', 0):.1f} s*")
+        self.reward_fig.add_layout(Span(location=r["step"] + 0.5, dimension="height", line_dash="dashed",
+                                        line_color="#555555", line_width=1))
+
     def _stream_spans(self, spans: list[dict]) -> None:
         workers = [f"{s['role']} {s['rank']}" for s in spans]
         known = list(self.gantt_fig.y_range.factors)
@@ -179,6 +195,19 @@ class Dashboard:
             self.device_fig.line("t", "util", source=self.devices[label], legend_label=label, color=color)
         self.devices[label].stream({"t": [self._clock(r["time"]) for r in rows], "util": [r["util"] for r in rows],
                                     "memory_mb": [r["memory_mb"] for r in rows]}, rollover=3600)
+
+
+def mapping_text(mapping: dict) -> str:
+    """Return a one-line Markdown summary of a device mapping: each pool with its roles."""
+    pools = mapping.get("pools") or {}
+    roles = mapping.get("roles") or {}
+    parts = []
+    for name, pool in pools.items():
+        members = [f"{r} (tp{v.get('tp', 1)} pp{v.get('pp', 1)} dp{v.get('dp', 1)}"
+                   f"{', colocated: ' + v['colocate'] if v.get('colocate') else ''})" for r, v in roles.items()
+                   if v.get("pool") == name]
+        parts.append(f"**{name}** ({pool.get('devices')} devices): {', '.join(members) or 'no roles'}")
+    return "mapping: " + "; ".join(parts) if parts else ""
 
 
 def build_dashboard(run_dir: str | Path):

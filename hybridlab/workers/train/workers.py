@@ -1,6 +1,8 @@
 """Training roles on megatron-core: actor, reference and critic workers for the controller."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from hybridlab.controller.worker import Dispatch, Worker, register
@@ -28,7 +30,7 @@ class TrainWorker(Worker):
             optim = OptimConfig(**optim)
         if optim is None and not self.frozen:
             optim = OptimConfig()
-        self.micro_batch_size = micro_batch_size
+        self.micro_batch_size, self.seed = micro_batch_size, seed
         self.engine = MegatronEngine(model_dir, tp, pp, value_head=self.value_head,
                                      optim=None if self.frozen else optim, seed=seed, temperature=temperature)
 
@@ -84,6 +86,58 @@ class TrainWorker(Worker):
             steps = [float(s["step"]) for s in opt.state.values() if "step" in s]
             state["adam_step"] = max(steps) if steps else 0.0
         return state if state["model"] is not None else None
+
+    @register(Dispatch.ALL)
+    def configure(self, micro_batch_size: int | None = None, temperature: float | None = None,
+                  optim: dict | None = None, seed: int | None = None) -> None:
+        """Apply settings to the running worker (between steps): micro-batch size, log-prob
+        temperature and optimizer settings (lr, weight decay, clipping, warm-up), keeping the
+        optimizer's moments and the schedule's position. ``seed`` is only checked: it is fixed."""
+        if seed is not None and seed != self.seed:
+            raise ValueError(f"the seed is fixed once a worker runs (have {self.seed}, got {seed})")
+        if micro_batch_size is not None:
+            self.micro_batch_size = micro_batch_size
+        if temperature is not None:
+            self.engine.temperature = temperature
+        if optim is not None and self.engine.optimizer is not None:
+            self.engine.optim_cfg = dataclasses.replace(self.engine.optim_cfg, **optim)
+            for group in self.engine.optimizer.param_groups:
+                group["weight_decay"] = self.engine.optim_cfg.weight_decay
+
+    @register(Dispatch.ALL)
+    def settings(self) -> dict:
+        """Return this rank's live settings: micro_batch_size, temperature, optim (as a dict)."""
+        optim = dataclasses.asdict(self.engine.optim_cfg) if self.engine.optimizer is not None else None
+        return {"micro_batch_size": self.micro_batch_size, "temperature": self.engine.temperature, "optim": optim}
+
+    @register(Dispatch.ALL)
+    def load_state(self, boxed: list) -> None:
+        """Load training state from ``checkpoint_state`` of the role's previous workers (any
+        layout) into this rank's shards: weights, AdamW moments, step counter and RNG.
+
+        ``boxed`` is ``[ObjectRef of the list of parts]``: wrapped in a list so that Ray passes
+        the reference and each rank fetches the state from the object store (never a file)."""
+        import ray
+
+        from hybridlab.workers.train.convert import hf_to_megatron
+
+        parts = [p for p in ray.get(boxed[0]) if p]
+        merged = {key: {k: v for p in parts for k, v in (p.get(key) or {}).items()}
+                  for key in ("model", "exp_avg", "exp_avg_sq")}
+        eng, ps = self.engine, self.engine.ps
+        weights = hf_to_megatron(merged["model"], eng.spec, eng.tp, ps.get_tensor_model_parallel_rank(), eng.pp,
+                                 ps.get_pipeline_model_parallel_rank())
+        with torch.no_grad():
+            for name, param in eng.model.named_parameters():
+                if name.startswith("output_layer.linear"):
+                    param.copy_(merged["model"][name.replace("output_layer.linear", "value_head.linear")])
+                elif name in weights:
+                    param.copy_(weights[name])
+                elif not (name == "output_layer.weight" and eng.spec.tied):
+                    raise KeyError(f"the saved state has no weights for {name}")
+        first = parts[0]
+        moments = {m: merged[m] for m in ("exp_avg", "exp_avg_sq") if merged[m]}
+        self.load_optimizer_state(moments, first["step"], first.get("adam_step", 0.0), first["rng"].tolist())
 
     @register(Dispatch.ALL)
     def load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int, adam_step: float,

@@ -1,0 +1,101 @@
+"""Live remap of a running RL session against the restart path, per transition.
+
+After a few GRPO steps of the small model (colocated on one device), each transition is done
+twice from the same state:
+
+- ``remap_s``: ``rl.remap(new)`` on the running session (only changed roles re-created, the
+  actor's weights and AdamW moments carried through Ray's object store, the rollout resynced);
+- ``restart_s``: what a user does without live remapping, exactly: save the actor's weights and
+  optimizer state with the engine-level checkpoint code, shut the workers down (Ray stays up),
+  start a new session on the new mapping from the saved weights (no second warm start), load
+  the optimizer state, and sync the rollout.
+
+``exact``: the actor's weights, moments and step after the remap equal those before, bit for bit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+COLOCATED = {"pools": {"main": {"devices": 1}},
+             "roles": {r: {"pool": "main", "colocate": "engine"} for r in ("actor", "rollout", "reward")}}
+SEPARATE = {"pools": {"train": {"devices": 1}, "gen": {"devices": 1}},
+            "roles": {"actor": {"pool": "train"}, "rollout": {"pool": "gen", "colocate": "g"},
+                      "reward": {"pool": "gen", "colocate": "g"}}}
+ACTOR_TP2 = {"pools": {"train": {"devices": 2}, "gen": {"devices": 1}},
+             "roles": {"actor": {"pool": "train", "tp": 2}, "rollout": {"pool": "gen", "colocate": "g"},
+                       "reward": {"pool": "gen", "colocate": "g"}}}
+TRANSITIONS = (("colocated_to_separate", COLOCATED, SEPARATE), ("actor_tp1_to_tp2", SEPARATE, ACTOR_TP2))
+
+
+def _settings(model: str, run_dir: Path) -> list[str]:
+    return [f"model={model}", "warm_start.max_steps=0", "data.prompts_per_step=8", "rollout.n=4",
+            "rollout.max_new_tokens=8", "actor.ppo_mini_batch_size=8", "data.test_samples=8",
+            "trainer.progress=false", "trainer.telemetry=false", f"trainer.run_dir={run_dir}"]
+
+
+def _actor_state(rl) -> dict[str, torch.Tensor]:
+    parts = [p for p in rl.session.groups["actor"].checkpoint_state() if p]
+    out = {f"{key}/{name}": t for key in ("model", "exp_avg", "exp_avg_sq") for p in parts
+           for name, t in (p.get(key) or {}).items()}
+    out["step"] = torch.tensor(parts[0]["step"])
+    return out
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def restart(rl, new_mapping: dict, workdir: Path):
+    """The restart path onto ``new_mapping``; returns (the new session, seconds it took)."""
+    from hybridlab.dataflow.session import RLSession
+    from hybridlab.workers.train import checkpoint
+
+    start = time.perf_counter()
+    ckpt = checkpoint.save_checkpoint(rl.session.groups["actor"], rl.model_dir, workdir / "ckpt")
+    rl.shutdown()
+    cfg = dataclasses.replace(rl.cfg, model=str(ckpt), mapping=new_mapping,
+                              trainer=dataclasses.replace(rl.cfg.trainer, run_dir=str(workdir / "restarted")))
+    fresh = RLSession(cfg).start()
+    checkpoint.load_optimizer(fresh.session.groups["actor"], ckpt)
+    fresh.sync_weights()
+    return fresh, time.perf_counter() - start
+
+
+def run(model: str = "small", steps: int = 3) -> dict:
+    """Return per transition ``remap_s``, ``restart_s``, ``speedup``, ``bytes_moved``,
+    ``roles_recreated`` and ``exact``, with the processor."""
+    from hybridlab.dataflow.session import RLSession
+    from hybridlab.environment import processor
+    from hybridlab.models.zoo import resolve_model
+
+    model_dir = resolve_model(model)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, before, after in TRANSITIONS:
+            work = Path(tmp) / name
+            rl = RLSession(None, _settings(model_dir, work / "run") + [f"mapping={before}"]).start()
+            try:
+                for _ in range(steps):
+                    rl.step()
+                state = _actor_state(rl)
+                report = rl.remap(after)
+                exact = _equal(state, _actor_state(rl))
+                rl.step()  # the remapped session trains
+                rl.remap(before)  # back, untimed: the restart path starts from the same mapping
+                fresh, restart_s = restart(rl, after, work)
+                fresh.step()
+                fresh.shutdown()
+            finally:
+                rl.shutdown()
+            results.append({"transition": name, "remap_s": report.seconds["total"], "restart_s": round(restart_s, 3),
+                            "speedup": round(restart_s / report.seconds["total"], 2),
+                            "bytes_moved": report.bytes_moved, "roles_recreated": report.roles_recreated,
+                            "processes_started": report.processes_started, "phases_s": report.seconds,
+                            "exact": exact})
+    return {"benchmark": "remap", "model": model, "processor": processor(), "transitions": results,
+            "goal_speedup": 5.0}

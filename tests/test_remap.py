@@ -1,0 +1,230 @@
+"""Live device-mapping edits on a running RL session, on the real engines (tiny model): the
+trainer's state survives bit for bit, a seeded run with a same-layout remap repeats the run
+without it, a TP change keeps log-probs and losses within 1e-5, bad remaps change nothing,
+and settings built into workers apply live or re-create only their role."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridlab.config import ConfigError
+from hybridlab.dataflow.session import RLSession
+
+SETTINGS = ["warm_start.max_steps=0", "data.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=6",
+            "actor.ppo_mini_batch_size=8", "data.test_samples=16", "trainer.progress=false"]
+SEPARATE = """
+pools: {train: {devices: 1}, gen: {devices: 1}}
+roles:
+  actor: {pool: train}
+  rollout: {pool: gen, colocate: g}
+  reward: {pool: gen, colocate: g}
+"""
+ACTOR_TP2 = {"pools": {"train": {"devices": 2}, "gen": {"devices": 1}},
+             "roles": {"actor": {"pool": "train", "tp": 2},
+                       "rollout": {"pool": "gen", "colocate": "g"}, "reward": {"pool": "gen", "colocate": "g"}}}
+ROLLOUT_DP2 = {"pools": {"train": {"devices": 2}, "gen": {"devices": 2}},
+               "roles": {"actor": {"pool": "train", "tp": 2},
+                         "rollout": {"pool": "gen", "dp": 2, "colocate": "g"},
+                         "reward": {"pool": "gen", "dp": 2, "colocate": "g"}}}
+COLOCATED = {"pools": {"main": {"devices": 1}},
+             "roles": {r: {"pool": "main", "colocate": "engine"} for r in ("actor", "rollout", "reward")}}
+
+
+def repeatable(metrics: dict) -> dict:
+    """A step's metrics without what measures time or bytes moved (the rest must repeat)."""
+    return {k: v for k, v in metrics.items()
+            if not k.startswith(("timing/", "perf/", "sync/")) and k != "warnings"}
+
+
+def actor_state(rl) -> dict:
+    """The actor's weights and AdamW moments in HF layout, merged over pipeline stages."""
+    parts = [p for p in rl.session.groups["actor"].checkpoint_state() if p]
+    out = {}
+    for key in ("model", "exp_avg", "exp_avg_sq"):
+        for name, tensor in {k: v for p in parts for k, v in p[key].items()}.items():
+            out[f"{key}/{name}"] = tensor
+    out["step"] = torch.tensor(parts[0]["step"])
+    return out
+
+
+def assert_equal_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} changed across the remap"
+
+
+@pytest.fixture(scope="module")
+def reference(ray_local, trained_dir, tmp_path_factory):
+    """Per-step metrics of the seeded run without any remap (4 steps, colocated on 1 device)."""
+    run = RLSession(None, [f"model={trained_dir}", *SETTINGS,
+                           f"trainer.run_dir={tmp_path_factory.mktemp('ref') / 'run'}"]).start()
+    try:
+        return [run.step().metrics for _ in range(4)]
+    finally:
+        run.shutdown()
+
+
+@pytest.fixture(scope="module")
+def rl(ray_local, trained_dir, tmp_path_factory):
+    session = RLSession(None, [f"model={trained_dir}", *SETTINGS,
+                               f"trainer.run_dir={tmp_path_factory.mktemp('remap') / 'run'}"]).start()
+    yield session
+    session.shutdown()
+
+
+def test_same_layout_remap_keeps_state_and_the_run_bit_for_bit(rl, reference):
+    steps = [rl.step().metrics for _ in range(2)]
+    before = actor_state(rl)
+    pids = {p["pid"] for p in rl.session.groups["actor"].placements}
+    report = rl.remap(SEPARATE)  # YAML text; colocated on one device -> actor | rollout + reward
+    assert_equal_state(before, actor_state(rl))
+    assert report.roles_recreated == ["actor", "reward", "rollout"]
+    assert (report.processes_started, report.processes_stopped) == (2, 1)
+    assert report.step == 2 and report.bytes_moved > 3 * 4 * 600_000  # weights + two moments, fp32
+    assert not pids & {p["pid"] for p in rl.session.groups["actor"].placements}
+    assert rl.session.groups["actor"].hostset is not rl.session.groups["rollout"].hostset
+    steps += [rl.step().metrics for _ in range(1)]
+    assert [repeatable(m) for m in steps] == [repeatable(m) for m in reference[:3]]
+    logged = [json.loads(line) for line in (rl.run_dir / "remaps.jsonl").read_text().splitlines()]
+    assert logged[-1]["roles_recreated"] == report.roles_recreated
+    assert logged[-1]["mapping_after"]["pools"] == {"train": {"devices": 1, "strategy": "PACK",
+                                                              "cpus_per_device": 1.0},
+                                                    "gen": {"devices": 1, "strategy": "PACK", "cpus_per_device": 1.0}}
+
+
+def fixed_batch(rl):
+    """Responses sampled by the rollout from the weights it holds now (test prompts, fixed seed)."""
+    from hybridlab.dataflow.prompts import prompt_batch
+
+    prompts = prompt_batch(rl.test_samples[:8], rl.tokenizer, list(range(8)))
+    return rl.session.groups["rollout"].generate(prompts, {"n": 2, "temperature": 1.0, "max_tokens": 6,
+                                                           "seed": 123})
+
+
+def test_actor_tp_1_to_2_keeps_log_probs_and_the_next_loss_within_1e5(rl, reference):
+    assert rl.step_count == 3
+    batch = fixed_batch(rl)
+    log_probs = rl.session.groups["actor"].compute_log_prob(batch)["old_log_probs"]
+    mask = batch["response_mask"].bool()
+    assert (log_probs - batch["rollout_log_probs"])[mask].abs().max() < 1e-4  # the remap's sync landed
+    before = actor_state(rl)
+    report = rl.remap(ACTOR_TP2)
+    assert report.roles_recreated == ["actor"]  # the rollout's processes stay
+    assert_equal_state(before, actor_state(rl))  # resharded exactly, gathered back exactly
+    after = rl.session.groups["actor"].compute_log_prob(batch)["old_log_probs"]
+    assert (after - log_probs)[mask].abs().max() <= 1e-5
+    step4 = rl.step().metrics
+    same = {k for k in repeatable(reference[3]) if k.startswith(("reward/", "response_length/"))}
+    assert same and {k: step4[k] for k in same} == {k: reference[3][k] for k in same}  # same samples
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert step4[key] == pytest.approx(reference[3][key], abs=1e-5, rel=1e-5)
+
+
+def test_rollout_dp_1_to_2_on_a_resized_pool_samples_from_the_synced_weights(rl):
+    report = rl.remap(ROLLOUT_DP2)
+    assert report.roles_recreated == ["reward", "rollout"]
+    assert rl.session.groups["rollout"].world_size == 2
+    batch = fixed_batch(rl)  # split over the two replicas
+    actor = rl.session.groups["actor"].compute_log_prob(batch)["old_log_probs"]
+    mask = batch["response_mask"].bool()
+    assert mask.sum() > 16 and (actor - batch["rollout_log_probs"])[mask].abs().max() < 1e-4
+    assert "reward/mean" in rl.step().metrics
+
+
+def test_bad_remaps_are_refused_naming_the_role_and_nothing_changes(rl):
+    mapping = rl.mapping
+    pids = sorted(p["pid"] for s in rl.session._sets for p in s.placements)
+    bad = [
+        ({"pools": {"main": {"devices": 3}}, "roles": {r: {"pool": "main", "tp": 3 if r == "actor" else 1,
+                                                           "dp": 1 if r == "actor" else 3}
+                                                       for r in ("actor", "rollout", "reward")}},
+         "roles.actor.tp: the model's 4 attention heads are not divisible by tp=3"),
+        ({"pools": {"main": {"devices": 8}}, "roles": {r: {"pool": "main", "dp": 8, "colocate": "e"}
+                                                       for r in ("actor", "rollout", "reward")}},
+         "the pools need 8 devices, the cluster has 4"),
+        ({"pools": {"main": {"devices": 2}}, "roles": {"actor": {"pool": "main", "dp": 2},
+                                                       "rollout": {"pool": "main", "tp": 2},
+                                                       "reward": {"pool": "main", "dp": 2}}},
+         "mapping.roles.rollout.tp: in-process vLLM engines run at tp=1"),
+        ({"pools": {"main": {"devices": 1}}, "roles": {"actor": {"pool": "main"}, "rollout": {"pool": "main"}}},
+         "dataflow[1] reward: runs on role 'reward', which the device mapping does not have (roles: actor, rollout)"),
+    ]
+    for new, message in bad:
+        with pytest.raises(ConfigError, match="this remap cannot run; the session keeps its mapping") as err:
+            rl.remap(new)
+        assert message in str(err.value), str(err.value)
+    assert rl.mapping == mapping
+    assert sorted(p["pid"] for s in rl.session._sets for p in s.placements) == pids
+    assert "reward/mean" in rl.step().metrics  # still training on the old mapping
+
+
+def test_live_settings_apply_to_running_workers_without_restarts(rl):
+    pids = sorted(p["pid"] for s in rl.session._sets for p in s.placements)
+    remaps = len(rl.remaps)
+    rl.update("actor.lr=5e-5", "actor.warmup_steps=0", "actor.grad_clip=0.5", "actor.micro_batch_size=16",
+              "rollout.temperature=0.9")
+    for settings in rl.session.groups["actor"].settings():
+        assert settings["micro_batch_size"] == 16 and settings["temperature"] == 0.9
+        assert settings["optim"]["lr"] == 5e-5 and settings["optim"]["grad_clip"] == 0.5
+        assert settings["optim"]["warmup_steps"] == 0
+    assert sorted(p["pid"] for s in rl.session._sets for p in s.placements) == pids and len(rl.remaps) == remaps
+    metrics = rl.step().metrics
+    assert metrics["actor/lr"] == pytest.approx(5e-5)
+
+
+def test_a_setting_built_into_the_rollout_re_creates_only_its_processes(rl):
+    actor_pids = {p["pid"] for p in rl.session.groups["actor"].placements}
+    before = actor_state(rl)
+    rl.update("rollout.kv_cache_mb=32")
+    report = rl.remaps[-1]
+    assert report.reason == "update" and report.roles_recreated == ["reward", "rollout"]
+    assert {p["pid"] for p in rl.session.groups["actor"].placements} == actor_pids
+    assert_equal_state(before, actor_state(rl))
+    assert "reward/mean" in rl.step().metrics
+
+
+@pytest.mark.parametrize("pair,reason", [
+    ("model=small", "model cannot change in a running session: every role's weights start from it"),
+    ("data.task=reverse", "data.task cannot change in a running session: the prompt stream"),
+    ("trainer.seed=3", "trainer.seed cannot change in a running session"),
+])
+def test_what_would_make_another_run_is_refused_with_the_reason(rl, pair, reason):
+    with pytest.raises(ConfigError, match=reason):
+        rl.update(pair)
+
+
+def test_a_remap_during_a_background_run_lands_at_a_step_boundary(rl):
+    start = rl.step_count
+    run = rl.start_background(4)
+    try:
+        report = rl.remap(COLOCATED)
+    finally:
+        summary = run.wait(600)
+    assert start <= report.step <= start + 4
+    assert summary["steps"] == start + 4 and rl.session.groups["actor"].hostset is rl.session.groups["rollout"].hostset
+    lines = [json.loads(line) for line in (rl.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [line["step"] for line in lines if "reward/mean" in line]
+    assert steps == list(range(1, start + 5))  # no step lost or repeated around the remap
+
+
+def test_adding_the_critic_then_moving_it_to_another_pool_carries_its_state(rl):
+    mapping = rl.mapping.to_dict()
+    mapping["pools"]["c1"] = {"devices": 1}
+    mapping["roles"]["critic"] = {"pool": "c1"}
+    rl.update("algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=8", f"mapping={json.dumps(mapping)}")
+    report = rl.remaps[-1]
+    assert report.roles_added == ["critic"] and report.roles_recreated == []  # nothing else restarted
+    assert "values" in rl.dataflow.names and "critic/vf_loss" in rl.step().metrics
+    parts = [p for p in rl.session.groups["critic"].checkpoint_state() if p]
+    mapping["pools"]["c2"] = mapping["pools"].pop("c1")
+    mapping["roles"]["critic"] = {"pool": "c2"}
+    report = rl.remap(mapping)
+    assert report.roles_recreated == ["critic"] and rl.mapping.roles["critic"].pool == "c2"
+    after = [p for p in rl.session.groups["critic"].checkpoint_state() if p]
+    for key in ("model", "exp_avg", "exp_avg_sq"):
+        for name, tensor in parts[0][key].items():
+            assert torch.equal(tensor, after[0][key][name]), f"critic {key}/{name} changed"
+    assert after[0]["step"] == parts[0]["step"] == 1
+    assert "critic/vf_loss" in rl.step().metrics
