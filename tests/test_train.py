@@ -154,7 +154,8 @@ def test_one_step_gives_the_same_weights_in_every_layout(tiny):
 
 def test_checkpoint_saved_at_tp2_resumes_at_tp1(tiny):
     ckpt = RESULTS["ckpt"]
-    assert (ckpt / "optimizer.safetensors").is_file() and (ckpt / "config.json").is_file()
+    assert (ckpt / "optimizer" / "adamw.safetensors").is_file() and (ckpt / "config.json").is_file()
+    assert sorted(p.name for p in ckpt.glob("*.safetensors")) == ["model.safetensors"]  # what vLLM loads
     roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=str(ckpt), optim=OPTIM, micro_batch_size=3))}
     with session_for(roles) as s:
         assert max_diff(gathered(s.groups["actor"]), RESULTS["tp2"]) == 0.0

@@ -1,8 +1,9 @@
 """Layout-independent checkpoints of a training role, and plain HF export.
 
 A checkpoint directory is an ordinary Hugging Face checkpoint (config, tokenizer,
-``model.safetensors`` in HF names) plus ``optimizer.safetensors`` (AdamW moments in the same
-HF names and layout) and ``trainer_state.json`` (step counters, RNG). Because every tensor is
+``model.safetensors`` in HF names) plus ``optimizer/adamw.safetensors`` (AdamW moments in the same
+HF names and layout) and ``trainer_state.json`` (step counters, RNG); the moments sit in a subfolder because
+vLLM loads every ``*.safetensors`` at the top of a model directory. Because every tensor is
 stored in HF layout, a run saved at TP=2 resumes at TP=1 or any other layout. Directories are
 written beside the target and renamed into place, so a crash never leaves half a checkpoint.
 """
@@ -16,6 +17,7 @@ import torch
 
 from hybridlab.atomic import atomic_model_dir
 
+OPTIMIZER_FILE = "optimizer/adamw.safetensors"
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
           "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
 
@@ -36,6 +38,7 @@ def _write(out: Path, source_dir: Path, tensors: dict[str, dict[str, torch.Tenso
             if (Path(source_dir) / name).is_file():
                 shutil.copy2(Path(source_dir) / name, tmp / name)
         for filename, named in tensors.items():
+            (tmp / filename).parent.mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in named.items()}, str(tmp / filename))
         if state is not None:
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
@@ -66,7 +69,7 @@ def save_checkpoint(group, source_dir: str | Path, out: str | Path) -> Path:
         files["value_head.safetensors"] = heads
     moments = {m: _merge(parts, m) for m in ("exp_avg", "exp_avg_sq")}
     if moments["exp_avg"]:
-        files["optimizer.safetensors"] = {f"{m}/{k}": v for m, named in moments.items() for k, v in named.items()}
+        files[OPTIMIZER_FILE] = {f"{m}/{k}": v for m, named in moments.items() for k, v in named.items()}
     first = next(p for p in parts if p)
     state = {"step": first["step"], "adam_step": first.get("adam_step", 0.0),
              "rng": first["rng"].tolist()}
@@ -81,8 +84,8 @@ def load_optimizer(group, checkpoint_dir: str | Path) -> int:
     checkpoint_dir = Path(checkpoint_dir)
     state = json.loads((checkpoint_dir / "trainer_state.json").read_text())
     moments: dict[str, dict[str, torch.Tensor]] = {}
-    if (checkpoint_dir / "optimizer.safetensors").is_file():
-        for key, value in load_file(str(checkpoint_dir / "optimizer.safetensors")).items():
+    if (checkpoint_dir / OPTIMIZER_FILE).is_file():
+        for key, value in load_file(str(checkpoint_dir / OPTIMIZER_FILE)).items():
             moment, name = key.split("/", 1)
             moments.setdefault(moment, {})[name] = value
     group.load_optimizer_state(moments, state["step"], state["adam_step"], state.get("rng"))
