@@ -61,7 +61,8 @@ def held_out_split(task: Task, cfg: SFTConfig) -> tuple[list[Sample], list[Sampl
     """Return (prompts to train on, held-out prompts to check): both from the task's train
     split, the held-out ones drawn after the trained ones, so they never overlap the test split
     that reports a run's result nor the prompts the model trained on."""
-    samples = task.split("train", cfg.train_samples + cfg.eval_samples, seed=cfg.seed)
+    held = cfg.eval_samples if cfg.target_accuracy is not None else 0
+    samples = task.split("train", cfg.train_samples + held, seed=cfg.seed)
     return samples[:cfg.train_samples], samples[cfg.train_samples:]
 
 
@@ -112,6 +113,15 @@ def train(model, tokenizer, task: Task, cfg: SFTConfig, progress: bool = True,
     train_samples, held_out = held_out_split(task, cfg)
     examples = encode_examples(tokenizer, train_samples)
     checks: list[dict] = []
+
+    def check(step: int) -> float:
+        acc = held_out_accuracy(model, tokenizer, task, held_out)
+        model.train()
+        checks.append({"step": step, "accuracy": acc})
+        if on_check is not None:
+            on_check(step, acc)
+        return acc
+
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
 
     def lr_at(step: int) -> float:  # linear warm-up then cosine to 10% over the planned steps
@@ -143,13 +153,10 @@ def train(model, tokenizer, task: Task, cfg: SFTConfig, progress: bool = True,
             bar.set_postfix(loss=f"{sum(losses[-10:]) / 10:.4f}",
                             **({"held_out": f"{checks[-1]['accuracy']:.3f}"} if checks else {}))
         if cfg.target_accuracy is not None and step % cfg.eval_every == 0:
-            acc = held_out_accuracy(model, tokenizer, task, held_out)
-            model.train()
-            checks.append({"step": step, "accuracy": acc})
-            if on_check is not None:
-                on_check(step, acc)
-            if acc >= cfg.target_accuracy:
+            if check(step) >= cfg.target_accuracy:
                 break
+    if cfg.target_accuracy is not None and (not checks or checks[-1]["step"] != step):
+        check(step)  # the budget ran out between checks: the last weights get their check
     bar.close()
     model.eval()
     summary = {"steps": step, "seconds": round(time.perf_counter() - start, 2), "first_loss": losses[0],

@@ -96,6 +96,8 @@ def test_a_setting_that_needs_a_role_adds_it_to_the_default_mapping_and_the_dash
     assert board.remaps[-1]["roles_added"] == ["ref"]
     assert "ref (tp1 pp1 dp1, colocated: engine)" in board.mapping_pane.object
     assert f"remapped after step {report.step}" in board.mapping_pane.object
+    marks = [m for fig in (board.reward_fig, board.gantt_fig) for m in fig.center if type(m).__name__ == "Span"]
+    assert [round(m.location, 1) for m in marks[:1]] == [report.step + 0.5] and len(marks) == 2
 
 
 def test_hub_file_holds_every_kind_and_replays(rl):

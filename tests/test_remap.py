@@ -189,6 +189,7 @@ def test_a_setting_built_into_the_rollout_re_creates_only_its_processes(rl):
     ("model=small", "model cannot change in a running session: every role's weights start from it"),
     ("data.task=reverse", "data.task cannot change in a running session: the prompt stream"),
     ("trainer.seed=3", "trainer.seed cannot change in a running session"),
+    ("trainer.devices=2", "trainer.devices sizes the default mapping, but this session has an explicit one"),
 ])
 def test_what_would_make_another_run_is_refused_with_the_reason(rl, pair, reason):
     with pytest.raises(ConfigError, match=reason):

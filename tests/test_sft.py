@@ -98,7 +98,8 @@ def test_config_validation_names_the_field():
 
 def test_held_out_prompts_are_training_prompts_never_trained_on_nor_tested():
     task = get_task("arith")
-    cfg = sft.SFTConfig(train_samples=300, eval_samples=100)
+    cfg = sft.SFTConfig(train_samples=300, eval_samples=100, target_accuracy=0.5)
+    assert sft.held_out_split(task, sft.SFTConfig(train_samples=300))[1] == []  # no target, no extra prompts
     trained, held_out = sft.held_out_split(task, cfg)
     assert len(trained) == 300 and len(held_out) == 100
     trained_prompts, held_prompts = {s.prompt for s in trained}, {s.prompt for s in held_out}
@@ -124,11 +125,13 @@ def test_warm_start_stops_once_held_out_accuracy_reaches_its_target(tiny_dir):
 
 def test_warm_start_short_of_its_target_stops_with_a_message_naming_it(tiny_dir):
     model, tok = load_hf(tiny_dir)
-    cfg = sft.SFTConfig(steps=50, warmup_steps=10, target_accuracy=0.9, eval_every=25, eval_samples=50)
+    cfg = sft.SFTConfig(steps=40, warmup_steps=10, target_accuracy=0.9, eval_every=25, eval_samples=50)
+    checks = []
     with pytest.raises(sft.WarmStartError, match=r"warm start reached \d+\.\d% greedy accuracy on 50 held-out "
-                                                 r"training prompts after 50 steps \(the step cap\), short of its "
+                                                 r"training prompts after 40 steps \(the step cap\), short of its "
                                                  r"target 90%"):
-        sft.train(model, tok, get_task("arith"), cfg, progress=False)
+        sft.train(model, tok, get_task("arith"), cfg, progress=False, on_check=lambda s, a: checks.append(s))
+    assert checks == [25, 40]  # the cap fell between checks: the last weights were checked too
 
 
 def test_target_accuracy_outside_zero_to_one_is_refused():

@@ -73,6 +73,22 @@ def test_hf_megatron_round_trip_is_exact(name):
             assert all(torch.equal(merged[k], hf[k]) for k in hf), (tp, pp)
 
 
+def test_a_critic_state_without_the_lm_head_converts_for_untied_models():
+    """A critic's saved state has a value head instead of lm_head (untied Llama): its
+    conversion back into a layout must not ask for lm_head (a remap re-creates critics so)."""
+    path = resolve_model("tiny-llama")
+    spec, hf = ModelSpec.from_hf(path), load_hf_state(path)
+    assert not spec.tied
+    critic_state = {k: v for k, v in hf.items() if k != "lm_head.weight"}
+    for pp, stage in ((1, 0), (2, 1)):
+        shard = hf_to_megatron(critic_state, spec, 2, 1, pp, stage, head=False)
+        full = hf_to_megatron(hf, spec, 2, 1, pp, stage)
+        assert "output_layer.weight" not in shard and "output_layer.weight" in full
+        assert all(torch.equal(shard[k], full[k]) for k in shard) and len(shard) == len(full) - 1
+    with pytest.raises(KeyError, match="lm_head.weight"):
+        hf_to_megatron(critic_state, spec, 1, 0, 1, 0)
+
+
 def test_impossible_layouts_and_architectures_are_rejected_before_launch(tmp_path):
     spec = ModelSpec.from_hf(resolve_model("tiny"))
     with pytest.raises(UserError, match="4 attention heads are not divisible by tp=3"):

@@ -37,7 +37,7 @@ class RemapReport:
     processes_started: int
     processes_stopped: int
     bytes_moved: int                   # trainer state carried in memory + weights synced to the rollout
-    seconds: dict[str, float]          # per phase: save, teardown_and_start, load, sync, total
+    seconds: dict[str, float]          # per phase: save, teardown_and_start, load, sync (if any), total
     mapping_before: dict
     mapping_after: dict
     reason: str = "remap"
@@ -62,12 +62,10 @@ def parse_mapping(value: DeviceMapping | dict | str) -> DeviceMapping:
         return value
     if isinstance(value, str):
         try:
-            value = yaml.safe_load(value)
+            return DeviceMapping.from_yaml(value)  # text or a file path; duplicate keys are errors
         except yaml.YAMLError as exc:
             raise MappingError(f"mapping: not valid YAML: {exc}") from None
-    if not isinstance(value, dict):
-        raise MappingError(f"mapping: expected a DeviceMapping, a dict or YAML text, got {type(value).__name__}")
-    return DeviceMapping.from_dict(value)
+    return DeviceMapping.from_dict(value)  # names anything that is not a mapping
 
 
 def remap_problems(cfg: RunConfig, mapping: DeviceMapping, cluster_gpus: float, model_dir: str | None = None) -> list[str]:
@@ -95,6 +93,93 @@ def remap_problems(cfg: RunConfig, mapping: DeviceMapping, cluster_gpus: float, 
     return problems
 
 
+@dataclasses.dataclass
+class Change:
+    """A validated change of a session: the new config, dataflow and mapping, and what the
+    workers must do (live settings per role, roles re-created, whether the mapping changes)."""
+
+    cfg: RunConfig
+    flow: Any
+    mapping: DeviceMapping
+    configure: dict[str, dict]
+    recreate: set[str]
+    remap: bool
+    reason: str
+
+
+def prepare_update(rl: "RLSession", overrides: tuple[str, ...]) -> Change:
+    """Return the Change that ``key=value`` overrides make to ``rl`` as it is now; raises
+    ConfigError naming the key (unknown, invalid, fixed for the run) or the remap's problems."""
+    from hybridlab.config import apply_override, build
+    from hybridlab.dataflow.graph import Dataflow
+    from hybridlab.dataflow.prompts import PROMPT_FIELDS
+    from hybridlab.dataflow.roles import plan_update
+    from hybridlab.dataflow.validate import dataflow_names, default_mapping, validate_config
+
+    data = rl.cfg.to_dict()
+    for pair in overrides:
+        apply_override(data, pair)
+    new = build(RunConfig, data)
+    validate_config(new)
+    if new.mapping is not None and new.trainer.devices != rl.cfg.trainer.devices:
+        raise ConfigError("trainer.devices sizes the default mapping, but this session has an explicit one;"
+                          " change mapping=... (or call remap) instead")
+    names = dataflow_names(new)
+    # The default mapping gains the roles a new setting needs and keeps the ones it has (an idle
+    # critic costs nothing; dropping it would re-create every process it shares).
+    mapping = DeviceMapping.from_dict(new.mapping or default_mapping(new, names, keep=tuple(rl.mapping.roles)))
+    plan = plan_update(rl.cfg, new, mapping.roles)
+    remap = rl.session is not None and (plan.remap or bool(plan.recreate) or mapping != rl.mapping)
+    if remap:
+        check(rl, new, mapping)
+    flow = Dataflow(names).validate(new, mapping.roles, PROMPT_FIELDS)
+    return Change(new, flow, mapping, plan.configure, plan.recreate, remap, "update")
+
+
+def prepare_remap(rl: "RLSession", mapping: DeviceMapping) -> Change:
+    """Return the Change that moves ``rl`` onto ``mapping``; raises ConfigError listing why not."""
+    from hybridlab.dataflow.graph import Dataflow
+    from hybridlab.dataflow.validate import dataflow_names
+
+    new = dataclasses.replace(rl.cfg, mapping=mapping.to_dict())
+    check(rl, new, mapping)
+    return Change(new, Dataflow(dataflow_names(new)), mapping, {}, set(), True, "remap")
+
+
+def check(rl: "RLSession", cfg: RunConfig, mapping: DeviceMapping) -> None:
+    """Raise ConfigError listing every reason ``mapping`` cannot run in ``rl`` (nothing is touched)."""
+    import ray
+
+    problems = remap_problems(cfg, mapping, ray.cluster_resources().get("GPU", 0), str(rl.model_dir))
+    if problems:
+        raise ConfigError("this remap cannot run; the session keeps its mapping:\n  - " + "\n  - ".join(problems))
+
+
+def apply_change(rl: "RLSession", change: Change) -> RemapReport | None:
+    """Apply a prepared Change between steps; returns the RemapReport when workers were
+    re-created or moved, else None. A remap that fails after the old workers stopped leaves
+    the session marked broken (``rl.broken`` says why; ``step()`` raises it)."""
+    if rl.session is None:  # not started: the workers will be built from the new config
+        rl._set_config(change.cfg, change.flow, {})
+        rl.mapping = change.mapping
+        return None
+    if not change.remap:
+        rl._set_config(change.cfg, change.flow, change.configure)
+        return None
+    rl._drop_pending()
+    try:
+        report = apply(rl, change.cfg, change.mapping, change.recreate, change.reason)
+    except BaseException as exc:
+        rl.broken = (f"a {change.reason} failed after the old workers were stopped ({type(exc).__name__}: {exc});"
+                     f" this session cannot continue: call shutdown() and start a new one")
+        raise
+    # roles that kept their processes take their new live settings (re-created ones have them)
+    rl._set_config(change.cfg, change.flow,
+                   {r: v for r, v in change.configure.items() if r not in report.roles_recreated + report.roles_added})
+    rl.remaps.append(report)
+    return report
+
+
 def apply(rl: "RLSession", cfg: RunConfig, mapping: DeviceMapping, recreate: set[str], reason: str) -> RemapReport:
     """Switch ``rl`` to ``cfg`` on ``mapping``, re-creating changed roles and ``recreate``;
     returns the report (also written to the run directory and sent to the dashboard). Call it
@@ -111,10 +196,11 @@ def apply(rl: "RLSession", cfg: RunConfig, mapping: DeviceMapping, recreate: set
     try:
         t = time.perf_counter()
         changed = session.remap(mapping, role_classes(cfg, mapping, str(rl.model_dir)), recreate)
-        seconds["teardown_start_and_load"] = time.perf_counter() - t
+        elapsed = time.perf_counter() - t
     finally:
         session.remove_remap_hook(carried.save, carried.load)
     seconds["save"], seconds["load"] = carried.save_s, carried.load_s
+    seconds["teardown_and_start"] = elapsed - carried.save_s - carried.load_s
     rl.mapping = mapping
     sync_bytes = 0
     if "rollout" in mapping.roles and "actor" in mapping.roles:

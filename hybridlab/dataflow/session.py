@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import queue
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,25 +27,11 @@ from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.stages import REWARD_FIELDS, generation_metrics
 from hybridlab.dataflow.prompts import PromptSource, load_samples, prompt_batch
 from hybridlab.dataflow.prompts import PROMPT_FIELDS
-from hybridlab.dataflow.roles import plan_update, role_classes
+from hybridlab.dataflow.edits import StepBoundary
+from hybridlab.dataflow.roles import role_classes
 from hybridlab.dataflow.validate import dataflow_names, default_mapping
 from hybridlab.dataflow.context import BackgroundRun, StepContext
 from hybridlab.protocol import Batch
-
-
-class _Edit:
-    """A change of the session waiting for a step boundary, and its outcome."""
-
-    def __init__(self, fn):
-        self.fn, self.done, self.result, self.error = fn, threading.Event(), None, None
-
-    def run(self) -> None:
-        try:
-            self.result = self.fn()
-        except BaseException as exc:  # handed to the waiting caller
-            self.error = exc
-        finally:
-            self.done.set()
 
 
 @dataclasses.dataclass
@@ -89,10 +73,10 @@ class RLSession:
         self.hub = None        # the telemetry hub actor (trainer.telemetry)
         self.log = None        # MetricsLog, once started
         self._stop_requested = False
-        self._lock = threading.RLock()  # a step, or an edit of the session; never both
+        self._edits = StepBoundary()  # a step, or an edit of the session; never both
+        self.broken: str | None = None   # why the session cannot step (a remap failed halfway)
         self.environment: dict = {}
         self.remaps: list = []      # RemapReports, in order
-        self._edits: queue.Queue = queue.Queue()  # edits waiting for the next step boundary
         self.warm_start_info: dict | None = None  # steps, seconds, held-out accuracy of the warm start
         self._dashboards: list = []
 
@@ -243,11 +227,12 @@ class RLSession:
         flow.validate(self.cfg, self.mapping.roles, PROMPT_FIELDS)
 
         def assign() -> None:
+            flow.validate(self.cfg, self.mapping.roles, PROMPT_FIELDS)  # against the config it now meets
             self._dataflow = flow
             self.cfg = dataclasses.replace(self.cfg, dataflow=flow.names)
             self._drop_pending()
 
-        self._at_step_boundary(assign)
+        self._edits.run(assign)
 
     def update(self, *overrides: str) -> RunConfig:
         """Change settings with ``key=value`` overrides (e.g. ``"algorithm.adv_estimator=rloo"``,
@@ -258,33 +243,17 @@ class RLSession:
         role (rollout.kv_cache_mb, reward.*) re-create that role, and a new mapping remaps, both
         with the trainers' state carried in memory. Only what would make it another run (the
         model, the data, the warm start, the seed) is refused, with the reason. Applied between
-        steps: during a background run, at the next step boundary (this call waits for it)."""
-        from hybridlab.config import apply_override, build
-        from hybridlab.dataflow.validate import validate_config
+        steps: during a background run, at the next step boundary (this call waits for it).
+        ``trainer.steps`` applies to the next ``train()``; ``max_minutes`` and ``eval_every``
+        also to a running one."""
+        from hybridlab.dataflow import remap
 
-        data = self.cfg.to_dict()
-        for pair in overrides:
-            apply_override(data, pair)
-        new = build(RunConfig, data)
-        validate_config(new)
-        names = dataflow_names(new)
-        # The default mapping gains the roles a new setting needs and keeps the ones it has
-        # (an idle critic costs nothing; dropping it would re-create every colocated process).
-        mapping = DeviceMapping.from_dict(new.mapping or default_mapping(new, names, keep=tuple(self.mapping.roles)))
-        plan = plan_update(self.cfg, new, mapping.roles)
-        flow = Dataflow(names)
+        remap.prepare_update(self, overrides)  # every error now, before waiting for a boundary
         if self.session is None:  # not started: nothing runs yet
-            flow.validate(new, mapping.roles, PROMPT_FIELDS)
-            self._set_config(new, flow, {})
-            self.mapping = mapping
-            return new
-        if not (plan.remap or plan.recreate or mapping != self.mapping):
-            flow.validate(new, mapping.roles, PROMPT_FIELDS)
-            self._at_step_boundary(lambda: self._set_config(new, flow, plan.configure))
-            return new
-        self._check_remap(new, mapping)
-        self._at_step_boundary(lambda: self._apply_remap(new, flow, mapping, plan.recreate, "update", plan.configure))
-        return new
+            remap.apply_change(self, remap.prepare_update(self, overrides))
+        else:  # prepared again at the boundary, on the config as it is then
+            self._edits.run(lambda: remap.apply_change(self, remap.prepare_update(self, overrides)))
+        return self.cfg
 
     def remap(self, mapping: DeviceMapping | dict | str):
         """Move the running session onto ``mapping`` (a DeviceMapping, a dict or YAML text):
@@ -293,36 +262,14 @@ class RLSession:
         anything is torn down if the mapping cannot run (the session keeps its old one).
         Applied between steps (during a background run at the next step boundary; this call
         waits for it); returns the RemapReport."""
-        from hybridlab.dataflow.remap import parse_mapping
+        from hybridlab.dataflow import remap
 
-        new_mapping = parse_mapping(mapping)
-        new = dataclasses.replace(self.cfg, mapping=new_mapping.to_dict())
+        new_mapping = remap.parse_mapping(mapping)
         if self.session is None:
             raise ConfigError("remap needs a started session (call start() first, or give the mapping in the"
                               " config: mapping=...)")
-        self._check_remap(new, new_mapping)
-        flow = Dataflow(dataflow_names(new))
-        return self._at_step_boundary(lambda: self._apply_remap(new, flow, new_mapping, set(), "remap"))
-
-    def _check_remap(self, cfg: RunConfig, mapping) -> None:
-        import ray
-
-        from hybridlab.dataflow.remap import remap_problems
-
-        problems = remap_problems(cfg, mapping, ray.cluster_resources().get("GPU", 0), str(self.model_dir))
-        if problems:
-            raise ConfigError("this remap cannot run; the session keeps its mapping:\n  - " + "\n  - ".join(problems))
-
-    def _apply_remap(self, cfg: RunConfig, flow: Dataflow, mapping, recreate: set[str], reason: str,
-                     configure: dict[str, dict] | None = None):
-        from hybridlab.dataflow import remap
-
-        self._drop_pending()
-        report = remap.apply(self, cfg, mapping, recreate, reason)
-        # roles that kept their processes take their new live settings (re-created ones have them)
-        self._set_config(cfg, flow, {r: v for r, v in (configure or {}).items() if r not in report.roles_recreated})
-        self.remaps.append(report)
-        return report
+        remap.prepare_remap(self, new_mapping)
+        return self._edits.run(lambda: remap.apply_change(self, remap.prepare_remap(self, new_mapping)))
 
     def _set_config(self, new: RunConfig, flow: Dataflow, configure: dict[str, dict]) -> None:
         """Apply a validated config between steps: live worker settings, KL controller, dataflow."""
@@ -336,31 +283,6 @@ class RLSession:
             self._drop_pending()
         self.cfg, self._dataflow = new, flow
 
-    def _at_step_boundary(self, edit):
-        """Run ``edit()`` between steps and return its result: now if no step is running, else
-        as soon as the running step ends (the stepping thread, or this one, takes it first)."""
-        if self._lock.acquire(blocking=False):
-            try:
-                return edit()
-            finally:
-                self._lock.release()
-        request = _Edit(edit)
-        self._edits.put(request)
-        while not request.done.wait(0.05):
-            if self._lock.acquire(blocking=False):  # no step took it (e.g. the run ended): do it here
-                try:
-                    self._run_edits()
-                finally:
-                    self._lock.release()
-        if request.error is not None:
-            raise request.error
-        return request.result
-
-    def _run_edits(self) -> None:
-        """Apply queued edits in order (called with the lock held, between steps)."""
-        while not self._edits.empty():
-            self._edits.get_nowait().run()
-
     def _drop_pending(self) -> None:
         if self._pending is not None:
             self._pending.result()  # let it finish; its samples are not used
@@ -371,8 +293,9 @@ class RLSession:
         """Run one RL step through the dataflow; returns its Batch and metrics (also logged)."""
         if self.session is None:
             self.start()
-        with self._lock:
-            self._run_edits()  # edits queued during the previous step apply before this one
+        if self.broken:
+            raise RuntimeError(self.broken)
+        with self._edits.step():  # edits queued during the previous step apply before this one
             return self._step()
 
     def _step(self) -> StepResult:
@@ -430,7 +353,7 @@ class RLSession:
         prompts = prompt_batch(samples, self.tokenizer, list(range(len(samples))))
         ctx = StepContext(self)
         # under the step lock: a remap or an edit waits for the evaluation as for a step
-        with self._lock, self.session.timeline.staged("evaluate"):  # the dashboard labels calls by stage
+        with self._edits.lock, self.session.timeline.staged("evaluate"):  # the dashboard labels calls by stage
             out = self.session.groups["rollout"].generate(prompts, ctx.sampling(n=1, temperature=0.0))
             scored = self.session.groups["reward"].compute_reward(out.select(REWARD_FIELDS))
         return {"accuracy": float(scored["acc"].nanmean()), "n": len(samples),
@@ -460,16 +383,15 @@ class RLSession:
 
         if self.session is None:
             self.start()
-        t = self.cfg.trainer
-        steps = steps or t.steps
+        steps = steps or self.cfg.trainer.steps
         started = time.perf_counter()
-        deadline = started + t.max_minutes * 60
         curve: list[dict] = []
         before = last = self._record_eval(curve, 0.0)
         stopped = "steps"
-        bar = tqdm(total=steps, desc=f"{self.cfg.name} rl", disable=not t.progress, dynamic_ncols=True)
+        bar = tqdm(total=steps, desc=f"{self.cfg.name} rl", disable=not self.cfg.trainer.progress, dynamic_ncols=True)
         for _ in range(steps):
-            if time.perf_counter() > deadline:
+            t = self.cfg.trainer  # read each step: update() may change the time limit and evaluations
+            if time.perf_counter() > started + t.max_minutes * 60:
                 stopped = f"time limit ({t.max_minutes:g} min)"
                 break
             if self._stop_requested:
@@ -484,7 +406,8 @@ class RLSession:
                 last = self._record_eval(curve, time.perf_counter() - started)
                 bar.write(f"step {self.step_count}: greedy test accuracy {last['accuracy']:.3f}")
         bar.close()
-        self._drop_pending()
+        with self._edits.lock:  # a queued edit may drop the pending rollout too
+            self._drop_pending()
         # the last step may just have been evaluated: same weights, so its result stands
         after = last if curve[-1]["step"] == self.step_count else self._record_eval(curve, time.perf_counter() - started)
         return self._write_summary(before, after, curve, time.perf_counter() - started, stopped)

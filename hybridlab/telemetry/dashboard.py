@@ -105,9 +105,9 @@ class Dashboard:
             acc = self.phase.get("accuracy")
             held = "" if acc is None else \
                 f" · held-out accuracy {acc:.1%} of target {self.phase.get('target', float('nan')):.0%}"
-            doing = f"warm start step {self.phase['step']}/{self.phase.get('max_steps', '?')}{held}"
+            doing = f"warm start step {self.phase.get('step', 0)}/{self.phase.get('max_steps', '?')}{held}"
         elif phase == "evaluate":
-            doing = f"evaluating after RL step {self.phase['step']}"
+            doing = f"evaluating after RL step {self.phase.get('step', self.step)}"
         else:
             doing = f"RL step {self.step} · mean reward {reward}"
         where = f" · {self.processor}" if self.processor else ""
@@ -168,10 +168,14 @@ class Dashboard:
 
         self.remaps.append(r)
         roles = ", ".join(r.get("roles_recreated", [])) or "none"
-        self.mapping_pane.object = (mapping_text(r["mapping_after"]) + f"  \n*remapped after step {r['step']}:"
-                                    f" re-created {roles} in {r['seconds'].get('total', 0):.1f} s*")
-        self.reward_fig.add_layout(Span(location=r["step"] + 0.5, dimension="height", line_dash="dashed",
+        step, seconds = r.get("step", self.step), (r.get("seconds") or {}).get("total", 0.0)
+        self.mapping_pane.object = (mapping_text(r.get("mapping_after") or {}) + f"  \n*remapped after step {step}:"
+                                    f" re-created {roles} in {seconds:.1f} s*")
+        self.reward_fig.add_layout(Span(location=step + 0.5, dimension="height", line_dash="dashed",
                                         line_color="#555555", line_width=1))
+        if "time" in r:  # and on the phase timeline, at the moment it finished
+            self.gantt_fig.add_layout(Span(location=self._clock(r["time"]), dimension="height", line_dash="dashed",
+                                           line_color="#555555", line_width=2))
 
     def _stream_spans(self, spans: list[dict]) -> None:
         workers = [f"{s['role']} {s['rank']}" for s in spans]

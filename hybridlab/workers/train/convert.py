@@ -107,8 +107,9 @@ def _split_qkv(spec: ModelSpec, fused: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def hf_to_megatron(hf: dict[str, torch.Tensor], spec: ModelSpec, tp: int, tp_rank: int, pp: int,
-                   pp_rank: int) -> dict[str, torch.Tensor]:
-    """Return the Megatron state dict of rank (tp_rank, pp_rank) cut from full HF tensors."""
+                   pp_rank: int, head: bool = True) -> dict[str, torch.Tensor]:
+    """Return the Megatron state dict of rank (tp_rank, pp_rank) cut from full HF tensors;
+    ``head=False`` leaves out the output layer (a critic's value head replaces it)."""
     def shard(t: torch.Tensor, dim: int) -> torch.Tensor:
         return t.chunk(tp, dim=dim)[tp_rank].clone()
 
@@ -133,7 +134,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], spec: ModelSpec, tp: int, tp_ran
         out[dst + "mlp.linear_fc2.weight"] = shard(hf[mlp + "down_proj.weight"], 1)
     if last:
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
-        if not spec.tied or pp > 1:  # tied + PP>1: the last stage keeps its own copy of the embedding
+        if head and (not spec.tied or pp > 1):  # tied + PP>1: the last stage keeps its own embedding copy
             head = hf["model.embed_tokens.weight"] if spec.tied else hf["lm_head.weight"]
             out["output_layer.weight"] = shard(head, 0)
     return out

@@ -126,7 +126,7 @@ class TrainWorker(Worker):
                   for key in ("model", "exp_avg", "exp_avg_sq")}
         eng, ps = self.engine, self.engine.ps
         weights = hf_to_megatron(merged["model"], eng.spec, eng.tp, ps.get_tensor_model_parallel_rank(), eng.pp,
-                                 ps.get_pipeline_model_parallel_rank())
+                                 ps.get_pipeline_model_parallel_rank(), head=not self.value_head)
         with torch.no_grad():
             for name, param in eng.model.named_parameters():
                 if name.startswith("output_layer.linear"):
@@ -154,7 +154,7 @@ class TrainWorker(Worker):
         if opt is None or not moments:
             return
         args = (eng.spec, eng.tp, ps.get_tensor_model_parallel_rank(), eng.pp, ps.get_pipeline_model_parallel_rank())
-        shards = {m: hf_to_megatron(moments[m], *args) for m in ("exp_avg", "exp_avg_sq")}
+        shards = {m: hf_to_megatron(moments[m], *args, head=not self.value_head) for m in ("exp_avg", "exp_avg_sq")}
         for name, p in eng.model.named_parameters():
             if name.startswith("output_layer.linear"):
                 key = name.replace("output_layer.linear", "value_head.linear")
