@@ -25,7 +25,7 @@ ACTOR_TP2 = {"pools": {"train": {"devices": 2}, "gen": {"devices": 1}},
              "roles": {"actor": {"pool": "train", "tp": 2},
                        "rollout": {"pool": "gen", "colocate": "g"}, "reward": {"pool": "gen", "colocate": "g"}}}
 ROLLOUT_DP2 = {"pools": {"train": {"devices": 2}, "gen": {"devices": 2}},
-               "roles": {"actor": {"pool": "train", "tp": 2},
+               "roles": {"actor": {"pool": "train", "dp": 2},
                          "rollout": {"pool": "gen", "dp": 2, "colocate": "g"},
                          "reward": {"pool": "gen", "dp": 2, "colocate": "g"}}}
 COLOCATED = {"pools": {"main": {"devices": 1}},
@@ -122,14 +122,20 @@ def test_actor_tp_1_to_2_keeps_log_probs_and_the_next_loss_within_1e5(rl, refere
         assert step4[key] == pytest.approx(reference[3][key], abs=1e-5, rel=1e-5)
 
 
-def test_rollout_dp_1_to_2_on_a_resized_pool_samples_from_the_synced_weights(rl):
-    report = rl.remap(ROLLOUT_DP2)
-    assert report.roles_recreated == ["reward", "rollout"]
+def test_rollout_dp_1_to_2_fed_by_two_trainer_dp_ranks_on_resized_pools(rl):
+    before = actor_state(rl)
+    report = rl.remap(ROLLOUT_DP2)  # actor TP 2 -> DP 2, rollout 1 -> 2 replicas, gen pool 1 -> 2 devices
+    assert report.roles_recreated == ["actor", "reward", "rollout"]
+    assert_equal_state(before, actor_state(rl))
     assert rl.session.groups["rollout"].world_size == 2
     batch = fixed_batch(rl)  # split over the two replicas
     actor = rl.session.groups["actor"].compute_log_prob(batch)["old_log_probs"]
     mask = batch["response_mask"].bool()
     assert mask.sum() > 16 and (actor - batch["rollout_log_probs"])[mask].abs().max() < 1e-4
+    sync = rl.sync_weights()
+    pairs = sync.plan["bytes_per_pair"]  # as planned: replica r from trainer DP rank r, nothing crosses
+    assert set(pairs) == {"0->0", "1->1"} and pairs["0->0"] == pairs["1->1"] == sync.bytes_moved // 2
+    assert sync.bytes_per_pair == pairs  # and as measured: the transfer ran its plan
     assert "reward/mean" in rl.step().metrics
 
 

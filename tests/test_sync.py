@@ -73,6 +73,8 @@ def test_separate_sync_survives_a_trainer_layout_change(ray_local, trained_dir, 
         saved = checkpoint.save_checkpoint(s.groups["actor"], trained_dir, tmp_path / "ckpt")
         assert torch.equal(first, hf_greedy(saved, prompts))
         assert report.mode == "separate" and report.bytes_moved == report.plan["total_bytes"]
+        # each TP rank sent only its own slices, exactly the planner's pieces
+        assert report.bytes_per_pair == report.plan["bytes_per_pair"] and set(report.bytes_per_pair) == {"0->0", "1->0"}
 
         # Same weights, new trainer layout (TP1 x DP2): only the actor is re-created.
         s.workers["actor"] = RoleClass(ActorWorker, kwargs=dict(model_dir=str(saved), optim={"lr": 3e-3}))

@@ -71,12 +71,15 @@ class ReshardPlan:
     def summary(self) -> dict:
         """Return a JSON-friendly summary: layouts, pieces, bytes per rollout rank and sender."""
         sent: dict[int, int] = defaultdict(int)
+        pairs: dict[str, int] = defaultdict(int)
         for p in self.pieces:
             sent[p.src] += p.nbytes
+            pairs[f"{p.src}->{p.dst}"] += p.nbytes
         return {"trainer": dataclasses.asdict(self.trainer), "rollout": dataclasses.asdict(self.rollout),
                 "pieces": len(self.pieces), "total_bytes": self.total_bytes,
                 "bytes_to_rollout_rank": {d: self.bytes_to(d) for d in range(self.rollout.tp * self.rollout.replicas)},
-                "bytes_from_trainer_rank": dict(sorted(sent.items()))}
+                "bytes_from_trainer_rank": dict(sorted(sent.items())),
+                "bytes_per_pair": dict(sorted(pairs.items()))}  # "trainer rank->rollout rank"
 
 
 def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:

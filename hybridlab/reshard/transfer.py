@@ -2,14 +2,17 @@
 
 Colocated (actor and rollout share processes, the hybrid engine): every process gathers each
 bucket and loads it into its own engine in memory, no serialization. Separate (rollout on
-other processes or devices): one rank per pipeline stage puts its part of each bucket in
-Ray's object store and the rollout ranks fetch it from there directly, never through the
-controller.
+other processes or devices): the transfer follows ``plan_reshard``: rollout replica r is fed
+by trainer DP rank r % dp, whose TP ranks each put only their own slices of the bucket in
+Ray's object store (no gathering on the trainer side); the rollout rank fetches them directly,
+never through the controller, and joins them. The report carries the plan's bytes per
+(trainer rank, rollout rank) pair.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections import defaultdict
 
 from hybridlab.reshard.plan import RolloutLayout, TrainerLayout, buckets, plan_reshard
 from hybridlab.workers.train.convert import ModelSpec
@@ -25,6 +28,7 @@ class SyncReport:
     max_bucket_bytes: int
     seconds: float
     plan: dict
+    bytes_per_pair: dict = dataclasses.field(default_factory=dict)  # measured, separate placement only
 
     def as_dict(self) -> dict:
         """Return the report as plain data (for metrics, JSON and the dashboard)."""
@@ -45,17 +49,24 @@ def sync_weights(actor, rollout, spec: ModelSpec, trainer: TrainerLayout, rollou
     sizes = _bucket_bytes(spec, groups)
     start = time.perf_counter()
     colocated = actor.hostset is rollout.hostset
+    pairs: dict[str, int] = defaultdict(int)  # measured bytes, "trainer rank->rollout rank" (separate)
     if colocated:
         actor.sync_to_colocated(rollout.role, groups)
         moved = sum(sizes) * rollout.world_size
-    else:
+    else:  # as planned: replica r is fed by trainer DP rank r % dp, each TP rank sending its slices
+        feeds = [(rank // rollout_layout.tp) % trainer.dp for rank in range(rollout.world_size)]
         moved = 0
-        for bucket, size in zip(groups, sizes):
-            refs = [r for r in actor.export_bucket(bucket) if r is not None]
-            rollout.load_weight_refs(refs)
-            moved += size * rollout.world_size
+        for bucket in groups:
+            parts = [p for p in actor.export_slices(bucket, sorted(set(feeds))) if p is not None]
+            rollout.load_weight_slices([[(tp, ref) for tp, _, dp, ref, _ in parts if dp == feed] for feed in feeds])
+            for dst, feed in enumerate(feeds):
+                for tp, pp, dp, _, nbytes in parts:
+                    if dp == feed:
+                        pairs[f"{trainer.rank(tp, pp, dp)}->{dst}"] += nbytes
+                        moved += nbytes
     return SyncReport(mode="colocated" if colocated else "separate", bytes_moved=moved, buckets=len(groups),
-                      max_bucket_bytes=max(sizes), seconds=time.perf_counter() - start, plan=plan.summary())
+                      max_bucket_bytes=max(sizes), seconds=time.perf_counter() - start, plan=plan.summary(),
+                      bytes_per_pair=dict(sorted(pairs.items())))
 
 
 def layouts(mapping) -> tuple[TrainerLayout, RolloutLayout]:

@@ -115,13 +115,15 @@ class RolloutWorker(Worker):
 
         return reload_weights(self.llm, named, self.tied)
 
-    @register(Dispatch.ALL)
-    def load_weight_refs(self, refs: list) -> int:
-        """Fetch bucket parts (dicts of HF tensors) from Ray's object store and load them;
-        returns the number of tensors loaded."""
+    @register(Dispatch.RAW)
+    def load_weight_slices(self, parts: list[tuple[int, object]]) -> int:
+        """Fetch this rank's bucket slices ``(trainer tp rank, reference)`` from Ray's object
+        store, join them into whole HF tensors and load them; returns how many were loaded.
+        (Raw dispatch: each rank gets the list of the trainer ranks that feed it.)"""
         import ray
 
-        named: dict[str, torch.Tensor] = {}
-        for part in ray.get(list(refs)):
-            named.update(part)
+        from hybridlab.reshard.sources import join_slices
+
+        slices = ray.get([ref for _, ref in parts])
+        named = join_slices([(tp_rank, s) for (tp_rank, _), s in zip(parts, slices)])
         return self.load_weights(sorted(named.items()))

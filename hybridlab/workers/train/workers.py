@@ -38,30 +38,9 @@ class TrainWorker(Worker):
         return self.engine.dp_info()
 
     def _gather_stage(self, named: dict[str, torch.Tensor], everyone: bool = False) -> dict[str, torch.Tensor] | None:
-        """All-gather TP shards of this stage; return HF tensors on (tp 0, dp 0) (on every rank
-        with ``everyone``), else None."""
-        import torch.distributed as dist
+        from hybridlab.reshard.sources import gather_stage
 
-        from hybridlab.workers.train.convert import megatron_to_hf
-
-        ps = self.engine.ps
-        tp = ps.get_tensor_model_parallel_world_size()
-        shards = [dict() for _ in range(tp)]
-        for name, tensor in named.items():
-            parts = [torch.empty_like(tensor) for _ in range(tp)] if tp > 1 else [tensor]
-            if tp > 1:
-                dist.all_gather(parts, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
-            for r in range(tp):
-                shards[r][name] = parts[r]
-        if not everyone and (ps.get_tensor_model_parallel_rank() != 0 or ps.get_data_parallel_rank() != 0):
-            return None
-        hf_names = {k: v for k, v in named.items() if not k.startswith("output_layer.linear")}
-        out = megatron_to_hf([{k: s[k] for k in hf_names} for s in shards], self.engine.spec,
-                             self.engine.pp, ps.get_pipeline_model_parallel_rank())
-        for k in ("weight", "bias"):
-            if f"output_layer.linear.{k}" in named:
-                out[f"value_head.linear.{k}"] = named[f"output_layer.linear.{k}"]
-        return out
+        return gather_stage(self.engine, named, everyone)
 
     def _named_params(self) -> dict[str, torch.Tensor]:
         return {k: p.detach() for k, p in self.engine.model.named_parameters()}
@@ -170,53 +149,31 @@ class ActorWorker(TrainWorker):
     """The policy: log-probs of its own samples, PPO-style updates, supervised steps, and the
     source of weight syncs to the rollout engines."""
 
-    def _bucket_on_stage(self, hf_names: list[str], everyone: bool) -> dict[str, torch.Tensor] | None:
-        from hybridlab.workers.train.convert import megatron_names
-
-        eng, ps = self.engine, self.engine.ps
-        params = dict(eng.model.named_parameters())
-        names = megatron_names(eng.spec, eng.pp, ps.get_pipeline_model_parallel_rank(), hf_names)
-        return self._gather_stage({n: params[n].detach() for n in names if n in params}, everyone=everyone)
-
     @register(Dispatch.ALL)
-    def export_bucket(self, hf_names: list[str]):
-        """Put this stage's part of a bucket (HF layout) in Ray's object store; returns its
-        reference on one rank per stage, None elsewhere (the controller hands references on)."""
+    def export_slices(self, hf_names: list[str], dp_ranks: list[int]):
+        """Put this rank's slices of a bucket (HF names, no gathering) in Ray's object store if
+        its data-parallel rank feeds a rollout replica; returns (tp rank, pp rank, dp rank,
+        reference, bytes), else None. The rollout ranks join the slices (``reshard.sources``)."""
         import ray
 
-        part = self._bucket_on_stage(hf_names, everyone=False)
-        return ray.put(part) if part else None
+        from hybridlab.reshard.sources import local_slices
+
+        ps = self.engine.ps
+        if ps.get_data_parallel_rank() not in dp_ranks:
+            return None
+        part = local_slices(self.engine, hf_names)
+        if not part:
+            return None
+        return (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                ps.get_data_parallel_rank(), ray.put(part), sum(t.numel() * t.element_size() for t in part.values()))
 
     @register(Dispatch.ALL)
     def sync_to_colocated(self, role: str, buckets: list[list[str]]) -> dict:
-        """Stream the weights, bucket by bucket, into the ``role`` engine of this same process.
+        """Stream the weights, bucket by bucket, into the ``role`` engine of this same process
+        (``reshard.sources.stream_colocated``); returns {"bytes", "buckets", "seconds"}."""
+        from hybridlab.reshard.sources import stream_colocated
 
-        Every rank gathers each bucket (TP all-gather, then a broadcast from the stage that owns
-        it) and hands it to its colocated engine in memory; at most one bucket is held at a time.
-        Returns {"bytes", "buckets", "seconds"}.
-        """
-        import time
-
-        import torch.distributed as dist
-
-        from hybridlab.reshard.plan import hf_shapes, stage_of
-
-        eng, ps = self.engine, self.engine.ps
-        shapes = hf_shapes(eng.spec)
-        pp_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()) if eng.pp > 1 else None
-        start, moved = time.perf_counter(), 0
-        for bucket in buckets:
-            named = self._bucket_on_stage(bucket, everyone=True) or {}
-            if eng.pp > 1:  # every process needs every stage's layers for its own engine
-                for name in bucket:
-                    owner = stage_of(name, eng.spec, eng.pp)
-                    tensor = named[name] if owner == ps.get_pipeline_model_parallel_rank() else torch.empty(shapes[name])
-                    dist.broadcast(tensor, src=pp_ranks[owner], group=ps.get_pipeline_model_parallel_group())
-                    named[name] = tensor
-            moved += sum(t.numel() * t.element_size() for t in named.values())
-            self.peers[role].load_weights([(n, named[n]) for n in bucket])
-            del named
-        return {"bytes": moved, "buckets": len(buckets), "seconds": time.perf_counter() - start}
+        return stream_colocated(self.engine, buckets, self.peers[role].load_weights)
 
     @register(Dispatch.DP)
     def compute_log_prob(self, batch: Batch) -> Batch:
