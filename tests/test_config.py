@@ -8,7 +8,8 @@ import pytest
 
 from hybridlab.config import CONFIG_DIR, ConfigError, RunConfig, load_config
 from hybridlab.dataflow.graph import Dataflow, DataflowError
-from hybridlab.dataflow.validate import PROMPT_FIELDS, dataflow_names, default_dataflow, roles_needed
+from hybridlab.config import dataflow_names, default_dataflow, roles_needed
+from hybridlab.dataflow.prompts import PROMPT_FIELDS
 
 
 def test_defaults_are_the_grpo_preset():

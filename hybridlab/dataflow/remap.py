@@ -72,7 +72,7 @@ def remap_problems(cfg: RunConfig, mapping: DeviceMapping, cluster_gpus: float, 
     """Return every reason ``mapping`` cannot run ``cfg``'s dataflow here (empty when it can):
     the mapping's own checks (layouts against the model in ``model_dir``, devices against the
     cluster), a role the dataflow needs and the mapping lacks, and what the engines cannot do."""
-    from hybridlab.dataflow.validate import validate_config
+    from hybridlab.config import validate_config
 
     problems = []
     if model_dir is not None:  # the running model's heads and layers (cfg.model may be a preset name)
@@ -114,7 +114,7 @@ def prepare_update(rl: "RLSession", overrides: tuple[str, ...]) -> Change:
     from hybridlab.dataflow.graph import Dataflow
     from hybridlab.dataflow.prompts import PROMPT_FIELDS
     from hybridlab.dataflow.roles import plan_update
-    from hybridlab.dataflow.validate import dataflow_names, default_mapping, validate_config
+    from hybridlab.config import dataflow_names, default_mapping, validate_config
 
     data = rl.cfg.to_dict()
     for pair in overrides:
@@ -139,7 +139,7 @@ def prepare_update(rl: "RLSession", overrides: tuple[str, ...]) -> Change:
 def prepare_remap(rl: "RLSession", mapping: DeviceMapping) -> Change:
     """Return the Change that moves ``rl`` onto ``mapping``; raises ConfigError listing why not."""
     from hybridlab.dataflow.graph import Dataflow
-    from hybridlab.dataflow.validate import dataflow_names
+    from hybridlab.config import dataflow_names
 
     new = dataclasses.replace(rl.cfg, mapping=mapping.to_dict())
     check(rl, new, mapping)

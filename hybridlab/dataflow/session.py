@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from hybridlab.config import ConfigError, RunConfig, load_config
+from hybridlab.config import ConfigError, RunConfig, dataflow_names, default_mapping, load_config
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.stages import REWARD_FIELDS, generation_metrics
@@ -29,7 +29,6 @@ from hybridlab.dataflow.prompts import PromptSource, load_samples, prompt_batch
 from hybridlab.dataflow.prompts import PROMPT_FIELDS
 from hybridlab.dataflow.edits import StepBoundary
 from hybridlab.dataflow.roles import role_classes
-from hybridlab.dataflow.validate import dataflow_names, default_mapping
 from hybridlab.dataflow.context import BackgroundRun, StepContext
 from hybridlab.protocol import Batch
 
@@ -51,7 +50,7 @@ class RLSession:
         if isinstance(config, RunConfig):
             if overrides:
                 raise ValueError("pass overrides with a config path or preset name, not with a RunConfig object")
-            from hybridlab.dataflow.validate import validate_config
+            from hybridlab.config import validate_config
 
             validate_config(config)  # the dataflow is validated here, on update() and on assignment
             self.cfg = config

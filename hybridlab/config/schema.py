@@ -1,9 +1,7 @@
-"""RunConfig: everything one RL run needs, as nested dataclasses loaded from YAML plus overrides.
-
-``load_config(path_or_preset, ["actor.lr=1e-4", ...])`` returns a validated RunConfig; every
-mistake (unknown key, wrong type, impossible size) is a ConfigError that names the key and
-what is allowed, raised before any worker starts. The defaults are the embedded default run:
-GRPO on ``arith`` with the tiny zoo model after a short supervised warm start.
+"""RunConfig: everything one RL run needs, as nested dataclasses, and how YAML and ``key=value``
+overrides become one (``build``, ``apply_override``): unknown keys and wrong types are
+ConfigErrors naming the key. The defaults are the embedded default run: GRPO on ``arith`` with
+the tiny zoo model after a supervised warm start. Checks across keys are in ``checks.py``.
 """
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ import yaml
 
 from hybridlab.errors import UserError
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 class ConfigError(UserError):
@@ -264,22 +262,3 @@ def resolve_config_path(source: str | Path) -> Path:
         return preset
     presets = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
     raise ConfigError(f"no config file {str(source)!r}; give a YAML path or a preset: {', '.join(presets)}")
-
-
-def load_config(source: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Return the validated RunConfig from a YAML file or preset name (None: the defaults) plus
-    ``key=value`` overrides."""
-    data: dict = {}
-    if source is not None:
-        path = resolve_config_path(source)
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    for pair in overrides or []:
-        apply_override(data, pair)
-    cfg = build(RunConfig, data)
-    from hybridlab.dataflow.validate import validate_config
-
-    validate_config(cfg)
-    return cfg

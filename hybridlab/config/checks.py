@@ -1,12 +1,13 @@
 """Config checks that run before any worker starts, and the defaults derived from a config
-(the dataflow of an algorithm, the all-colocated device mapping)."""
+(the dataflow of an algorithm, the all-colocated device mapping). Beside the schema; it
+reads the stage, algorithm and mapping registries, none of which imports the config."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from hybridlab.config import ConfigError, RunConfig
-
+from hybridlab.config.schema import ConfigError, RunConfig
 from hybridlab.dataflow.prompts import PROMPT_FIELDS
+
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
 
