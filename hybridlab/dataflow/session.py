@@ -24,7 +24,7 @@ import yaml
 from hybridlab.config import ConfigError, RunConfig, dataflow_names, default_mapping, load_config
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.dataflow.graph import Dataflow
-from hybridlab.dataflow.stages import REWARD_FIELDS, generation_metrics
+from hybridlab.dataflow.stages import REWARD_FIELDS, RolloutAhead
 from hybridlab.dataflow.prompts import PromptSource, load_samples, prompt_batch
 from hybridlab.dataflow.prompts import PROMPT_FIELDS
 from hybridlab.dataflow.edits import StepBoundary
@@ -68,7 +68,7 @@ class RLSession:
         self.session = None
         self.step_count = 0
         self.history: list[dict] = []
-        self._pending = None   # off-policy: the GroupFuture of the next step's rollout
+        self.ahead = RolloutAhead()  # off-policy: the next step's rollout, submitted during this one
         self.hub = None        # the telemetry hub actor (trainer.telemetry)
         self.log = None        # MetricsLog, once started
         self._stop_requested = False
@@ -191,7 +191,7 @@ class RLSession:
 
     def shutdown(self) -> None:
         """Stop the workers and close the logs (the Ray connection stays for the kernel)."""
-        self._pending = None
+        self.ahead.pending = None
         for board in self._dashboards:
             board.stop()
         self._dashboards.clear()
@@ -283,9 +283,7 @@ class RLSession:
         self.cfg, self._dataflow = new, flow
 
     def _drop_pending(self) -> None:
-        if self._pending is not None:
-            self._pending.result()  # let it finish; its samples are not used
-            self._pending = None
+        self.ahead.drop()  # let it finish; its samples are not used
 
     # ------------------------------------------------------------------ steps
     def step(self) -> StepResult:
@@ -300,31 +298,12 @@ class RLSession:
     def _step(self) -> StepResult:
         ctx = StepContext(self)
         start = time.perf_counter()
-        skip: tuple[str, ...] = ()
-        staleness = 0
-        pre_metrics: dict = {}
-        if self.cfg.trainer.off_policy:
-            # The rollout for the next step is submitted now, before this step's update and sync
-            # reach the (serially executing) workers, so it samples from the current weights.
-            rollout = self.session.groups["rollout"]
-            with self.session.timeline.staged("generate"):
-                if self._pending is None:
-                    self._pending = rollout.generate.submit(self.prompts.next(), ctx.sampling())
-                else:
-                    staleness = 1
-                batch = self._pending.result()
-                pre_metrics = generation_metrics(self.cfg, batch)
-                self._pending = rollout.generate.submit(self.prompts.next(),
-                                                        ctx.sampling(seed=ctx.sampling()["seed"] + 1))
-            skip = ("generate",)
-        else:
-            batch = self.prompts.next()
-        batch, metrics = self._dataflow.run(ctx, batch, skip=skip)
-        metrics = {**pre_metrics, **metrics}
+        batch, metrics = self._dataflow.run(ctx, self.prompts.next())
         seconds = time.perf_counter() - start
         tokens = int(batch["response_mask"].sum()) if "response_mask" in batch else 0
+        metrics.setdefault("rollout/staleness", 0)
         metrics.update({"timing/step_s": seconds, "perf/tokens_per_s": tokens / seconds if seconds else 0.0,
-                        "rollout/staleness": staleness, "warnings": len(ctx.warnings)})
+                        "warnings": len(ctx.warnings)})
         self.step_count += 1
         self.history.append({"step": self.step_count, **metrics})
         self.log.write(self.step_count, metrics)

@@ -79,9 +79,39 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 @register_stage("generate", "rollout", ("prompt_ids", "uid"),
                 ("prompts", *SEQUENCE_FIELDS, "rollout_log_probs"), replaces_rows=True)
 def generate(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
-    """Sample rollout.n responses per prompt on the rollout engines."""
-    out = ctx.group("rollout").generate(batch, ctx.sampling())
-    return out, generation_metrics(ctx.cfg, out)
+    """Sample rollout.n responses per prompt on the rollout engines. With trainer.off_policy,
+    take the responses generated during the previous step and start the next step's now."""
+    if ctx.cfg.trainer.off_policy:
+        out, staleness = ctx.rl.ahead.take(ctx, batch)
+    else:
+        out, staleness = ctx.group("rollout").generate(batch, ctx.sampling()), 0
+    return out, {**generation_metrics(ctx.cfg, out), "rollout/staleness": staleness}
+
+
+class RolloutAhead:
+    """One-step off-policy generation: the rollout of step k+1 is submitted during step k,
+    before that step's update and sync reach the (serially executing) workers, so it samples
+    from the weights of step k and overlaps its training: exactly one update stale."""
+
+    def __init__(self):
+        self.pending = None    # the GroupFuture of the next step's rollout
+
+    def take(self, ctx: "StepContext", batch: Batch) -> tuple[Batch, int]:
+        """Return (the responses for this step, their staleness in updates) and submit the
+        generation of the next step's prompts (``batch``; on the first step, the next draw)."""
+        staleness = 1
+        if self.pending is None:  # nothing ahead yet: this step's prompts now, the next ones ahead
+            self.pending = ctx.group("rollout").generate.submit(batch, ctx.sampling())
+            batch, staleness = ctx.rl.prompts.next(), 0
+        out = self.pending.result()
+        self.pending = ctx.group("rollout").generate.submit(batch, ctx.sampling(seed=ctx.sampling()["seed"] + 1))
+        return out, staleness
+
+    def drop(self) -> None:
+        """Let a pending rollout finish and forget it (settings or workers change)."""
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
 
 
 def generation_metrics(cfg, out: Batch) -> dict:
