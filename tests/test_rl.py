@@ -142,6 +142,22 @@ def test_one_step_off_policy_records_staleness(rl):
     assert generated and {s.stage for s in generated} == {"generate"}
 
 
+def test_refill_rounds_generate_now_and_leave_the_next_steps_rollout_alone(rl):
+    """DAPO's refills (rerun_rollout) are on-policy even off-policy: the look-ahead rollout
+    submitted for the next step is neither consumed nor replaced by them."""
+    from hybridlab.dataflow.context import StepContext
+
+    rl.update("trainer.off_policy=true")
+    try:
+        rl.step()
+        pending = rl.ahead.pending
+        batch = StepContext(rl).rerun_rollout(["generate", "reward"])
+        assert rl.ahead.pending is pending
+        assert len(batch) == rl.cfg.data.prompts_per_step * rl.cfg.rollout.n and "token_level_scores" in batch
+    finally:
+        rl.update("trainer.off_policy=false")
+
+
 def test_a_stop_request_ends_train_after_the_current_step_and_is_consumed(rl):
     steps = rl.step_count
     rl.request_stop()  # before train() starts: still honoured

@@ -19,6 +19,7 @@ class StepContext:
         self.cfg = rl.cfg
         self.kl_ctrl = rl.kl_ctrl
         self.warnings: list[str] = []
+        self.rerunning = False   # inside rerun_rollout: generate now, never from the look-ahead
 
     @property
     def timeline(self):
@@ -43,8 +44,14 @@ class StepContext:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     def rerun_rollout(self, stages: list[str]) -> Batch:
-        """Run ``stages`` (e.g. generate, reward) on fresh prompts; returns their batch."""
-        batch, _ = Dataflow(stages).run(self, self.rl.prompts.next())
+        """Run ``stages`` (e.g. generate, reward) on fresh prompts; returns their batch. Their
+        generation is on-policy and immediate even in off-policy mode (the look-ahead rollout
+        belongs to the next step)."""
+        self.rerunning = True
+        try:
+            batch, _ = Dataflow(stages).run(self, self.rl.prompts.next())
+        finally:
+            self.rerunning = False
         return batch
 
     def sync(self):

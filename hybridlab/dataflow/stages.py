@@ -81,7 +81,7 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 def generate(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Sample rollout.n responses per prompt on the rollout engines. With trainer.off_policy,
     take the responses generated during the previous step and start the next step's now."""
-    if ctx.cfg.trainer.off_policy:
+    if ctx.cfg.trainer.off_policy and not ctx.rerunning:
         out, staleness = ctx.rl.ahead.take(ctx, batch)
     else:
         out, staleness = ctx.group("rollout").generate(batch, ctx.sampling()), 0
