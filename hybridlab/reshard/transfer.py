@@ -5,8 +5,8 @@ bucket and loads it into its own engine in memory, no serialization. Separate (r
 other processes or devices): the transfer follows ``plan_reshard``: rollout replica r is fed
 by trainer DP rank r % dp, whose TP ranks each put only their own slices of the bucket in
 Ray's object store (no gathering on the trainer side); the rollout rank fetches them directly,
-never through the controller, and joins them. The report carries the plan's bytes per
-(trainer rank, rollout rank) pair.
+never through the controller, and joins them. The report carries the bytes measured per
+(trainer rank, rollout rank) pair beside the plan's.
 """
 from __future__ import annotations
 
@@ -57,13 +57,14 @@ def sync_weights(actor, rollout, spec: ModelSpec, trainer: TrainerLayout, rollou
         feeds = [(rank // rollout_layout.tp) % trainer.dp for rank in range(rollout.world_size)]
         moved = 0
         for bucket in groups:
-            parts = [p for p in actor.export_slices(bucket, sorted(set(feeds))) if p is not None]
-            rollout.load_weight_slices([[(tp, ref) for tp, _, dp, ref, _ in parts if dp == feed] for feed in feeds])
+            by_dp = defaultdict(list)  # trainer DP rank -> its TP ranks' (tp, pp, reference, bytes)
+            for tp, pp, dp, ref, nbytes in filter(None, actor.export_slices(bucket, sorted(set(feeds)))):
+                by_dp[dp].append((tp, pp, ref, nbytes))
+            rollout.load_weight_slices([[(tp, ref) for tp, _, ref, _ in by_dp[feed]] for feed in feeds])
             for dst, feed in enumerate(feeds):
-                for tp, pp, dp, _, nbytes in parts:
-                    if dp == feed:
-                        pairs[f"{trainer.rank(tp, pp, dp)}->{dst}"] += nbytes
-                        moved += nbytes
+                for tp, pp, _, nbytes in by_dp[feed]:
+                    pairs[f"{trainer.rank(tp, pp, feed)}->{dst}"] += nbytes
+                    moved += nbytes
     return SyncReport(mode="colocated" if colocated else "separate", bytes_moved=moved, buckets=len(groups),
                       max_bucket_bytes=max(sizes), seconds=time.perf_counter() - start, plan=plan.summary(),
                       bytes_per_pair=dict(sorted(pairs.items())))

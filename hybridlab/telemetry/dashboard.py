@@ -1,8 +1,10 @@
 """The live dashboard of a run: Panel + Bokeh, fed by the telemetry hub or its file.
 
 ``build_dashboard(run_dir)`` returns a read-only Panel layout: a status line (run, the phase:
-warm start with its held-out accuracy, RL step and mean reward, or evaluation; the processor), reward and accuracy curves, a per-worker phase timeline (a Gantt chart of the last
-steps, coloured by stage), per-device utilization and weight-sync bytes and seconds per step.
+warm start with its held-out accuracy, RL step and mean reward, or evaluation; the
+processor), the device mapping (with the last remap), reward and accuracy curves, a
+per-worker phase timeline (a Gantt chart of the last steps, coloured by stage), per-device
+utilization and weight-sync bytes and seconds per step.
 A periodic callback on the server's own loop polls for new records every second and streams
 only the new points (Bokeh models may only change on the document's loop). In the process
 that runs the session it reads the live hub; elsewhere (``hybridlab dashboard``, ``panel
@@ -88,7 +90,8 @@ class Dashboard:
                                x_axis_label="step", **common)
         self.sync_fig.vbar(x="step", top="mb", width=0.8, source=self.sync, color="#9c755f")
         self.sync_fig.line(x="step", y="seconds", source=self.sync, color="#000000")
-        self.layout = pn.Column(self.status, self.mapping_pane, pn.Row(self.reward_fig, self.sync_fig, sizing_mode="stretch_width"),
+        self.layout = pn.Column(self.status, self.mapping_pane,
+                                pn.Row(self.reward_fig, self.sync_fig, sizing_mode="stretch_width"),
                                 self.gantt_fig, self.device_fig, sizing_mode="stretch_width")
 
     def stop(self) -> None:

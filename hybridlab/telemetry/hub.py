@@ -2,8 +2,9 @@
 
 Records are dicts with a ``kind``: ``run`` (name, config), ``span`` (a worker call: role, rank,
 method, stage, start, end, bytes), ``metrics`` (one RL step), ``eval``, ``sync`` (bytes,
-buckets, seconds) and ``device`` (one sample of a worker's device: CPU% and resident memory
-on CPU machines, utilization and memory through NVML on GPUs). Each ``add`` appends JSON lines
+buckets, seconds, reason), ``phase`` (warm start progress, evaluation), ``remap`` (a
+RemapReport) and ``device`` (one sample of a worker's device: CPU% and resident memory on CPU
+machines, utilization and memory through NVML on GPUs). Each ``add`` appends JSON lines
 to ``RUN_DIR/telemetry.jsonl`` and flushes, so a crash loses at most what was in flight and a
 finished or crashed run can be replayed from the file. ``since(offset)`` serves live viewers
 from that same file, so the hub holds no copy of the records in memory.

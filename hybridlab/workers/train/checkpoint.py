@@ -22,11 +22,17 @@ COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_
           "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
 
 
-def _merge(parts: list[dict | None], key: str) -> dict[str, torch.Tensor]:
-    merged: dict[str, torch.Tensor] = {}
+STATE_KEYS = ("model", "exp_avg", "exp_avg_sq")
+
+
+def merge_state(parts: list[dict | None]) -> dict[str, dict[str, torch.Tensor]]:
+    """Return a role's ``checkpoint_state`` parts (one per pipeline stage, None elsewhere)
+    merged per key: ``{"model" | "exp_avg" | "exp_avg_sq": {HF name: tensor}}``."""
+    merged: dict[str, dict[str, torch.Tensor]] = {key: {} for key in STATE_KEYS}
     for part in parts:
-        if part and part.get(key):
-            merged.update(part[key])
+        for key in STATE_KEYS:
+            if part and part.get(key):
+                merged[key].update(part[key])
     return merged
 
 
@@ -62,12 +68,13 @@ def export_hf(group, source_dir: str | Path, out: str | Path) -> Path:
 def save_checkpoint(group, source_dir: str | Path, out: str | Path) -> Path:
     """Save weights, AdamW moments, step and RNG of a training role; returns the directory."""
     parts = group.checkpoint_state()
-    model = _merge(parts, "model")
+    merged = merge_state(parts)
+    model = merged["model"]
     files = {"model.safetensors": {k: v for k, v in model.items() if not k.startswith("value_head.")}}
     heads = {k: v for k, v in model.items() if k.startswith("value_head.")}
     if heads:
         files["value_head.safetensors"] = heads
-    moments = {m: _merge(parts, m) for m in ("exp_avg", "exp_avg_sq")}
+    moments = {m: merged[m] for m in ("exp_avg", "exp_avg_sq")}
     if moments["exp_avg"]:
         files[OPTIMIZER_FILE] = {f"{m}/{k}": v for m, named in moments.items() for k, v in named.items()}
     first = next(p for p in parts if p)

@@ -135,8 +135,8 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], spec: ModelSpec, tp: int, tp_ran
     if last:
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
         if head and (not spec.tied or pp > 1):  # tied + PP>1: the last stage keeps its own embedding copy
-            head = hf["model.embed_tokens.weight"] if spec.tied else hf["lm_head.weight"]
-            out["output_layer.weight"] = shard(head, 0)
+            table = hf["model.embed_tokens.weight"] if spec.tied else hf["lm_head.weight"]
+            out["output_layer.weight"] = shard(table, 0)
     return out
 
 

@@ -98,11 +98,11 @@ class TrainWorker(Worker):
         the reference and each rank fetches the state from the object store (never a file)."""
         import ray
 
+        from hybridlab.workers.train.checkpoint import merge_state
         from hybridlab.workers.train.convert import hf_to_megatron
 
         parts = [p for p in ray.get(boxed[0]) if p]
-        merged = {key: {k: v for p in parts for k, v in (p.get(key) or {}).items()}
-                  for key in ("model", "exp_avg", "exp_avg_sq")}
+        merged = merge_state(parts)
         eng, ps = self.engine, self.engine.ps
         weights = hf_to_megatron(merged["model"], eng.spec, eng.tp, ps.get_tensor_model_parallel_rank(), eng.pp,
                                  ps.get_pipeline_model_parallel_rank(), head=not self.value_head)
