@@ -35,9 +35,13 @@ def test_bench_rollout_json(ray_local, capfd):
 
 
 def test_bench_sync_json(ray_local, capfd):
-    result = _bench(["sync", "--opt", "model=tiny", "--opt", "warm_steps=10"], capfd)
-    assert {"sync_s", "naive_s", "speedup", "bytes_moved", "greedy_match"} <= set(result)
+    result = _bench(["sync", "--opt", "model=tiny", "--opt", "warm_steps=10", "--rollout-tp", "2"], capfd)
+    assert {"sync_s", "naive_s", "speedup", "bytes_moved", "greedy_match", "tp_sync_s", "tp_fetch_s", "tp_load_s",
+            "tp_shard_bytes"} <= set(result)
     assert result["greedy_match"] is True and result["bytes_moved"] > 0
+    assert result["tp_greedy_match"] is True  # the TP=2 engine generates what transformers does
+    assert result["tp_bytes_moved"] == 2 * result["bytes_moved"]  # whole tensors to each of 2 ranks
+    assert result["bytes_moved"] <= result["tp_shard_bytes"] < result["tp_bytes_moved"]
 
 
 def test_bench_e2e_json_against_trl(ray_local, capfd):

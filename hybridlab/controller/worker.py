@@ -185,6 +185,16 @@ class WorkerHost:
         """Return True (used to check that the process is alive)."""
         return True
 
+    def close(self) -> None:
+        """Call ``close()`` on each worker that has one (engines free what outlives the process,
+        such as shared-memory segments), before the process is killed."""
+        for obj in self.workers.values():
+            if hasattr(obj, "close"):
+                try:
+                    obj.close()
+                except Exception:  # the process is going away; a failed clean-up must not stop that
+                    traceback.print_exc()
+
 
 
 _HOST_CLASSES: dict[tuple, Any] = {}

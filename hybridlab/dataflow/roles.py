@@ -54,7 +54,7 @@ class RoleSpec:
     live: tuple[str, ...] = ()                    # config keys the running worker takes (``configure``)
     recreate: tuple[str, ...] = ()                # config keys that re-create the role
     stateful: bool = False                        # weights and optimizer carried across re-creation
-    layout: bool = False                          # takes tp and pp from the mapping
+    layout: tuple[str, ...] = ()                  # what it takes from the mapping's role: "tp", "pp"
 
     def worker_class(self) -> type:
         """Return the worker class (imported on first use: workers pull in heavy engines)."""
@@ -67,24 +67,22 @@ class RoleSpec:
         """Return the RoleClass that constructs this role's workers for ``layout``."""
         from hybridlab.controller.group import RoleClass
 
-        kwargs = self.settings(cfg)
-        if self.layout:
-            kwargs.update(tp=layout.tp, pp=layout.pp)
+        kwargs = {**self.settings(cfg), **{key: getattr(layout, key) for key in self.layout}}
         return RoleClass(self.worker_class(), (model_dir,), kwargs)
 
 
 _OPTIM = ("lr", "weight_decay", "grad_clip", "warmup_steps", "micro_batch_size")
 ROLE_SPECS: dict[str, RoleSpec] = {spec.name: spec for spec in (
     RoleSpec("actor", "hybridlab.workers.train.workers:ActorWorker", _train_settings("actor"),
-             live=tuple(f"actor.{k}" for k in _OPTIM) + ("rollout.temperature",), stateful=True, layout=True),
+             live=tuple(f"actor.{k}" for k in _OPTIM) + ("rollout.temperature",), stateful=True, layout=("tp", "pp")),
     RoleSpec("ref", "hybridlab.workers.train.workers:RefWorker", _train_settings("actor", with_optim=False),
-             live=("actor.micro_batch_size", "rollout.temperature"), layout=True),
+             live=("actor.micro_batch_size", "rollout.temperature"), layout=("tp", "pp")),
     RoleSpec("critic", "hybridlab.workers.train.workers:CriticWorker", _train_settings("critic"),
-             live=tuple(f"critic.{k}" for k in _OPTIM), stateful=True, layout=True),
+             live=tuple(f"critic.{k}" for k in _OPTIM), stateful=True, layout=("tp", "pp")),
     RoleSpec("rollout", "hybridlab.workers.rollout.worker:RolloutWorker",
              lambda cfg: {"backend": cfg.rollout.backend, "kv_cache_mb": cfg.rollout.kv_cache_mb,
                           "seed": cfg.trainer.seed},
-             recreate=("rollout.backend", "rollout.kv_cache_mb")),
+             recreate=("rollout.backend", "rollout.kv_cache_mb"), layout=("tp",)),
     RoleSpec("reward", "hybridlab.workers.reward.worker:RewardWorker",
              lambda cfg: {"kind": "rule" if cfg.reward.kind == "model" else cfg.reward.kind,
                           "function": cfg.reward.function, "format_score": cfg.reward.format_score,

@@ -58,6 +58,7 @@ class ReshardPlan:
     trainer: TrainerLayout
     rollout: RolloutLayout
     pieces: list[Piece]
+    whole: bool = False  # every rollout rank receives whole tensors (its engine cuts its shard)
 
     def bytes_to(self, dst: int) -> int:
         """Return the bytes rollout rank ``dst`` receives."""
@@ -76,7 +77,7 @@ class ReshardPlan:
             sent[p.src] += p.nbytes
             pairs[f"{p.src}->{p.dst}"] += p.nbytes
         return {"trainer": dataclasses.asdict(self.trainer), "rollout": dataclasses.asdict(self.rollout),
-                "pieces": len(self.pieces), "total_bytes": self.total_bytes,
+                "whole_tensors": self.whole, "pieces": len(self.pieces), "total_bytes": self.total_bytes,
                 "bytes_to_rollout_rank": {d: self.bytes_to(d) for d in range(self.rollout.tp * self.rollout.replicas)},
                 "bytes_from_trainer_rank": dict(sorted(sent.items())),
                 "bytes_per_pair": dict(sorted(pairs.items()))}  # "trainer rank->rollout rank"
@@ -162,8 +163,10 @@ def _range(size: int, parts: int, index: int, spec: ModelSpec, name: str) -> tup
     return index * per, (index + 1) * per
 
 
-def plan_reshard(spec: ModelSpec, trainer: TrainerLayout, rollout: RolloutLayout, itemsize: int = 4) -> ReshardPlan:
-    """Return the plan that gives every rollout rank its shard of every tensor.
+def plan_reshard(spec: ModelSpec, trainer: TrainerLayout, rollout: RolloutLayout, itemsize: int = 4,
+                 whole: bool = False) -> ReshardPlan:
+    """Return the plan that gives every rollout rank its shard of every tensor (``whole``: every
+    tensor whole, for engines that cut their shard themselves on load, as vLLM's loader does).
 
     Each rollout replica reads from one trainer data-parallel replica (replica % dp), so the
     sending load spreads over DP replicas.
@@ -184,9 +187,9 @@ def plan_reshard(spec: ModelSpec, trainer: TrainerLayout, rollout: RolloutLayout
                         numel *= s
                     pieces.append(Piece(dst, trainer.rank(0, stage, dp), name, -1, 0, shape[0], numel * itemsize))
                     continue
-                lo, hi = _range(shape[dim], rollout.tp, r_tp, spec, name)
+                lo, hi = (0, shape[dim]) if whole else _range(shape[dim], rollout.tp, r_tp, spec, name)
                 per = shape[dim] // trainer.tp
                 for t_tp in range(lo // per, (hi - 1) // per + 1):
                     a, b = max(lo, t_tp * per), min(hi, (t_tp + 1) * per)
                     pieces.append(Piece(dst, trainer.rank(t_tp, stage, dp), name, dim, a, b, (b - a) * row_bytes))
-    return ReshardPlan(trainer, rollout, pieces)
+    return ReshardPlan(trainer, rollout, pieces, whole)

