@@ -1,4 +1,4 @@
-"""Write a model directory so that readers see the old one or the new one, never half of it."""
+"""Write files so that readers see the old one or the new one, never half of it (model directories, JSON)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,6 +9,15 @@ from pathlib import Path
 from typing import Iterator
 
 from hybridlab.errors import UserError
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write ``data`` to ``path`` as JSON atomically (aside, then renamed): never half-written."""
+    import json
+
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
 
 
 def replace_dir(new: Path, target: Path) -> None:

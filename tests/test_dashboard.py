@@ -69,7 +69,6 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
             assert later > first, f"status stayed at step {first}"
             page.locator("canvas").first.wait_for(timeout=20_000)
             assert page.locator("canvas").count() >= 4  # reward, sync, phases, devices
-            assert page.locator("text=worker phases").count() >= 1 or page.locator("canvas").count() >= 4
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
             browser.close()

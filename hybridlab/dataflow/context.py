@@ -59,6 +59,29 @@ class StepContext:
         return self.rl.sync_weights()
 
 
+def run_stage(rl: "RLSession", name: str, batch: Batch) -> Batch:
+    """Run the registered stage ``name`` on ``batch`` as a step would; returns the batch with
+    what the stage added (its metrics under ``meta["metrics"][name]``). Raises DataflowError
+    naming the fields the stage needs that ``batch`` lacks, or the role the mapping lacks."""
+    from hybridlab.dataflow.graph import DataflowError, merge
+    from hybridlab.dataflow.stages import get_stage
+
+    stage = get_stage(name)
+    missing = [f for f in stage.inputs(rl.cfg) if not f.startswith("@") and f not in batch]
+    if missing:
+        have = ", ".join([*batch.tensors, *batch.objects]) or "nothing"
+        raise DataflowError(f"stage {name!r} needs the field(s) {', '.join(missing)}, which the batch does not"
+                            f" have (it has: {have}); run the stages that make them first")
+    for role in filter(None, (stage.role, *stage.needs)):
+        if role not in rl.mapping.roles:
+            raise DataflowError(f"stage {name!r} runs on role {role!r}, which the device mapping does not have"
+                                f" (roles: {', '.join(rl.mapping.roles)})")
+    new, metrics = stage.fn(StepContext(rl), batch)
+    out = merge(batch, new, stage.replaces_rows)
+    out.meta = {**out.meta, "metrics": {**batch.meta.get("metrics", {}), name: metrics}}
+    return out
+
+
 class BackgroundRun:
     """``RLSession.train`` running in a thread; the kernel stays free while it runs."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 
@@ -51,6 +52,35 @@ class StepBoundary:
         self.lock = threading.RLock()
         self._edits: queue.Queue[_Edit] = queue.Queue()
         self._stepping: int | None = None   # the thread running a step, if any
+        self._running = threading.Event()   # cleared while paused
+        self._running.set()
+        self.held = threading.Event()       # set while a training loop waits, paused, between steps
+
+    # ------------------------------------------------------------- pausing
+    @property
+    def paused(self) -> bool:
+        """True between ``pause()`` and ``resume()``."""
+        return not self._running.is_set()
+
+    def pause(self) -> None:
+        """Hold training loops at their next step boundary (the step under way finishes)."""
+        self._running.clear()
+
+    def resume(self) -> None:
+        """Let paused training loops go on."""
+        self._running.set()
+
+    def wait_while_paused(self) -> float:
+        """Block a training loop between steps while paused, applying edits made meanwhile (the
+        caller applies them itself: no step holds the lock); returns the seconds waited."""
+        start = time.perf_counter()
+        self.held.set()
+        try:
+            while not self._running.wait(0.05):
+                pass
+        finally:
+            self.held.clear()
+        return time.perf_counter() - start
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:

@@ -91,9 +91,11 @@ class Dataflow:
         return deps
 
     # --------------------------------------------------------------- running
-    def run(self, ctx: Any, batch: Batch, skip: Sequence[str] = ()) -> tuple[Batch, dict[str, Any]]:
+    def run(self, ctx: Any, batch: Batch, skip: Sequence[str] = (),
+            trace: list | None = None) -> tuple[Batch, dict[str, Any]]:
         """Run the stages on ``batch`` (those named in ``skip`` count as done); returns the final
-        batch and the merged metrics, with ``timing/<stage>_s`` per stage."""
+        batch and the merged metrics, with ``timing/<stage>_s`` per stage. ``trace`` (a list)
+        receives ``(stage name, fields it added or replaced)`` as each stage finishes."""
         deps = self.dependencies(ctx.cfg)
         done = {i for i, s in enumerate(self.stages) if s.name in skip}
         pending = [i for i in range(len(self.stages)) if i not in done]
@@ -115,7 +117,9 @@ class Dataflow:
                             other.cancel()
                         wait(list(running))
                         raise StageError(stage, exc) from exc
-                    batch = _merge(batch, new, stage.replaces_rows)
+                    if trace is not None:
+                        trace.append((stage.name, _fields(new)))
+                    batch = merge(batch, new, stage.replaces_rows)
                     metrics.update(stage_metrics)
                     metrics[f"timing/{stage.name}_s"] = seconds
                     done.add(i)
@@ -131,7 +135,13 @@ def _timed(stage: Stage, ctx: Any, batch: Batch):
     return new, metrics, time.perf_counter() - start
 
 
-def _merge(batch: Batch, new: Batch | None, replaces_rows: bool) -> Batch:
+def _fields(new: Batch | None) -> list[str]:
+    return [] if new is None else [*new.tensors, *new.objects]
+
+
+def merge(batch: Batch, new: Batch | None, replaces_rows: bool) -> Batch:
+    """Return ``batch`` with a stage's output merged in (or the output itself, for a stage that
+    replaces rows); raises ValueError when the row counts differ."""
     if new is None:
         return batch
     if replaces_rows:

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +31,19 @@ from hybridlab.dataflow.prompts import PROMPT_FIELDS
 from hybridlab.dataflow.edits import StepBoundary
 from hybridlab.dataflow.roles import role_classes
 from hybridlab.dataflow.context import BackgroundRun, StepContext
+from hybridlab.atomic import write_json
 from hybridlab.protocol import Batch
 
 
 @dataclasses.dataclass
 class StepResult:
-    """What one RL step produced: the final Batch (every field the stages wrote) and metrics."""
+    """What one RL step produced: the final Batch (every field the stages wrote), metrics, and
+    ``stages``: each stage with the fields it added, in the order the stages finished."""
 
     step: int
     batch: Batch
     metrics: dict[str, Any]
+    stages: list[tuple[str, list[str]]] = dataclasses.field(default_factory=list)
 
 
 class RLSession:
@@ -78,6 +82,8 @@ class RLSession:
         self.remaps: list = []      # RemapReports, in order
         self.warm_start_info: dict | None = None  # steps, seconds, held-out accuracy of the warm start
         self._dashboards: list = []
+        self.background: BackgroundRun | None = None   # the latest start_background() run
+        self.step_callbacks: list = []  # called with each StepResult (notebook widgets follow the run)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> "RLSession":
@@ -97,7 +103,7 @@ class RLSession:
         env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // processes))}
         self.environment = {**describe(self.cfg.trainer.seed), "worker_threads": int(env["OMP_NUM_THREADS"]),
                             "worker_processes": processes}
-        _write_json(self.run_dir / "environment.json", self.environment)
+        write_json(self.run_dir / "environment.json", self.environment)
         from hybridlab.controller.resources import connect
 
         devices = sum(p.devices for p in self.mapping.pools.values())
@@ -153,40 +159,10 @@ class RLSession:
         return layout
 
     def _warm_start(self, base: Path) -> Path:
-        """Train ``base`` on the task's worked answers until the held-out target; returns the
-        checkpoint directory (reused when the run directory already has one)."""
-        from hybridlab import sft
-        from hybridlab.evaluate import load_hf
-        from hybridlab.tasks import get_task
+        """Run (or reuse) the warm start; returns the checkpoint directory."""
+        from hybridlab.dataflow.warm_start import warm_start
 
-        ws = self.cfg.warm_start
-        out = self.run_dir / "warm_start"
-        info_path = self.run_dir / "warm_start.json"
-        if (out / "config.json").is_file():  # resumed run directory: reuse
-            self.warm_start_info = json.loads(info_path.read_text()) if info_path.is_file() else None
-            return out
-        model, tokenizer = load_hf(base)
-        task = get_task(self.cfg.data.task, **self.cfg.data.task_options)
-        cfg = sft.SFTConfig(steps=ws.max_steps, max_seconds=float("inf"), lr=ws.lr, batch_size=ws.batch_size,
-                            warmup_steps=min(ws.warmup_steps, ws.max_steps // 5), seed=self.cfg.trainer.seed,
-                            target_accuracy=ws.target_accuracy, eval_every=ws.eval_every,
-                            eval_samples=ws.eval_samples)
-        self._emit("phase", {"phase": "warm start", "step": 0, "max_steps": ws.max_steps})
-
-        def on_check(step: int, accuracy: float) -> None:
-            self._emit("phase", {"phase": "warm start", "step": step, "max_steps": ws.max_steps,
-                                 "accuracy": accuracy, "target": ws.target_accuracy})
-
-        try:
-            result = sft.train(model, tokenizer, task, cfg, progress=self.cfg.trainer.progress, on_check=on_check)
-        except sft.WarmStartError as exc:
-            raise sft.WarmStartError(f"{exc} (warm_start.max_steps={ws.max_steps}, warm_start.target_accuracy="
-                                     f"{ws.target_accuracy}, warm_start.lr={ws.lr:g})") from None
-        self.warm_start_info = {"steps": result["steps"], "seconds": result["seconds"],
-                                "held_out_accuracy": result["held_out_accuracy"], "target_accuracy": ws.target_accuracy,
-                                "held_out_prompts": ws.eval_samples, "checks": result["checks"]}
-        path = sft.save_checkpoint(model, tokenizer, out)
-        _write_json(info_path, self.warm_start_info)
+        path, self.warm_start_info = warm_start(self.cfg, self.run_dir, base, self._emit)
         return path
 
     def shutdown(self) -> None:
@@ -298,7 +274,8 @@ class RLSession:
     def _step(self) -> StepResult:
         ctx = StepContext(self)
         start = time.perf_counter()
-        batch, metrics = self._dataflow.run(ctx, self.prompts.next())
+        trace: list[tuple[str, list[str]]] = []
+        batch, metrics = self._dataflow.run(ctx, self.prompts.next(), trace=trace)
         seconds = time.perf_counter() - start
         tokens = int(batch["response_mask"].sum()) if "response_mask" in batch else 0
         metrics.setdefault("rollout/staleness", 0)
@@ -308,7 +285,13 @@ class RLSession:
         self.history.append({"step": self.step_count, **metrics})
         self.log.write(self.step_count, metrics)
         self._emit("metrics", {"step": self.step_count, **metrics})
-        return StepResult(self.step_count, batch, metrics)
+        result = StepResult(self.step_count, batch, metrics, trace)
+        for callback in list(self.step_callbacks):
+            try:
+                callback(result)
+            except Exception as exc:  # a display hook must never stop training
+                warnings.warn(f"step callback {callback!r} failed: {exc!r}", RuntimeWarning)
+        return result
 
     def sync_weights(self, reason: str = "step"):
         """Copy the actor's weights into the rollout engines now; returns the SyncReport (the
@@ -339,18 +322,47 @@ class RLSession:
 
     def decoded(self, batch: Batch, limit: int = 16) -> list[dict]:
         """Return the first ``limit`` rows of a step's batch as readable dicts (prompt, response,
-        reward, advantage) for a notebook table."""
-        rows = []
-        for i in range(min(limit, len(batch))):
-            n = int(batch["response_mask"][i].sum())
-            row = {"prompt": batch["prompt"][i] if "prompt" in batch else "",
-                   "response": self.tokenizer.decode(batch["responses"][i, :n].tolist(), skip_special_tokens=True)}
-            if "token_level_scores" in batch:
-                row["reward"] = round(float(batch["token_level_scores"][i].sum()), 4)
-            if "advantages" in batch:
-                row["advantage"] = round(float(batch["advantages"][i, 0]), 4)
-            rows.append(row)
-        return rows
+        length, reward, log-prob means, advantage) for a notebook table."""
+        from hybridlab.notebook.inspect import batch_rows
+
+        return [{k: v for k, v in row.items() if k != "#"} for row in batch_rows(batch[:limit], self.tokenizer)]
+
+    # ---------------------------------------------------------------- notebook
+    def next_prompts(self) -> Batch:
+        """Return the next step's prompts from the prompt stream (the stream moves on)."""
+        return self.prompts.next()
+
+    def run_stage(self, name: str, batch: Batch) -> Batch:
+        """Run one registered stage by hand between steps (waits for a running step to end);
+        returns ``batch`` with what the stage added, its metrics in ``meta["metrics"]``."""
+        from hybridlab.dataflow.context import run_stage
+
+        with self._edits.step():
+            return run_stage(self, name, batch)
+
+    def inspect(self, result: "StepResult | Batch", stage: str | None = None):
+        """Return a sortable table widget of a step's batch as it was after ``stage``."""
+        from hybridlab.notebook.inspect import inspect
+
+        return inspect(self, result, stage)
+
+    def mapping_editor(self):
+        """Return the device-mapping editor widget (Validate / Apply call ``remap``)."""
+        from hybridlab.notebook import MappingEditor
+
+        return MappingEditor(self)
+
+    def dataflow_editor(self):
+        """Return the dataflow and algorithm editor widget (Validate / Apply call ``update``)."""
+        from hybridlab.notebook import DataflowEditor
+
+        return DataflowEditor(self)
+
+    def controls(self, steps: int | None = None):
+        """Return the Start / Pause / Resume / Step / Stop widget."""
+        from hybridlab.notebook import Controls
+
+        return Controls(self, steps)
 
     # ------------------------------------------------------------------ loop
     def train(self, steps: int | None = None) -> dict:
@@ -368,6 +380,10 @@ class RLSession:
         stopped = "steps"
         bar = tqdm(total=steps, desc=f"{self.cfg.name} rl", disable=not self.cfg.trainer.progress, dynamic_ncols=True)
         for _ in range(steps):
+            if self._edits.paused:  # pause() holds the loop here, between steps; paused time is not run time
+                bar.set_description(f"{self.cfg.name} rl (paused)")
+                started += self._edits.wait_while_paused()
+                bar.set_description(f"{self.cfg.name} rl")
             t = self.cfg.trainer  # read each step: update() may change the time limit and evaluations
             if time.perf_counter() > started + t.max_minutes * 60:
                 stopped = f"time limit ({t.max_minutes:g} min)"
@@ -391,9 +407,29 @@ class RLSession:
         return self._write_summary(before, after, curve, time.perf_counter() - started, stopped)
 
     def request_stop(self) -> None:
-        """Ask the running (or the next) ``train()`` to stop after its current step; it still
-        evaluates and writes its summary."""
+        """Ask the running (or the next) ``train()`` to stop after its current step (a paused
+        one at once); it still evaluates and writes its summary."""
         self._stop_requested = True
+        self._edits.resume()
+
+    def pause(self) -> None:
+        """Hold a background run at its next step boundary (the step under way finishes);
+        ``update``, ``remap`` and ``run_stage`` work while it is paused; ``resume()`` goes on."""
+        self._edits.pause()
+
+    def resume(self) -> None:
+        """Let a paused run go on."""
+        self._edits.resume()
+
+    @property
+    def paused(self) -> bool:
+        """True between ``pause()`` and ``resume()``."""
+        return self._edits.paused
+
+    def wait_until_held(self, timeout: float | None = None) -> bool:
+        """After ``pause()``: wait until the running loop has finished its step and waits at the
+        boundary; returns True once it does (False after ``timeout`` seconds)."""
+        return self._edits.held.wait(timeout)
 
     def _record_eval(self, curve: list[dict], seconds: float) -> dict:
         """Evaluate now, append the point to ``curve``, log and emit it; returns the evaluation."""
@@ -409,7 +445,10 @@ class RLSession:
         returns a handle with ``done()``, ``stop()`` and ``wait()``."""
         if self.session is None:
             self.start()
-        return BackgroundRun(self, steps)
+        if self.background is not None and not self.background.done():
+            raise RuntimeError("a background run is going: stop() or wait() for it before starting another")
+        self.background = BackgroundRun(self, steps)
+        return self.background
 
     def _write_summary(self, before: dict, after: dict, curve: list, seconds: float, stopped: str) -> dict:
         step_s = sum(h.get("timing/step_s", 0.0) for h in self.history)
@@ -424,13 +463,6 @@ class RLSession:
             "eval_curve": curve, "warm_start": self.warm_start_info,
             "environment": self.environment, "config": self.cfg.to_dict(),
         }
-        _write_json(self.run_dir / "summary.json", summary)
+        write_json(self.run_dir / "summary.json", summary)
         return summary
-
-
-def _write_json(path: Path, data: dict) -> None:
-    """Write ``data`` to ``path`` atomically (aside, then renamed): never half-written."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
 

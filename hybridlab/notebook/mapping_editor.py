@@ -1,0 +1,183 @@
+"""MappingEditor: the device mapping of a running session as an editable table, a drawing of
+which devices each role occupies, and Validate / Apply through ``rl.remap``."""
+from __future__ import annotations
+
+import html
+from typing import TYPE_CHECKING
+
+import ipywidgets as widgets
+
+from hybridlab.controller.mapping import ROLES, DeviceMapping
+from hybridlab.notebook.apply import FOREGROUND_NOTE, Applier, ok, problem_list, problems_of
+
+if TYPE_CHECKING:
+    from hybridlab.dataflow.session import RLSession
+
+COLORS = ("#e3f2fd", "#fce4ec", "#e8f5e9", "#fff3e0", "#ede7f6", "#e0f7fa")
+SMALL = widgets.Layout(width="70px")
+
+
+class _PoolRow:
+    def __init__(self, name: str, devices: int):
+        self.name = widgets.Text(value=name, layout=widgets.Layout(width="120px"))
+        self.devices = widgets.BoundedIntText(value=devices, min=0, max=4096, layout=SMALL)
+        self.box = widgets.HBox([self.name, self.devices])
+
+
+class _RoleRow:
+    def __init__(self, role: str, layout, pools: list[str]):
+        self.role = role
+        self.on = widgets.Checkbox(value=layout is not None, description=role, indent=False,
+                                   layout=widgets.Layout(width="90px"))
+        self.pool = widgets.Combobox(value=layout.pool if layout else (pools[0] if pools else ""), options=pools,
+                                     placeholder=f"{role} pool", layout=widgets.Layout(width="120px"))
+        self.tp, self.pp, self.dp = (widgets.BoundedIntText(value=getattr(layout, k) if layout else 1, min=1,
+                                                            max=4096, layout=SMALL) for k in ("tp", "pp", "dp"))
+        self.colocate = widgets.Text(value=(layout.colocate or "") if layout else "", placeholder=f"{role} group",
+                                     layout=widgets.Layout(width="120px"))
+        self.box = widgets.HBox([self.on, self.pool, self.tp, self.pp, self.dp, self.colocate])
+
+    def as_dict(self) -> dict:
+        out = {"pool": self.pool.value.strip(), "tp": self.tp.value, "pp": self.pp.value, "dp": self.dp.value}
+        if self.colocate.value.strip():
+            out["colocate"] = self.colocate.value.strip()
+        return out
+
+
+class MappingEditor(widgets.VBox):
+    """Edit pools (name, devices) and roles (pool, tp, pp, dp, colocation group); the drawing
+    follows every change; **Validate** lists the problems; **Apply** remaps the session."""
+
+    def __init__(self, rl: "RLSession"):
+        self.rl = rl
+        current = rl.mapping
+        self.pool_rows = [_PoolRow(n, p.devices) for n, p in current.pools.items()]
+        self.role_rows = [_RoleRow(r, current.roles.get(r), list(current.pools)) for r in ROLES]
+        self.pools_box = widgets.VBox([widgets.HTML("<b>pools</b>: name, devices (0 removes a pool)")] + [r.box for r in self.pool_rows])
+        add_pool = widgets.Button(description="add pool", icon="plus")
+        add_pool.on_click(lambda _: self.add_pool())
+        header = widgets.HTML("<b>roles</b> (the same colocation group: the same processes)")
+        columns = widgets.HBox([widgets.HTML(f"<small><b>{text}</b></small>", layout=widgets.Layout(width=width))
+                                for text, width in (("role", "94px"), ("pool", "124px"), ("tp", "74px"),
+                                                    ("pp", "74px"), ("dp", "74px"), ("colocation group", "124px"))])
+        self.drawing = widgets.HTML()
+        self.status = widgets.HTML()
+        self.validate_button = widgets.Button(description="Validate", icon="check")
+        self.apply_button = widgets.Button(description="Apply", button_style="primary", icon="exchange")
+        self.validate_button.on_click(lambda _: self.validate())
+        self.apply_button.on_click(lambda _: self.apply())
+        self.applier = Applier(rl, self.status)
+        for row in self.pool_rows:
+            self._watch(row)
+        for row in self.role_rows:
+            self._watch(row)
+        self.redraw()
+        super().__init__([self.pools_box, add_pool, header, columns, *[r.box for r in self.role_rows], self.drawing,
+                          widgets.HBox([self.validate_button, self.apply_button]), self.status,
+                          widgets.HTML(f"<small>{html.escape(FOREGROUND_NOTE)}</small>")])
+
+    # ------------------------------------------------------------- editing
+    def _watch(self, row) -> None:
+        for w in row.box.children:
+            w.observe(lambda _: self.redraw(), "value")
+
+    def add_pool(self, name: str | None = None, devices: int = 1) -> None:
+        """Add a pool row (named ``pool<N>`` unless given)."""
+        taken = {r.name.value for r in self.pool_rows}
+        name = name or next(f"pool{i}" for i in range(1, 1000) if f"pool{i}" not in taken)
+        row = _PoolRow(name, devices)
+        self.pool_rows.append(row)
+        self._watch(row)
+        self.pools_box.children = (*self.pools_box.children, row.box)
+        self.redraw()
+
+    def role(self, name: str) -> _RoleRow:
+        """Return the row of role ``name`` (its widgets: on, pool, tp, pp, dp, colocate)."""
+        return next(r for r in self.role_rows if r.role == name)
+
+    def pool(self, name: str) -> _PoolRow:
+        """Return the row of pool ``name`` (its widgets: name, devices)."""
+        return next(r for r in self.pool_rows if r.name.value == name)
+
+    def mapping_dict(self) -> dict:
+        """Return the mapping the table describes (pools with 0 devices or no name are left out)."""
+        pools = {r.name.value.strip(): {"devices": r.devices.value} for r in self.pool_rows
+                 if r.name.value.strip() and r.devices.value > 0}
+        for row in self.role_rows:
+            row.pool.options = list(pools)
+        return {"pools": pools, "roles": {r.role: r.as_dict() for r in self.role_rows if r.on.value}}
+
+    # ------------------------------------------------------------- actions
+    def problems(self) -> list[str]:
+        """Return every reason the table's mapping cannot run in this session (empty: it can)."""
+        from hybridlab.dataflow import remap
+
+        try:
+            remap.prepare_remap(self.rl, remap.parse_mapping(self.mapping_dict()))
+        except Exception as exc:  # MappingError or ConfigError: their lines are the problems
+            return problems_of(exc)
+        return []
+
+    def validate(self) -> list[str]:
+        """Show the problems (or that the mapping can run); returns them."""
+        found = self.problems()
+        self.status.value = problem_list("This mapping cannot run:", found) if found else ok(
+            "This mapping can run. Apply moves the session onto it between steps.")
+        return found
+
+    def apply(self) -> None:
+        """Remap the session onto the table's mapping (at the next step boundary during a
+        background run); the status shows the report or the problems."""
+        mapping = self.mapping_dict()
+
+        def done(report) -> str:
+            self.redraw()
+            if report is None:
+                return ok("Nothing changed: the session already runs this mapping.")
+            seconds = report.seconds.get("total", sum(report.seconds.values()))
+            return ok(f"Applied after step {report.step}: re-created {', '.join(report.roles_recreated) or 'no roles'}"
+                      f"; {report.processes_started} processes started, {report.processes_stopped} stopped;"
+                      f" {report.bytes_moved / 2**20:.1f} MB moved in memory; {seconds:.1f} s.")
+
+        self.applier(lambda: self.rl.remap(mapping), done)
+
+    # ------------------------------------------------------------- drawing
+    def redraw(self) -> None:
+        """Draw each pool's devices with the role ranks on them (or say why it cannot be drawn)."""
+        try:
+            mapping = DeviceMapping.from_dict(self.mapping_dict())
+        except Exception as exc:
+            self.drawing.value = problem_list("Cannot draw this mapping:", problems_of(exc))
+            return
+        self.drawing.value = draw(mapping)
+
+
+def _rank_label(role: str, layout, rank: int) -> str:
+    if role == "rollout":
+        return f"{role} engine {rank // layout.tp}" + (f" tp{rank % layout.tp}" if layout.tp > 1 else "")
+    if role == "reward":
+        return f"{role} {rank}"
+    tp, rest = rank % layout.tp, rank // layout.tp  # megatron's order: tp fastest, then dp, then pp
+    return f"{role} tp{tp} dp{rest % layout.dp} pp{rest // layout.dp}"
+
+
+def draw(mapping: DeviceMapping) -> str:
+    """Return HTML: one row per pool, one box per device, listing the role ranks on it; roles
+    that share processes have the same color."""
+    colors = {}
+    for i, (_, members) in enumerate(mapping.process_sets()):
+        for m in members:
+            colors[m] = COLORS[i % len(COLORS)]
+    rows, first = [], 0
+    for name, pool in mapping.pools.items():
+        boxes = []
+        for d in range(pool.devices):
+            lines = [f"<div style='background:{colors[r]};padding:1px 4px;margin:1px'>"
+                     f"{html.escape(_rank_label(r, lay, d))}</div>"
+                     for r, lay in mapping.roles.items() if lay.pool == name and d < lay.world_size]
+            boxes.append(f"<div style='border:1px solid #888;border-radius:4px;padding:3px;margin:2px;"
+                         f"min-width:120px;font-size:12px'><b>device {first + d}</b>{''.join(lines) or '(idle)'}</div>")
+        first += pool.devices
+        rows.append(f"<div><b>{html.escape(name)}</b><div style='display:flex;flex-wrap:wrap'>{''.join(boxes)}</div>"
+                    f"</div>")
+    return "".join(rows)

@@ -1,0 +1,158 @@
+"""The notebook widgets driven as a user would (values set, buttons clicked) against a real
+session on the tiny model: a valid mapping applies, an invalid one shows its problems and
+changes nothing, a dataflow edit changes the next step's stages, the controls run, pause and
+stop a background run, and the inspector shows what each stage added."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from hybridlab.dataflow.graph import DataflowError
+from hybridlab.dataflow.session import RLSession
+
+SETTINGS = ["warm_start.max_steps=0", "data.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=6",
+            "actor.ppo_mini_batch_size=8", "data.test_samples=16", "trainer.progress=false", "trainer.eval_every=0"]
+
+
+@pytest.fixture(scope="module")
+def rl(ray_local, trained_dir, tmp_path_factory):
+    session = RLSession(None, [f"model={trained_dir}", *SETTINGS,
+                               f"trainer.run_dir={tmp_path_factory.mktemp('widgets') / 'run'}"]).start()
+    yield session
+    session.shutdown()
+
+
+def pids(rl) -> list[int]:
+    return sorted(p["pid"] for s in rl.session._sets for p in s.placements)
+
+
+def test_run_stage_by_hand_and_inspect_what_each_stage_added(rl):
+    batch = rl.next_prompts()
+    with pytest.raises(DataflowError, match="stage 'reward' needs the field.* responses"):
+        rl.run_stage("reward", batch)
+    batch = rl.run_stage("generate", batch)
+    assert len(batch) == 8 * 4 and "responses" in batch and "token_level_scores" not in batch
+    batch = rl.run_stage("reward", batch)
+    assert batch.meta["metrics"]["reward"]["reward/mean"] == pytest.approx(float(batch["token_level_scores"].sum(-1).mean()))
+    table = rl.inspect(batch)
+    assert len(table.rows) == 32 and {"prompt", "response", "length", "reward", "rollout_logp"} <= set(table.rows[0])
+
+    result = rl.step()
+    assert [name for name, _ in result.stages][0] == "generate"
+    after_generate = rl.inspect(result, stage="generate").rows[0]
+    assert "response" in after_generate and "reward" not in after_generate and "advantage" not in after_generate
+    after_reward = rl.inspect(result, stage="reward").rows[0]
+    assert "reward" in after_reward and "advantage" not in after_reward
+    full = rl.inspect(result)
+    rewards = torch.tensor([r["reward"] for r in full.rows])
+    full.sort_by.value, full.descending.value = "reward", True
+    assert [r["reward"] for r in full.sorted_rows()] == sorted(rewards.tolist(), reverse=True)
+    assert "<table" in full.table.value and "advantage" in full.table.value
+    with pytest.raises(KeyError, match="stage 'values' did not run in step"):
+        rl.inspect(result, stage="values")
+
+
+def test_an_invalid_mapping_shows_its_problems_and_changes_nothing(rl):
+    editor = rl.mapping_editor()
+    before, processes = rl.mapping, pids(rl)
+    editor.role("actor").tp.value = 3
+    editor.pool("main").devices.value = 3
+    editor.role("rollout").dp.value = 3
+    editor.role("reward").dp.value = 3
+    editor.validate_button.click()
+    assert "roles.actor.tp: the model&#x27;s 4 attention heads are not divisible by tp=3" in editor.status.value
+    assert "Traceback" not in editor.status.value
+    editor.apply_button.click()
+    assert "Not applied" in editor.status.value and "not divisible by tp=3" in editor.status.value
+    assert rl.mapping == before and pids(rl) == processes
+    assert "device 2" in editor.drawing.value and "actor tp2 dp0 pp0" in editor.drawing.value
+
+
+def test_a_valid_mapping_applies_and_shows_its_report(rl):
+    editor = rl.mapping_editor()
+    assert "device 0" in editor.drawing.value and "rollout engine 0" in editor.drawing.value
+    editor.add_pool("gen", 1)
+    for role in ("rollout", "reward"):
+        editor.role(role).pool.value = "gen"
+        editor.role(role).colocate.value = "g"
+    editor.role("actor").colocate.value = ""
+    assert "device 1" in editor.drawing.value  # the drawing follows the edits
+    assert editor.validate() == []
+    editor.apply_button.click()
+    assert "Applied after step" in editor.status.value and "re-created actor, reward, rollout" in editor.status.value
+    assert rl.mapping.roles["rollout"].pool == "gen" and rl.mapping.roles["actor"].pool == "main"
+    assert rl.session.groups["actor"].hostset is not rl.session.groups["rollout"].hostset
+    assert "reward/mean" in rl.step().metrics
+
+
+def test_a_dataflow_edit_changes_the_next_steps_stages(rl):
+    editor = rl.dataflow_editor()
+    assert "rloo" in editor.selectors["algorithm.adv_estimator"].options  # filled from the registry
+    editor.default_stages.value = False
+    editor.stage_boxes["sync_weights"].value = False
+    editor.selectors["algorithm.adv_estimator"].value = "rloo"
+    editor.numbers["actor.entropy_coeff"].value = 0.01
+    assert editor.validate() == []
+    editor.apply_button.click()
+    assert "Applied for step" in editor.status.value, editor.status.value
+    result = rl.step()
+    assert "sync_weights" not in [name for name, _ in result.stages] and rl.cfg.algorithm.adv_estimator == "rloo"
+    assert rl.cfg.actor.entropy_coeff == pytest.approx(0.01)
+    from hybridlab.algos.advantages import compute_rloo_outcome_advantage
+
+    b = result.batch
+    adv, _ = compute_rloo_outcome_advantage(b["token_level_rewards"], b["response_mask"].float(), b["uid"])
+    assert torch.allclose(b["advantages"], adv, atol=1e-6)
+
+    editor.default_stages.value = True  # back to the algorithm's own stages
+    editor.stage_boxes["old_logprob"].value = True  # ignored: the default is chosen
+    editor.apply_button.click()
+    assert rl.cfg.dataflow is None and "sync_weights" in rl.dataflow.names
+
+    editor.selectors["actor.loss_agg_mode"].value = "seq-mean-token-mean"
+    editor.default_stages.value = False  # a dataflow that cannot run is refused in words
+    editor.stage_boxes["advantages"].value = False
+    problems = editor.validate()
+    assert problems and any("advantages" in p for p in problems), problems
+    editor.apply_button.click()
+    assert "Not applied" in editor.status.value and rl.cfg.dataflow is None
+
+
+def test_controls_run_pause_and_stop_a_background_run_and_edits_wait_for_a_boundary(rl):
+    controls = rl.controls(steps=40)
+    start = rl.step_count
+    controls.buttons["Start"].click()
+    assert "Running 40 steps" in controls.status.value
+    deadline = time.time() + 120
+    while rl.step_count < start + 1 and time.time() < deadline:
+        time.sleep(0.1)
+    controls.buttons["Pause"].click()
+    assert "Paused at the next step boundary" in controls.status.value
+    assert rl.wait_until_held(120)
+    held = rl.step_count
+    time.sleep(2.0)
+    assert rl.step_count == held and rl.paused  # held at a boundary
+    editor = rl.mapping_editor()  # an edit while paused applies at once (no step holds the boundary)
+    editor.role("reward").colocate.value = ""
+    editor.apply_button.click()
+    editor.applier.wait(120)
+    assert "Applied after step" in editor.status.value and rl.remaps[-1].step == held
+    controls.buttons["Resume"].click()
+    deadline = time.time() + 120
+    while rl.step_count < held + 1 and time.time() < deadline:
+        time.sleep(0.1)
+    controls.buttons["Step"].click()  # refused: the background run is stepping
+    assert "a background run is going" in controls.status.value
+    editor.role("reward").colocate.value = "g"
+    editor.apply_button.click()  # during the run: queued to the next boundary, the click returns at once
+    assert "Queued: applies at the next step boundary" in editor.status.value
+    editor.applier.wait(120)
+    assert "Applied after step" in editor.status.value
+    controls.buttons["Stop"].click()
+    controls.wait(300)
+    assert "Finished at step" in controls.status.value and "stop requested" in controls.status.value
+    assert (rl.run_dir / "summary.json").is_file() and rl.step_count < start + 40
+    assert controls.progress.value == rl.step_count - start
+    assert "reward/mean" in controls.metrics.value
