@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 RUN_DIR ?=
 
-.PHONY: install run test bench clean-venv
+.PHONY: install run test lab clean-venv
 
 install: $(STAMP)
 
@@ -23,6 +23,15 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# JupyterLab for the notebooks, with this environment as the kernel, on localhost only; it prints
+# the URL with its token (open it in a browser on this machine, or through an SSH tunnel).
+LAB_PORT ?= 8888
+lab: $(STAMP)
+	$(PY) -m ipykernel install --sys-prefix --name hybridlab --display-name "hybridlab (.venv)" >/dev/null
+	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --port=$(LAB_PORT) --no-browser --ServerApp.root_dir=notebooks \
+		--LabApp.news_url=None --LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate \
+		$(if $(filter 0,$(shell id -u)),--allow-root)
 
 clean-venv:
 	rm -rf $(VENV)

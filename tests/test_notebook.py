@@ -1,23 +1,47 @@
-"""notebooks/01_quickstart.ipynb runs headless top to bottom (its cells carry the assertions)."""
+"""The notebooks run headless top to bottom on the tiny model (their cells carry the
+assertions); 03_device_mapping runs in a real browser in test_lab_browser.py."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_quickstart.ipynb"
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
-def test_quickstart_notebook_runs(trained_dir, tmp_path, monkeypatch):
+def run_notebook(name: str, model: Path, tmp_path: Path, monkeypatch) -> list[dict]:
+    """Execute notebook ``name`` in a fresh kernel with the fast settings; returns its outputs."""
     import nbformat
     from nbclient import NotebookClient
 
-    ray_tmp = Path("/tmp") / f"hlray-nb-{os.getpid()}"
     monkeypatch.setenv("HYBRIDLAB_NOTEBOOK_FAST", "1")
-    monkeypatch.setenv("HYBRIDLAB_NOTEBOOK_MODEL", str(trained_dir))
+    monkeypatch.setenv("HYBRIDLAB_NOTEBOOK_MODEL", str(model))
     monkeypatch.setenv("HYBRIDLAB_NOTEBOOK_RUN_DIR", str(tmp_path / "run"))
-    monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
-    nb = nbformat.read(NOTEBOOK, as_version=4)
+    monkeypatch.setenv("RAY_TMPDIR", str(Path("/tmp") / f"hlray-nb-{os.getpid()}"))
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
-    assert not [o for o in outputs if o.get("output_type") == "error"]
+    errors = [o for o in outputs if o.get("output_type") == "error"]
+    assert not errors, "\n".join(e.get("ename", "") + ": " + e.get("evalue", "") for e in errors)
+    return outputs
+
+
+def test_quickstart_notebook_runs(trained_dir, tmp_path, monkeypatch):
+    run_notebook("01_quickstart.ipynb", trained_dir, tmp_path, monkeypatch)
     assert (tmp_path / "run" / "summary.json").is_file() and (tmp_path / "run" / "telemetry.jsonl").is_file()
+
+
+@pytest.mark.parametrize("name", ["02_dataflow_step_by_step.ipynb", "04_resharding_explained.ipynb",
+                                  "05_live_algorithm_switch.ipynb"])
+def test_teaching_notebook_runs(name, trained_dir, tmp_path, monkeypatch):
+    run_notebook(name, trained_dir, tmp_path, monkeypatch)  # its cells assert what they show
+
+
+def test_notebooks_are_committed_without_outputs():
+    import nbformat
+
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
+        assert not dirty, f"{path.name}: cells {dirty} have outputs; clear them before committing"
