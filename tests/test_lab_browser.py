@@ -29,7 +29,10 @@ def _free_port() -> int:
 
 @pytest.fixture
 def lab(trained_dir, tmp_path):
-    """JupyterLab on 127.0.0.1 with a token, serving a copy of the notebook; yields its URL base."""
+    """JupyterLab on 127.0.0.1 with a token, serving a copy of the notebook; yields its URL base
+    and token."""
+    if shutil.which("chromium") is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium; scripts/install.sh does it as root)")
     shutil.copy(ROOT / "notebooks" / "03_device_mapping.ipynb", tmp_path)
     port, token = _free_port(), secrets.token_hex(16)
     ray_tmp = Path("/tmp") / f"hlray-lab-{os.getpid()}"
@@ -72,8 +75,6 @@ def test_mapping_editor_in_jupyterlab_applies_a_change_clicked_in_the_browser(la
     from playwright.sync_api import sync_playwright
 
     chromium = shutil.which("chromium")
-    if chromium is None:
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium; scripts/install.sh does it as root)")
     base, token = lab
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, headless=True,

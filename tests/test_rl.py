@@ -60,7 +60,8 @@ def test_ppo_step_fills_every_field_and_logs_metrics(rl):
     assert logged[-1]["step"] == result.step and logged[-1]["reward/mean"] == pytest.approx(m["reward/mean"])
     assert list((rl.run_dir / "tensorboard").glob("events.out.tfevents.*"))
     rows = rl.decoded(b, limit=3)
-    assert {"prompt", "response", "length", "reward", "advantage", "old_logp"} <= set(rows[0]) and "=" in rows[0]["prompt"]
+    assert set(rows[0]) == {"prompt", "response", "length", "reward", "rollout_logp", "old_logp", "ref_logp", "value",
+                            "advantage"} and "=" in rows[0]["prompt"]
 
 
 def test_drop_the_critic_switch_to_grpo_then_rloo_without_restarting(rl):

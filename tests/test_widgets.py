@@ -122,6 +122,10 @@ def test_a_dataflow_edit_changes_the_next_steps_stages(rl):
 
 def test_controls_run_pause_and_stop_a_background_run_and_edits_wait_for_a_boundary(rl):
     controls = rl.controls(steps=40)
+    controls.buttons["Pause"].click()  # nothing to pause: said, and no pause left behind for the next run
+    assert "No run to pause" in controls.status.value and not rl.paused
+    with pytest.raises(RuntimeError, match="no run to pause"):
+        rl.pause()
     start = rl.step_count
     controls.buttons["Start"].click()
     assert "Running 40 steps" in controls.status.value
@@ -129,30 +133,44 @@ def test_controls_run_pause_and_stop_a_background_run_and_edits_wait_for_a_bound
     while rl.step_count < start + 1 and time.time() < deadline:
         time.sleep(0.1)
     controls.buttons["Pause"].click()
-    assert "Paused at the next step boundary" in controls.status.value
     assert rl.wait_until_held(120)
     held = rl.step_count
     time.sleep(2.0)
     assert rl.step_count == held and rl.paused  # held at a boundary
-    editor = rl.mapping_editor()  # an edit while paused applies at once (no step holds the boundary)
+    deadline = time.time() + 10
+    while "Paused after step" not in controls.status.value and time.time() < deadline:
+        time.sleep(0.1)
+    assert f"Paused after step {held}" in controls.status.value  # said once it is actually held
+    controls.buttons["Start"].click()  # a second run is refused and the paused one stays paused
+    assert "a background run is going" in controls.status.value and rl.paused and rl.step_count == held
+    controls.buttons["Step"].click()  # while held, one step by hand
+    assert f"Ran step {held + 1}" in controls.status.value and rl.step_count == held + 1
+    editor = rl.mapping_editor()  # an edit while held applies at once (no step holds the boundary)
     editor.role("reward").colocate.value = ""
     editor.apply_button.click()
-    editor.applier.wait(120)
-    assert "Applied after step" in editor.status.value and rl.remaps[-1].step == held
+    assert "Applied after step" in editor.status.value and rl.remaps[-1].step == held + 1
     controls.buttons["Resume"].click()
     deadline = time.time() + 120
-    while rl.step_count < held + 1 and time.time() < deadline:
+    while rl.step_count < held + 2 and time.time() < deadline:
         time.sleep(0.1)
     controls.buttons["Step"].click()  # refused: the background run is stepping
-    assert "a background run is going" in controls.status.value
+    assert "a background run is stepping; Pause it first" in controls.status.value
     editor.role("reward").colocate.value = "g"
-    editor.apply_button.click()  # during the run: queued to the next boundary, the click returns at once
+    flow = rl.dataflow_editor()
+    flow.numbers["actor.lr"].value = 2e-5
+    flow.apply_button.click()  # during the run: queued to the next boundary, the click returns at once
+    assert "Queued: applies at the next step boundary" in flow.status.value
+    editor.apply_button.click()
     assert "Queued: applies at the next step boundary" in editor.status.value
+    flow.applier.wait(120)
     editor.applier.wait(120)
+    assert "Applied for step" in flow.status.value and rl.cfg.actor.lr == pytest.approx(2e-5)
     assert "Applied after step" in editor.status.value
-    controls.buttons["Stop"].click()
+    controls.buttons["Pause"].click()
+    assert rl.wait_until_held(120)
+    controls.buttons["Stop"].click()  # stop while paused: the run ends at once, summary written
     controls.wait(300)
     assert "Finished at step" in controls.status.value and "stop requested" in controls.status.value
-    assert (rl.run_dir / "summary.json").is_file() and rl.step_count < start + 40
+    assert (rl.run_dir / "summary.json").is_file() and rl.step_count < start + 40 and not rl.paused
     assert controls.progress.value == rl.step_count - start
     assert "reward/mean" in controls.metrics.value

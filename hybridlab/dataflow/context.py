@@ -76,7 +76,9 @@ def run_stage(rl: "RLSession", name: str, batch: Batch) -> Batch:
         if role not in rl.mapping.roles:
             raise DataflowError(f"stage {name!r} runs on role {role!r}, which the device mapping does not have"
                                 f" (roles: {', '.join(rl.mapping.roles)})")
-    new, metrics = stage.fn(StepContext(rl), batch)
+    ctx = StepContext(rl)
+    ctx.rerunning = True  # generate now, on these prompts (never the off-policy look-ahead)
+    new, metrics = stage.fn(ctx, batch)
     out = merge(batch, new, stage.replaces_rows)
     out.meta = {**out.meta, "metrics": {**batch.meta.get("metrics", {}), name: metrics}}
     return out

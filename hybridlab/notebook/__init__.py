@@ -10,7 +10,7 @@ Every widget calls the session's plain-Python methods (``remap``, ``update``, ``
 """
 from hybridlab.notebook.controls import Controls
 from hybridlab.notebook.dataflow_editor import DataflowEditor
-from hybridlab.notebook.inspect import BatchTable, batch_rows
+from hybridlab.notebook.batch_table import BatchTable
 from hybridlab.notebook.mapping_editor import MappingEditor
 
-__all__ = ["BatchTable", "Controls", "DataflowEditor", "MappingEditor", "batch_rows"]
+__all__ = ["BatchTable", "Controls", "DataflowEditor", "MappingEditor"]

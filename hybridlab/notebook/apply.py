@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import threading
+import traceback
 from typing import TYPE_CHECKING, Any, Callable
 
 import ipywidgets as widgets
@@ -16,7 +17,14 @@ FOREGROUND_NOTE = ("While a cell of this notebook is running, Jupyter delivers c
 
 
 def problems_of(exc: BaseException) -> list[str]:
-    """Return the problems a refused change names, one plain sentence each (no traceback)."""
+    """Return the problems a refused change names, one plain sentence each. An error that is
+    not the user's (a worker failed) shows its first line; its traceback goes to the kernel log."""
+    from hybridlab.errors import UserError
+
+    if not isinstance(exc, UserError):
+        traceback.print_exception(exc)
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), exc.__class__.__name__)
+        return [f"{exc.__class__.__name__}: {first} (the full traceback is in the kernel log)"]
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     items = [line[2:].strip() for line in lines if line.startswith("- ")]
     return items or lines or [exc.__class__.__name__]
@@ -25,6 +33,11 @@ def problems_of(exc: BaseException) -> list[str]:
 def running_in_background(rl: "RLSession") -> bool:
     """True while a background run of ``rl`` is going."""
     return rl.background is not None and not rl.background.done()
+
+
+def stepping_in_background(rl: "RLSession") -> bool:
+    """True while a background run of ``rl`` is going and not held by ``pause()``."""
+    return running_in_background(rl) and not rl.held
 
 
 class Applier:
@@ -57,9 +70,12 @@ class Applier:
                 self.status.value = done(self.result)
             except Exception as exc:  # shown in the widget, in words
                 self.error = exc
-                self.status.value = problem_list("Not applied:", problems_of(exc))
+                if self.rl.broken:  # the change failed halfway: say what that means
+                    self.status.value = problem_list("The session cannot continue:", [self.rl.broken])
+                else:
+                    self.status.value = problem_list("Not applied:", problems_of(exc))
 
-        if running_in_background(self.rl):
+        if stepping_in_background(self.rl):
             self.status.value = _note(f"Queued: applies at the next step boundary (step {self.rl.step_count + 1}"
                                       " is running).")
             self.thread = threading.Thread(target=work, name="hybridlab-widget-apply", daemon=True)

@@ -40,39 +40,54 @@ class Controls(widgets.VBox):
     # ------------------------------------------------------------- buttons
     def start(self) -> None:
         """Start ``steps`` steps in the background (the kernel stays free)."""
+        if running_in_background(self.rl):
+            self.status.value = problem_list("Not started:", ["a background run is going (Resume it if it is"
+                                                              " paused, or Stop it first)"])
+            return
+        self._first_step = self.rl.step_count
+        self.progress.min, self.progress.max, self.progress.value = 0, self.steps.value, 0
         try:
-            self.rl.resume()
             run = self.rl.start_background(self.steps.value)
         except Exception as exc:
             self.status.value = problem_list("Cannot start:", problems_of(exc))
             return
-        self._first_step = self.rl.step_count
-        self.progress.min, self.progress.max, self.progress.value = 0, self.steps.value, 0
         self.status.value = ok(f"Running {self.steps.value} steps in the background.")
         self._thread = threading.Thread(target=self._when_done, args=(run,), daemon=True)
         self._thread.start()
 
     def pause(self) -> None:
         """Hold the run at its next step boundary."""
+        if not running_in_background(self.rl):
+            self.status.value = ok("No run to pause.")
+            return
         self.rl.pause()
-        where = "the step under way finishes, then it waits" if running_in_background(self.rl) else "no run is going"
-        self.status.value = ok(f"Paused at the next step boundary ({where}). Edits apply while paused.")
+        self.status.value = ok("Pausing: the step under way finishes, then the run waits at the step boundary."
+                               " Edits and Step work while it waits.")
+        threading.Thread(target=self._say_when_held, daemon=True).start()
+
+    def _say_when_held(self) -> None:
+        while self.rl.paused and running_in_background(self.rl):
+            if self.rl.wait_until_held(0.2):
+                self.status.value = ok(f"Paused after step {self.rl.step_count}. Edits and Step work now;"
+                                       " Resume goes on.")
+                return
 
     def resume(self) -> None:
         """Let a paused run go on."""
-        self.rl.resume()
+        self.rl.unpause()
         self.status.value = ok("Resumed.")
 
     def step(self) -> None:
-        """Run one step now (refused while a background run is going: it is already stepping)."""
-        if running_in_background(self.rl):
-            self.status.value = problem_list("Not stepped:", ["a background run is going; Pause it or Stop it first"])
+        """Run one step now (while a background run is going, only when it is paused and held)."""
+        if running_in_background(self.rl) and not self.rl.held:
+            self.status.value = problem_list("Not stepped:", ["a background run is stepping; Pause it first"])
             return
         try:
             result = self.rl.step()
         except Exception as exc:
             self.status.value = problem_list(f"Step {self.rl.step_count + 1} failed:", problems_of(exc))
             return
+        self._on_step(result)
         self.status.value = ok(f"Ran step {result.step}.")
 
     def stop(self) -> None:
@@ -99,7 +114,9 @@ class Controls(widgets.VBox):
                                f" summary written to {self.rl.run_dir / 'summary.json'}.")
 
     def _on_step(self, result: "StepResult") -> None:
-        self.progress.value = min(self.progress.max, result.step - self._first_step)
+        done = result.step - self._first_step
+        self.progress.max = max(self.progress.max, done)  # steps run from code count too
+        self.progress.value = done
         cells = "".join(f"<td style='padding:0 8px'>{html.escape(k)}<br><b>{result.metrics[k]:.4g}</b></td>"
                         for k in SHOWN if isinstance(result.metrics.get(k), (int, float)))
         self.metrics.value = f"<table><tr><td>step<br><b>{result.step}</b></td>{cells}</tr></table>"

@@ -29,37 +29,59 @@ class DataflowEditor(widgets.VBox):
 
     def __init__(self, rl: "RLSession"):
         self.rl = rl
-        cfg = rl.cfg
         choices = _registries()
-        self.selectors = {key: widgets.Dropdown(options=options, description=key.split(".")[-1], value=_get(cfg, key),
+        self.selectors = {key: widgets.Dropdown(options=options, description=key.split(".")[-1],
                                                 style={"description_width": "120px"})
                           for key, options in choices.items() if key != "kl_type"}
-        kl_place = "in loss" if cfg.actor.use_kl_loss else "in reward" if cfg.algorithm.use_kl_in_reward else "off"
-        self.kl_place = widgets.ToggleButtons(options=KL_PLACES, value=kl_place, description="KL")
-        self.kl_type = widgets.Dropdown(options=choices["kl_type"], description="KL type",
-                                        value=cfg.actor.kl_loss_type if kl_place == "in loss" else cfg.algorithm.kl_penalty)
-        self.kl_coef = widgets.FloatText(description="KL coef", value=_kl_coef(cfg, kl_place))
-        self.numbers = {key: widgets.FloatText(description=key.split(".")[-1], value=_get(cfg, key))
+        self.kl_place = widgets.ToggleButtons(options=KL_PLACES, description="KL")
+        self.kl_type = widgets.Dropdown(options=choices["kl_type"], description="KL type")
+        self.kl_coef = widgets.FloatText(description="KL coef")
+        self.numbers = {key: widgets.FloatText(description=key.split(".")[-1])
                         for key in ("actor.clip_ratio", "actor.entropy_coeff", "actor.lr", "rollout.temperature")}
-        self.default_stages = widgets.Checkbox(value=cfg.dataflow is None, indent=False,
-                                               description="the algorithm's default stages")
+        self.default_stages = widgets.Checkbox(indent=False, description="the algorithm's default stages")
         self.stages_box = widgets.VBox()
         self.stage_boxes: dict[str, widgets.Checkbox] = {}
-        self.default_stages.observe(lambda _: self._enable_stages(), "value")
         self.status = widgets.HTML()
         self.validate_button = widgets.Button(description="Validate", icon="check")
         self.apply_button = widgets.Button(description="Apply", button_style="primary", icon="play")
         self.validate_button.on_click(lambda _: self.validate())
         self.apply_button.on_click(lambda _: self.apply())
         self.applier = Applier(rl, self.status)
-        self.refresh_stages()
+        self.refresh()
+        self.default_stages.observe(lambda _: self._enable_stages(), "value")
+        self.kl_place.observe(lambda _: self._load_kl(), "value")
         super().__init__([
-            widgets.HTML("<b>algorithm</b> (choices come from the registries)"), *self.selectors.values(),
-            self.kl_place, widgets.HBox([self.kl_type, self.kl_coef]),
+            widgets.HTML("<b>algorithm</b> (estimators and policy losses from their registries)"),
+            *self.selectors.values(), self.kl_place, widgets.HBox([self.kl_type, self.kl_coef]),
             widgets.HTML("<b>hyperparameters</b> (applied to the running workers)"), *self.numbers.values(),
             widgets.HTML("<b>stages</b> of one step (role: inputs &rarr; outputs)"), self.default_stages,
             self.stages_box, widgets.HBox([self.validate_button, self.apply_button]), self.status,
             widgets.HTML(f"<small>{html.escape(FOREGROUND_NOTE)}</small>")])
+
+    def refresh(self) -> None:
+        """Fill every widget from the session's config as it is now (after any update, from here or
+        from code); Apply sends only what the user changes after this."""
+        cfg = self.rl.cfg
+        for key, w in {**self.selectors, **self.numbers}.items():
+            w.value = _get(cfg, key)
+        self.kl_place.value = "in loss" if cfg.actor.use_kl_loss else "in reward" if cfg.algorithm.use_kl_in_reward \
+            else "off"
+        self._load_kl()
+        self.default_stages.value = cfg.dataflow is None
+        self.refresh_stages()
+        self._baseline = self._values()
+
+    def _load_kl(self) -> None:
+        """Show the KL type and coefficient of the place chosen (reward and loss have their own)."""
+        cfg, place = self.rl.cfg, self.kl_place.value
+        self.kl_type.value = cfg.actor.kl_loss_type if place == "in loss" else cfg.algorithm.kl_penalty
+        self.kl_coef.value = _kl_coef(cfg, place)
+
+    def _values(self) -> dict:
+        return {**{k: w.value for k, w in {**self.selectors, **self.numbers}.items()},
+                "kl": (self.kl_place.value, self.kl_type.value, self.kl_coef.value),
+                "default": self.default_stages.value,
+                "stages": [n for n, box in self.stage_boxes.items() if box.value]}
 
     # ------------------------------------------------------------- stages
     def refresh_stages(self) -> None:
@@ -68,16 +90,15 @@ class DataflowEditor(widgets.VBox):
         from hybridlab.dataflow.stages import STAGES
 
         current = self.rl.dataflow.names
-        rows = []
-        self.stage_boxes = {}
+        rows, boxes = [], {}
         for name in [*current, *[n for n in STAGES if n not in current]]:
             stage = STAGES[name]
-            box = widgets.Checkbox(value=name in current, description=name, indent=False,
-                                   layout=widgets.Layout(width="200px"))
-            self.stage_boxes[name] = box
+            boxes[name] = widgets.Checkbox(value=name in current, description=name, indent=False,
+                                           layout=widgets.Layout(width="200px"))
             io = f"{stage.role or 'controller'}: {', '.join(stage.inputs(self.rl.cfg))} &rarr; " \
                  f"{', '.join(stage.outputs(self.rl.cfg))}"
-            rows.append(widgets.HBox([box, widgets.HTML(f"<small>{io}</small>")]))
+            rows.append(widgets.HBox([boxes[name], widgets.HTML(f"<small>{io}</small>")]))
+        self.stage_boxes = boxes  # swapped whole: a Validate on the kernel thread never sees half of it
         self.stages_box.children = rows
         self._enable_stages()
 
@@ -87,31 +108,25 @@ class DataflowEditor(widgets.VBox):
 
     # ------------------------------------------------------------ overrides
     def overrides(self) -> list[str]:
-        """Return the ``key=value`` changes the widgets make to the session's config."""
-        cfg, out = self.rl.cfg, []
-
-        def put(key: str, value) -> None:
-            if _get(cfg, key) != value:
-                out.append(f"{key}={json.dumps(value)}")
-
-        for key, w in {**self.selectors, **self.numbers}.items():
-            put(key, w.value)
-        place = self.kl_place.value
-        put("actor.use_kl_loss", place == "in loss")
-        put("algorithm.use_kl_in_reward", place == "in reward")
-        if place == "in loss":
-            put("actor.kl_loss_type", self.kl_type.value)
-            put("actor.kl_loss_coef", self.kl_coef.value)
-        elif place == "in reward":
-            put("algorithm.kl_penalty", self.kl_type.value)
-            put("algorithm.kl_ctrl.kl_coef", self.kl_coef.value)
-        if self.default_stages.value:
-            if cfg.dataflow is not None:
-                out.append("dataflow=null")
-        else:
-            chosen = [n for n, box in self.stage_boxes.items() if box.value]
-            if chosen != self.rl.dataflow.names:
-                out.append(f"dataflow={json.dumps(chosen)}")
+        """Return the ``key=value`` changes the user made in the widgets since they were filled
+        (changes made meanwhile from code or another editor are left as they are)."""
+        now, base, out = self._values(), self._baseline, []
+        for key in [*self.selectors, *self.numbers]:
+            if now[key] != base[key]:
+                out.append(f"{key}={json.dumps(now[key])}")
+        if now["kl"] != base["kl"]:
+            place, kl_type, coef = now["kl"]
+            if place != base["kl"][0]:
+                out += [f"actor.use_kl_loss={json.dumps(place == 'in loss')}",
+                        f"algorithm.use_kl_in_reward={json.dumps(place == 'in reward')}"]
+            if place == "in loss":
+                out += [f"actor.kl_loss_type={kl_type}", f"actor.kl_loss_coef={coef}"]
+            elif place == "in reward":
+                out += [f"algorithm.kl_penalty={kl_type}", f"algorithm.kl_ctrl.kl_coef={coef}"]
+        if now["default"] and not base["default"]:
+            out.append("dataflow=null")
+        elif not now["default"] and now["stages"] != base["stages"]:
+            out.append(f"dataflow={json.dumps(now['stages'])}")
         return out
 
     def validate(self) -> list[str]:
@@ -135,7 +150,7 @@ class DataflowEditor(widgets.VBox):
             return
 
         def done(_) -> str:
-            self.refresh_stages()
+            self.refresh()
             return ok(f"Applied for step {self.rl.step_count + 1}: {', '.join(overrides)}. Stages: "
                       + " → ".join(self.rl.dataflow.names))
 

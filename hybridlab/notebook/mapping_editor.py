@@ -18,7 +18,8 @@ SMALL = widgets.Layout(width="70px")
 
 
 class _PoolRow:
-    def __init__(self, name: str, devices: int):
+    def __init__(self, name: str, devices: int, settings: dict | None = None):
+        self.settings = dict(settings or {})  # strategy, cpus_per_device: kept as they were
         self.name = widgets.Text(value=name, layout=widgets.Layout(width="120px"))
         self.devices = widgets.BoundedIntText(value=devices, min=0, max=4096, layout=SMALL)
         self.box = widgets.HBox([self.name, self.devices])
@@ -51,7 +52,8 @@ class MappingEditor(widgets.VBox):
     def __init__(self, rl: "RLSession"):
         self.rl = rl
         current = rl.mapping
-        self.pool_rows = [_PoolRow(n, p.devices) for n, p in current.pools.items()]
+        self.pool_rows = [_PoolRow(n, p.devices, {"strategy": p.strategy, "cpus_per_device": p.cpus_per_device})
+                          for n, p in current.pools.items()]
         self.role_rows = [_RoleRow(r, current.roles.get(r), list(current.pools)) for r in ROLES]
         self.pools_box = widgets.VBox([widgets.HTML("<b>pools</b>: name, devices (0 removes a pool)")] + [r.box for r in self.pool_rows])
         add_pool = widgets.Button(description="add pool", icon="plus")
@@ -93,15 +95,21 @@ class MappingEditor(widgets.VBox):
 
     def role(self, name: str) -> _RoleRow:
         """Return the row of role ``name`` (its widgets: on, pool, tp, pp, dp, colocate)."""
-        return next(r for r in self.role_rows if r.role == name)
+        for row in self.role_rows:
+            if row.role == name:
+                return row
+        raise KeyError(f"no role {name!r}; roles: {', '.join(r.role for r in self.role_rows)}")
 
     def pool(self, name: str) -> _PoolRow:
         """Return the row of pool ``name`` (its widgets: name, devices)."""
-        return next(r for r in self.pool_rows if r.name.value == name)
+        for row in self.pool_rows:
+            if row.name.value == name:
+                return row
+        raise KeyError(f"no pool {name!r}; pools: {', '.join(r.name.value for r in self.pool_rows)}")
 
     def mapping_dict(self) -> dict:
         """Return the mapping the table describes (pools with 0 devices or no name are left out)."""
-        pools = {r.name.value.strip(): {"devices": r.devices.value} for r in self.pool_rows
+        pools = {r.name.value.strip(): {**r.settings, "devices": r.devices.value} for r in self.pool_rows
                  if r.name.value.strip() and r.devices.value > 0}
         for row in self.role_rows:
             row.pool.options = list(pools)
@@ -129,11 +137,15 @@ class MappingEditor(widgets.VBox):
         """Remap the session onto the table's mapping (at the next step boundary during a
         background run); the status shows the report or the problems."""
         mapping = self.mapping_dict()
+        try:
+            if DeviceMapping.from_dict(mapping) == self.rl.mapping:
+                self.status.value = ok("Nothing to apply: the session already runs this mapping.")
+                return
+        except Exception:  # not a mapping at all: rl.remap names what is wrong
+            pass
 
         def done(report) -> str:
             self.redraw()
-            if report is None:
-                return ok("Nothing changed: the session already runs this mapping.")
             seconds = report.seconds.get("total", sum(report.seconds.values()))
             return ok(f"Applied after step {report.step}: re-created {', '.join(report.roles_recreated) or 'no roles'}"
                       f"; {report.processes_started} processes started, {report.processes_stopped} stopped;"

@@ -5,13 +5,17 @@ import gc
 import logging
 import os
 import tempfile
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridlab.workers.rollout.sampling import SamplingConfig
 
+if TYPE_CHECKING:
+    from vllm import LLM
 
-def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: int, tp: int = 1):
+
+def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: int, tp: int = 1) -> "LLM":
     """Return a vLLM ``LLM`` running in this process with an explicitly sized KV cache.
 
     With ``tp > 1`` this process is one tensor-parallel rank of the engine (vLLM's
@@ -52,28 +56,34 @@ def _external_launcher() -> type:
     return GroupExternalLauncher
 
 
-def close_llm(llm) -> None:
-    """Stop the engine and remove what vLLM leaves behind otherwise: its TP group's
-    shared-memory segments in ``/dev/shm`` and a tp=1 engine's rendezvous file."""
-    names = []
-    try:
-        from vllm.distributed import parallel_state
+def engine_files() -> list[str]:
+    """Return the files this process's engine keeps outside it, which vLLM does not remove: its
+    TP group's shared-memory segments in ``/dev/shm`` (vLLM's private parallel state names them,
+    as of vLLM 0.32) and a tp=1 engine's rendezvous file ``/tmp/vllm_dist_<id>``."""
+    paths = []
+    from vllm.distributed import parallel_state
 
-        for group in (parallel_state._TP, parallel_state._PP):
-            shm = getattr(getattr(group, "device_communicator", None), "dist_module", None)
-            if group is not None and hasattr(shm, "group_name"):
-                names.append(f"{shm.group_name}_{group.rank_in_group}")
-    except ImportError:
-        pass
-    # A tp=1 engine rendezvoused through a file store, /tmp/vllm_dist_<id>, named by this variable.
-    ident = os.environ.get("VLLM_DIST_IDENT", "")
-    store = [os.path.join(tempfile.gettempdir(), ident)] if ident.startswith("vllm_dist_") else []
-    llm.llm_engine.engine_core.shutdown()
-    for path in [os.path.join("/dev/shm", name) for name in names] + store:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    for group in (parallel_state._TP, parallel_state._PP):
+        shm = getattr(getattr(group, "device_communicator", None), "dist_module", None)
+        if group is not None and hasattr(shm, "group_name"):
+            paths.append(os.path.join("/dev/shm", f"{shm.group_name}_{group.rank_in_group}"))
+    ident = os.environ.get("VLLM_DIST_IDENT", "")  # a file store's name, set by vLLM's CPU worker
+    if ident.startswith("vllm_dist_"):
+        paths.append(os.path.join(tempfile.gettempdir(), ident))
+    return paths
+
+
+def close_llm(llm: "LLM") -> None:
+    """Stop the engine and remove the files ``engine_files`` names."""
+    paths = engine_files()
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        for path in paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
 
 def _not_partial_reload_warning(record: logging.LogRecord) -> bool:

@@ -69,6 +69,15 @@ class RolloutWorker(Worker):
             close_llm(self.llm)
             self.llm = None
 
+    @register(Dispatch.ALL)
+    def engine_files(self) -> list[str]:
+        """Return the files this rank's engine keeps outside its process (removed by ``close``)."""
+        if self.backend != "vllm":
+            return []
+        from hybridlab.workers.rollout.vllm_engine import engine_files
+
+        return engine_files()
+
     @register(Dispatch.DP)
     def generate(self, batch: Batch, sampling: SamplingConfig | dict | None = None) -> Batch:
         """Return the batch repeated n times with generated responses and their log-probs."""
