@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from hybridlab.errors import UserError
 
@@ -103,13 +104,28 @@ def cmd_data(args) -> int:
 
 
 def cmd_train(args) -> int:
-    """Run RL training from a config (default: GRPO on arith with tiny); returns the exit status."""
+    """Run RL training from a config (default: GRPO on arith with tiny), or resume a run from
+    its latest checkpoint; returns the exit status."""
     from hybridlab.config import load_config
     from hybridlab.dataflow.session import RLSession
 
-    cfg = load_config(args.config, args.overrides)  # every config error surfaces here, before work
-    rl = RLSession(cfg, ray_address=args.ray_address, ray_temp_dir=args.ray_temp_dir)
-    print(f"run directory: {rl.run_dir}", flush=True)
+    ray = dict(ray_address=args.ray_address, ray_temp_dir=args.ray_temp_dir)
+    if args.resume:
+        overrides = list(args.overrides)
+        if args.config and "=" in args.config:  # argparse took the first override for a config
+            overrides.insert(0, args.config)
+        elif args.config:
+            raise UserError(f"--resume continues the run with its own config.yaml; give no config ({args.config!r}),"
+                            " only key=value overrides")
+        from hybridlab.dataflow import checkpoints
+
+        print(f"resuming {args.resume} from {checkpoints.latest(Path(args.resume)).name}", flush=True)
+        rl = RLSession.resume(args.resume, overrides, **ray)
+    else:
+        cfg = load_config(args.config, args.overrides)  # every config error surfaces here, before work
+        rl = RLSession(cfg, **ray)
+        print(f"run directory: {rl.run_dir}", flush=True)
+    _stop_on_signals(rl)
     try:
         summary = rl.train()
     finally:
@@ -117,7 +133,29 @@ def cmd_train(args) -> int:
     print(f"accuracy before {summary['accuracy_before']:.3f} -> after {summary['accuracy_after']:.3f} "
           f"({summary['steps']} steps, {summary['rl_seconds']} s; stopped by {summary['stopped_by']})")
     print(f"summary: {rl.run_dir / 'summary.json'}", flush=True)
+    if summary["stopped_by"] != "steps":
+        print(f"resume with: hybridlab train --resume {rl.run_dir}", flush=True)
     return 0
+
+
+def _stop_on_signals(rl) -> None:
+    """First Ctrl-C or SIGTERM: stop after the current step, checkpoint, print how to resume.
+    A second one stops at once (KeyboardInterrupt); checkpoints are atomic, so the latest
+    complete one stays intact."""
+    import signal
+
+    signals = []
+
+    def handler(signum, frame) -> None:
+        signals.append(signum)
+        if len(signals) > 1:
+            raise KeyboardInterrupt
+        rl.request_stop()
+        print(f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint"
+              " (again to stop at once)", file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
 
 
 def cmd_dashboard(args) -> int:
@@ -233,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. trainer.steps=50")
     t.add_argument("--ray-address", default=None, help="attach to an existing Ray cluster (e.g. auto)")
     t.add_argument("--ray-temp-dir", default=None, help="temp folder of a local Ray cluster (short path)")
+    t.add_argument("--resume", metavar="RUN_DIR", default=None,
+                   help="continue this run from its latest complete checkpoint (its config, plus overrides)")
     t.set_defaults(func=cmd_train)
 
     dash = sub.add_parser("dashboard", help="serve a run's live dashboard (read-only; replays finished runs)")

@@ -162,6 +162,8 @@ class TrainerConfig:
     telemetry: bool = True              # the hub: spans, metrics, device samples -> telemetry.jsonl
     devices: int = 1
     progress: bool = True
+    save_every: int = 100               # checkpoint every N steps (0: only at the end and on a stop)
+    keep_checkpoints: int = 2           # the newest N complete checkpoints stay on disk
 
 
 @dataclasses.dataclass

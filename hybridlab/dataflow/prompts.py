@@ -55,3 +55,14 @@ class PromptSource:
         uids = list(range(self.drawn, self.drawn + len(picked)))
         self.drawn += len(picked)
         return prompt_batch(picked, self.tokenizer, uids)
+
+    def state(self) -> dict:
+        """Return the stream's position as plain data (for checkpoints)."""
+        version, internal, gauss = self.rng.getstate()
+        return {"rng": [version, list(internal), gauss], "order": list(self.order), "drawn": self.drawn}
+
+    def set_state(self, state: dict) -> None:
+        """Go back to a position ``state()`` returned."""
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.order, self.drawn = list(state["order"]), state["drawn"]

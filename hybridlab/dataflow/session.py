@@ -76,6 +76,7 @@ class RLSession:
         self.hub = None        # the telemetry hub actor (trainer.telemetry)
         self.log = None        # MetricsLog, once started
         self._stop_requested = False
+        self._training = False     # a train() loop runs (in this thread or a background one)
         self._edits = StepBoundary()  # a step, or an edit of the session; never both
         self.broken: str | None = None   # why the session cannot step (a remap failed halfway)
         self.environment: dict = {}
@@ -83,6 +84,8 @@ class RLSession:
         self.warm_start_info: dict | None = None  # steps, seconds, held-out accuracy of the warm start
         self._dashboards: list = []
         self.background: BackgroundRun | None = None   # the latest start_background() run
+        self._resume_from: Path | None = None   # the checkpoint resume() continues from
+        self._train_state: dict | None = None   # train()'s progress restored from it
         self.step_callbacks: list = []  # called with each StepResult (notebook widgets follow the run)
 
     # ------------------------------------------------------------ lifecycle
@@ -131,8 +134,32 @@ class RLSession:
             raise
         from hybridlab.telemetry.metrics import MetricsLog
 
-        self.log = MetricsLog(self.run_dir, self.cfg.trainer.tensorboard)
+        record = None
+        if self._resume_from is not None:  # logs back to the checkpoint before anything appends
+            from hybridlab.dataflow import checkpoints
+
+            record = checkpoints.prepare_logs(self.run_dir, self._resume_from)
+        self.log = MetricsLog(self.run_dir, self.cfg.trainer.tensorboard,
+                              purge_after=record["step"] if record else None)
+        if record is not None:
+            checkpoints.restore(self, self._resume_from, record)
+            self._train_state = record["train"]
+            self._emit("resume", {"step": self.step_count, "checkpoint": self._resume_from.name})
         return self
+
+    @classmethod
+    def resume(cls, run_dir: str | os.PathLike, overrides: list[str] | None = None, **kwargs) -> "RLSession":
+        """Return a started session that continues the run in ``run_dir`` from its latest
+        complete checkpoint, with its config (and ``overrides``, e.g. another mapping): the
+        trainers' weights and moments, the step, every RNG, the prompt stream, the KL
+        controller; logs cut back to the checkpoint. ``train()`` then runs the remaining steps."""
+        from hybridlab.dataflow import checkpoints
+
+        run_dir = Path(run_dir)
+        checkpoint = checkpoints.latest(run_dir)  # a clear error before anything starts
+        rl = cls(checkpoint / "config.yaml", [*(overrides or []), f"trainer.run_dir={run_dir}"], **kwargs)
+        rl._resume_from = checkpoint
+        return rl.start()
 
     def _start_hub(self, env: dict) -> None:
         """Start the run's hub before the warm start and the workers (they send it device
@@ -145,6 +172,21 @@ class RLSession:
                                      "algorithm": self.cfg.algorithm.adv_estimator,
                                      "dataflow": self._dataflow.names, "mapping": self.mapping.to_dict(),
                                      "processor": self.environment["processor"]}])
+
+    def _telemetry_size(self) -> int | None:
+        """Mark a checkpoint in the telemetry file; returns the file's size after the mark."""
+        if self.hub is None:
+            return None
+        import ray
+
+        return ray.get(self.hub.add.remote("checkpoint", [{"step": self.step_count, "time": time.time()}]))
+
+    def save_checkpoint(self) -> Path:
+        """Write a checkpoint of the run now (between steps); returns its folder."""
+        from hybridlab.dataflow import checkpoints
+
+        with self._edits.lock:
+            return checkpoints.save(self, dict(self._train_state or {}))
 
     def _emit(self, kind: str, record: dict) -> None:
         if self.hub is not None:
@@ -323,26 +365,34 @@ class RLSession:
     def decoded(self, batch: Batch, limit: int = 16) -> list[dict]:
         """Return the first ``limit`` rows of a step's batch as readable dicts (prompt, response,
         length, reward, log-prob means, advantage) for a notebook table."""
-        from hybridlab.notebook.inspect import batch_rows
+        from hybridlab.dataflow.rows import batch_rows
 
         return [{k: v for k, v in row.items() if k != "#"} for row in batch_rows(batch[:limit], self.tokenizer)]
 
     # ---------------------------------------------------------------- notebook
     def next_prompts(self) -> Batch:
         """Return the next step's prompts from the prompt stream (the stream moves on)."""
-        return self.prompts.next()
+        self._refuse_while_stepping("next_prompts")
+        with self._edits.lock:
+            return self.prompts.next()
 
     def run_stage(self, name: str, batch: Batch) -> Batch:
-        """Run one registered stage by hand between steps (waits for a running step to end);
-        returns ``batch`` with what the stage added, its metrics in ``meta["metrics"]``."""
+        """Run one registered stage by hand between steps; returns ``batch`` with what the stage
+        added, its metrics in ``meta["metrics"]``. Refused while a background run is stepping."""
         from hybridlab.dataflow.context import run_stage
 
+        self._refuse_while_stepping("run_stage")
         with self._edits.step():
             return run_stage(self, name, batch)
 
+    def _refuse_while_stepping(self, what: str) -> None:
+        if self._training and not self.held:
+            raise RuntimeError(f"{what} runs between steps, but a training run is stepping: pause() it (and wait"
+                               " until it is held) or stop it first")
+
     def inspect(self, result: "StepResult | Batch", stage: str | None = None):
         """Return a sortable table widget of a step's batch as it was after ``stage``."""
-        from hybridlab.notebook.inspect import inspect
+        from hybridlab.notebook.batch_table import inspect
 
         return inspect(self, result, stage)
 
@@ -366,45 +416,21 @@ class RLSession:
 
     # ------------------------------------------------------------------ loop
     def train(self, steps: int | None = None) -> dict:
-        """Run ``steps`` steps (default trainer.steps) within trainer.max_minutes, evaluating
-        greedy accuracy before, every trainer.eval_every steps and after; writes and returns
-        the summary (also ``summary.json`` in the run directory)."""
-        from tqdm.auto import tqdm
+        """Run ``steps`` steps (default trainer.steps; after ``resume``, the remaining ones)
+        within trainer.max_minutes, evaluating greedy accuracy before, every
+        trainer.eval_every steps and after, checkpointing every trainer.save_every steps, at
+        the end and on a stop; writes and returns the summary (``summary.json``)."""
+        from hybridlab.dataflow.train_loop import train
 
         if self.session is None:
             self.start()
-        steps = steps or self.cfg.trainer.steps
-        started = time.perf_counter()
-        curve: list[dict] = []
-        before = last = self._record_eval(curve, 0.0)
-        stopped = "steps"
-        bar = tqdm(total=steps, desc=f"{self.cfg.name} rl", disable=not self.cfg.trainer.progress, dynamic_ncols=True)
-        for _ in range(steps):
-            if self._edits.paused:  # pause() holds the loop here, between steps; paused time is not run time
-                bar.set_description(f"{self.cfg.name} rl (paused)")
-                started += self._edits.wait_while_paused()
-                bar.set_description(f"{self.cfg.name} rl")
-            t = self.cfg.trainer  # read each step: update() may change the time limit and evaluations
-            if time.perf_counter() > started + t.max_minutes * 60:
-                stopped = f"time limit ({t.max_minutes:g} min)"
-                break
-            if self._stop_requested:
-                stopped = "stop requested"
-                self._stop_requested = False  # consumed: the next train() runs normally
-                break
-            result = self.step()
-            bar.update(1)
-            bar.set_postfix(reward=f"{result.metrics.get('reward/mean', float('nan')):.3f}",
-                            acc=f"{result.metrics.get('accuracy', float('nan')):.3f}")
-            if t.eval_every and self.step_count % t.eval_every == 0:
-                last = self._record_eval(curve, time.perf_counter() - started)
-                bar.write(f"step {self.step_count}: greedy test accuracy {last['accuracy']:.3f}")
-        bar.close()
-        with self._edits.lock:  # a queued edit may drop the pending rollout too
-            self._drop_pending()
-        # the last step may just have been evaluated: same weights, so its result stands
-        after = last if curve[-1]["step"] == self.step_count else self._record_eval(curve, time.perf_counter() - started)
-        return self._write_summary(before, after, curve, time.perf_counter() - started, stopped)
+        self._training = True
+        try:
+            return train(self, steps)
+        finally:  # a pause or stop asked for after the last step must not hold the next run
+            self._training = False
+            self._stop_requested = False
+            self._edits.resume()
 
     def request_stop(self) -> None:
         """Ask the running (or the next) ``train()`` to stop after its current step (a paused
@@ -413,32 +439,32 @@ class RLSession:
         self._edits.resume()
 
     def pause(self) -> None:
-        """Hold a background run at its next step boundary (the step under way finishes);
-        ``update``, ``remap`` and ``run_stage`` work while it is paused; ``resume()`` goes on."""
+        """Hold the running ``train()`` (a background run) at its next step boundary (the step
+        under way finishes); ``update``, ``remap``, ``step`` and ``run_stage`` work while it is
+        held; ``unpause()`` goes on. Raises RuntimeError when no training loop runs."""
+        if not self._training:
+            raise RuntimeError("no run to pause: pause() holds a running train() or start_background() run"
+                               " at its next step boundary")
         self._edits.pause()
 
-    def resume(self) -> None:
-        """Let a paused run go on."""
+    def unpause(self) -> None:
+        """Let a paused run go on (``RLSession.resume`` is another thing: a run from a checkpoint)."""
         self._edits.resume()
 
     @property
     def paused(self) -> bool:
-        """True between ``pause()`` and ``resume()``."""
+        """True between ``pause()`` and ``unpause()``."""
         return self._edits.paused
+
+    @property
+    def held(self) -> bool:
+        """True while a paused run waits at a step boundary (its step has finished)."""
+        return self._edits.held.is_set()
 
     def wait_until_held(self, timeout: float | None = None) -> bool:
         """After ``pause()``: wait until the running loop has finished its step and waits at the
         boundary; returns True once it does (False after ``timeout`` seconds)."""
         return self._edits.held.wait(timeout)
-
-    def _record_eval(self, curve: list[dict], seconds: float) -> dict:
-        """Evaluate now, append the point to ``curve``, log and emit it; returns the evaluation."""
-        self._emit("phase", {"phase": "evaluate", "step": self.step_count})
-        ev = self.evaluate()
-        curve.append({"step": self.step_count, "accuracy": ev["accuracy"], "seconds": round(seconds, 1)})
-        self.log.write(self.step_count, {"eval/accuracy": ev["accuracy"]})
-        self._emit("eval", {"step": self.step_count, "accuracy": ev["accuracy"]})
-        return ev
 
     def start_background(self, steps: int | None = None) -> "BackgroundRun":
         """Run ``train(steps)`` in a background thread so the notebook kernel stays responsive;
@@ -449,20 +475,3 @@ class RLSession:
             raise RuntimeError("a background run is going: stop() or wait() for it before starting another")
         self.background = BackgroundRun(self, steps)
         return self.background
-
-    def _write_summary(self, before: dict, after: dict, curve: list, seconds: float, stopped: str) -> dict:
-        step_s = sum(h.get("timing/step_s", 0.0) for h in self.history)
-        sync_s = sum(h.get("sync/seconds", 0.0) for h in self.history)
-        summary = {
-            "run_dir": str(self.run_dir), "name": self.cfg.name, "algorithm": self.cfg.algorithm.adv_estimator,
-            "dataflow": self._dataflow.names, "model": self.cfg.model, "task": self.cfg.data.task,
-            "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"], "eval_n": after["n"],
-            "steps": self.step_count, "stopped_by": stopped, "rl_seconds": round(seconds, 1),
-            "mean_step_s": round(step_s / len(self.history), 3) if self.history else None,
-            "sync_fraction_of_step": round(sync_s / step_s, 4) if step_s else None,
-            "eval_curve": curve, "warm_start": self.warm_start_info,
-            "environment": self.environment, "config": self.cfg.to_dict(),
-        }
-        write_json(self.run_dir / "summary.json", summary)
-        return summary
-

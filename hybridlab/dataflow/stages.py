@@ -21,6 +21,7 @@ from hybridlab.algos.kl import apply_kl_penalty
 from hybridlab.algos.objectives import actor_loss, critic_loss
 from hybridlab.batching import on_last_token
 from hybridlab.errors import unknown
+from hybridlab.faults import fault_point
 from hybridlab.protocol import Batch
 
 if TYPE_CHECKING:
@@ -85,6 +86,7 @@ def generate(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
         out, staleness = ctx.rl.ahead.take(ctx, batch)
     else:
         out, staleness = ctx.group("rollout").generate(batch, ctx.sampling()), 0
+    fault_point("generate", ctx.rl.step_count + 1)
     return out, {**generation_metrics(ctx.cfg, out), "rollout/staleness": staleness}
 
 
@@ -308,6 +310,7 @@ def update_actor(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
     results = [group.update_actor(mb, loss) for mb in _mini_batches(data, a.ppo_mini_batch_size,
                                                                       ctx.cfg.rollout.n, a.ppo_epochs)]
     metrics = _mean_metrics(results)
+    fault_point("update_actor", ctx.rl.step_count + 1)
     return None, {(k if k.startswith("actor/") else f"actor/{k}"): v for k, v in metrics.items()}
 
 

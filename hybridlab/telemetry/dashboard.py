@@ -65,6 +65,7 @@ class Dashboard:
         self.status = pn.pane.Markdown(self._status_text(), name="status")
         self.mapping_pane = pn.pane.Markdown("", name="mapping")  # the current device mapping
         self.remaps: list[dict] = []
+        self.resumes: list[dict] = []
         self.curves = ColumnDataSource({"step": [], "reward": [], "accuracy": []})
         self.evals = ColumnDataSource({"step": [], "accuracy": []})
         self.spans = ColumnDataSource({"worker": [], "left": [], "right": [], "stage": [], "color": []})
@@ -136,6 +137,8 @@ class Dashboard:
                 self.mapping_pane.object = mapping_text(r.get("mapping") or {})
             elif kind == "remap":
                 self._mark_remap(r)
+            elif kind == "resume":  # the run went on from a checkpoint: later records replace the lost ones
+                self._mark_resume(r)
             elif kind == "phase":
                 self.phase = r
             elif kind == "metrics":
@@ -179,6 +182,14 @@ class Dashboard:
         if "time" in r:  # and on the phase timeline, at the moment it finished
             self.gantt_fig.add_layout(Span(location=self._clock(r["time"]), dimension="height", line_dash="dashed",
                                            line_color="#555555", line_width=2))
+
+    def _mark_resume(self, r: dict) -> None:
+        """Mark a resume from a checkpoint on the reward curve (a dotted green line at its step)."""
+        from bokeh.models import Span
+
+        self.resumes.append(r)
+        self.reward_fig.add_layout(Span(location=r.get("step", self.step) + 0.5, dimension="height",
+                                        line_dash="dotted", line_color="#2e7d32", line_width=2))
 
     def _stream_spans(self, spans: list[dict]) -> None:
         workers = [f"{s['role']} {s['rank']}" for s in spans]

@@ -10,14 +10,17 @@ from pathlib import Path
 class MetricsLog:
     """Appends one JSON line per step (flushed at once) and mirrors scalars to TensorBoard."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, purge_after: int | None = None):
+        """``purge_after``: a resumed run's checkpoint step; TensorBoard hides the events of later
+        steps written before the run stopped (they are logged again)."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = open(self.path, "a", buffering=1)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            purge = None if purge_after is None else purge_after + 1
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=purge)
 
     def write(self, step: int, metrics: dict) -> None:
         """Record ``metrics`` for ``step`` (non-finite numbers are written as null)."""
@@ -28,6 +31,11 @@ class MetricsLog:
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
+
+    def tell(self) -> int:
+        """Return the bytes written to ``metrics.jsonl`` so far (all of them flushed)."""
+        self._file.flush()
+        return self._file.tell()
 
     def close(self) -> None:
         """Close the files."""

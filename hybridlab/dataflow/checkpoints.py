@@ -1,0 +1,159 @@
+"""Checkpoints of a whole RL run, and resuming from them.
+
+``RUN_DIR/checkpoints/step-000050/`` holds everything a run needs to go on as if it had never
+stopped: each trainer role's weights and AdamW moments in HF layout with its step counter and
+RNG (``actor/``, ``critic/``: the engine's layout-independent format, so a run saved at one
+device mapping resumes at another), and ``session.json`` (the step, the prompt stream's
+position, the KL controller, the evaluation curve so far, the metrics history, and how many
+bytes of ``metrics.jsonl`` and ``telemetry.jsonl`` belong to steps up to this one), plus
+``driver_rng.pt`` (Python, NumPy and torch RNG of the controller) and ``config.yaml`` (the config
+as it was at that step, with every live update and remap).
+
+A checkpoint is written into a temporary folder beside the others and renamed into place, so
+a folder named ``step-N`` is always complete: a kill during the write leaves only a temporary
+folder, which the next save or resume removes.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import yaml
+
+from hybridlab.atomic import write_json
+from hybridlab.errors import UserError
+from hybridlab.faults import fault_point
+
+if TYPE_CHECKING:
+    from hybridlab.dataflow.session import RLSession
+
+CHECKPOINTS = "checkpoints"
+STATEFUL_ROLES = ("actor", "critic")
+_NAME = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Return the complete checkpoints of a run directory, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    found = [(int(m.group(1)), p) for p in root.glob("step-*") if (m := _NAME.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def latest(run_dir: Path) -> Path:
+    """Return the newest complete checkpoint; raises UserError saying why there is none."""
+    found = checkpoint_dirs(run_dir)
+    if not Path(run_dir).is_dir():
+        raise UserError(f"no run directory {str(run_dir)!r} to resume (hybridlab train prints it)")
+    if not found:
+        raise UserError(f"{run_dir} has no complete checkpoint to resume from; runs write one every"
+                        " trainer.save_every steps, at the end and on a clean stop")
+    return found[-1]
+
+
+def save(rl: "RLSession", train_state: dict) -> Path:
+    """Write a checkpoint of ``rl`` after its current step; returns its folder. ``train_state``
+    is what ``train()`` needs to go on (evaluation before, curve so far, seconds run)."""
+    from hybridlab.workers.train.checkpoint import save_checkpoint
+
+    root = rl.run_dir / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_partial(root)
+    target = root / f"step-{rl.step_count:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+    try:
+        for role in STATEFUL_ROLES:
+            if role in rl.session.groups:
+                save_checkpoint(rl.session.groups[role], rl.model_dir, tmp / role)
+        fault_point("checkpoint_write", rl.step_count)
+        torch.save({"python": random.getstate(), "numpy": _numpy_state(), "torch": torch.get_rng_state()},
+                   tmp / "driver_rng.pt")
+        # the config as it is now: live updates and remaps since the start carry over
+        (tmp / "config.yaml").write_text(yaml.safe_dump(rl.cfg.to_dict(), sort_keys=False))
+        write_json(tmp / "session.json", {
+            "step": rl.step_count, "time": time.time(), "mapping": rl.mapping.to_dict(),
+            "prompts": rl.prompts.state(), "kl_ctrl": dict(vars(rl.kl_ctrl)), "history": rl.history,
+            "train": train_state, "metrics_bytes": rl.log.tell(), "telemetry_bytes": rl._telemetry_size()})
+        if target.exists():  # the same step saved again (a stop right after a periodic save)
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in checkpoint_dirs(rl.run_dir)[:-rl.cfg.trainer.keep_checkpoints]:
+        shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def prepare_logs(run_dir: Path, checkpoint: Path) -> dict:
+    """Cut ``metrics.jsonl`` and ``telemetry.jsonl`` back to what they held at the checkpoint
+    (steps logged after it, before the run stopped, are run again) and remove unfinished
+    checkpoint folders; returns the checkpoint's session record. Call before the session starts."""
+    from hybridlab.telemetry.hub import TELEMETRY_FILE
+
+    record = json.loads((checkpoint / "session.json").read_text())
+    for name, key in (("metrics.jsonl", "metrics_bytes"), (TELEMETRY_FILE, "telemetry_bytes")):
+        path = Path(run_dir) / name
+        if path.is_file() and record.get(key) is not None and path.stat().st_size > record[key]:
+            with open(path, "r+b") as f:
+                f.truncate(record[key])
+    _remove_partial(Path(run_dir) / CHECKPOINTS)
+    return record
+
+
+def restore(rl: "RLSession", checkpoint: Path, record: dict) -> None:
+    """Load a checkpoint into a started session: trainer state into the workers (any layout),
+    the controller's state, then the actor's weights into the rollout engines."""
+    import numpy as np
+    import ray
+
+    for role in STATEFUL_ROLES:
+        folder = checkpoint / role
+        if role in rl.session.groups and folder.is_dir():
+            rl.session.groups[role].load_state([ray.put([read_role(folder)])])
+    rl.step_count = record["step"]
+    rl.history = record["history"]
+    rl.prompts.set_state(record["prompts"])
+    vars(rl.kl_ctrl).update(record["kl_ctrl"])
+    rng = torch.load(checkpoint / "driver_rng.pt", weights_only=False)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if "actor" in rl.session.groups and "rollout" in rl.session.groups:
+        rl.sync_weights(reason="resume")
+
+
+def read_role(folder: Path) -> dict[str, Any]:
+    """Return a role's saved state in the form ``checkpoint_state`` gives it (HF layout)."""
+    from safetensors.torch import load_file
+
+    from hybridlab.workers.train.checkpoint import OPTIMIZER_FILE
+
+    model = load_file(str(folder / "model.safetensors"))
+    if (folder / "value_head.safetensors").is_file():
+        model.update(load_file(str(folder / "value_head.safetensors")))
+    state: dict[str, Any] = {"model": model, "exp_avg": {}, "exp_avg_sq": {}}
+    if (folder / OPTIMIZER_FILE).is_file():
+        for key, value in load_file(str(folder / OPTIMIZER_FILE)).items():
+            moment, name = key.split("/", 1)
+            state[moment][name] = value
+    trainer = json.loads((folder / "trainer_state.json").read_text())
+    state.update(step=trainer["step"], adam_step=trainer["adam_step"], rng=torch.tensor(trainer["rng"], dtype=torch.uint8))
+    return state
+
+
+def _remove_partial(root: Path) -> None:
+    for p in root.glob(".step-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _numpy_state():
+    import numpy as np
+
+    return np.random.get_state()

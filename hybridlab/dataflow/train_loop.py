@@ -1,0 +1,103 @@
+"""The training loop behind ``RLSession.train``: steps, evaluations, checkpoints, the summary.
+
+    before = evaluate()
+    for each step:  [wait while paused] -> stop? time up? -> step -> evaluate? -> checkpoint?
+    after = evaluate(); checkpoint; summary.json
+
+A resumed session (``RLSession.resume``) goes on from its checkpoint's evaluations and run time.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from hybridlab.atomic import write_json
+
+if TYPE_CHECKING:
+    from hybridlab.dataflow.session import RLSession
+
+
+def train(rl: "RLSession", steps: int | None = None) -> dict:
+    """Run the loop on a started session; returns the summary (also written to summary.json)."""
+    from tqdm.auto import tqdm
+
+    resumed, rl._train_state = rl._train_state, None
+    if resumed:  # go on from the checkpoint's evaluations and run time
+        steps = steps or max(0, rl.cfg.trainer.steps - rl.step_count)
+        curve, before, last = list(resumed["curve"]), resumed["before"], resumed["last"]
+        started = time.perf_counter() - resumed["seconds"]
+    else:
+        steps = steps or rl.cfg.trainer.steps
+        started, curve = time.perf_counter(), []
+        before = last = record_eval(rl, curve, 0.0)
+    saved = rl.step_count if resumed else -1
+    stopped = "steps"
+    bar = tqdm(total=steps, desc=f"{rl.cfg.name} rl", disable=not rl.cfg.trainer.progress, dynamic_ncols=True)
+    for _ in range(steps):
+        if rl._edits.paused:  # pause() holds the loop here, between steps; paused time is not run time
+            bar.set_description(f"{rl.cfg.name} rl (paused)")
+            started += rl._edits.wait_while_paused()
+            bar.set_description(f"{rl.cfg.name} rl")
+        t = rl.cfg.trainer  # read each step: update() may change the time limit and evaluations
+        if time.perf_counter() > started + t.max_minutes * 60:
+            stopped = f"time limit ({t.max_minutes:g} min)"
+            break
+        if rl._stop_requested:
+            stopped = "stop requested"
+            break
+        result = rl.step()
+        bar.update(1)
+        bar.set_postfix(reward=f"{result.metrics.get('reward/mean', float('nan')):.3f}",
+                        acc=f"{result.metrics.get('accuracy', float('nan')):.3f}")
+        if t.eval_every and rl.step_count % t.eval_every == 0:
+            last = record_eval(rl, curve, time.perf_counter() - started)
+            bar.write(f"step {rl.step_count}: greedy test accuracy {last['accuracy']:.3f}")
+        if t.save_every and rl.step_count % t.save_every == 0:
+            saved = checkpoint(rl, before, last, curve, started)
+    bar.close()
+    with rl._edits.lock:  # a queued edit may drop the pending rollout too
+        rl._drop_pending()
+    # the last step may just have been evaluated: same weights, so its result stands
+    after = last if curve and curve[-1]["step"] == rl.step_count else \
+        record_eval(rl, curve, time.perf_counter() - started)
+    if saved != rl.step_count:  # always a checkpoint at the end and on a stop
+        checkpoint(rl, before, after, curve, started)
+    return write_summary(rl, before, after, curve, time.perf_counter() - started, stopped)
+
+
+def checkpoint(rl: "RLSession", before: dict, last: dict, curve: list, started: float) -> int:
+    """Checkpoint the run with the loop's progress; returns the step saved."""
+    rl._train_state = {"before": before, "last": last, "curve": list(curve), "seconds": time.perf_counter() - started}
+    try:
+        rl.save_checkpoint()
+    finally:
+        rl._train_state = None
+    return rl.step_count
+
+
+def record_eval(rl: "RLSession", curve: list[dict], seconds: float) -> dict:
+    """Evaluate now, append the point to ``curve``, log and emit it; returns the evaluation."""
+    rl._emit("phase", {"phase": "evaluate", "step": rl.step_count})
+    ev = rl.evaluate()
+    curve.append({"step": rl.step_count, "accuracy": ev["accuracy"], "seconds": round(seconds, 1)})
+    rl.log.write(rl.step_count, {"eval/accuracy": ev["accuracy"]})
+    rl._emit("eval", {"step": rl.step_count, "accuracy": ev["accuracy"]})
+    return ev
+
+
+def write_summary(rl: "RLSession", before: dict, after: dict, curve: list, seconds: float, stopped: str) -> dict:
+    """Write and return ``summary.json``: accuracies, steps, timings, curve, environment, config."""
+    step_s = sum(h.get("timing/step_s", 0.0) for h in rl.history)
+    sync_s = sum(h.get("sync/seconds", 0.0) for h in rl.history)
+    summary = {
+        "run_dir": str(rl.run_dir), "name": rl.cfg.name, "algorithm": rl.cfg.algorithm.adv_estimator,
+        "dataflow": rl.dataflow.names, "model": rl.cfg.model, "task": rl.cfg.data.task,
+        "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"], "eval_n": after["n"],
+        "steps": rl.step_count, "stopped_by": stopped, "rl_seconds": round(seconds, 1),
+        "mean_step_s": round(step_s / len(rl.history), 3) if rl.history else None,
+        "sync_fraction_of_step": round(sync_s / step_s, 4) if step_s else None,
+        "eval_curve": curve, "warm_start": rl.warm_start_info,
+        "environment": rl.environment, "config": rl.cfg.to_dict(),
+    }
+    write_json(rl.run_dir / "summary.json", summary)
+    return summary
