@@ -164,6 +164,7 @@ class TrainerConfig:
     progress: bool = True
     save_every: int = 100               # checkpoint every N steps (0: only at the end and on a stop)
     keep_checkpoints: int = 2           # the newest N complete checkpoints stay on disk
+    max_bad_updates: int = 3            # steps in a row with a NaN/inf update (skipped) before the run stops
 
 
 @dataclasses.dataclass

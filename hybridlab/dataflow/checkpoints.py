@@ -79,6 +79,7 @@ def save(rl: "RLSession", train_state: dict) -> Path:
         write_json(tmp / "session.json", {
             "step": rl.step_count, "time": time.time(), "mapping": rl.mapping.to_dict(),
             "prompts": rl.prompts.state(), "kl_ctrl": dict(vars(rl.kl_ctrl)), "history": rl.history,
+            "faults": {"bad_updates": rl.bad_updates, "bad_steps_in_a_row": rl.bad_steps_in_a_row},
             "train": train_state, "metrics_bytes": rl.log.tell(), "telemetry_bytes": rl._telemetry_size()})
         if target.exists():  # the same step saved again (a stop right after a periodic save)
             shutil.rmtree(target)
@@ -120,6 +121,8 @@ def restore(rl: "RLSession", checkpoint: Path, record: dict) -> None:
     rl.step_count = record["step"]
     rl.history = record["history"]
     rl.prompts.set_state(record["prompts"])
+    rl.bad_updates = record["faults"]["bad_updates"]
+    rl.bad_steps_in_a_row = record["faults"]["bad_steps_in_a_row"]
     vars(rl.kl_ctrl).update(record["kl_ctrl"])
     rng = torch.load(checkpoint / "driver_rng.pt", weights_only=False)
     random.setstate(rng["python"])

@@ -20,6 +20,7 @@ class StepContext:
         self.kl_ctrl = rl.kl_ctrl
         self.warnings: list[str] = []
         self.rerunning = False   # inside rerun_rollout: generate now, never from the look-ahead
+        self.actor_unchanged = False  # every actor update of this step was skipped (NaN/inf)
 
     @property
     def timeline(self):

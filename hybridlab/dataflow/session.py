@@ -77,6 +77,8 @@ class RLSession:
         self.log = None        # MetricsLog, once started
         self._stop_requested = False
         self._training = False     # a train() loop runs (in this thread or a background one)
+        self.bad_updates = 0           # optimizer steps skipped for a NaN or inf, in all
+        self.bad_steps_in_a_row = 0    # steps in a row with a skipped update (trainer.max_bad_updates)
         self._edits = StepBoundary()  # a step, or an edit of the session; never both
         self.broken: str | None = None   # why the session cannot step (a remap failed halfway)
         self.environment: dict = {}
@@ -320,6 +322,13 @@ class RLSession:
         batch, metrics = self._dataflow.run(ctx, self.prompts.next(), trace=trace)
         seconds = time.perf_counter() - start
         tokens = int(batch["response_mask"].sum()) if "response_mask" in batch else 0
+        bad = int(metrics.get("actor/skipped", 0) + metrics.get("critic/skipped", 0))
+        self.bad_updates += bad
+        self.bad_steps_in_a_row = self.bad_steps_in_a_row + 1 if bad else 0
+        if bad:
+            ctx.warn(f"step {self.step_count + 1}: {bad} update(s) skipped for a NaN or inf loss or gradient norm;"
+                     " the weights stay as they were")
+        metrics["faults/bad_updates"] = self.bad_updates
         metrics.setdefault("rollout/staleness", 0)
         metrics.update({"timing/step_s": seconds, "perf/tokens_per_s": tokens / seconds if seconds else 0.0,
                         "warnings": len(ctx.warnings)})

@@ -277,8 +277,12 @@ def _mini_batches(batch: Batch, prompts: int, n: int, epochs: int) -> list[Batch
 
 
 def _mean_metrics(results: list[list[dict]]) -> dict[str, float]:
+    """Average the mini-batches' metrics; ``skipped`` becomes the number of skipped updates."""
     flat = [m for per_step in results for m in per_step]
-    return {k: sum(m[k] for m in flat) / len(flat) for k in flat[0]} if flat else {}
+    out = {k: sum(m[k] for m in flat) / len(flat) for k in flat[0]} if flat else {}
+    if "skipped" in out:  # DP ranks agree (their gradient norm is all-reduced): count mini-batches
+        out["skipped"] = float(sum(max(m.get("skipped", 0.0) for m in per_step) for per_step in results))
+    return out
 
 
 @register_stage("update_critic", "critic", (*SEQUENCE_FIELDS, "values", "returns"), ("@critic_updated",))
@@ -310,12 +314,16 @@ def update_actor(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
     results = [group.update_actor(mb, loss) for mb in _mini_batches(data, a.ppo_mini_batch_size,
                                                                       ctx.cfg.rollout.n, a.ppo_epochs)]
     metrics = _mean_metrics(results)
+    ctx.actor_unchanged = bool(results) and metrics.get("skipped", 0.0) == len(results)
     fault_point("update_actor", ctx.rl.step_count + 1)
     return None, {(k if k.startswith("actor/") else f"actor/{k}"): v for k, v in metrics.items()}
 
 
 @register_stage("sync_weights", "actor", ("@actor_updated",), ("@weights_synced",), needs=("rollout",))
 def sync_weights(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
-    """Reshard the actor's new weights into the rollout engines, bucket by bucket."""
+    """Reshard the actor's new weights into the rollout engines, bucket by bucket (not after a
+    step whose every update was skipped for a NaN or inf: the engines already hold those weights)."""
+    if ctx.actor_unchanged:
+        return None, {"sync/bytes": 0, "sync/skipped": 1}
     report = ctx.sync()
     return None, {"sync/bytes": report.bytes_moved, "sync/seconds": report.seconds, "sync/buckets": report.buckets}

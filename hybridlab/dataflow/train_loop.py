@@ -54,6 +54,11 @@ def train(rl: "RLSession", steps: int | None = None) -> dict:
             bar.write(f"step {rl.step_count}: greedy test accuracy {last['accuracy']:.3f}")
         if t.save_every and rl.step_count % t.save_every == 0:
             saved = checkpoint(rl, before, last, curve, started)
+        if rl.bad_steps_in_a_row >= t.max_bad_updates:  # skipped updates kept the last good weights
+            stopped = (f"{rl.bad_steps_in_a_row} steps in a row had a NaN or inf loss or gradient norm (their updates"
+                       " were skipped; the checkpoint holds the last good weights); check the learning rate, the"
+                       " rewards and the advantages")
+            break
     bar.close()
     with rl._edits.lock:  # a queued edit may drop the pending rollout too
         rl._drop_pending()

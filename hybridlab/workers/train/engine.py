@@ -214,7 +214,8 @@ class MegatronEngine:
     def train_step(self, batch, loss_fn: LossFn, micro_batch_size: int = 8) -> dict[str, float]:
         """Accumulate gradients of ``loss_fn`` over micro-batches, average over DP, clip and step.
 
-        Returns metrics averaged over micro-batches (and DP ranks), plus grad_norm and lr.
+        Returns metrics averaged over micro-batches (and DP ranks), plus grad_norm, lr and
+        ``skipped`` (1.0 when the gradient norm was NaN or inf and the optimizer step was skipped).
         """
         if self.optimizer is None:
             raise RuntimeError("this engine is frozen (no optimizer): it cannot train")
@@ -226,11 +227,12 @@ class MegatronEngine:
         lr = self.optim_cfg.lr * self.optim_cfg.lr_factor(self.step_count)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if math.isfinite(grad_norm):
+        finite = math.isfinite(grad_norm)  # a NaN/inf loss or gradient: skip the update, keep the weights
+        if finite:
             self.optimizer.step()
         self.step_count += 1
         metrics = self._reduce_metrics(store)
-        metrics.update(grad_norm=grad_norm, lr=lr)
+        metrics.update(grad_norm=grad_norm, lr=lr, skipped=0.0 if finite else 1.0)
         return metrics
 
     # ------------------------------------------------------------------ grads

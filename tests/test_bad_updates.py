@@ -1,0 +1,67 @@
+"""A NaN loss on the real engines (tiny model): the update is skipped, the weights and the
+rollout's copy stay as they were, the skip is counted, and `trainer.max_bad_updates` steps in a
+row stop the run with a checkpoint of the last good weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridlab.dataflow.checkpoints import checkpoint_dirs, read_role
+from hybridlab.dataflow.session import RLSession
+from hybridlab.dataflow.stages import register_stage
+from hybridlab.protocol import Batch
+from hybridlab.workers.train.checkpoint import merge_state
+
+POISONED: set[int] = set()  # steps whose advantages become NaN
+
+
+@register_stage("poison_advantages", None, ("advantages",), ("advantages",))
+def poison_advantages(ctx, batch: Batch):
+    """Test stage: NaN advantages in the steps listed in POISONED (a broken reward or estimator)."""
+    step = ctx.rl.step_count + 1
+    if step not in POISONED:
+        return None, {}
+    return Batch({"advantages": torch.full_like(batch["advantages"], float("nan"))}), {}
+
+
+FLOW = "[generate, reward, rollout_as_old_logprob, advantages, poison_advantages, update_actor, sync_weights]"
+SETTINGS = ["warm_start.max_steps=0", "data.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=6",
+            "actor.ppo_mini_batch_size=4", "data.test_samples=16", "trainer.progress=false", "trainer.eval_every=0",
+            "trainer.max_bad_updates=2", "trainer.save_every=0", f"dataflow={FLOW}"]
+
+
+@pytest.fixture(scope="module")
+def rl(ray_local, trained_dir, tmp_path_factory):
+    session = RLSession(None, [f"model={trained_dir}", *SETTINGS,
+                               f"trainer.run_dir={tmp_path_factory.mktemp('bad') / 'run'}"]).start()
+    yield session
+    session.shutdown()
+
+
+def weights(rl) -> dict[str, torch.Tensor]:
+    return merge_state(rl.session.groups["actor"].checkpoint_state())["model"]
+
+
+def test_a_nan_update_is_skipped_counted_and_not_synced(rl):
+    assert "actor/skipped" in rl.step().metrics and rl.bad_updates == 0
+    before = weights(rl)
+    POISONED.add(rl.step_count + 1)
+    with pytest.warns(RuntimeWarning, match="2 update\\(s\\) skipped for a NaN or inf loss or gradient norm"):
+        m = rl.step().metrics
+    assert m["actor/skipped"] == 2 and m["faults/bad_updates"] == 2  # both mini-batches
+    assert m["sync/skipped"] == 1 and m["sync/bytes"] == 0
+    after = weights(rl)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the weights stay as they were
+    m = rl.step().metrics  # a clean step: updates and syncs again; the count stays
+    assert m["actor/skipped"] == 0 and m["faults/bad_updates"] == 2 and m["sync/bytes"] > 0
+    assert rl.bad_steps_in_a_row == 0
+
+
+def test_max_bad_updates_in_a_row_stop_the_run_with_the_last_good_weights(rl):
+    good, start = weights(rl), rl.step_count
+    POISONED.update(range(start + 1, start + 10))
+    summary = rl.train(8)
+    assert rl.step_count == summary["steps"] == start + 2
+    assert "2 steps in a row had a NaN or inf loss or gradient norm" in summary["stopped_by"]
+    saved = read_role(checkpoint_dirs(rl.run_dir)[-1] / "actor")["model"]
+    assert all(torch.equal(good[k], saved[k]) for k in good)  # the checkpoint holds the last good weights
