@@ -65,3 +65,24 @@ def test_max_bad_updates_in_a_row_stop_the_run_with_the_last_good_weights(rl):
     assert "2 steps in a row had a NaN or inf loss or gradient norm" in summary["stopped_by"]
     saved = read_role(checkpoint_dirs(rl.run_dir)[-1] / "actor")["model"]
     assert all(torch.equal(good[k], saved[k]) for k in good)  # the checkpoint holds the last good weights
+
+
+def test_a_reward_function_returning_none_is_counted_per_data_source_and_warned_once(rl, tmp_path):
+    module = tmp_path / "flaky_reward.py"
+    module.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return None if len(solution_str) % 2 else 1.0\n")
+    rl.update("reward.kind=function", f"reward.function={module}:compute_score", f"dataflow={FLOW}")
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = rl.step(), rl.step()
+    said = [str(w.message) for w in caught if "reward function failed" in str(w.message)]
+    assert len(said) == 1 and "of 'arith'" in said[0] and "NoneType None, not a number" in said[0]  # once
+    for result in (first, second):
+        b = result.batch
+        texts = [rl.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
+                 for row, n in zip(b["responses"], b["response_mask"].sum(-1).tolist())]
+        odd = sum(len(t) % 2 for t in texts)  # the samples the function answered None for
+        assert odd > 0 and result.metrics["reward/errors/arith"] == result.metrics["reward/errors"] == odd
+        assert float(b["token_level_scores"].sum()) == len(b) - odd  # 1.0 each, error_score 0 for the rest

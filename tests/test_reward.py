@@ -61,3 +61,40 @@ def test_reward_model_scores_equal_transformers(tiny_dir, tmp_path):
             expect.append(float(model(input_ids=ids).logits[0, 0]))
     assert torch.allclose(out["token_level_scores"].sum(-1), torch.tensor(expect), atol=1e-5)
     assert out["acc"].tolist() == [1.0, 1.0]
+
+
+def test_none_strings_nan_and_inf_score_error_score_and_are_counted(tiny_dir, tmp_path):
+    module = tmp_path / "odd_reward.py"
+    module.write_text(
+        "import math\n"
+        "ANSWERS = {'1': None, '2': 'good', '3': math.nan, '4': -math.inf, '5': {'score': math.nan}, '6': 0.5}\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return ANSWERS[solution_str]\n")
+    worker = RewardWorker(str(tiny_dir), kind="function", function=f"{module}:compute_score", error_score=-1.0)
+    batch = _batch(worker.tokenizer, ["a"] * 6, ["1", "2", "3", "4", "5", "6"], ["0"] * 6)
+    out = worker.compute_reward(batch)
+    assert out["token_level_scores"].sum(-1).tolist() == [-1.0] * 5 + [0.5]
+    assert out["reward_error"].tolist() == [1.0] * 5 + [0.0]
+    assert out["reward_error_msg"][:5] == ["ValueError: reward function returned NoneType None, not a number",
+                                           "ValueError: reward function returned str 'good', not a number",
+                                           "ValueError: reward function returned nan, not a finite number",
+                                           "ValueError: reward function returned -inf, not a finite number",
+                                           "ValueError: reward function returned nan, not a finite number"]
+
+
+def test_a_bad_reward_function_is_refused_with_the_config_before_any_worker(tmp_path):
+    import pytest
+
+    from hybridlab.config import ConfigError, load_config
+
+    module = tmp_path / "bad_reward.py"
+    module.write_text("SCORE = 1.0\ndef two_args(a, b):\n    return 1.0\n")
+    cases = [("nowhere_pkg.rewards:score", "cannot import 'nowhere_pkg.rewards'"),
+             (f"{module}:missing", "has no function 'missing'"),
+             (f"{module}:SCORE", ":SCORE is a float, not a function"),
+             (f"{module}:two_args", ":two_args(a, b) cannot be called as fn(data_source, solution_str, ground_truth,"
+                                    " extra_info)")]
+    for spec, message in cases:
+        with pytest.raises(ConfigError, match="reward.function") as err:
+            load_config(None, ["reward.kind=function", f"reward.function={spec}"])
+        assert message in str(err.value), str(err.value)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridlab.config.schema import ConfigError, RunConfig
+from hybridlab.errors import UserError
 from hybridlab.dataflow.prompts import PROMPT_FIELDS
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
@@ -137,6 +138,13 @@ def validate_config(cfg: RunConfig) -> None:
     _choice(p, "reward.kind", cfg.reward.kind, ("rule", "function", "model"))
     if cfg.reward.kind == "function" and not cfg.reward.function:
         p.append("reward.function: reward.kind is 'function', so give an import path like mypkg.rewards:score")
+    elif cfg.reward.kind == "function":  # import it now: a bad path or signature fails before any worker starts
+        from hybridlab.workers.reward.scoring import load_function
+
+        try:
+            load_function(cfg.reward.function)
+        except UserError as exc:
+            p.append(str(exc))
     if cfg.reward.kind == "model" and not cfg.reward.model:
         p.append("reward.model: reward.kind is 'model', so give a reward-model checkpoint directory")
     _check_data_and_model(cfg, p)
@@ -182,7 +190,6 @@ def _dp_problems(cfg: RunConfig, mapping) -> list[str]:
 
 
 def _check_data_and_model(cfg: RunConfig, p: list[str]) -> None:
-    from hybridlab.errors import UserError
     from hybridlab.models.zoo import parse_preset
 
     if not Path(cfg.model).is_dir():

@@ -79,6 +79,7 @@ class RLSession:
         self._training = False     # a train() loop runs (in this thread or a background one)
         self.bad_updates = 0           # optimizer steps skipped for a NaN or inf, in all
         self.bad_steps_in_a_row = 0    # steps in a row with a skipped update (trainer.max_bad_updates)
+        self.reward_error_sources: set[str] = set()  # data sources whose reward failures were warned about
         self._edits = StepBoundary()  # a step, or an edit of the session; never both
         self.broken: str | None = None   # why the session cannot step (a remap failed halfway)
         self.environment: dict = {}

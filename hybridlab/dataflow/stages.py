@@ -151,10 +151,15 @@ def _finish_reward(ctx: "StepContext", batch: Batch, out: Batch) -> tuple[Batch,
     if "reward_error" in out:
         errors = out["reward_error"]
         metrics["reward/errors"] = int(errors.sum())
-        if errors.any():
-            first = next(m for m in out["reward_error_msg"] if m)
-            ctx.warn(f"reward function raised on {int(errors.sum())} of {len(errors)} samples "
-                     f"(scored {ctx.cfg.reward.error_score}); first: {first}")
+        sources = batch.objects.get("data_source", [""] * len(errors))
+        for source in sorted({s for s, e in zip(sources, errors.tolist()) if e}):
+            metrics[f"reward/errors/{source}"] = sum(1 for s, e in zip(sources, errors.tolist()) if e and s == source)
+            if source not in ctx.rl.reward_error_sources:  # warned once per data source; counted every step
+                ctx.rl.reward_error_sources.add(source)
+                first = next(m for s, m in zip(sources, out["reward_error_msg"]) if m and s == source)
+                ctx.warn(f"reward function failed on {metrics[f'reward/errors/{source}']} of {len(errors)} samples"
+                         f" of {source!r} (scored reward.error_score={ctx.cfg.reward.error_score}; counted in"
+                         f" reward/errors/{source}, warned once); first: {first}")
     overlong = ctx.cfg.algorithm.overlong_buffer
     if overlong.enable:
         lengths = batch["response_mask"].sum(-1)

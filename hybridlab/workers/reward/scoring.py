@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,8 +37,17 @@ def load_function(spec: str) -> ScoreFn:
         except ImportError as exc:
             raise UserError(f"reward.function: cannot import {where!r}: {exc}") from None
     fn = getattr(module, name, None)
-    if not callable(fn):
+    if fn is None:
         raise UserError(f"reward.function: {where!r} has no function {name!r}")
+    if not callable(fn):
+        raise UserError(f"reward.function: {where}:{name} is a {type(fn).__name__}, not a function")
+    try:
+        inspect.signature(fn).bind("data_source", "solution_str", "ground_truth", None)
+    except TypeError:
+        raise UserError(f"reward.function: {where}:{name}{inspect.signature(fn)} cannot be called as"
+                        " fn(data_source, solution_str, ground_truth, extra_info) (verl's compute_score)") from None
+    except ValueError:  # no signature to read (a builtin): it is called as it is
+        pass
     return fn
 
 
@@ -63,11 +74,21 @@ class RuleScorer:
 
 
 def score_one(fn: ScoreFn, data_source: str, text: str, ground_truth: Any, extra_info: Any) -> tuple[float, float | None]:
-    """Return (score, acc or None) from a reward function's float or dict answer."""
+    """Return (score, acc or None) from a reward function's number or dict answer; raises
+    ValueError for anything else (None, a string, NaN, inf), which scores ``error_score``."""
     out = fn(data_source, text, ground_truth, extra_info)
+    acc = None
     if isinstance(out, dict):
         if "score" not in out:
             raise ValueError(f"reward function returned a dict without 'score': {sorted(out)}")
-        acc = out.get("acc")
-        return float(out["score"]), None if acc is None else float(acc)
-    return float(out), None
+        out, acc = out["score"], out.get("acc")
+    if isinstance(out, bool) or not isinstance(out, (int, float)) and not _is_number(out):
+        raise ValueError(f"reward function returned {type(out).__name__} {out!r:.40}, not a number")
+    if not math.isfinite(float(out)):
+        raise ValueError(f"reward function returned {float(out)}, not a finite number")
+    return float(out), None if acc is None else float(acc)
+
+
+def _is_number(value: Any) -> bool:
+    """True for number-like values that are not str/bytes (numpy and torch scalars)."""
+    return hasattr(value, "__float__") and not isinstance(value, (str, bytes))
