@@ -86,3 +86,22 @@ def test_a_reward_function_returning_none_is_counted_per_data_source_and_warned_
         odd = sum(len(t) % 2 for t in texts)  # the samples the function answered None for
         assert odd > 0 and result.metrics["reward/errors/arith"] == result.metrics["reward/errors"] == odd
         assert float(b["token_level_scores"].sum()) == len(b) - odd  # 1.0 each, error_score 0 for the rest
+
+
+def test_a_hanging_reward_function_is_cut_off_in_the_reward_worker(rl, tmp_path):
+    module = tmp_path / "slow_reward.py"
+    module.write_text("import time\n"
+                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    if len(solution_str) % 2:\n"
+                      "        time.sleep(3600)\n"
+                      "    return 1.0\n")
+    rl.update("reward.kind=function", f"reward.function={module}:compute_score", "reward.timeout_s=4",
+              f"dataflow={FLOW}")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = rl.step()  # the step completes: the hung samples are cut off and counted
+    assert result.metrics["reward/errors"] > 0 and result.metrics["reward/errors/arith"] == result.metrics["reward/errors"]
+    b = result.batch
+    assert float(b["token_level_scores"].sum()) == len(b) - result.metrics["reward/errors"]  # 1.0 each, else 0

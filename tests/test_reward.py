@@ -98,3 +98,22 @@ def test_a_bad_reward_function_is_refused_with_the_config_before_any_worker(tmp_
         with pytest.raises(ConfigError, match="reward.function") as err:
             load_config(None, ["reward.kind=function", f"reward.function={spec}"])
         assert message in str(err.value), str(err.value)
+
+
+def test_a_hanging_reward_function_is_cut_off_by_timeout_s(tiny_dir, tmp_path):
+    module = tmp_path / "hanging_reward.py"
+    module.write_text(
+        "import time\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if solution_str == '2':\n"
+        "        while True:  # a busy hang: only killing the scorer stops it\n"
+        "            pass\n"
+        "    return 1.0\n")
+    worker = RewardWorker(str(tiny_dir), kind="function", function=f"{module}:compute_score", error_score=-1.0,
+                          timeout_s=3.0)
+    out = worker.compute_reward(_batch(worker.tokenizer, ["a"] * 3, ["1", "2", "3"], ["0"] * 3))
+    assert out["token_level_scores"].sum(-1).tolist() == [1.0, -1.0, -1.0]  # scored, hung, never reached
+    assert out["reward_error"].tolist() == [0.0, 1.0, 1.0]
+    assert out["reward_error_msg"][1] == "TimeoutError: reward.timeout_s=3 s passed before this sample was scored"
+    again = worker.compute_reward(_batch(worker.tokenizer, ["a"], ["1"], ["0"]))  # the next batch is fine
+    assert again["token_level_scores"].sum(-1).tolist() == [1.0] and again["reward_error"].tolist() == [0.0]

@@ -136,6 +136,8 @@ def validate_config(cfg: RunConfig) -> None:
             p.append(f"{section}.ppo_mini_batch_size: {mini} prompts does not divide data.prompts_per_step"
                      f" ({data.prompts_per_step})")
     _choice(p, "reward.kind", cfg.reward.kind, ("rule", "function", "model"))
+    if cfg.reward.timeout_s < 0:
+        p.append(f"reward.timeout_s: must be 0 (no limit) or a positive number of seconds, got {cfg.reward.timeout_s}")
     if cfg.reward.kind == "function" and not cfg.reward.function:
         p.append("reward.function: reward.kind is 'function', so give an import path like mypkg.rewards:score")
     elif cfg.reward.kind == "function":  # import it now: a bad path or signature fails before any worker starts

@@ -147,6 +147,7 @@ class RewardConfig:
     model: Optional[str] = None
     format_score: float = 0.0
     error_score: float = 0.0
+    timeout_s: float = 0.0              # >0: score each batch in a child process, cut off after this long
 
 
 @dataclasses.dataclass

@@ -86,8 +86,9 @@ ROLE_SPECS: dict[str, RoleSpec] = {spec.name: spec for spec in (
     RoleSpec("reward", "hybridlab.workers.reward.worker:RewardWorker",
              lambda cfg: {"kind": "rule" if cfg.reward.kind == "model" else cfg.reward.kind,
                           "function": cfg.reward.function, "format_score": cfg.reward.format_score,
-                          "error_score": cfg.reward.error_score},
-             recreate=("reward.kind", "reward.function", "reward.format_score", "reward.error_score")),
+                          "error_score": cfg.reward.error_score, "timeout_s": cfg.reward.timeout_s},
+             recreate=("reward.kind", "reward.function", "reward.format_score", "reward.error_score",
+                       "reward.timeout_s")),
 )}
 
 

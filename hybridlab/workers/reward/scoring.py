@@ -92,3 +92,55 @@ def score_one(fn: ScoreFn, data_source: str, text: str, ground_truth: Any, extra
 def _is_number(value: Any) -> bool:
     """True for number-like values that are not str/bytes (numpy and torch scalars)."""
     return hasattr(value, "__float__") and not isinstance(value, (str, bytes))
+
+
+Scored = tuple[float, "float | None", str]  # (score, acc or None, error message or "")
+
+
+def score_batch(fn: ScoreFn, items: list[tuple], error_score: float, timeout_s: float = 0.0) -> list[Scored]:
+    """Score ``items`` (data_source, text, ground_truth, extra_info) with ``fn``; returns one
+    (score, acc, error) per item, a failed item scoring ``error_score`` with its error.
+
+    With ``timeout_s > 0`` the items are scored in a forked child process that is killed when
+    the batch takes longer: the items it did not finish score ``error_score`` with a timeout
+    error, and the run goes on (a hung function cannot be stopped inside this process).
+    """
+    if timeout_s <= 0:
+        return [_safe_score(fn, *item, error_score) for item in items]
+    import multiprocessing
+    import time
+
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_score_into, args=(fn, items, error_score, send), daemon=True)
+    child.start()
+    send.close()
+    results: dict[int, Scored] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < len(items) and receive.poll(max(0.0, deadline - time.monotonic())):
+            i, result = receive.recv()
+            results[i] = result
+    except EOFError:  # the child died: what it did not send counts as failed
+        pass
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join()
+        receive.close()
+    missing = f"TimeoutError: reward.timeout_s={timeout_s:g} s passed before this sample was scored"
+    return [results.get(i, (error_score, None, missing)) for i in range(len(items))]
+
+
+def _safe_score(fn: ScoreFn, source: str, text: str, truth: Any, extra: Any, error_score: float) -> Scored:
+    try:
+        score, acc = score_one(fn, source, text, truth, extra)
+        return score, acc, ""
+    except Exception as exc:  # a bad sample must not end the run
+        return error_score, None, f"{type(exc).__name__}: {exc}"
+
+
+def _score_into(fn: ScoreFn, items: list[tuple], error_score: float, send) -> None:
+    for i, item in enumerate(items):
+        send.send((i, _safe_score(fn, *item, error_score)))
+    send.close()

@@ -4,7 +4,7 @@
 last token, zeros elsewhere), ``acc`` (task accuracy where a rule scorer knows the data
 source), ``reward_error`` (1 where the function raised) and the object field
 ``reward_error_msg``. A raising reward function never stops the run: the sample gets
-``error_score`` and is counted.
+``error_score`` and is counted; with ``timeout_s`` a function that hangs is cut off.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from hybridlab.batching import on_last_token
 from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.protocol import Batch
-from hybridlab.workers.reward.scoring import RuleScorer, load_function, score_one
+from hybridlab.workers.reward.scoring import RuleScorer, load_function, score_batch
 
 KINDS = ("rule", "function", "model")  # "model" scores through compute_model_reward
 
@@ -22,13 +22,13 @@ class RewardWorker(Worker):
     """One rank of the reward role; ``kind`` picks the scorer."""
 
     def __init__(self, model_dir: str, kind: str = "rule", function: str | None = None,
-                 format_score: float = 0.0, error_score: float = 0.0):
+                 format_score: float = 0.0, error_score: float = 0.0, timeout_s: float = 0.0):
         from transformers import AutoTokenizer
 
         if kind not in KINDS:
             raise ValueError(f"unknown reward kind {kind!r}; choose one of: {', '.join(KINDS)}")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.kind, self.error_score = kind, error_score
+        self.kind, self.error_score, self.timeout_s = kind, error_score, timeout_s
         self.rules = RuleScorer(format_score)
         self.fn = load_function(function) if kind == "function" else self.rules
         self.reward_models: dict[str, object] = {}
@@ -53,15 +53,11 @@ class RewardWorker(Worker):
         truths = batch.objects.get("ground_truth", [None] * n)
         sources = batch.objects.get("data_source", [""] * n)
         extras = batch.objects.get("extra_info", [None] * n)
-        for i, text in enumerate(texts):
-            try:
-                score, sample_acc = score_one(self.fn, sources[i], text, truths[i], extras[i])
-                scores[i] = score
-                acc[i] = sample_acc if sample_acc is not None else self._accuracy(sources[i], text, truths[i])
-            except Exception as exc:  # a bad sample must not end the run
-                scores[i], errors[i] = self.error_score, 1.0
-                messages[i] = f"{type(exc).__name__}: {exc}"
-                acc[i] = self._accuracy(sources[i], text, truths[i])
+        items = [(sources[i], text, truths[i], extras[i]) for i, text in enumerate(texts)]
+        timeout = self.timeout_s if self.kind == "function" else 0.0  # the built-in rules never hang
+        for i, (score, sample_acc, error) in enumerate(score_batch(self.fn, items, self.error_score, timeout)):
+            scores[i], errors[i], messages[i] = score, float(bool(error)), error
+            acc[i] = sample_acc if sample_acc is not None else self._accuracy(sources[i], texts[i], truths[i])
         return Batch({"token_level_scores": on_last_token(scores, batch["response_mask"]), "acc": acc,
                       "reward_error": errors}, {"reward_error_msg": messages})
 
