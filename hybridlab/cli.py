@@ -125,8 +125,9 @@ def cmd_train(args) -> int:
         cfg = load_config(args.config, args.overrides)  # every config error surfaces here, before work
         rl = RLSession(cfg, **ray)
         print(f"run directory: {rl.run_dir}", flush=True)
-    _stop_on_signals(rl)
     try:
+        rl.start()  # first: starting Ray installs its own SIGTERM handler, which ours replaces
+        _stop_on_signals(rl)
         summary = rl.train()
     finally:
         rl.shutdown()

@@ -120,3 +120,49 @@ def test_fault_points_are_checked():
             faults.armed()
     finally:
         del os.environ[faults.ENV]
+
+
+def test_sigterm_stops_at_a_step_boundary_saves_and_says_how_to_resume_and_a_second_signal_stops_at_once(
+        trained_dir, tmp_path):
+    import time
+
+    run_dir = tmp_path / "run"
+    ray_tmp = Path(tempfile.mkdtemp(prefix="hlray-s", dir="/tmp"))
+    args = [sys.executable, "-m", "hybridlab.cli", "train", f"model={trained_dir}", *SETTINGS[:-3],
+            "trainer.steps=200", "trainer.save_every=0", f"trainer.run_dir={run_dir}", "--ray-temp-dir", str(ray_tmp)]
+
+    def steps_logged() -> int:
+        path = run_dir / "metrics.jsonl"
+        return sum(1 for line in path.read_text().splitlines() if "reward/mean" in line) if path.is_file() else 0
+
+    def start_and_wait_for(steps: int) -> subprocess.Popen:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, env={**os.environ, "HYBRIDLAB_FAULT": ""})
+        deadline = time.time() + 300
+        while steps_logged() < steps and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        return proc
+
+    proc = start_and_wait_for(2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "SIGTERM: stopping after this step and saving a checkpoint" in err
+    assert f"resume with: hybridlab train --resume {run_dir}" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"] == "stop requested" and summary["steps"] == steps_logged() < 200
+    assert [p.name for p in checkpoint_dirs(run_dir)] == [f"step-{summary['steps']:06d}"]  # saved at the stop
+
+    args[args.index(f"trainer.run_dir={run_dir}")] = f"trainer.run_dir={tmp_path / 'second'}"
+    args[args.index("trainer.save_every=0")] = "trainer.save_every=1"  # a checkpoint after every step
+    run_dir = tmp_path / "second"
+    proc = start_and_wait_for(2)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)  # two deliveries, not one merged signal
+    proc.send_signal(signal.SIGINT)  # the second one: at once
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    kept = checkpoint_dirs(run_dir)
+    assert kept and all((p / "session.json").is_file() and (p / "actor" / "model.safetensors").is_file()
+                        for p in kept)  # the latest complete checkpoint is intact; nothing half-written counts
+    assert leftovers([ray_tmp]) == []
