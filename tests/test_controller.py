@@ -173,6 +173,30 @@ def test_timeouts_do_not_hang(session):
     session.groups["actor"].nap(0)  # the worker is fine afterwards
 
 
+def test_a_call_past_its_deadline_is_reported_stuck_with_the_stacks_of_its_process(session, tmp_path):
+    watch = session.watch
+    watch.stacks_dir = tmp_path
+    watch.configure(floor_s=1.0, fixed_s=0.0)
+    watch.forget({"actor"})  # the earlier tests' naps (one queued behind a 3 s nap) do not count
+    try:
+        for _ in range(3):
+            session.groups["actor"].nap(0.01)
+        assert watch.deadline("actor", "nap", "") == 1.0  # the floor: 5x the recent calls is less
+        future = session.groups["actor"].nap.submit(60)
+        time.sleep(0.3)
+        assert [(c["role"], c["ranks"], c["method"], c["late"]) for c in watch.running()] == \
+            [("actor", [0], "nap", False)]
+        with pytest.raises(WorkerError, match=r"worker actor rank 0 stuck in nap:\nno answer after 1 s") as info:
+            future.result()
+        assert info.value.kind == "stuck" and watch.running() == []
+        (stack,) = tmp_path.glob("*-actor-nap-rank0-pid*.txt")
+        assert "test_controller.py" in stack.read_text() and "in nap" in stack.read_text()  # where it was
+        session.recreate("actor", close_timeout=0)  # the stuck process goes; a new one answers
+        assert session.groups["actor"].hello("x") == "hello x from 0"
+    finally:
+        watch.configure(floor_s=120.0, fixed_s=0.0)
+
+
 def test_dead_worker_is_named_and_group_can_be_recreated(session):
     saved, loaded = [], []
     session.add_remap_hook(save=lambda role, g: saved.append(role) or role,

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from hybridlab.controller.watch import CallWatch, dump_stacks
 from hybridlab.controller.worker import Dispatch, RemoteError, host_actor_class, registered_methods
 from hybridlab.protocol import Batch
 from hybridlab.telemetry.timeline import Span, Timeline
@@ -23,7 +25,11 @@ INLINE_BYTES = 100 * 1024  # Ray's limit for passing an argument inline rather t
 
 
 class WorkerError(RuntimeError):
-    """A worker call failed: names the role, rank and method, with the remote traceback."""
+    """A worker call failed: names the role, rank and method, with the remote traceback.
+
+    ``kind`` says how: "raised" (the method raised), "died" (the process is gone), "stuck"
+    (no answer by the call's deadline; its stacks were written) or "timed out" (no answer
+    within an explicit timeout)."""
 
     def __init__(self, role: str, rank: int, method: str, detail: str, kind: str = "raised"):
         self.role, self.rank, self.method, self.kind = role, rank, method, kind
@@ -165,6 +171,8 @@ class GroupFuture:
         self.group, self.method, self._refs, self._ranks, self._finish = group, method, refs, ranks, finish
         self._done, self._value = False, None
         self.stage = group.timeline.stage  # the submitting thread's stage, whoever collects the result
+        self._call = group.watch.begin(group.role, method, self.stage, ranks,
+                                       [group.placements[r]["pid"] for r in ranks if r < len(group.placements)])
 
     def done(self) -> bool:
         """Return True once every rank has answered (without waiting)."""
@@ -172,16 +180,42 @@ class GroupFuture:
         return len(ready) == len(self._refs)
 
     def result(self, timeout: float | None = None) -> Any:
-        """Wait (at most ``timeout`` s, default the group's) and return the collected result."""
+        """Wait and return the collected result: at most ``timeout`` s if given, else until the
+        call's deadline (see CallWatch), past which its stacks are written and it is reported
+        as stuck (WorkerError of kind "stuck")."""
         if not self._done:
             g = self.group
-            answers = _get_all(self._refs, self._ranks, g.role, self.method,
-                               g.timeout if timeout is None else timeout)
+            watched = timeout is None
+            if watched:
+                deadline = g.watch.deadline(g.role, self.method, self.stage)
+                timeout = max(0.0, g.watch.started(self._call) + deadline - time.time())
+            try:
+                answers = _get_all(self._refs, self._ranks, g.role, self.method, timeout)
+            except WorkerError as err:
+                g.watch.end(self._call, ok=False)
+                if watched and err.kind == "timed out":
+                    raise self._stuck(err.rank, deadline) from None
+                raise
+            g.watch.end(self._call, ok=True)
             g.timeline.add([Span(role=s[0], rank=s[1], method=s[2], start=s[3], end=s[4], bytes_in=s[5],
                                  bytes_out=s[6], pid=s[7], stage=self.stage) for _, s in answers])
             self._value = self._finish([r for r, _ in answers])
             self._done = True
         return self._value
+
+    def _stuck(self, rank: int, deadline: float) -> WorkerError:
+        """Write the stacks of the call's processes; returns the error that reports it."""
+        g = self.group
+        label = f"{time.strftime('%Y%m%d-%H%M%S')}-{g.role}-{self.method}"
+        try:
+            files = dump_stacks([g.placements[r] for r in self._ranks], g.watch.stacks_dir, label)
+            where = f"; the stacks of its processes are in {files[0].parent}/{label}-rank*.txt"
+        except Exception as exc:  # the report matters more than the stacks
+            where = f"; its stacks could not be written ({exc!r})"
+        return WorkerError(g.role, rank, self.method,
+                           f"no answer after {deadline:.0f} s, the deadline from recent calls of stage"
+                           f" {self.stage or '(none)'!r} (trainer.call_deadline_s and call_deadline_floor_s"
+                           f" set it){where}", kind="stuck")
 
 
 class _Method:
@@ -207,10 +241,11 @@ class WorkerGroup:
     """Handle of one role over its worker processes; registered methods appear as attributes."""
 
     def __init__(self, role: str, cls: type, hostset: HostSet, timeline: Timeline | None = None,
-                 timeout: float = DEFAULT_TIMEOUT_S):
+                 timeout: float = DEFAULT_TIMEOUT_S, watch: CallWatch | None = None):
         self.role, self.cls, self.hostset = role, cls, hostset
         self.timeline = timeline if timeline is not None else Timeline()
         self.timeout = timeout
+        self.watch = watch if watch is not None else CallWatch(first_s=timeout)
         self._dp: list[tuple[int, int, bool]] | None = None
         self.methods = registered_methods(cls)
         self._remote = {name: [getattr(h, f"{role}__{name}") for h in hostset.hosts] for name in self.methods}

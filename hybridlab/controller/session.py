@@ -13,6 +13,7 @@ import ray
 from hybridlab.controller.group import DEFAULT_TIMEOUT_S, HostSet, RoleClass, WorkerGroup, spawn_hosts
 from hybridlab.controller.mapping import DeviceMapping, MappingError
 from hybridlab.controller.resources import ResourcePool, connect
+from hybridlab.controller.watch import CallWatch
 from hybridlab.telemetry.timeline import Timeline
 
 SaveHook = Callable[[str, WorkerGroup], Any]          # (role, old group) -> state
@@ -30,6 +31,7 @@ class Session:
         self.model, self.env, self.timeout = model, dict(env or {}), timeout
         self._connect_args = dict(address=address, num_gpus=num_gpus, temp_dir=ray_temp_dir)
         self.timeline = Timeline()
+        self.watch = CallWatch(first_s=timeout)  # every call in flight, its deadline, stuck-call stacks
         self.pools: dict[str, ResourcePool] = {}
         self.groups: dict[str, WorkerGroup] = {}
         self._sets: list[HostSet] = []
@@ -76,12 +78,13 @@ class Session:
                               cpus=pool.cpus_per_device / sharing, env=self.env, timeout=self.timeout)
         self._sets.append(hostset)
         for m in members:
-            self.groups[m] = WorkerGroup(m, self.workers[m].cls, hostset, self.timeline, self.timeout)
+            self.groups[m] = WorkerGroup(m, self.workers[m].cls, hostset, self.timeline, self.timeout, self.watch)
 
-    def _teardown(self, roles: set[str]) -> None:
+    def _teardown(self, roles: set[str], close_timeout: float = 15.0) -> None:
         for hostset in [s for s in self._sets if set(s.roles) & roles]:
-            hostset.kill()
+            hostset.kill(close_timeout)
             self._sets.remove(hostset)
+            self.watch.forget(set(hostset.roles))
             for m in hostset.roles:
                 self.groups.pop(m, None)
 
@@ -136,22 +139,40 @@ class Session:
         self._load(changed, states)
         return changed
 
-    def recreate(self, role: str) -> WorkerGroup:
-        """Replace the processes of ``role`` (and of roles colocated with it); returns its new group.
-
-        Use it after a worker died: the remap hooks reload model state.
+    def recreate(self, role: str, close_timeout: float = 15.0) -> WorkerGroup:
+        """Replace the processes of ``role`` (and of roles colocated with it) on the same
+        placement; returns its new group. Use it after a worker died or got stuck (then give a
+        short ``close_timeout``: a stuck process cannot clean up): the remap hooks reload state.
         """
         if role not in self.mapping.roles:
             raise MappingError(f"no role {role!r} in the mapping; roles: {', '.join(self.mapping.roles)}")
         pool, members = next((p, m) for p, m in self.mapping.process_sets() if role in m)
         states = self._save(set(members), tolerate_dead=True)
-        self._teardown(set(members))
+        self._teardown(set(members), close_timeout)
         self._spawn(self.mapping, pool, members)
         self._load(set(members), states)
         return self.groups[role]
 
+    def dead_roles(self, timeout: float = 10.0, exclude: set[str] = frozenset(),
+                   only: set[str] | None = None) -> set[str]:
+        """Return the roles whose processes do not all answer a ping within ``timeout`` s (the
+        process sets of roles in ``exclude`` are not asked; with ``only``, only theirs are)."""
+        dead: set[str] = set()
+        for hostset in [s for s in self._sets if not set(s.roles) & exclude
+                        and (only is None or set(s.roles) & only)]:
+            group = self.groups.get(hostset.roles[0])
+            if group is not None and not group.ping(timeout):
+                dead |= set(hostset.roles)
+        return dead
+
+    def colocated(self, role: str) -> tuple[str, ...]:
+        """Return the roles that share ``role``'s processes (itself included)."""
+        return next(m for _, m in self.mapping.process_sets() if role in m)
+
     def _save(self, roles: set[str], tolerate_dead: bool = False) -> dict:
         states: dict[str, list] = {}
+        if not self._hooks:
+            return states
         for role in roles:
             group = self.groups.get(role)
             if group is None or (tolerate_dead and not group.ping()):

@@ -12,6 +12,7 @@ import os
 import socket
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import ray
@@ -119,6 +120,7 @@ class WorkerHost:
         os.environ.update(env)
         self.workers: dict[str, Worker] = {}
         self.rank = -1
+        self._stacks = _register_stack_dump()
 
     def placement(self) -> dict:
         """Return where this process runs: node id and IP, device ids, process id."""
@@ -194,6 +196,26 @@ class WorkerHost:
                     obj.close()
                 except Exception:  # the process is going away; a failed clean-up must not stop that
                     traceback.print_exc()
+        if self._stacks is not None:
+            self._stacks.close()
+            Path(self._stacks.name).unlink(missing_ok=True)
+
+
+def _register_stack_dump():
+    """Make this process write every thread's Python stack to its stack file on the stack
+    signal (CallWatch sends it to a stuck worker); returns the open file, or None if it cannot."""
+    import faulthandler
+
+    from hybridlab.controller.watch import STACK_SIGNAL, stack_file
+
+    try:
+        path = stack_file(os.getpid())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(path, "w")
+        faulthandler.register(STACK_SIGNAL, file=out, all_threads=True)
+        return out
+    except (OSError, RuntimeError, ValueError):  # no writable temp dir, or no signals here
+        return None
 
 
 
