@@ -19,7 +19,7 @@ def test_bench_dispatch_json(ray_local, capfd):
 
 def test_unknown_benchmark_lists_names(capfd):
     assert main(["bench", "nope", "--json"]) == 2
-    assert "unknown benchmark 'nope'; choose one of: dispatch, e2e, learn, remap, rollout, sync, train" in capfd.readouterr().err
+    assert "unknown benchmark 'nope'; choose one of: dispatch, e2e, learn, remap, rollout, soak, sync, train" in capfd.readouterr().err
 
 
 def test_bench_train_json(ray_local, capfd):
@@ -58,3 +58,20 @@ def test_bench_e2e_json_against_trl(ray_local, capfd):
 def test_bench_learn_refuses_bad_seeds_before_any_run(capfd):
     assert main(["bench", "learn", "--seeds", "0,x", "--json"]) == 2
     assert "seeds must be integers separated by commas, e.g. 0,1,2; got '0,x'" in capfd.readouterr().err
+
+
+def test_bench_soak_json(ray_local, capfd):
+    result = _bench(["soak", "--opt", "model=tiny", "--opt", "steps=16", "--opt", "warmup=4", "--opt", "save_every=5"],
+                    capfd)
+    assert {"processes", "telemetry_bytes_per_step", "checkpoint_s", "goal_met", "processor", "median_step_s"} <= set(result)
+    assert len(result["checkpoint_s"]) == 3 and result["worker_restarts"] == 0  # steps 5, 10, 15
+    assert "controller" in result["processes"] and len(result["processes"]) == 2  # and the one colocated worker
+    for figures in result["processes"].values():
+        assert {"rss_mb_start", "rss_mb_end", "slope_mb_per_100_steps", "slope_pct_per_100_steps", "fds_start",
+                "fds_end"} <= set(figures) and figures["rss_mb_end"] > 100
+    assert result["telemetry_bytes_per_step"] > 1000  # spans, device samples and metrics of every step
+
+
+def test_bench_soak_refuses_too_few_steps(capfd):
+    assert main(["bench", "soak", "--opt", "steps=20", "--opt", "warmup=50", "--json"]) == 2
+    assert "steps (20) must exceed warmup (50) by more than 10" in capfd.readouterr().err

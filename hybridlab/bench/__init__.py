@@ -14,6 +14,7 @@ BENCHES = {
     "e2e": "hybridlab.bench.e2e",
     "learn": "hybridlab.bench.learn",
     "remap": "hybridlab.bench.remap",
+    "soak": "hybridlab.bench.soak",
 }
 
 

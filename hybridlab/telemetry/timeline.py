@@ -1,6 +1,7 @@
 """Spans: one record per worker call (role, rank, method, start, end, bytes in and out)."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import threading
@@ -27,11 +28,15 @@ class Span:
         return self.end - self.start
 
 
-class Timeline:
-    """A thread-safe, append-only list of spans, with listeners (the telemetry hub subscribes)."""
+MAX_SPANS = 100_000  # the newest spans kept in memory (a long run's full record is the telemetry file)
 
-    def __init__(self) -> None:
-        self._spans: list[Span] = []
+
+class Timeline:
+    """A thread-safe, append-only list of the newest ``max_spans`` spans, with listeners (the
+    telemetry hub subscribes and keeps them all on disk)."""
+
+    def __init__(self, max_spans: int = MAX_SPANS) -> None:
+        self._spans: collections.deque[Span] = collections.deque(maxlen=max_spans)
         self._lock = threading.Lock()
         self._listeners: list = []
         self._local = threading.local()

@@ -1,0 +1,102 @@
+"""Soak: a long run of the small model, watched for what grows when it should not.
+
+``hybridlab bench soak --json``: GRPO steps (default 300) with a checkpoint every 50, sampling
+after every step the resident memory (RSS) of each worker process and of the controller, the
+open file descriptors, and the telemetry file's size. Reported per process: the RSS slope after
+warm-up (least squares, MB per 100 steps, and as a share of its RSS); the goal is a slope of at
+most 1% of RSS per 100 steps for every process (``goal_met``). Also: telemetry bytes per step,
+descriptors at the start and the end, and the seconds each checkpoint took.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+GOAL_PCT_PER_100_STEPS = 1.0
+
+
+def _rss_mb(pid: int) -> float:
+    """Return the resident memory of process ``pid`` in MB (from /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _fds(pid: int) -> int:
+    """Return how many file descriptors process ``pid`` has open."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _slope_per_100(steps: list[int], values: list[float]) -> float:
+    """Return the least-squares slope of ``values`` over ``steps``, per 100 steps."""
+    mean_x, mean_y = statistics.fmean(steps), statistics.fmean(values)
+    sxx = sum((x - mean_x) ** 2 for x in steps)
+    return 100 * sum((x - mean_x) * (y - mean_y) for x, y in zip(steps, values)) / sxx if sxx else 0.0
+
+
+def _settings(model: str, run_dir: str) -> list[str]:
+    return [f"model={model}", "warm_start.max_steps=0", "data.prompts_per_step=8", "rollout.n=4",
+            "rollout.max_new_tokens=16", "actor.ppo_mini_batch_size=8", "trainer.progress=false",
+            "trainer.eval_every=0", "trainer.save_every=0", "trainer.keep_checkpoints=2", "data.test_samples=8",
+            f"trainer.run_dir={run_dir}"]
+
+
+def run(model: str = "small", steps: int = 300, save_every: int = 50, warmup: int = 50) -> dict:
+    """Run the soak and return its figures (see the module docstring), with the processor."""
+    from hybridlab.dataflow.session import RLSession
+    from hybridlab.environment import processor
+    from hybridlab.models.zoo import resolve_model
+    from hybridlab.telemetry.hub import TELEMETRY_FILE
+
+    from hybridlab.errors import UserError
+
+    if steps <= warmup + 10:
+        raise UserError(f"steps ({steps}) must exceed warmup ({warmup}) by more than 10 to fit a slope")
+    with tempfile.TemporaryDirectory() as tmp:
+        rl = RLSession(None, _settings(str(resolve_model(model)), f"{tmp}/run"))
+        try:
+            rl.start()
+            processes = {",".join(g.hostset.roles): p["pid"] for g in rl.session.groups.values()
+                         for p in g.placements}
+            processes["controller"] = os.getpid()
+            rss: dict[str, list[float]] = {name: [] for name in processes}
+            fds_start = {name: _fds(pid) for name, pid in processes.items()}
+            telemetry = rl.run_dir / TELEMETRY_FILE
+            telemetry_start = telemetry.stat().st_size
+            checkpoint_s, step_s = [], []
+            for step in range(1, steps + 1):
+                t0 = time.perf_counter()
+                rl.step()
+                step_s.append(time.perf_counter() - t0)
+                if step % save_every == 0:
+                    t0 = time.perf_counter()
+                    rl.save_checkpoint()
+                    checkpoint_s.append(round(time.perf_counter() - t0, 3))
+                for name, pid in processes.items():
+                    rss[name].append(_rss_mb(pid))
+                if step % 50 == 0:
+                    print(f"soak: step {step}/{steps}", flush=True)
+            fds_end = {name: _fds(pid) for name, pid in processes.items()}
+            telemetry_bytes = telemetry.stat().st_size - telemetry_start
+            restarts = rl.worker_restarts
+        finally:
+            rl.shutdown()
+    xs = list(range(warmup + 1, steps + 1))
+    per_process = {}
+    for name, values in rss.items():
+        slope = _slope_per_100(xs, values[warmup:])
+        mean = statistics.fmean(values[warmup:])
+        per_process[name] = {"rss_mb_start": round(values[0], 1), "rss_mb_end": round(values[-1], 1),
+                             "slope_mb_per_100_steps": round(slope, 3),
+                             "slope_pct_per_100_steps": round(100 * slope / mean, 3),
+                             "fds_start": fds_start[name], "fds_end": fds_end[name]}
+    return {"benchmark": "soak", "model": model, "processor": processor(), "steps": steps, "warmup_steps": warmup,
+            "save_every": save_every, "median_step_s": round(statistics.median(step_s), 3),
+            "processes": per_process, "telemetry_bytes_per_step": round(telemetry_bytes / steps),
+            "checkpoint_s": checkpoint_s, "worker_restarts": restarts,
+            "goal_pct_per_100_steps": GOAL_PCT_PER_100_STEPS,
+            "goal_met": all(p["slope_pct_per_100_steps"] <= GOAL_PCT_PER_100_STEPS for p in per_process.values())}
