@@ -136,6 +136,9 @@ def cmd_train(args) -> int:
     print(f"summary: {rl.run_dir / 'summary.json'}", flush=True)
     if summary["stopped_by"] != "steps":
         print(f"resume with: hybridlab train --resume {rl.run_dir}", flush=True)
+    if summary["failed"]:
+        print(f"error: {summary['stopped_by']}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -6,6 +6,11 @@ Several points: ``generate@5,checkpoint_write@4``. Points in the code: ``generat
 responses are back, nothing scored yet), ``update_actor`` (the actor's weights have changed,
 the step is not logged), ``checkpoint_write`` (the trainers' state is written, the checkpoint
 not yet complete).
+
+``kill:ROLE:STAGE@STEP`` kills a worker instead: when step STEP's stage STAGE starts, the
+controller sends SIGKILL to every process of ROLE (and so of the roles colocated with it), once
+per driver process (the retried step runs normally). Only for worker processes on the
+controller's node (it signals their process ids).
 """
 from __future__ import annotations
 
@@ -17,15 +22,34 @@ ENV = "HYBRIDLAB_FAULT"
 POINTS = ("generate", "update_actor", "checkpoint_write")
 
 
+_fired: set[str] = set()   # worker kills already done by this process
+
+
 def armed() -> dict[str, int]:
     """Return ``{point: step}`` from the environment; raises ValueError naming a bad entry."""
     out = {}
     for item in filter(None, (x.strip() for x in os.environ.get(ENV, "").split(","))):
         name, _, step = item.partition("@")
-        if name not in POINTS or not step.isdigit():
-            raise ValueError(f"{ENV}: {item!r} is not POINT@STEP with POINT one of {', '.join(POINTS)}")
+        kill = name.split(":")
+        if not step.isdigit() or (name not in POINTS and (len(kill) != 3 or kill[0] != "kill" or not all(kill))):
+            raise ValueError(f"{ENV}: {item!r} is not POINT@STEP with POINT one of {', '.join(POINTS)},"
+                             " or kill:ROLE:STAGE@STEP")
         out[name] = int(step)
     return out
+
+
+def worker_kill(stage: str, step: int) -> list[str]:
+    """Return the roles whose processes ``HYBRIDLAB_FAULT`` says to kill as ``stage`` of ``step``
+    starts (each entry once per process)."""
+    if not os.environ.get(ENV):
+        return []
+    roles = []
+    for name, at in armed().items():
+        parts = name.split(":")
+        if parts[0] == "kill" and parts[2] == stage and at == step and name not in _fired:
+            _fired.add(name)
+            roles.append(parts[1])
+    return roles
 
 
 def fault_point(name: str, step: int) -> None:

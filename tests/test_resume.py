@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,24 +57,32 @@ def metrics(run_dir: Path) -> list[dict]:
     return [repeatable(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_killed_three_times_and_resumed_the_run_repeats_the_uninterrupted_one(trained_dir, tmp_path):
+@pytest.fixture(scope="module")
+def reference(trained_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """The uninterrupted run: (its run directory, its Ray temp dir)."""
+    reference_dir = tmp_path_factory.mktemp("resume") / "reference"
+    ref, ray_tmp = train([f"model={trained_dir}", *SETTINGS, f"trainer.run_dir={reference_dir}"])
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return reference_dir, ray_tmp
+
+
+def test_killed_three_times_and_resumed_the_run_repeats_the_uninterrupted_one(trained_dir, reference, tmp_path):
     shm_before = set(os.listdir("/dev/shm"))
     base = [f"model={trained_dir}", *SETTINGS]
-    reference_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
-    ref, tmp0 = train([*base, f"trainer.run_dir={reference_dir}"])
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    (reference_dir, tmp0), run_dir = reference, tmp_path / "killed"
     tmps = [tmp0]
 
     killed, t = train([*base, f"trainer.run_dir={run_dir}"], fault="update_actor@3")
     tmps.append(t)
     assert killed.returncode == -signal.SIGKILL and "fault injected: update_actor at step 3" in killed.stderr
-    assert [p.name for p in checkpoint_dirs(run_dir)] == ["step-000002"]
+    assert [p.name for p in checkpoint_dirs(run_dir)] == ["step-000000", "step-000002"]  # 0: at the start
 
     killed, t = train(["--resume", str(run_dir)], fault="checkpoint_write@4")
     tmps.append(t)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert "resuming" in killed.stdout and "step-000002" in killed.stdout
-    assert [p.name for p in checkpoint_dirs(run_dir)] == ["step-000002"]  # the half-written one does not count
+    assert [p.name for p in checkpoint_dirs(run_dir)] == ["step-000000", "step-000002"]  # the half-written one
+    # does not count
     assert list((run_dir / "checkpoints").glob(".step-000004.*"))  # ... and is still there, unfinished
 
     killed, t = train(["--resume", str(run_dir)], fault="generate@5")
@@ -99,6 +108,30 @@ def test_killed_three_times_and_resumed_the_run_repeats_the_uninterrupted_one(tr
 
     assert leftovers(tmps) == []
     assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+def test_a_worker_killed_mid_step_is_recreated_and_the_run_repeats_the_uninterrupted_one(
+        trained_dir, reference, tmp_path):
+    reference_dir, _ = reference
+    run_dir = tmp_path / "run"
+    # one process holds every role here: the kill takes the actor too, so the run goes back to
+    # the checkpoint of step 2 and runs steps 3 and 4 again (step 3 was logged before the kill)
+    done, ray_tmp = train([f"model={trained_dir}", *SETTINGS, f"trainer.run_dir={run_dir}"],
+                          fault="kill:rollout:reward@4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "fault injected: kill rollout" in done.stderr
+    assert re.search(r"worker \w+ rank 0 died in \w+; re-creating [\w, ]+ \(restart 1 of at most 3\)", done.stderr), \
+        done.stderr[-3000:]
+    ours = metrics(run_dir)
+    assert [m.pop("faults/worker_restarts") for m in ours if "faults/worker_restarts" in m] == [0, 0, 1, 1, 1, 1]
+    assert ours == [{k: v for k, v in m.items() if k != "faults/worker_restarts"} for m in metrics(reference_dir)]
+    telemetry = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+    (restart,) = [r for r in telemetry if r["kind"] == "restart"]
+    assert (restart["step"], restart["rolled_back_to"], restart["failure"]) == (2, 2, "died")
+    assert {"actor", "reward", "rollout"} <= set(restart["recreated"])  # every role: one process
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["worker_restarts"] == 1 and summary["failed"] is False and summary["steps"] == STEPS
+    assert leftovers([ray_tmp]) == []
 
 
 def test_resume_refuses_a_folder_without_a_checkpoint(tmp_path, capsys):
@@ -151,7 +184,8 @@ def test_sigterm_stops_at_a_step_boundary_saves_and_says_how_to_resume_and_a_sec
     assert f"resume with: hybridlab train --resume {run_dir}" in out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stopped_by"] == "stop requested" and summary["steps"] == steps_logged() < 200
-    assert [p.name for p in checkpoint_dirs(run_dir)] == [f"step-{summary['steps']:06d}"]  # saved at the stop
+    assert [p.name for p in checkpoint_dirs(run_dir)] == ["step-000000", f"step-{summary['steps']:06d}"]  # saved
+    # at the start and at the stop
 
     args[args.index(f"trainer.run_dir={run_dir}")] = f"trainer.run_dir={tmp_path / 'second'}"
     args[args.index("trainer.save_every=0")] = "trainer.save_every=1"  # a checkpoint after every step

@@ -97,3 +97,60 @@ def test_dataset_accepts_chat_prompts_and_names_bad_rows(tmp_path):
         load_dataset(tmp_path / "d.csv")
     with pytest.raises(UserError, match="no built-in scorer for data_source 'openai/gsm8k'"):
         task_for_source(s.data_source)
+
+
+ODD = ["2+3= \U0001F600 \u0645\u0631\u062d\u0628\u0627 e\u0301 a\u200db \u4e2d\u6587", "\u202eRTL override 7+1=",
+       "tab\tand\u00a0nbsp 1+1="]
+
+
+def write_rows(path, prompts) -> None:
+    path.write_text("".join(json.dumps({"prompt": p, "data_source": "arith",
+                                        "reward_model": {"ground_truth": "1"}}) + "\n" for p in prompts))
+
+
+def test_prompts_are_checked_with_the_row_named_and_long_ones_refused_or_left_truncated(tmp_path, tiny_dir):
+    from transformers import AutoTokenizer
+
+    from hybridlab.dataflow.prompts import PromptFit, tokenize_prompts
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    path = tmp_path / "odd.jsonl"
+    write_rows(path, ODD)
+    samples = load_dataset(path)
+    ids = tokenize_prompts(samples, tok, PromptFit(context=64, max_new_tokens=8))
+    import unicodedata
+
+    # odd Unicode goes through, as the tokenizer normalizes it (NFC: e + combining accent -> é)
+    assert [tok.decode(i) for i in ids] == [unicodedata.normalize("NFC", p) for p in ODD] != ODD
+
+    write_rows(path, ["1+1=", ""])
+    with pytest.raises(UserError, match=r"odd.jsonl: row 2: the prompt is empty"):
+        tokenize_prompts(load_dataset(path), tok)
+    write_rows(path, ["1+1=", "1+1=", "bad \ud800 surrogate"])
+    with pytest.raises(UserError, match=r"odd.jsonl: row 3: the prompt cannot be tokenized"):
+        tokenize_prompts(load_dataset(path), tok)
+
+    long = " ".join(str(i) for i in range(40))
+    write_rows(path, ["1+1=", long])
+    n = len(tok(long, add_special_tokens=False).input_ids)
+    fit = PromptFit(context=32, max_new_tokens=8)
+    with pytest.raises(UserError, match=rf"odd.jsonl: row 2: the prompt has {n} tokens, more than the 24 that fit \(the"
+                                        r" model's context of 32 minus rollout.max_new_tokens=8\); shorten it, or set"
+                                        r" data.truncate_prompts=true to keep its last 24 tokens"):
+        tokenize_prompts(load_dataset(path), tok, fit)
+    kept = tokenize_prompts(load_dataset(path), tok, PromptFit(context=32, max_new_tokens=8, truncate=True))
+    assert kept[1] == tok(long, add_special_tokens=False).input_ids[-24:] and len(kept[0]) < 24
+
+
+def test_a_session_refuses_bad_prompts_before_ray_starts(tmp_path, tiny_dir):
+    import ray
+
+    from hybridlab.dataflow.session import RLSession
+
+    path = tmp_path / "train.jsonl"
+    write_rows(path, ["1+1=", "2+2=", ""])
+    rl = RLSession(None, [f"model={tiny_dir}", f"data.train_files={path}", "warm_start.max_steps=0",
+                          f"trainer.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(UserError, match=r"train.jsonl: row 3: the prompt is empty"):
+        rl.start()
+    assert not ray.is_initialized() and rl.session is None

@@ -127,6 +127,10 @@ def validate_config(cfg: RunConfig) -> None:
     _at_least(p, "trainer.save_every", cfg.trainer.save_every, 0)
     _at_least(p, "trainer.keep_checkpoints", cfg.trainer.keep_checkpoints, 1)
     _at_least(p, "trainer.max_bad_updates", cfg.trainer.max_bad_updates, 1)
+    _at_least(p, "trainer.max_restarts", cfg.trainer.max_restarts, 0)
+    _at_least(p, "trainer.call_deadline_s", cfg.trainer.call_deadline_s, 0)
+    if cfg.trainer.call_deadline_floor_s <= 0:
+        p.append(f"trainer.call_deadline_floor_s: must be positive, got {cfg.trainer.call_deadline_floor_s}")
     if cfg.trainer.max_minutes <= 0:
         p.append(f"trainer.max_minutes: must be positive, got {cfg.trainer.max_minutes}")
     uses_critic = any(n in ("values", "update_critic") for n in dataflow_names(cfg))

@@ -48,6 +48,7 @@ class DataConfig:
     test_samples: int = 500
     prompts_per_step: int = 32
     seed: int = 0
+    truncate_prompts: bool = False      # keep the last tokens of a prompt too long for the context (else refused)
 
 
 @dataclasses.dataclass
@@ -166,6 +167,9 @@ class TrainerConfig:
     save_every: int = 100               # checkpoint every N steps (0: only at the end and on a stop)
     keep_checkpoints: int = 2           # the newest N complete checkpoints stay on disk
     max_bad_updates: int = 3            # steps in a row with a NaN/inf update (skipped) before the run stops
+    max_restarts: int = 3               # dead or stuck workers re-created in a run before it stops
+    call_deadline_s: float = 0.0        # a worker call with no answer by then is stuck (0: derived, below)
+    call_deadline_floor_s: float = 120.0  # derived deadline: 5x the longest recent call of its stage, at least this
 
 
 @dataclasses.dataclass

@@ -79,7 +79,8 @@ def save(rl: "RLSession", train_state: dict) -> Path:
         write_json(tmp / "session.json", {
             "step": rl.step_count, "time": time.time(), "mapping": rl.mapping.to_dict(),
             "prompts": rl.prompts.state(), "kl_ctrl": dict(vars(rl.kl_ctrl)), "history": rl.history,
-            "faults": {"bad_updates": rl.bad_updates, "bad_steps_in_a_row": rl.bad_steps_in_a_row},
+            "faults": {"bad_updates": rl.bad_updates, "bad_steps_in_a_row": rl.bad_steps_in_a_row,
+                       "worker_restarts": rl.worker_restarts},
             "train": train_state, "metrics_bytes": rl.log.tell(), "telemetry_bytes": rl._telemetry_size()})
         if target.exists():  # the same step saved again (a stop right after a periodic save)
             shutil.rmtree(target)
@@ -92,14 +93,16 @@ def save(rl: "RLSession", train_state: dict) -> Path:
     return target
 
 
-def prepare_logs(run_dir: Path, checkpoint: Path) -> dict:
-    """Cut ``metrics.jsonl`` and ``telemetry.jsonl`` back to what they held at the checkpoint
-    (steps logged after it, before the run stopped, are run again) and remove unfinished
-    checkpoint folders; returns the checkpoint's session record. Call before the session starts."""
+def prepare_logs(run_dir: Path, checkpoint: Path, telemetry: bool = True) -> dict:
+    """Cut ``metrics.jsonl`` (and ``telemetry.jsonl`` if ``telemetry``) back to what they held at
+    the checkpoint (steps logged after it are run again) and remove unfinished checkpoint
+    folders; returns the checkpoint's session record. Call while no one writes those files (a
+    live run keeps its telemetry file: readers follow it by offset, and it records the restart)."""
     from hybridlab.telemetry.hub import TELEMETRY_FILE
 
     record = json.loads((checkpoint / "session.json").read_text())
-    for name, key in (("metrics.jsonl", "metrics_bytes"), (TELEMETRY_FILE, "telemetry_bytes")):
+    logs = [("metrics.jsonl", "metrics_bytes")] + ([(TELEMETRY_FILE, "telemetry_bytes")] if telemetry else [])
+    for name, key in logs:
         path = Path(run_dir) / name
         if path.is_file() and record.get(key) is not None and path.stat().st_size > record[key]:
             with open(path, "r+b") as f:
@@ -123,6 +126,7 @@ def restore(rl: "RLSession", checkpoint: Path, record: dict) -> None:
     rl.prompts.set_state(record["prompts"])
     rl.bad_updates = record["faults"]["bad_updates"]
     rl.bad_steps_in_a_row = record["faults"]["bad_steps_in_a_row"]
+    rl.worker_restarts = record["faults"].get("worker_restarts", 0)
     vars(rl.kl_ctrl).update(record["kl_ctrl"])
     rng = torch.load(checkpoint / "driver_rng.pt", weights_only=False)
     random.setstate(rng["python"])

@@ -21,6 +21,18 @@ class StepContext:
         self.warnings: list[str] = []
         self.rerunning = False   # inside rerun_rollout: generate now, never from the look-ahead
         self.actor_unchanged = False  # every actor update of this step was skipped (NaN/inf)
+        self.started: list = []       # the stages started so far (recovery: did an update begin?)
+
+    def stage_starting(self, stage) -> None:
+        """Called as each stage starts: records it, and kills workers where HYBRIDLAB_FAULT says."""
+        from hybridlab.faults import worker_kill
+
+        self.started.append(stage)
+        step = self.rl.step_count + 1
+        for role in worker_kill(stage.name, step):
+            from hybridlab.dataflow.recovery import kill_role
+
+            kill_role(self.rl, role, f"as stage {stage.name} of step {step} starts")
 
     @property
     def timeline(self):

@@ -130,6 +130,8 @@ def _timed(stage: Stage, ctx: Any, batch: Batch):
     timeline = getattr(ctx, "timeline", None)
     if timeline is not None:  # worker calls made by this thread are stamped with the stage
         timeline.stage = stage.name
+    if hasattr(ctx, "stage_starting"):
+        ctx.stage_starting(stage)
     start = time.perf_counter()
     new, metrics = stage.fn(ctx, batch)
     return new, metrics, time.perf_counter() - start

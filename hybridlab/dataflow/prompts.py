@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 
+from hybridlab.errors import UserError
 from hybridlab.protocol import Batch
 from hybridlab.tasks import Sample
 
@@ -24,22 +25,69 @@ def load_samples(cfg, split: str) -> list:
     return get_task(cfg.data.task, **cfg.data.task_options).split(split, n, seed=cfg.data.seed)
 
 
-def prompt_batch(samples: list[Sample], tokenizer, uids: list) -> Batch:
-    """Return a Batch of prompts: object fields prompt, prompt_ids, uid, ground_truth, data_source."""
+class PromptFit:
+    """How long a prompt may be: the model's context minus the tokens generated after it."""
+
+    def __init__(self, context: int, max_new_tokens: int, truncate: bool = False):
+        self.context, self.max_new_tokens, self.truncate = context, max_new_tokens, truncate
+        self.room = context - max_new_tokens
+
+    @classmethod
+    def of(cls, cfg, model_dir) -> "PromptFit":
+        """Return the limits of a run: its model's context, rollout.max_new_tokens, data.truncate_prompts."""
+        import json
+        from pathlib import Path
+
+        context = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
+        return cls(context, cfg.rollout.max_new_tokens, cfg.data.truncate_prompts)
+
+
+def tokenize_prompts(samples: list[Sample], tokenizer, fit: PromptFit | None = None) -> list[list[int]]:
+    """Return each sample's prompt token ids, the longer ones left-truncated when ``fit.truncate``;
+    raises UserError naming the first sample (file and row for a dataset) whose prompt is empty,
+    cannot be tokenized, or does not fit the context."""
+    out = []
+    for i, sample in enumerate(samples):
+        where = sample.origin or f"sample {i}"
+        if not isinstance(sample.prompt, str) or not sample.prompt:
+            raise UserError(f"{where}: the prompt is empty; every row needs a prompt to generate from")
+        try:
+            ids = tokenizer(sample.prompt, add_special_tokens=False).input_ids
+        except Exception as exc:  # e.g. a lone surrogate (invalid Unicode) in the text
+            raise UserError(f"{where}: the prompt cannot be tokenized ({type(exc).__name__}: {exc})") from None
+        if not ids:
+            raise UserError(f"{where}: the prompt tokenizes to nothing")
+        if fit is not None and len(ids) > fit.room:
+            if not fit.truncate:
+                raise UserError(
+                    f"{where}: the prompt has {len(ids)} tokens, more than the {fit.room} that fit (the model's"
+                    f" context of {fit.context} minus rollout.max_new_tokens={fit.max_new_tokens}); shorten it, or"
+                    f" set data.truncate_prompts=true to keep its last {fit.room} tokens")
+            ids = ids[-fit.room:]
+        out.append(ids)
+    return out
+
+
+def prompt_batch(samples: list[Sample], tokenizer, uids: list, fit: PromptFit | None = None,
+                 ids: list[list[int]] | None = None) -> Batch:
+    """Return a Batch of prompts: object fields prompt, prompt_ids (``ids`` if given, else
+    tokenized and checked against ``fit``), uid, ground_truth, data_source."""
     return Batch(objects={
         "prompt": [s.prompt for s in samples],
-        "prompt_ids": [tokenizer(s.prompt, add_special_tokens=False).input_ids for s in samples],
+        "prompt_ids": ids if ids is not None else tokenize_prompts(samples, tokenizer, fit),
         "uid": list(uids), "ground_truth": [s.ground_truth for s in samples],
         "data_source": [s.data_source for s in samples]})
 
 
 class PromptSource:
-    """Shuffled epochs over the training samples, ``per_step`` prompts at a time."""
+    """Shuffled epochs over the training samples, ``per_step`` prompts at a time. Every prompt is
+    tokenized and checked against ``fit`` once, when the source is made."""
 
-    def __init__(self, samples: list[Sample], tokenizer, per_step: int, seed: int = 0):
+    def __init__(self, samples: list[Sample], tokenizer, per_step: int, seed: int = 0, fit: PromptFit | None = None):
         if not samples:
             raise ValueError("no training prompts")
         self.samples, self.tokenizer, self.per_step = samples, tokenizer, per_step
+        self.ids = tokenize_prompts(samples, tokenizer, fit)
         self.rng = random.Random(seed)
         self.order: list[int] = []
         self.drawn = 0
@@ -51,10 +99,10 @@ class PromptSource:
             if not self.order:
                 self.order = list(range(len(self.samples)))
                 self.rng.shuffle(self.order)
-            picked.append(self.samples[self.order.pop()])
+            picked.append(self.order.pop())
         uids = list(range(self.drawn, self.drawn + len(picked)))
         self.drawn += len(picked)
-        return prompt_batch(picked, self.tokenizer, uids)
+        return prompt_batch([self.samples[i] for i in picked], self.tokenizer, uids, ids=[self.ids[i] for i in picked])
 
     def state(self) -> dict:
         """Return the stream's position as plain data (for checkpoints)."""

@@ -81,7 +81,7 @@ ROLE_SPECS: dict[str, RoleSpec] = {spec.name: spec for spec in (
              live=tuple(f"critic.{k}" for k in _OPTIM), stateful=True, layout=("tp", "pp")),
     RoleSpec("rollout", "hybridlab.workers.rollout.worker:RolloutWorker",
              lambda cfg: {"backend": cfg.rollout.backend, "kv_cache_mb": cfg.rollout.kv_cache_mb,
-                          "seed": cfg.trainer.seed},
+                          "seed": cfg.trainer.seed, "truncate_prompts": cfg.data.truncate_prompts},
              recreate=("rollout.backend", "rollout.kv_cache_mb"), layout=("tp",)),
     RoleSpec("reward", "hybridlab.workers.reward.worker:RewardWorker",
              lambda cfg: {"kind": "rule" if cfg.reward.kind == "model" else cfg.reward.kind,

@@ -26,13 +26,16 @@ from hybridlab.config import ConfigError, RunConfig, dataflow_names, default_map
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.stages import REWARD_FIELDS, RolloutAhead
-from hybridlab.dataflow.prompts import PromptSource, load_samples, prompt_batch
-from hybridlab.dataflow.prompts import PROMPT_FIELDS
+from hybridlab.dataflow.prompts import PROMPT_FIELDS, PromptFit, PromptSource, load_samples, prompt_batch, \
+    tokenize_prompts
 from hybridlab.dataflow.edits import StepBoundary
 from hybridlab.dataflow.roles import role_classes
 from hybridlab.dataflow.context import BackgroundRun, StepContext
 from hybridlab.atomic import write_json
 from hybridlab.protocol import Batch
+
+
+HISTORY_STEPS = 1000  # the newest steps' metrics kept in memory (and in checkpoints)
 
 
 @dataclasses.dataclass
@@ -71,7 +74,7 @@ class RLSession:
         self._ray = dict(address=ray_address, temp_dir=ray_temp_dir)
         self.session = None
         self.step_count = 0
-        self.history: list[dict] = []
+        self.history: list[dict] = []  # the metrics of the newest HISTORY_STEPS steps
         self.ahead = RolloutAhead()  # off-policy: the next step's rollout, submitted during this one
         self.hub = None        # the telemetry hub actor (trainer.telemetry)
         self.log = None        # MetricsLog, once started
@@ -79,6 +82,8 @@ class RLSession:
         self._training = False     # a train() loop runs (in this thread or a background one)
         self.bad_updates = 0           # optimizer steps skipped for a NaN or inf, in all
         self.bad_steps_in_a_row = 0    # steps in a row with a skipped update (trainer.max_bad_updates)
+        self.worker_restarts = 0       # dead or stuck workers re-created (trainer.max_restarts)
+        self.restarts: list[dict] = [] # what each restart re-created and restored
         self.reward_error_sources: set[str] = set()  # data sources whose reward failures were warned about
         self._edits = StepBoundary()  # a step, or an edit of the session; never both
         self.broken: str | None = None   # why the session cannot step (a remap failed halfway)
@@ -113,21 +118,25 @@ class RLSession:
         from hybridlab.controller.resources import connect
 
         devices = sum(p.devices for p in self.mapping.pools.values())
+        model_dir = Path(resolve_model(self.cfg.model))
+        # every prompt is checked (empty, not tokenizable, too long) before Ray or a warm start
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.context = PromptFit.of(self.cfg, model_dir).context
+        self.prompts = PromptSource(load_samples(self.cfg, "train"), self.tokenizer, self.cfg.data.prompts_per_step,
+                                    seed=self.cfg.data.seed, fit=self._prompt_fit())
+        self.test_samples = load_samples(self.cfg, "test")
+        tokenize_prompts(self.test_samples, self.tokenizer, self._prompt_fit())
         try:
             connect(address=self._ray["address"], temp_dir=self._ray["temp_dir"], min_gpus=devices)
             if self.cfg.trainer.telemetry:  # first, so a viewer sees the warm start too
                 self._start_hub(env)
-            model_dir = Path(resolve_model(self.cfg.model))
             if self.cfg.warm_start.max_steps:
                 model_dir = self._warm_start(model_dir)
             self.model_dir = model_dir
             self.spec = ModelSpec.from_hf(model_dir)
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            self.prompts = PromptSource(load_samples(self.cfg, "train"), self.tokenizer,
-                                        self.cfg.data.prompts_per_step, seed=self.cfg.data.seed)
-            self.test_samples = load_samples(self.cfg, "test")
             self.session = Session(self.mapping, role_classes(self.cfg, self.mapping, str(model_dir)),
                                    address=self._ray["address"], env=env, ray_temp_dir=self._ray["temp_dir"])
+            self.session.watch.stacks_dir = self.run_dir / "stacks"
             if self.hub is not None:  # every worker call's span goes to the hub
                 self.session.timeline.subscribe(
                     lambda spans: self.hub.add.remote("span", [dataclasses.asdict(s) for s in spans]))
@@ -163,6 +172,10 @@ class RLSession:
         rl = cls(checkpoint / "config.yaml", [*(overrides or []), f"trainer.run_dir={run_dir}"], **kwargs)
         rl._resume_from = checkpoint
         return rl.start()
+
+    def _prompt_fit(self) -> PromptFit:
+        """Return how long a prompt may be under the current settings."""
+        return PromptFit(self.context, self.cfg.rollout.max_new_tokens, self.cfg.data.truncate_prompts)
 
     def _start_hub(self, env: dict) -> None:
         """Start the run's hub before the warm start and the workers (they send it device
@@ -313,11 +326,14 @@ class RLSession:
             self.start()
         if self.broken:
             raise RuntimeError(self.broken)
-        with self._edits.step():  # edits queued during the previous step apply before this one
-            return self._step()
+        from hybridlab.dataflow.recovery import run_step
 
-    def _step(self) -> StepResult:
-        ctx = StepContext(self)
+        with self._edits.step():  # edits queued during the previous step apply before this one
+            return run_step(self)  # a dead or stuck worker is re-created and the step run again
+
+    def _step(self, ctx: StepContext) -> StepResult:
+        t = self.cfg.trainer
+        self.session.watch.configure(t.call_deadline_floor_s, t.call_deadline_s)
         start = time.perf_counter()
         trace: list[tuple[str, list[str]]] = []
         batch, metrics = self._dataflow.run(ctx, self.prompts.next(), trace=trace)
@@ -330,11 +346,13 @@ class RLSession:
             ctx.warn(f"step {self.step_count + 1}: {bad} update(s) skipped for a NaN or inf loss or gradient norm;"
                      " the weights stay as they were")
         metrics["faults/bad_updates"] = self.bad_updates
+        metrics["faults/worker_restarts"] = self.worker_restarts
         metrics.setdefault("rollout/staleness", 0)
         metrics.update({"timing/step_s": seconds, "perf/tokens_per_s": tokens / seconds if seconds else 0.0,
                         "warnings": len(ctx.warnings)})
         self.step_count += 1
         self.history.append({"step": self.step_count, **metrics})
+        del self.history[:-HISTORY_STEPS]  # bounded: metrics.jsonl keeps every step
         self.log.write(self.step_count, metrics)
         self._emit("metrics", {"step": self.step_count, **metrics})
         result = StepResult(self.step_count, batch, metrics, trace)
@@ -356,6 +374,19 @@ class RLSession:
                             "reason": reason})
         return report
 
+    def running(self) -> list[dict]:
+        """Return the worker calls in flight, oldest first: role, ranks, method, stage,
+        elapsed_s, deadline_s and late (past its deadline: stuck)."""
+        return self.session.watch.running() if self.session is not None else []
+
+    def stacks(self) -> list[Path]:
+        """Write every worker process's Python stacks to ``RUN_DIR/stacks/``; returns the files."""
+        from hybridlab.controller.watch import dump_stacks
+
+        label = time.strftime("%Y%m%d-%H%M%S")
+        return [f for role, group in self.session.groups.items()
+                for f in dump_stacks(group.placements, self.run_dir / "stacks", f"{label}-{role}")]
+
     # -------------------------------------------------------------- evaluation
     def evaluate(self, samples: list | None = None) -> dict:
         """Return greedy accuracy of the current rollout weights on the test prompts:
@@ -363,12 +394,14 @@ class RLSession:
         samples = samples if samples is not None else self.test_samples
         if not samples:
             return {"accuracy": float("nan"), "n": 0, "reward_mean": float("nan")}
-        prompts = prompt_batch(samples, self.tokenizer, list(range(len(samples))))
-        ctx = StepContext(self)
+        from hybridlab.dataflow.recovery import with_recovery
+
+        prompts = prompt_batch(samples, self.tokenizer, list(range(len(samples))), self._prompt_fit())
         # under the step lock: a remap or an edit waits for the evaluation as for a step
         with self._edits.lock, self.session.timeline.staged("evaluate"):  # the dashboard labels calls by stage
-            out = self.session.groups["rollout"].generate(prompts, ctx.sampling(n=1, temperature=0.0))
-            scored = self.session.groups["reward"].compute_reward(out.select(REWARD_FIELDS))
+            scored = with_recovery(self, lambda ctx: self.session.groups["reward"].compute_reward(
+                self.session.groups["rollout"].generate(prompts, ctx.sampling(n=1, temperature=0.0))
+                .select(REWARD_FIELDS)))
         return {"accuracy": float(scored["acc"].nanmean()), "n": len(samples),
                 "reward_mean": float(scored["token_level_scores"].sum(-1).mean())}
 

@@ -1,10 +1,12 @@
 """The training loop behind ``RLSession.train``: steps, evaluations, checkpoints, the summary.
 
-    before = evaluate()
-    for each step:  [wait while paused] -> stop? time up? -> step -> evaluate? -> checkpoint?
+    before = evaluate(); checkpoint (step 0: a dead trainer rolls back to it)
+    until the target step:  [wait while paused] -> stop? time up? -> step -> evaluate? -> checkpoint?
     after = evaluate(); checkpoint; summary.json
 
 A resumed session (``RLSession.resume``) goes on from its checkpoint's evaluations and run time.
+A step whose worker died may roll the run back to its latest checkpoint (``recovery``): the
+loop then runs the lost steps again, and their evaluations are made again.
 """
 from __future__ import annotations
 
@@ -30,10 +32,16 @@ def train(rl: "RLSession", steps: int | None = None) -> dict:
         steps = steps or rl.cfg.trainer.steps
         started, curve = time.perf_counter(), []
         before = last = record_eval(rl, curve, 0.0)
+    from hybridlab.dataflow import checkpoints
+    from hybridlab.dataflow.recovery import WorkerLost
+
     saved = rl.step_count if resumed else -1
+    if rl.cfg.trainer.max_restarts and not checkpoints.checkpoint_dirs(rl.run_dir):
+        saved = checkpoint(rl, before, last, curve, started)  # what a dead trainer goes back to
     stopped = "steps"
+    first, target = rl.step_count, rl.step_count + steps
     bar = tqdm(total=steps, desc=f"{rl.cfg.name} rl", disable=not rl.cfg.trainer.progress, dynamic_ncols=True)
-    for _ in range(steps):
+    while rl.step_count < target:
         if rl._edits.paused:  # pause() holds the loop here, between steps; paused time is not run time
             bar.set_description(f"{rl.cfg.name} rl (paused)")
             started += rl._edits.wait_while_paused()
@@ -45,8 +53,18 @@ def train(rl: "RLSession", steps: int | None = None) -> dict:
         if rl._stop_requested:
             stopped = "stop requested"
             break
-        result = rl.step()
-        bar.update(1)
+        try:
+            result = rl.step()
+        except WorkerLost as lost:
+            stopped = str(lost)
+            if lost.can_save:  # the trainers hold the last finished step: keep it
+                saved = checkpoint(rl, before, last, curve, started)
+            bar.close()
+            return write_summary(rl, before, last, curve, time.perf_counter() - started, stopped, failed=True)
+        curve[:] = [c for c in curve if c["step"] < rl.step_count]  # evaluations of steps rolled back
+        saved = min(saved, rl.step_count - 1)
+        bar.n = rl.step_count - first
+        bar.refresh()
         bar.set_postfix(reward=f"{result.metrics.get('reward/mean', float('nan')):.3f}",
                         acc=f"{result.metrics.get('accuracy', float('nan')):.3f}")
         if t.eval_every and rl.step_count % t.eval_every == 0:
@@ -90,15 +108,18 @@ def record_eval(rl: "RLSession", curve: list[dict], seconds: float) -> dict:
     return ev
 
 
-def write_summary(rl: "RLSession", before: dict, after: dict, curve: list, seconds: float, stopped: str) -> dict:
-    """Write and return ``summary.json``: accuracies, steps, timings, curve, environment, config."""
+def write_summary(rl: "RLSession", before: dict, after: dict, curve: list, seconds: float, stopped: str,
+                  failed: bool = False) -> dict:
+    """Write and return ``summary.json``: accuracies, steps, timings, curve, restarts,
+    environment, config; ``failed``: the run stopped on lost workers."""
     step_s = sum(h.get("timing/step_s", 0.0) for h in rl.history)
     sync_s = sum(h.get("sync/seconds", 0.0) for h in rl.history)
     summary = {
         "run_dir": str(rl.run_dir), "name": rl.cfg.name, "algorithm": rl.cfg.algorithm.adv_estimator,
         "dataflow": rl.dataflow.names, "model": rl.cfg.model, "task": rl.cfg.data.task,
         "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"], "eval_n": after["n"],
-        "steps": rl.step_count, "stopped_by": stopped, "rl_seconds": round(seconds, 1),
+        "steps": rl.step_count, "stopped_by": stopped, "failed": failed, "rl_seconds": round(seconds, 1),
+        "worker_restarts": rl.worker_restarts, "restarts": rl.restarts,
         "mean_step_s": round(step_s / len(rl.history), 3) if rl.history else None,
         "sync_fraction_of_step": round(sync_s / step_s, 4) if step_s else None,
         "eval_curve": curve, "warm_start": rl.warm_start_info,

@@ -21,6 +21,7 @@ class Sample:
     data_source: str
     answer: str = ""
     extra_info: dict = dataclasses.field(default_factory=dict)
+    origin: str = dataclasses.field(default="", compare=False)  # "FILE: row N" for errors about it
 
 
 class Task:

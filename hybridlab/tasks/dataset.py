@@ -82,7 +82,7 @@ def load_dataset(path: str | os.PathLike, limit: int | None = None) -> list[Samp
             extra = {**extra, "messages": messages}
         gt = reward_model["ground_truth"]
         samples.append(Sample(prompt=text, ground_truth=gt, data_source=row["data_source"],
-                              answer=str(extra.get("answer", "")), extra_info=extra))
+                              answer=str(extra.get("answer", "")), extra_info=extra, origin=where))
         if limit is not None and len(samples) >= limit:
             break
     if not samples:

@@ -62,6 +62,7 @@ class Dashboard:
         self.phase: dict = {}  # the latest "phase" record: warm start, evaluate (RL steps: metrics)
         self.processor = ""
         self.t0: float | None = None
+        self.restarts: list[dict] = []   # dead or stuck workers re-created
         self.status = pn.pane.Markdown(self._status_text(), name="status")
         self.mapping_pane = pn.pane.Markdown("", name="mapping")  # the current device mapping
         self.remaps: list[dict] = []
@@ -115,7 +116,9 @@ class Dashboard:
         else:
             doing = f"RL step {self.step} · mean reward {reward}"
         where = f" · {self.processor}" if self.processor else ""
-        return f"run {self.run_name} · {doing}{where}"
+        restarts = f" · {len(self.restarts)} worker restart(s), last: {self.restarts[-1]['role']}" \
+            f" {self.restarts[-1]['failure']}" if self.restarts else ""
+        return f"run {self.run_name} · {doing}{where}{restarts}"
 
     def _clock(self, t: float) -> float:
         if self.t0 is None:
@@ -139,6 +142,8 @@ class Dashboard:
                 self._mark_remap(r)
             elif kind == "resume":  # the run went on from a checkpoint: later records replace the lost ones
                 self._mark_resume(r)
+            elif kind == "restart":
+                self._mark_restart(r, [curves, evals, sync])
             elif kind == "phase":
                 self.phase = r
             elif kind == "metrics":
@@ -190,6 +195,23 @@ class Dashboard:
         self.resumes.append(r)
         self.reward_fig.add_layout(Span(location=r.get("step", self.step) + 0.5, dimension="height",
                                         line_dash="dotted", line_color="#2e7d32", line_width=2))
+
+    def _mark_restart(self, r: dict, unstreamed: list[list[dict]]) -> None:
+        """Mark a worker restart on the reward curve (a red dash-dot line); after a roll-back to a
+        checkpoint, drop the points of the steps that will be run again (streamed ones and the
+        ``unstreamed`` records of this poll)."""
+        from bokeh.models import Span
+
+        self.restarts.append(r)
+        back = r.get("rolled_back_to")
+        if back is not None:
+            for records in unstreamed:
+                records[:] = [x for x in records if x["step"] <= back]
+            for source in (self.curves, self.evals, self.sync):
+                keep = [i for i, step in enumerate(source.data["step"]) if step <= back]
+                source.data = {k: [v[i] for i in keep] for k, v in source.data.items()}
+        self.reward_fig.add_layout(Span(location=r.get("step", self.step) + 0.5, dimension="height",
+                                        line_dash="dashdot", line_color="#c62828", line_width=2))
 
     def _stream_spans(self, spans: list[dict]) -> None:
         workers = [f"{s['role']} {s['rank']}" for s in spans]

@@ -1,0 +1,178 @@
+"""A step that survives a dead or stuck worker: re-create it, restore state, run the step again.
+
+    try the step
+    a worker died (its process is gone) or got stuck (past its call deadline; stacks written):
+        count it (faults/worker_restarts); past trainer.max_restarts: stop with WorkerLost
+        re-create the processes of every dead role, with the roles colocated with them, on the
+        same placement (same pool, same devices)
+        a trainer (actor, critic) lost its process, or the step had already started an update:
+            roll the run back to its latest checkpoint, in memory: trainer weights and moments,
+            step, RNG, prompt stream, KL controller; metrics.jsonl is cut back to it; the
+            steps since are run again (with the same numbers: the run stays seeded)
+        else (rollout, ref or reward only, before any update):
+            the step's prompts, RNG and KL controller go back to the step's start, the new
+            rollout engines get the actor's weights
+        run the step again
+
+Any other failure (a bug, a bad setting) is raised as before.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import signal
+import sys
+import time
+from typing import TYPE_CHECKING, Callable, TypeVar
+
+import torch
+
+from hybridlab.controller.group import WorkerError
+
+if TYPE_CHECKING:
+    from hybridlab.dataflow.context import StepContext
+    from hybridlab.dataflow.session import RLSession, StepResult
+
+T = TypeVar("T")
+STATEFUL = ("actor", "critic")
+UPDATES = {"@actor_updated", "@critic_updated"}   # outputs of the stages that change trainer state
+
+
+class WorkerLost(RuntimeError):
+    """Workers died or got stuck more often than ``trainer.max_restarts`` allows; names the last
+    one. ``can_save``: the trainers still hold the state after the last finished step."""
+
+    def __init__(self, message: str, can_save: bool):
+        super().__init__(message)
+        self.can_save = can_save
+
+
+@dataclasses.dataclass
+class StepStart:
+    """What a step consumes on the controller, as it was when the step began."""
+
+    prompts: dict
+    rng: tuple
+    kl: dict
+
+
+def step_start(rl: "RLSession") -> StepStart:
+    """Return the controller state a retried step must start from."""
+    import numpy as np
+
+    return StepStart(rl.prompts.state(), (random.getstate(), np.random.get_state(), torch.get_rng_state()),
+                     dict(vars(rl.kl_ctrl)))
+
+
+def _back_to(rl: "RLSession", start: StepStart) -> None:
+    import numpy as np
+
+    rl.prompts.set_state(start.prompts)
+    random.setstate(start.rng[0])
+    np.random.set_state(start.rng[1])
+    torch.set_rng_state(start.rng[2])
+    vars(rl.kl_ctrl).update(start.kl)
+
+
+def worker_failure(exc: BaseException) -> WorkerError | None:
+    """Return the WorkerError behind ``exc`` (a StageError wraps it), or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, WorkerError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def run_step(rl: "RLSession") -> "StepResult":
+    """Run one step of ``rl``, recovering from dead or stuck workers; returns the StepResult."""
+    return with_recovery(rl, rl._step)
+
+
+def with_recovery(rl: "RLSession", attempt: Callable[["StepContext"], T]) -> T:
+    """Return ``attempt(ctx)`` (a step, an evaluation) with a fresh StepContext, re-creating
+    dead or stuck workers and trying again as the module docstring says."""
+    from hybridlab.dataflow.context import StepContext
+
+    while True:
+        start = step_start(rl)
+        ctx = StepContext(rl)
+        try:
+            return attempt(ctx)
+        except Exception as exc:
+            err = worker_failure(exc)
+            if err is None:
+                raise
+            dead = lost_roles(rl, err)
+            if not dead:  # the method itself raised: a bug or a bad setting, not a lost worker
+                raise
+            recover(rl, err, dead, ctx, start)
+
+
+def lost_roles(rl: "RLSession", err: WorkerError) -> set[str]:
+    """Return the roles whose processes are gone or stuck, with their colocated roles. A method
+    that raised counts only if its own processes no longer answer (a peer rank died under it);
+    after a death, the other process sets are asked too (a node may have gone)."""
+    session = rl.session
+    own = set(session.colocated(err.role))
+    if err.kind not in ("died", "stuck"):
+        return own if session.dead_roles(only=own) else set()
+    return own | session.dead_roles(timeout=30.0, exclude=own)
+
+
+def recover(rl: "RLSession", err: WorkerError, dead: set[str], ctx: "StepContext", start: StepStart) -> None:
+    """Re-create the ``dead`` roles and restore what the failed step changed; raises WorkerLost
+    past ``trainer.max_restarts``."""
+    from hybridlab.dataflow import checkpoints
+
+    touched = any(set(s.outputs(rl.cfg)) & UPDATES for s in ctx.started)
+    rollback = touched or bool(dead & set(STATEFUL))
+    what = f"worker {err.role} rank {err.rank} {err.kind} in {err.method}"
+    if rl.worker_restarts >= rl.cfg.trainer.max_restarts:
+        raise WorkerLost(f"{what} during step {rl.step_count + 1}, after {rl.worker_restarts} restart(s) already"
+                         f" (trainer.max_restarts={rl.cfg.trainer.max_restarts}); the run stops",
+                         can_save=not rollback) from None
+    ckpt = checkpoints.checkpoint_dirs(rl.run_dir)[-1] if rollback and checkpoints.checkpoint_dirs(rl.run_dir) else None
+    if rollback and ckpt is None:
+        raise WorkerLost(f"{what} during step {rl.step_count + 1}, and the trainers' state is lost with no"
+                         " checkpoint to go back to (train() writes one at its start; call save_checkpoint()"
+                         " when stepping by hand)", can_save=False) from None
+    rl.worker_restarts += 1
+    t0 = time.perf_counter()
+    print(f"{what}; re-creating {', '.join(sorted(dead))} (restart {rl.worker_restarts} of at most"
+          f" {rl.cfg.trainer.max_restarts})", file=sys.stderr, flush=True)
+    rl.ahead.pending = None  # its workers may be gone; the look-ahead is submitted again
+    for pool_roles in {rl.session.colocated(r) for r in dead}:
+        rl.session.recreate(pool_roles[0], close_timeout=2.0)
+    if rollback:
+        rl.log.close()
+        record = checkpoints.prepare_logs(rl.run_dir, ckpt, telemetry=False)
+        from hybridlab.telemetry.metrics import MetricsLog
+
+        rl.log = MetricsLog(rl.run_dir, rl.cfg.trainer.tensorboard, purge_after=record["step"])
+        restarts = rl.worker_restarts  # restarts count for the whole run, rolled back or not
+        checkpoints.restore(rl, ckpt, record)
+        rl.worker_restarts = restarts
+    else:
+        _back_to(rl, start)
+        if "rollout" in dead and "actor" in rl.session.groups:
+            rl.sync_weights(reason="restart")
+    event = {"step": rl.step_count, "role": err.role, "rank": err.rank, "method": err.method, "failure": err.kind,
+             "recreated": sorted(dead), "rolled_back_to": rl.step_count if rollback else None,
+             "restarts": rl.worker_restarts, "seconds": round(time.perf_counter() - t0, 3)}
+    rl.restarts.append(event)
+    rl._emit("restart", event)
+
+
+def kill_role(rl: "RLSession", role: str, why: str) -> None:
+    """Send SIGKILL to every process of ``role`` on this node (fault injection)."""
+    pids = [p["pid"] for p in rl.session.groups[role].placements]
+    print(f"fault injected: kill {role} (pids {', '.join(map(str, pids))}) {why}", file=sys.stderr, flush=True)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+

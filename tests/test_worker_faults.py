@@ -1,0 +1,146 @@
+"""Dead and stuck workers on the real engines (tiny model; actor, rollout and reward in their own
+processes): a worker killed with SIGKILL from outside is re-created on its placement and the step
+runs again with the numbers it would have had; a hanging reward function is reported as stuck
+with its stack written, re-created, and the run goes on; `trainer.max_restarts` stops it."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from hybridlab.dataflow.recovery import WorkerLost
+from hybridlab.dataflow.session import RLSession
+
+SETTINGS = ["warm_start.max_steps=0", "data.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=6",
+            "actor.ppo_mini_batch_size=8", "data.test_samples=8", "trainer.progress=false", "trainer.save_every=0",
+            "trainer.eval_every=0", "trainer.max_restarts=10"]
+SPLIT = {"pools": {"train": {"devices": 1}, "gen": {"devices": 1}},
+         "roles": {"actor": {"pool": "train"}, "rollout": {"pool": "gen"}, "reward": {"pool": "gen"}}}
+
+
+@pytest.fixture(scope="module")
+def rl(ray_local, trained_dir, tmp_path_factory):
+    session = RLSession(None, [f"model={trained_dir}", *SETTINGS, f"mapping={json.dumps(SPLIT)}",
+                               f"trainer.run_dir={tmp_path_factory.mktemp('faults') / 'run'}"]).start()
+    yield session
+    session.shutdown()
+
+
+def pids(rl, role: str) -> list[int]:
+    return [p["pid"] for p in rl.session.groups[role].placements]
+
+
+def kill(rl, role: str) -> None:
+    for pid in pids(rl, role):
+        os.kill(pid, signal.SIGKILL)
+
+
+def repeatable(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.startswith(("timing/", "perf/", "sync/", "faults/"))
+            and k != "warnings"}
+
+
+def test_a_killed_actor_rolls_back_to_the_checkpoint_and_the_step_repeats_exactly(rl):
+    rl.step()
+    rl.save_checkpoint()
+    reference = rl.step().metrics
+    actor, rollout = pids(rl, "actor"), pids(rl, "rollout")
+    kill(rl, "actor")
+    again = rl.step()
+    assert again.step == 2 and rl.step_count == 2          # rolled back to step 1, step 2 run again
+    assert repeatable(again.metrics) == repeatable(reference)
+    assert again.metrics["faults/worker_restarts"] == 1
+    assert pids(rl, "actor") != actor and pids(rl, "rollout") == rollout  # only the dead role is new
+    event = rl.restarts[-1]
+    assert (event["role"], event["failure"], event["recreated"], event["rolled_back_to"]) == ("actor", "died", ["actor"], 1)
+    steps = [json.loads(line)["step"] for line in (rl.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # the step logged before the kill was cut and logged again, once
+
+
+def test_a_killed_rollout_is_recreated_resynced_and_its_step_repeats_exactly(rl):
+    rl.save_checkpoint()                        # step 2
+    actor, reward = pids(rl, "actor"), pids(rl, "reward")
+    kill(rl, "rollout")
+    killed = rl.step()                          # generate fails; nothing was updated: the step runs again
+    prompts_after = rl.prompts.state()
+    event = rl.restarts[-1]
+    assert (event["role"], event["failure"], event["recreated"], event["rolled_back_to"]) == \
+        ("rollout", "died", ["rollout"], None)
+    assert pids(rl, "actor") == actor and pids(rl, "reward") == reward
+    assert killed.step == 3 and killed.metrics["faults/worker_restarts"] == 2
+    # the same step without the kill: roll back to step 2 by killing the actor, run step 3 again
+    kill(rl, "actor")
+    reference = rl.step()
+    assert rl.restarts[-1]["rolled_back_to"] == 2 and reference.step == 3
+    assert repeatable(killed.metrics) == repeatable(reference.metrics)
+    assert rl.prompts.state() == prompts_after  # the retried step took its prompts once
+
+
+HANG = '''
+import pathlib, time
+from hybridlab.workers.reward.scoring import RuleScorer
+
+RULES = RuleScorer(0.0)
+
+
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    marker = pathlib.Path({marker!r})
+    if not marker.exists():
+        marker.write_text("hung once")
+        time.sleep(3600)  # a reward function that never returns
+    return RULES(data_source, solution_str, ground_truth, extra_info)
+'''
+
+
+def test_a_hanging_reward_call_is_reported_stuck_with_its_stack_and_the_run_goes_on(rl, tmp_path):
+    path = tmp_path / "hang_reward.py"
+    path.write_text(HANG.format(marker=str(tmp_path / "hung")))
+    rl.update(f"reward.function={path}:score", "reward.kind=function", "reward.timeout_s=0",
+              "trainer.call_deadline_s=10")
+    restarts = rl.worker_restarts
+    start = time.time()
+    result = rl.step()
+    assert time.time() - start >= 10  # waited for the deadline, not less
+    event = rl.restarts[-1]
+    assert (event["role"], event["method"], event["failure"], event["rolled_back_to"]) == \
+        ("reward", "compute_reward", "stuck", None)
+    assert result.metrics["faults/worker_restarts"] == restarts + 1
+    assert (tmp_path / "hung").read_text() == "hung once"
+    stacks = sorted((rl.run_dir / "stacks").glob("*-reward-compute_reward-rank0-pid*.txt"))
+    assert len(stacks) == 1
+    text = stacks[0].read_text()
+    assert "hang_reward.py" in text and "in score" in text  # where it hung, from the stuck process
+    assert rl.running() == []  # nothing in flight between steps
+    rl.update("trainer.call_deadline_s=0")
+
+
+def test_max_restarts_stops_the_run_naming_the_worker_with_a_checkpoint(rl, monkeypatch):
+    from hybridlab.dataflow.checkpoints import checkpoint_dirs
+
+    rl.update(f"trainer.max_restarts={rl.worker_restarts}")
+    step = rl.step_count
+    monkeypatch.setenv("HYBRIDLAB_FAULT", f"kill:rollout:generate@{step + 2}")  # the driver kills it then
+    summary = rl.train(steps=3)
+    assert summary["failed"] is True and summary["steps"] == step + 1
+    assert summary["stopped_by"] == (f"worker rollout rank 0 died in generate during step {step + 2}, after"
+                                     f" {rl.worker_restarts} restart(s) already (trainer.max_restarts="
+                                     f"{rl.worker_restarts}); the run stops")
+    assert checkpoint_dirs(rl.run_dir)[-1].name == f"step-{step + 1:06d}"  # the last finished step is saved
+    with pytest.raises(WorkerLost, match="worker rollout rank 0 died in generate"):
+        rl.step()  # stepping by hand: the same error
+    records = [json.loads(line) for line in (rl.run_dir / "telemetry.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records if r["kind"] == "restart"] == ["restart"] * rl.worker_restarts
+
+
+def test_the_dashboard_marks_each_restart_and_keeps_each_step_once(rl):
+    from hybridlab.telemetry.dashboard import Dashboard
+
+    board = Dashboard(rl.run_dir)
+    board.update()
+    assert [(r["role"], r["failure"]) for r in board.restarts] == \
+        [("actor", "died"), ("rollout", "died"), ("actor", "died"), ("reward", "stuck")]  # the last death: no restart
+    assert board.curves.data["step"] == list(range(1, rl.step_count + 1))  # rolled-back steps replaced
+    assert f"{len(board.restarts)} worker restart(s), last: reward stuck" in board.status.object
