@@ -117,6 +117,28 @@ def test_a_hanging_reward_call_is_reported_stuck_with_its_stack_and_the_run_goes
     rl.update("trainer.call_deadline_s=0")
 
 
+PPO = {"pools": {"train": {"devices": 1}, "gen": {"devices": 1}},
+       "roles": {"actor": {"pool": "train"}, "critic": {"pool": "train"}, "ref": {"pool": "train"},
+                 "rollout": {"pool": "gen"}, "reward": {"pool": "gen"}}}
+PPO_FLOW = ("[generate, reward, rollout_as_old_logprob, ref_logprob, values, kl_reward, advantages, update_critic,"
+            " update_actor, sync_weights]")
+
+
+def test_a_killed_ref_is_recreated_and_a_killed_critic_rolls_back(rl):
+    rl.update(f"mapping={json.dumps(PPO)}", "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
+              "critic.ppo_mini_batch_size=8", f"dataflow={PPO_FLOW}")
+    rl.step()
+    rl.save_checkpoint()
+    step, critic, actor = rl.step_count, pids(rl, "critic"), pids(rl, "actor")
+    kill(rl, "ref")
+    rl.step()  # ref_logprob fails before any update: the step runs again, nothing rolled back
+    assert (rl.restarts[-1]["role"], rl.restarts[-1]["rolled_back_to"]) == ("ref", None) and rl.step_count == step + 1
+    kill(rl, "critic")
+    rl.step()  # the critic's state is lost: back to the checkpoint, the step since run again
+    assert (rl.restarts[-1]["role"], rl.restarts[-1]["rolled_back_to"]) == ("critic", step)
+    assert rl.step_count == step + 1 and pids(rl, "critic") != critic and pids(rl, "actor") == actor
+
+
 def test_max_restarts_stops_the_run_naming_the_worker_with_a_checkpoint(rl, monkeypatch):
     from hybridlab.dataflow.checkpoints import checkpoint_dirs
 
@@ -141,6 +163,7 @@ def test_the_dashboard_marks_each_restart_and_keeps_each_step_once(rl):
     board = Dashboard(rl.run_dir)
     board.update()
     assert [(r["role"], r["failure"]) for r in board.restarts] == \
-        [("actor", "died"), ("rollout", "died"), ("actor", "died"), ("reward", "stuck")]  # the last death: no restart
+        [("actor", "died"), ("rollout", "died"), ("actor", "died"), ("reward", "stuck"), ("ref", "died"),
+         ("critic", "died")]  # the last death: no restart
     assert board.curves.data["step"] == list(range(1, rl.step_count + 1))  # rolled-back steps replaced
-    assert f"{len(board.restarts)} worker restart(s), last: reward stuck" in board.status.object
+    assert f"{len(board.restarts)} worker restart(s), last: critic died" in board.status.object
