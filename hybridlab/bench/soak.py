@@ -15,7 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-GOAL_PCT_PER_100_STEPS = 1.0
+from hybridlab.telemetry.memory import LEAK_PCT_PER_100_STEPS as GOAL_PCT_PER_100_STEPS, slope_per_100
+
 
 
 def _rss_mb(pid: int) -> float:
@@ -29,13 +30,6 @@ def _rss_mb(pid: int) -> float:
 def _fds(pid: int) -> int:
     """Return how many file descriptors process ``pid`` has open."""
     return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def _slope_per_100(steps: list[int], values: list[float]) -> float:
-    """Return the least-squares slope of ``values`` over ``steps``, per 100 steps."""
-    mean_x, mean_y = statistics.fmean(steps), statistics.fmean(values)
-    sxx = sum((x - mean_x) ** 2 for x in steps)
-    return 100 * sum((x - mean_x) * (y - mean_y) for x, y in zip(steps, values)) / sxx if sxx else 0.0
 
 
 def _settings(model: str, run_dir: str) -> list[str]:
@@ -88,7 +82,7 @@ def run(model: str = "small", steps: int = 300, save_every: int = 50, warmup: in
     xs = list(range(warmup + 1, steps + 1))
     per_process = {}
     for name, values in rss.items():
-        slope = _slope_per_100(xs, values[warmup:])
+        slope = slope_per_100(xs, values[warmup:])
         mean = statistics.fmean(values[warmup:])
         per_process[name] = {"rss_mb_start": round(values[0], 1), "rss_mb_end": round(values[-1], 1),
                              "slope_mb_per_100_steps": round(slope, 3),

@@ -117,10 +117,18 @@ class RolloutAhead:
 
 
 def generation_metrics(cfg, out: Batch) -> dict:
-    """Return response-length statistics of a generated batch."""
-    lengths = out["response_mask"].sum(-1)
-    return {"response_length/mean": float(lengths.float().mean()), "response_length/max": float(lengths.max()),
+    """Return response-length statistics of a generated batch: mean, min, p10, p50, p90, max,
+    the clipped share, tokens, and ``rollout/straggler_share``: the share of the call's decode
+    steps in which only its longest 10% of sequences were still generating, ``(max - p90) /
+    max`` (the engine decodes all live sequences together, one token per step)."""
+    lengths = out["response_mask"].sum(-1).float()
+    p10, p50, p90 = (float(q) for q in torch.quantile(lengths, torch.tensor([0.1, 0.5, 0.9])))
+    longest = float(lengths.max())
+    return {"response_length/mean": float(lengths.mean()), "response_length/max": longest,
+            "response_length/min": float(lengths.min()), "response_length/p10": p10, "response_length/p50": p50,
+            "response_length/p90": p90,
             "response_length/clip_ratio": float((lengths >= cfg.rollout.max_new_tokens).float().mean()),
+            "rollout/straggler_share": (longest - p90) / longest if longest else 0.0,
             "rollout/tokens": int(lengths.sum())}
 
 

@@ -79,6 +79,19 @@ class Timeline:
             return [s for s in self._spans if (role is None or s.role == role)
                     and (method is None or s.method == method) and s.start >= since]
 
+    def ending_after(self, t: float, slack_s: float = 60.0) -> list[Span]:
+        """Return the spans that ended after ``t``, reading from the newest back (spans arrive
+        in about the order they end; ``slack_s`` covers batches that arrive late), so the cost
+        is that of the recent spans, not of all that are kept."""
+        out = []
+        with self._lock:
+            for s in reversed(self._spans):
+                if s.end < t - slack_s:
+                    break
+                if s.end > t:
+                    out.append(s)
+        return out[::-1]
+
     def records(self) -> list[dict]:
         """Return all spans as plain dicts (for tables, JSON and the dashboard)."""
         return [dataclasses.asdict(s) for s in self.spans()]

@@ -1,0 +1,61 @@
+"""Memory creep: the slope of a worker's resident memory after warm-up, and the leak alarm.
+
+The same measure serves ``bench soak`` (per 100 steps, over a long run) and the dashboard's
+alarm: after warm-up (``WARMUP_STEPS``, or the first third of the steps when that is more), the
+least-squares slope of resident memory against the step number. The alarm is raised when the
+slope is above ``LEAK_PCT_PER_100_STEPS`` percent of the memory per 100 steps both over all the
+steps after warm-up (at least ``MIN_STEPS``) and over their second half: growth that stays, not
+a start-up ramp that flattens.
+"""
+from __future__ import annotations
+
+import bisect
+import statistics
+
+LEAK_PCT_PER_100_STEPS = 1.0
+WARMUP_STEPS = 50      # at least; and never less than the first third of the steps so far
+MIN_STEPS = 50         # steps after warm-up before the slope is judged
+
+
+def slope_per_100(steps: list[float], values: list[float]) -> float:
+    """Return the least-squares slope of ``values`` over ``steps``, per 100 steps (0 if flat in x)."""
+    if len(steps) < 2:
+        return 0.0
+    mean_x, mean_y = statistics.fmean(steps), statistics.fmean(values)
+    sxx = sum((x - mean_x) ** 2 for x in steps)
+    return 100 * sum((x - mean_x) * (y - mean_y) for x, y in zip(steps, values)) / sxx if sxx else 0.0
+
+
+def step_at(times: list[float], ends: list[float]) -> list[float]:
+    """Return, for each sample time, the fractional step it falls in (``ends``: the sorted end
+    times of steps 1, 2, ...; a time between two ends interpolates)."""
+    out = []
+    for t in times:
+        i = bisect.bisect_left(ends, t)
+        if i == 0 or i >= len(ends):
+            out.append(float(i) if i == 0 else float(len(ends)))
+        else:
+            out.append(i + (t - ends[i - 1]) / max(ends[i] - ends[i - 1], 1e-9))
+    return out
+
+
+def leak_check(times: list[float], mb: list[float], step_ends: list[float]) -> dict | None:
+    """Return ``{"slope_mb", "slope_pct", "recent_pct", "leak"}`` (per 100 steps) for one worker's
+    samples (``times``, ``mb``) given the end times of the run's steps, or None before there are
+    enough steps after warm-up to judge."""
+    warmup = max(WARMUP_STEPS, len(step_ends) // 3)
+    if len(step_ends) < warmup + MIN_STEPS:
+        return None
+    after = step_ends[warmup - 1]
+    pairs = [(t, m) for t, m in zip(times, mb) if t >= after]
+    if len(pairs) < 4:
+        return None
+    steps = step_at([t for t, _ in pairs], step_ends)
+    values = [m for _, m in pairs]
+    mean = statistics.fmean(values)
+    slope = slope_per_100(steps, values)
+    half = len(steps) // 2
+    recent = 100 * slope_per_100(steps[half:], values[half:]) / mean
+    pct = 100 * slope / mean
+    return {"slope_mb": slope, "slope_pct": pct, "recent_pct": recent,
+            "leak": pct > LEAK_PCT_PER_100_STEPS and recent > LEAK_PCT_PER_100_STEPS}
