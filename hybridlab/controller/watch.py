@@ -95,13 +95,13 @@ class CallWatch:
         return call["start"] if call else time.time()
 
     def running(self) -> list[dict]:
-        """Return the calls in flight, oldest first: role, ranks, method, stage, elapsed_s,
-        deadline_s and late (past the deadline)."""
+        """Return the calls in flight, oldest first: role, ranks, method, stage, start (wall
+        clock), elapsed_s, deadline_s and late (past the deadline)."""
         now = time.time()
         with self._lock:
             calls = sorted(self._calls.values(), key=lambda c: c["start"])
         return [{"role": c["role"], "ranks": c["ranks"], "method": c["method"], "stage": c["stage"],
-                 "elapsed_s": round(now - c["start"], 3), "deadline_s": c["deadline_s"],
+                 "start": c["start"], "elapsed_s": round(now - c["start"], 3), "deadline_s": c["deadline_s"],
                  "late": now - c["start"] > c["deadline_s"]} for c in calls]
 
 

@@ -3,8 +3,10 @@
 Records are dicts with a ``kind``: ``run`` (name, config), ``span`` (a worker call: role, rank,
 method, stage, start, end, bytes), ``metrics`` (one RL step), ``eval``, ``sync`` (bytes,
 buckets, seconds, reason), ``phase`` (warm start progress, evaluation), ``remap`` (a
-RemapReport) and ``device`` (one sample of a worker's device: CPU% and resident memory on CPU
-machines, utilization and memory through NVML on GPUs). Each ``add`` appends JSON lines
+RemapReport), ``device`` (one sample of a worker's device: CPU% and resident memory on CPU
+machines, utilization and memory through NVML on GPUs, with the process's resident memory and
+torch's allocated and reserved CUDA memory), ``running`` (the calls in flight), ``stacks``
+(stack files written on request), ``restart``, ``resume`` and ``checkpoint``. Each ``add`` appends JSON lines
 to ``RUN_DIR/telemetry.jsonl`` and flushes, so a crash loses at most what was in flight and a
 finished or crashed run can be replayed from the file. ``since(offset)`` serves live viewers
 from that same file, so the hub holds no copy of the records in memory.
@@ -116,14 +118,15 @@ class DeviceSampler:
         nvml = _nvml()
         while not self._stop.wait(self.period):
             now = time.time()
+            process = {"pid": proc.pid, "rss_mb": proc.memory_info().rss / 2**20, **_torch_cuda_memory()}
             if nvml is not None:
-                samples = [dict(time=now, device=f"GPU {d}", role=self.role, rank=self.rank, **nvml(int(d)))
+                samples = [dict(time=now, device=f"GPU {d}", role=self.role, rank=self.rank, **nvml(int(d)), **process)
                            for d in self.devices]
             else:
                 device = ",".join(self.devices)
                 samples = [{"time": now, "device": f"GPU {device}" if self.devices else "cpu", "role": self.role,
-                            "rank": self.rank, "pid": proc.pid, "util": proc.cpu_percent(None),
-                            "memory_mb": proc.memory_info().rss / 2**20}]
+                            "rank": self.rank, "util": proc.cpu_percent(None), "memory_mb": process["rss_mb"],
+                            **process}]
             previous = self._last
             if previous is not None and ray.wait([previous], timeout=0)[0]:
                 try:
@@ -134,6 +137,18 @@ class DeviceSampler:
                 self._last = self.hub.add.remote("device", samples)
             except Exception:
                 return
+
+
+def _torch_cuda_memory() -> dict:
+    """Return this process's CUDA memory through torch (allocated and reserved MB), or {} when it
+    has not used CUDA (CPU machines; only the CPU path has run on our machines)."""
+    import sys
+
+    torch = sys.modules.get("torch")  # never import torch (or start CUDA) just to sample
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    return {"gpu_allocated_mb": torch.cuda.memory_allocated() / 2**20,
+            "gpu_reserved_mb": torch.cuda.memory_reserved() / 2**20}
 
 
 def _nvml() -> Any:

@@ -1,0 +1,254 @@
+"""The dashboard's diagnostic panels: what runs now, memory, device busy, rollout, resharding.
+
+Each panel takes the telemetry records of one poll (``feed``) and streams only new points;
+``ROLLOVER`` bounds every data source (a long run keeps its newest points). The status and the
+curves live in ``dashboard.py``, which places these panels on the page.
+"""
+from __future__ import annotations
+
+import html
+import time
+from pathlib import Path
+
+from hybridlab.telemetry.memory import leak_check
+
+ROLLOVER = {"memory": 3600, "markers": 2000, "busy": 5000, "lengths": 5000, "matrix": 4096}
+COMMON = dict(height=240, sizing_mode="stretch_width", toolbar_location="above")
+STACK_CHARS = 6000     # of each stack file shown on the page (the file has all of it)
+
+
+def worker_label(r: dict) -> str:
+    """Return the label of the worker a record comes from: ``role r<rank>``."""
+    return f"{r['role']} r{r['rank']}"
+
+
+class RunningPanel:
+    """Every worker call in flight with its age; calls past their stuck-call deadline in red.
+    With ``control``, a button asks the controller for every worker's stacks and shows them."""
+
+    def __init__(self, run_dir: Path, control: bool):
+        import panel as pn
+
+        self.run_dir, self.calls, self.stack_files = Path(run_dir), [], []
+        self.table = pn.pane.HTML(self._html(), name="running", sizing_mode="stretch_width")
+        self.stacks = pn.pane.Markdown("", name="stacks", sizing_mode="stretch_width")
+        self.button = None
+        widgets = [self.table]
+        if control:
+            self.button = pn.widgets.Button(label="Write every worker's stacks", color="warning", width=260)
+            self.button.on_click(lambda _event: self.request())
+            widgets += [self.button, self.stacks]
+        self.layout = pn.Column(pn.pane.Markdown("### Now running"), *widgets, sizing_mode="stretch_width")
+
+    def request(self) -> None:
+        """Ask the run's controller for stacks (answered within a second by its LiveReporter)."""
+        from hybridlab.telemetry.live import request_stacks
+
+        request_stacks(self.run_dir)
+        self.stacks.object = "*stacks requested: the controller writes them within a second*"
+
+    def feed(self, records: list[dict]) -> None:
+        """Take the newest ``running`` snapshot and any written stacks from ``records``."""
+        for r in records:
+            if r.get("kind") == "running":
+                self.calls = r.get("calls", [])
+            elif r.get("kind") == "stacks":
+                self.stack_files = r.get("files", [])
+                self.stacks.object = self._stacks_text(r)
+        self.table.object = self._html()
+
+    def _html(self, now: float | None = None) -> str:
+        now = time.time() if now is None else now
+        if not self.calls:
+            return "<p>no worker call in flight</p>"
+        rows = []
+        for c in self.calls:
+            age = now - c["start"]
+            late = age > c["deadline_s"]
+            style = ' style="color:#c62828;font-weight:bold"' if late else ""
+            ranks = ",".join(str(k) for k in c.get("ranks", []))
+            rows.append(f"<tr{style}><td>{html.escape(c['role'])}</td><td>{ranks}</td>"
+                        f"<td>{html.escape(c['method'])}</td><td>{html.escape(c.get('stage') or '')}</td>"
+                        f"<td>{age:.1f} s</td><td>{c['deadline_s']:.0f} s{' (stuck)' if late else ''}</td></tr>")
+        head = "<tr><th>role</th><th>ranks</th><th>method</th><th>stage</th><th>running for</th><th>deadline</th></tr>"
+        return f"<table>{head}{''.join(rows)}</table>"
+
+    def _stacks_text(self, r: dict) -> str:
+        if r.get("error"):
+            return f"could not write stacks: `{r['error']}`"
+        parts = []
+        for name in r.get("files", []):
+            path = Path(name)
+            text = path.read_text(errors="replace")[:STACK_CHARS] if path.is_file() else "(file not readable here)"
+            parts.append(f"**{path.name}**\n```\n{text}\n```")
+        return "\n\n".join(parts) or "no worker processes"
+
+
+class MemoryPanel:
+    """Resident memory per worker over time (and torch's CUDA memory where there is one), step
+    ends marked, and the leak alarm of ``telemetry.memory``."""
+
+    def __init__(self, clock):
+        import panel as pn
+        from bokeh.models import ColumnDataSource
+        from bokeh.plotting import figure
+
+        self.clock, self.sources, self.samples, self.step_ends = clock, {}, {}, []
+        self.fig = figure(title="resident memory per worker (MB; GPU: torch allocated, dashed)",
+                          x_axis_label="seconds", **COMMON)
+        self.markers = ColumnDataSource({"t": [], "step": [], "y": []})  # y: just under the lines
+        self.fig.scatter("t", "y", source=self.markers, marker="triangle", size=6, color="#555555",
+                         legend_label="step end")
+        self.alarm = pn.pane.Markdown("", name="leak alarm")
+        self.leaks: dict[str, dict] = {}
+
+    def feed(self, records: list[dict]) -> None:
+        """Stream new memory samples and step ends; re-check the alarm when steps ended."""
+        from bokeh.palettes import Category10_10
+
+        rows: dict[str, dict[float, dict]] = {}
+        ends = [r for r in records if r.get("kind") == "metrics" and "time" in r]
+        for r in records:
+            if r.get("kind") == "device":
+                rows.setdefault(worker_label(r), {})[r["time"]] = r  # one per process and time
+        for label, by_time in rows.items():
+            if label not in self.sources:
+                from bokeh.models import ColumnDataSource
+
+                self.sources[label] = ColumnDataSource({"t": [], "mb": [], "gpu_mb": []})
+                color = Category10_10[len(self.sources) % 10]
+                self.fig.line("t", "mb", source=self.sources[label], legend_label=label, color=color)
+                self.fig.line("t", "gpu_mb", source=self.sources[label], color=color, line_dash="dashed")
+                self.samples[label] = ([], [])
+            picked = [by_time[t] for t in sorted(by_time)]
+            mb = [r.get("rss_mb", r.get("memory_mb", float("nan"))) for r in picked]
+            self.sources[label].stream({"t": [self.clock(r["time"]) for r in picked], "mb": mb,
+                                        "gpu_mb": [r.get("gpu_allocated_mb", float("nan")) for r in picked]},
+                                       rollover=ROLLOVER["memory"])
+            times, values = self.samples[label]
+            times += [r["time"] for r in picked]
+            values += mb
+        if ends:
+            self.step_ends += [r["time"] for r in ends]
+            floor = min((min(v[1][-60:]) for v in self.samples.values() if v[1]), default=0.0)
+            self.markers.stream({"t": [self.clock(r["time"]) for r in ends], "step": [r["step"] for r in ends],
+                                 "y": [floor] * len(ends)}, rollover=ROLLOVER["markers"])
+            self._check()
+
+    def _check(self) -> None:
+        self.leaks = {label: check for label, (t, mb) in self.samples.items()
+                      if (check := leak_check(t, mb, self.step_ends)) is not None}
+        leaking = {k: v for k, v in self.leaks.items() if v["leak"]}
+        if leaking:
+            worst = ", ".join(f"{k} +{v['slope_mb']:.1f} MB ({v['slope_pct']:.1f}%)" for k, v in leaking.items())
+            self.alarm.object = f"<span style='color:#c62828'>**memory grows after warm-up** (per 100 steps): {worst}</span>"
+        elif self.leaks:
+            self.alarm.object = "memory: no worker grows after warm-up"
+
+
+class BusyPanel:
+    """Per device, the share of each step it spent in worker calls (``perf/device_busy``)."""
+
+    def __init__(self):
+        from bokeh.plotting import figure
+
+        self.fig = figure(title="device busy per step (share of the step in worker calls)", x_axis_label="step",
+                          y_range=(0, 1.05), **COMMON)
+        self.sources: dict = {}
+
+    def feed(self, records: list[dict]) -> None:
+        """Stream the ``perf/device_busy/*`` metrics of new steps, one line per device."""
+        from bokeh.models import ColumnDataSource
+        from bokeh.palettes import Category10_10
+
+        rows: dict[str, list[tuple[int, float]]] = {}
+        for r in records:
+            if r.get("kind") == "metrics":
+                for k, v in r.items():
+                    if k.startswith("perf/device_busy/") and v is not None:
+                        rows.setdefault(k.split("/", 2)[2], []).append((r["step"], v))
+        for device, points in rows.items():
+            if device not in self.sources:
+                self.sources[device] = ColumnDataSource({"step": [], "busy": []})
+                self.fig.line("step", "busy", source=self.sources[device], legend_label=device,
+                              color=Category10_10[len(self.sources) % 10])
+            self.sources[device].stream({"step": [s for s, _ in points], "busy": [b for _, b in points]},
+                                        rollover=ROLLOVER["busy"])
+
+
+class RolloutPanel:
+    """Response lengths per step (p10-p90 band, median, max), tokens/s and the straggler share."""
+
+    def __init__(self):
+        from bokeh.models import ColumnDataSource
+        from bokeh.plotting import figure
+
+        self.source = ColumnDataSource({"step": [], "p10": [], "p50": [], "p90": [], "max": [],
+                                        "tokens_per_s": [], "straggler_pct": []})
+        self.lengths = figure(title="response length per step: p10-p90 band, median, max", x_axis_label="step",
+                              **COMMON)
+        self.lengths.varea("step", "p10", "p90", source=self.source, fill_alpha=0.3, color="#4e79a7",
+                           legend_label="p10-p90")
+        self.lengths.line("step", "p50", source=self.source, color="#4e79a7", legend_label="median")
+        self.lengths.line("step", "max", source=self.source, color="#e15759", legend_label="max")
+        self.speed = figure(title="rollout tokens/s (line) and straggler share % (bars: decode steps for the"
+                                  " longest 10%)", x_axis_label="step", **COMMON)
+        self.speed.vbar(x="step", top="straggler_pct", width=0.8, source=self.source, color="#bab0ac")
+        self.speed.line("step", "tokens_per_s", source=self.source, color="#4e79a7")
+
+    def feed(self, records: list[dict]) -> None:
+        """Stream the response-length and rollout metrics of new steps."""
+        rows = [r for r in records if r.get("kind") == "metrics" and "response_length/p50" in r]
+        if rows:
+            def tps(r):
+                seconds = r.get("timing/generate_s") or 0
+                return r.get("rollout/tokens", 0) / seconds if seconds else float("nan")
+            self.source.stream({"step": [r["step"] for r in rows],
+                                **{k: [r[f"response_length/{k}"] for r in rows] for k in ("p10", "p50", "p90", "max")},
+                                "tokens_per_s": [tps(r) for r in rows],
+                                "straggler_pct": [100 * r.get("rollout/straggler_share", 0.0) for r in rows]},
+                               rollover=ROLLOVER["lengths"])
+
+
+class ReshardPanel:
+    """The last weight sync's plan as a trainer-rank x rollout-rank matrix of MB, with its cost."""
+
+    def __init__(self):
+        import panel as pn
+        from bokeh.models import ColumnDataSource
+        from bokeh.plotting import figure
+
+        self.matrix = ColumnDataSource({"src": [], "dst": [], "mb": [], "label": [], "alpha": []})
+        self.fig = figure(title="last sync: MB from trainer rank (y) to rollout rank (x)", x_axis_label="rollout rank",
+                          y_axis_label="trainer rank", **COMMON)
+        self.fig.rect("dst", "src", 0.95, 0.95, source=self.matrix, fill_color="#9c755f", fill_alpha="alpha",
+                      line_color=None)
+        self.fig.text("dst", "src", text="label", source=self.matrix, text_align="center", text_baseline="middle",
+                      text_font_size="11px")
+        self.caption = pn.pane.Markdown("", name="last sync")
+        self.step_s: dict[int, float] = {}   # bounded below: only the steps near the last sync matter
+        self.last: dict | None = None
+
+    def feed(self, records: list[dict]) -> None:
+        """Show the newest sync's bytes per (trainer rank, rollout rank) and its share of the step."""
+        syncs = [r for r in records if r.get("kind") == "sync"]
+        for r in records:
+            if r.get("kind") == "metrics" and r.get("timing/step_s"):
+                self.step_s[r["step"]] = r["timing/step_s"]
+                self.step_s.pop(r["step"] - 100, None)
+        if syncs:
+            self._show(syncs[-1])
+        if self.last is not None:  # the step's time arrives after its sync
+            step_s = self.step_s.get(self.last.get("step"))
+            share = f", {100 * self.last['seconds'] / step_s:.1f}% of step {self.last['step']}" if step_s else ""
+            self.caption.object = (f"last sync ({self.last.get('reason', 'step')}, {self.last.get('mode', '')}): "
+                                   f"{self.last['bytes'] / 2**20:.1f} MB in {self.last.get('buckets', 0)} bucket(s),"
+                                   f" {self.last['seconds']:.2f} s{share}")
+
+    def _show(self, last: dict) -> None:
+        self.last = last
+        pairs = [(tuple(int(x) for x in k.split("->")), v) for k, v in (last.get("bytes_per_pair") or {}).items()]
+        top = max((v for _, v in pairs), default=1) or 1
+        self.matrix.data = {"src": [s for (s, _), _ in pairs], "dst": [d for (_, d), _ in pairs],
+                            "mb": [v / 2**20 for _, v in pairs], "label": [f"{v / 2**20:.1f}" for _, v in pairs],
+                            "alpha": [0.2 + 0.8 * v / top for _, v in pairs]}  # replaced, never grows
