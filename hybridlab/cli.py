@@ -163,20 +163,39 @@ def _stop_on_signals(rl) -> None:
 
 
 def cmd_dashboard(args) -> int:
-    """Serve a run's live dashboard until interrupted; returns the exit status."""
+    """Serve a run's live dashboard, or the runs page of a folder of runs, until interrupted;
+    returns the exit status."""
     from pathlib import Path
 
-    from hybridlab.telemetry.dashboard import free_port, serve
     from hybridlab.telemetry.hub import TELEMETRY_FILE
+    from hybridlab.telemetry.serving import check_serving, free_port, is_runs_root, serve
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
-        raise UserError(f"no run directory {str(run_dir)!r} (hybridlab train prints it)")
-    if not (run_dir / TELEMETRY_FILE).is_file():
+        raise UserError(f"no run directory {str(run_dir)!r} (hybridlab train prints it; or give a folder of runs)")
+    check_serving(args.address, args.basic_auth, args.oauth_provider)  # before anything else
+    what = "runs under" if is_runs_root(run_dir) else "dashboard of"
+    if what == "dashboard of" and not (run_dir / TELEMETRY_FILE).is_file():
         print(f"note: {run_dir} has no {TELEMETRY_FILE} yet; the page fills in when the run writes it", flush=True)
     port = args.port or free_port(args.address)
-    print(f"dashboard of {run_dir} on http://{args.address}:{port}/", flush=True)
-    serve(run_dir, port=port, address=args.address, show=False, threaded=False)
+    login = " (log in first)" if args.basic_auth or args.oauth_provider else ""
+    print(f"{what} {run_dir} on http://{args.address}:{port}/{login}", flush=True)
+    serve(run_dir, port=port, address=args.address, show=False, threaded=False, basic_auth=args.basic_auth,
+          oauth_provider=args.oauth_provider)
+    return 0
+
+
+def cmd_explain(args) -> int:
+    """Print the sizes a config implies, its mapping and memory per worker; returns the exit status."""
+    from hybridlab.config import load_config
+    from hybridlab.explain import explain
+
+    overrides = list(args.overrides)
+    config = args.config
+    if config and "=" in config:  # argparse took the first override for a config
+        overrides.insert(0, config)
+        config = None
+    print(explain(load_config(config, overrides)).text(), flush=True)
     return 0
 
 
@@ -279,10 +298,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue this run from its latest complete checkpoint (its config, plus overrides)")
     t.set_defaults(func=cmd_train)
 
-    dash = sub.add_parser("dashboard", help="serve a run's live dashboard (read-only; replays finished runs)")
-    dash.add_argument("run_dir", help="the run directory hybridlab train printed")
+    e = sub.add_parser("explain", help="print what a config implies: sizes per step, update, rank; the mapping;"
+                                       " memory per worker")
+    e.add_argument("config", nargs="?", default=None, help="YAML file or preset name (omit for the default run)")
+    e.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    e.set_defaults(func=cmd_explain)
+
+    dash = sub.add_parser("dashboard", help="serve a run's live dashboard (replays finished runs), or the runs page"
+                                            " of a folder of runs")
+    dash.add_argument("run_dir", help="the run directory hybridlab train printed, or a folder of run directories")
     dash.add_argument("--port", type=int, default=5006)
-    dash.add_argument("--address", default="localhost", help="interface to bind (default: localhost only)")
+    dash.add_argument("--address", default="localhost",
+                      help="interface to bind (default: localhost only; any other needs --basic-auth or --oauth-provider)")
+    dash.add_argument("--basic-auth", metavar="PASSWORD_FILE", default=None,
+                      help="Panel's login with a JSON file {\"user\": \"password\"}")
+    dash.add_argument("--oauth-provider", metavar="NAME", default=None,
+                      help="Panel's OAuth login (github, google, ...; PANEL_OAUTH_KEY and PANEL_OAUTH_SECRET set)")
     dash.set_defaults(func=cmd_dashboard)
 
     b = sub.add_parser("bench", help="run a benchmark (prints JSON: ratios against a baseline in one run)")

@@ -21,6 +21,7 @@ STAGE_COLORS = {"generate": "#4e79a7", "reward": "#f28e2b", "reward_model": "#f2
                 "values": "#b07aa1", "update_critic": "#ff9da7", "update_actor": "#e15759",
                 "sync_weights": "#9c755f", "filter_groups": "#bab0ac", "evaluate": "#79706e"}
 GANTT_SPANS = 600          # spans kept in the timeline (about the last few steps)
+ROLLOVER = {"curves": 100_000, "evals": 10_000, "sync": 100_000, "devices": 3600}  # points kept per source
 POLL_MS = 1000
 
 
@@ -52,8 +53,11 @@ class RecordSource:
 class Dashboard:
     """The plots and the state that turns records into streamed points."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, control: bool = True):
+        """``control``: show the stack-dump button (localhost, or a logged-in user elsewhere)."""
         import panel as pn
+
+        from hybridlab.telemetry.panels import BusyPanel, MemoryPanel, ReshardPanel, RolloutPanel, RunningPanel
         from bokeh.models import ColumnDataSource, FactorRange
         from bokeh.plotting import figure
 
@@ -92,9 +96,19 @@ class Dashboard:
                                x_axis_label="step", **common)
         self.sync_fig.vbar(x="step", top="mb", width=0.8, source=self.sync, color="#9c755f")
         self.sync_fig.line(x="step", y="seconds", source=self.sync, color="#000000")
-        self.layout = pn.Column(self.status, self.mapping_pane,
-                                pn.Row(self.reward_fig, self.sync_fig, sizing_mode="stretch_width"),
-                                self.gantt_fig, self.device_fig, sizing_mode="stretch_width")
+        self.running = RunningPanel(Path(run_dir), control)
+        self.memory = MemoryPanel(self._clock)
+        self.memory.fig.x_range = self.gantt_fig.x_range  # the phases above are the memory's phase markers
+        self.busy, self.rollout, self.reshard = BusyPanel(), RolloutPanel(), ReshardPanel()
+        self.panels = [self.running, self.memory, self.busy, self.rollout, self.reshard]
+        self.explanation = pn.pane.Markdown("", name="explanation", sizing_mode="stretch_width")
+        row = dict(sizing_mode="stretch_width")
+        self.layout = pn.Column(
+            self.status, self.mapping_pane, self.running.layout,
+            pn.Row(self.reward_fig, self.sync_fig, **row), self.gantt_fig, self.memory.alarm, self.memory.fig,
+            pn.Row(self.device_fig, self.busy.fig, **row), pn.Row(self.rollout.lengths, self.rollout.speed, **row),
+            pn.Row(self.reshard.fig, pn.Column(self.reshard.caption, **row), **row),
+            pn.Card(self.explanation, title="config explained", collapsed=True, **row), **row)
 
     def stop(self) -> None:
         """Stop polling (a notebook's dashboard has no server session that would end it)."""
@@ -129,6 +143,7 @@ class Dashboard:
         """Poll the source and stream the new points (call on the document's loop)."""
         records = self.source.poll()
         if not records:
+            self.running.feed([])  # the ages of the calls in flight still grow
             return
         curves, evals, spans, sync = ([] for _ in range(4))
         devices: dict[str, list[dict]] = {}
@@ -138,6 +153,7 @@ class Dashboard:
                 self.run_name = r.get("name", self.run_name)
                 self.processor = r.get("processor", "")
                 self.mapping_pane.object = mapping_text(r.get("mapping") or {})
+                self.explanation.object = r.get("explanation", "")
             elif kind == "remap":
                 self._mark_remap(r)
             elif kind == "resume":  # the run went on from a checkpoint: later records replace the lost ones
@@ -161,14 +177,20 @@ class Dashboard:
         if curves:
             self.curves.stream({"step": [r["step"] for r in curves],
                                 "reward": [r.get("reward/mean", float("nan")) for r in curves],
-                                "accuracy": [r.get("accuracy", float("nan")) for r in curves]})
+                                "accuracy": [r.get("accuracy", float("nan")) for r in curves]},
+                               rollover=ROLLOVER["curves"])
         if evals:
-            self.evals.stream({"step": [r["step"] for r in evals], "accuracy": [r["accuracy"] for r in evals]})
+            self.evals.stream({"step": [r["step"] for r in evals], "accuracy": [r["accuracy"] for r in evals]},
+                              rollover=ROLLOVER["evals"])
         if spans:
             self._stream_spans(spans)
         if sync:
             self.sync.stream({"step": [r["step"] for r in sync], "mb": [r["bytes"] / 2**20 for r in sync],
-                              "seconds": [100 * r["seconds"] for r in sync]})
+                              "seconds": [100 * r["seconds"] for r in sync]}, rollover=ROLLOVER["sync"])
+        streamed = {id(r) for r in curves + sync}
+        kept = [r for r in records if r.get("kind") not in ("metrics", "sync") or id(r) in streamed]
+        for panel in self.panels:  # rolled-back steps (dropped from curves and sync above) stay out
+            panel.feed(kept)
         for label, rows in devices.items():
             self._stream_device(label, rows)
         self.status.object = self._status_text()
@@ -180,8 +202,9 @@ class Dashboard:
         self.remaps.append(r)
         roles = ", ".join(r.get("roles_recreated", [])) or "none"
         step, seconds = r.get("step", self.step), (r.get("seconds") or {}).get("total", 0.0)
+        before = mapping_text(r.get("mapping_before") or {}).replace("mapping: ", "", 1)
         self.mapping_pane.object = (mapping_text(r.get("mapping_after") or {}) + f"  \n*remapped after step {step}:"
-                                    f" re-created {roles} in {seconds:.1f} s*")
+                                    f" re-created {roles} in {seconds:.1f} s; before: {before}*")
         self.reward_fig.add_layout(Span(location=step + 0.5, dimension="height", line_dash="dashed",
                                         line_color="#555555", line_width=1))
         if "time" in r:  # and on the phase timeline, at the moment it finished
@@ -207,7 +230,7 @@ class Dashboard:
         if back is not None:
             for records in unstreamed:
                 records[:] = [x for x in records if x["step"] <= back]
-            for source in (self.curves, self.evals, self.sync):
+            for source in (self.curves, self.evals, self.sync, self.rollout.source, *self.busy.sources.values()):
                 keep = [i for i, step in enumerate(source.data["step"]) if step <= back]
                 source.data = {k: [v[i] for i in keep] for k, v in source.data.items()}
         self.reward_fig.add_layout(Span(location=r.get("step", self.step) + 0.5, dimension="height",
@@ -234,7 +257,7 @@ class Dashboard:
             color = Category10_10[len(self.devices) % 10]
             self.device_fig.line("t", "util", source=self.devices[label], legend_label=label, color=color)
         self.devices[label].stream({"t": [self._clock(r["time"]) for r in rows], "util": [r["util"] for r in rows],
-                                    "memory_mb": [r["memory_mb"] for r in rows]}, rollover=3600)
+                                    "memory_mb": [r["memory_mb"] for r in rows]}, rollover=ROLLOVER["devices"])
 
 
 def mapping_text(mapping: dict) -> str:
@@ -250,35 +273,13 @@ def mapping_text(mapping: dict) -> str:
     return "mapping: " + "; ".join(parts) if parts else ""
 
 
-def build_dashboard(run_dir: str | Path):
-    """Return the dashboard layout of ``run_dir`` with its 1 s update loop attached; read-only."""
+def build_dashboard(run_dir: str | Path, control: bool = True):
+    """Return the dashboard layout of ``run_dir`` with its 1 s update loop attached; the only
+    action on it (with ``control``) is asking for the workers' stacks."""
     import panel as pn
 
-    board = Dashboard(run_dir)
+    board = Dashboard(run_dir, control)
     board.update()  # a late viewer sees the whole history at once
     board.callback = pn.state.add_periodic_callback(board.update, period=POLL_MS)
     board.layout.dashboard = board  # keep the state reachable (tests, the session's shutdown)
     return board.layout
-
-
-def free_port(address: str = "localhost") -> int:
-    """Return a TCP port that is free on ``address`` now."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
-
-
-def serve(run_dir: str | Path, port: int = 0, address: str = "localhost", show: bool = False, threaded: bool = False):
-    """Serve the dashboard of ``run_dir`` on ``address:port`` (0 picks a free port); returns
-    (server or server thread, port). ``threaded=True`` returns at once (notebooks, tests)."""
-    import panel as pn
-
-    port = port or free_port(address)
-    origins = sorted({f"{address}:{port}", f"localhost:{port}", f"127.0.0.1:{port}"})
-    server = pn.serve({"/": lambda: build_dashboard(run_dir)}, port=port, address=address, show=show,
-                      threaded=threaded, title=f"hybridlab {Path(run_dir).name}", websocket_origin=origins,
-                      verbose=False)
-    return server, port
-

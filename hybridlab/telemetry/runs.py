@@ -1,0 +1,165 @@
+"""The runs page: every run under a folder with its status, last step and reward; the curves of
+the selected runs overlaid. ``hybridlab dashboard RUNS_ROOT`` serves it.
+
+A run is a directory holding ``metrics.jsonl`` or ``telemetry.jsonl`` (up to two levels below
+the root). Its status: ``failed`` or ``finished`` from ``summary.json``; otherwise ``live`` when
+a log was written in the last ``LIVE_S`` seconds (workers send a device sample every second),
+else ``crashed``; ``resumed`` is added when it went on from a checkpoint. Logs are read
+incrementally, so a refresh costs only what was appended since the last one.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+LIVE_S = 30.0
+REFRESH_MS = 2000
+ROLLOVER = 100_000     # points kept per overlaid curve
+LOGS = ("metrics.jsonl", "telemetry.jsonl")
+
+
+class RunInfo:
+    """What the runs page knows about one run, updated from the bytes appended to its logs."""
+
+    def __init__(self, path: Path):
+        self.path, self.name = path, path.name
+        self.steps: list[int] = []
+        self.rewards: list[float] = []
+        self.resumed = False
+        self.cuts = 0          # times logged steps were replaced (a resume): overlaid lines redraw
+        self._offsets = {name: 0 for name in LOGS}
+
+    def refresh(self) -> None:
+        """Read what was appended to the run's logs since the last refresh."""
+        metrics = self._new_lines("metrics.jsonl")
+        for line in metrics:
+            r = json.loads(line)
+            step = r.get("step")
+            while self.steps and self.steps[-1] >= step:  # a resumed run logs the cut steps again
+                self.cuts += 1
+                self.steps.pop()
+                self.rewards.pop()
+            self.steps.append(step)
+            reward = r.get("reward/mean")
+            self.rewards.append(float("nan") if reward is None else reward)
+        if any(b'"kind": "resume"' in line for line in self._new_lines("telemetry.jsonl")):
+            self.resumed = True
+
+    def _new_lines(self, name: str) -> list[bytes]:
+        path = self.path / name
+        if not path.is_file():
+            return []
+        if path.stat().st_size < self._offsets[name]:  # cut back by a resume: read it again
+            self._offsets[name] = 0
+            if name == "metrics.jsonl":
+                self.steps, self.rewards, self.cuts = [], [], self.cuts + 1
+        with open(path, "rb") as f:
+            f.seek(self._offsets[name])
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self._offsets[name] += end
+        return [line for line in data[:end].splitlines() if line.strip()]
+
+    @property
+    def status(self) -> str:
+        """Return live, finished, failed or crashed, with ``, resumed`` when it was resumed."""
+        summary = self.path / "summary.json"
+        if summary.is_file():
+            try:
+                state = "failed" if json.loads(summary.read_text()).get("failed") else "finished"
+            except ValueError:
+                state = "crashed"  # a summary cut off mid-write
+        else:
+            written = max(((self.path / n).stat().st_mtime for n in LOGS if (self.path / n).is_file()), default=0)
+            state = "live" if time.time() - written < LIVE_S else "crashed"
+        return state + (", resumed" if self.resumed else "")
+
+    def row(self) -> dict:
+        """Return the run's table row: name, status, last step, last mean reward."""
+        last = self.rewards[-1] if self.rewards else float("nan")
+        return {"run": self.name, "status": self.status, "step": self.steps[-1] if self.steps else 0,
+                "reward": last}
+
+
+def find_runs(root: str | Path) -> list[Path]:
+    """Return the run directories under ``root`` (itself excluded), newest first."""
+    root = Path(root)
+    found = {p.parent for pattern in ("*/", "*/*/") for name in LOGS for p in root.glob(pattern + name)}
+    return sorted(found, key=lambda p: max((p / n).stat().st_mtime for n in LOGS if (p / n).is_file()),
+                  reverse=True)
+
+
+class RunsPage:
+    """The table of runs and the overlay of the selected runs' reward curves."""
+
+    def __init__(self, root: str | Path):
+        import panel as pn
+        from bokeh.plotting import figure
+
+        self.root, self.runs, self.lines = Path(root), {}, {}
+        self.table = pn.pane.HTML("", name="runs", sizing_mode="stretch_width")
+        self.select = pn.widgets.MultiSelect(label="overlay the curves of", options=[], size=8, width=360)
+        self.select.param.watch(lambda _event: self.draw(), "value")
+        self.fig = figure(title="mean reward per step", x_axis_label="step", height=320,
+                          sizing_mode="stretch_width")
+        self.layout = pn.Column(pn.pane.Markdown(f"## Runs under {self.root}"), self.table,
+                                pn.Row(self.select, self.fig, sizing_mode="stretch_width"), sizing_mode="stretch_width")
+
+    def update(self) -> None:
+        """Find new runs, read what their logs gained, redraw the table and the selected curves."""
+        import html
+
+        for path in find_runs(self.root):
+            key = str(path.relative_to(self.root))
+            if key not in self.runs:
+                self.runs[key] = RunInfo(path)
+            self.runs[key].refresh()
+        rows = []
+        for key, info in self.runs.items():
+            r = info.row()
+            color = {"live": "#2e7d32", "crashed": "#c62828", "failed": "#c62828"}.get(r["status"].split(",")[0], "")
+            reward = "n/a" if r["reward"] != r["reward"] else f"{r['reward']:.3f}"
+            rows.append(f"<tr><td>{html.escape(key)}</td><td style='color:{color}'>{r['status']}</td>"
+                        f"<td>{r['step']}</td><td>{reward}</td></tr>")
+        self.table.object = ("<table><tr><th>run</th><th>status</th><th>last step</th><th>mean reward</th></tr>"
+                             + "".join(rows) + "</table>") if rows else f"<p>no runs under {html.escape(str(self.root))} yet</p>"
+        if list(self.select.options) != list(self.runs):
+            self.select.options = list(self.runs)
+        self.draw()
+
+    def draw(self) -> None:
+        """Keep one line per selected run: add the newly selected, drop the others, and stream
+        each line's new points (a run cut back by a resume is redrawn)."""
+        from bokeh.models import ColumnDataSource
+        from bokeh.palettes import Category10_10
+
+        for key in [k for k in self.lines if k not in self.select.value]:
+            renderer = self.lines.pop(key)[0]
+            self.fig.renderers = [r for r in self.fig.renderers if r is not renderer]
+            self.fig.legend.items = [item for item in self.fig.legend.items if renderer not in item.renderers]
+        for key in self.select.value:
+            info = self.runs[key]
+            if key not in self.lines:
+                source = ColumnDataSource({"step": [], "reward": []})
+                renderer = self.fig.line("step", "reward", source=source, legend_label=key,
+                                         color=Category10_10[list(self.runs).index(key) % 10])
+                self.lines[key] = (renderer, 0, info.cuts)
+            renderer, shown, cuts = self.lines[key]
+            source = renderer.data_source
+            if cuts != info.cuts:
+                source.data, shown = {"step": [], "reward": []}, 0
+            if len(info.steps) > shown:
+                source.stream({"step": info.steps[shown:], "reward": info.rewards[shown:]}, rollover=ROLLOVER)
+            self.lines[key] = (renderer, len(info.steps), info.cuts)
+
+
+def build_runs_page(root: str | Path):
+    """Return the runs page of ``root`` with its refresh loop attached (every 2 s)."""
+    import panel as pn
+
+    page = RunsPage(root)
+    page.update()
+    page.callback = pn.state.add_periodic_callback(page.update, period=REFRESH_MS)
+    page.layout.runs_page = page
+    return page.layout
