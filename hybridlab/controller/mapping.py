@@ -247,3 +247,13 @@ def _model_problems(role: str, r: RoleLayout, model: Any) -> list[str]:
     if layers and r.pp > 1 and layers % r.pp:
         out.append(f"{where}.pp: the model's {layers} layers are not divisible by pp={r.pp}")
     return out
+
+
+def rank_label(role: str, layout: RoleLayout, rank: int) -> str:
+    """Return what rank ``rank`` of ``role`` is, in words: ``actor tp0 dp1 pp0``, ``rollout engine 1 tp0``."""
+    if role == "rollout":
+        return f"{role} engine {rank // layout.tp}" + (f" tp{rank % layout.tp}" if layout.tp > 1 else "")
+    if role == "reward":
+        return f"{role} {rank}"
+    tp, rest = rank % layout.tp, rank // layout.tp  # megatron's order: tp fastest, then dp, then pp
+    return f"{role} tp{tp} dp{rest % layout.dp} pp{rest // layout.dp}"

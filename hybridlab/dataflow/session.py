@@ -32,6 +32,7 @@ from hybridlab.dataflow.edits import StepBoundary
 from hybridlab.dataflow.roles import role_classes
 from hybridlab.dataflow.context import BackgroundRun, StepContext
 from hybridlab.atomic import write_json
+from hybridlab.telemetry.busy import session_busy
 from hybridlab.protocol import Batch
 
 
@@ -77,6 +78,7 @@ class RLSession:
         self.history: list[dict] = []  # the metrics of the newest HISTORY_STEPS steps
         self.ahead = RolloutAhead()  # off-policy: the next step's rollout, submitted during this one
         self.hub = None        # the telemetry hub actor (trainer.telemetry)
+        self._reporter = None  # LiveReporter: calls in flight and stack requests -> the hub
         self.log = None        # MetricsLog, once started
         self._stop_requested = False
         self._training = False     # a train() loop runs (in this thread or a background one)
@@ -129,7 +131,7 @@ class RLSession:
         try:
             connect(address=self._ray["address"], temp_dir=self._ray["temp_dir"], min_gpus=devices)
             if self.cfg.trainer.telemetry:  # first, so a viewer sees the warm start too
-                self._start_hub(env)
+                self._start_hub(env, model_dir)
             if self.cfg.warm_start.max_steps:
                 model_dir = self._warm_start(model_dir)
             self.model_dir = model_dir
@@ -141,6 +143,10 @@ class RLSession:
                 self.session.timeline.subscribe(
                     lambda spans: self.hub.add.remote("span", [dataclasses.asdict(s) for s in spans]))
             self.session.start()
+            if self.hub is not None:  # the calls in flight and stack requests, for the dashboard
+                from hybridlab.telemetry.live import LiveReporter
+
+                self._reporter = LiveReporter(self.run_dir, self.running, self.stacks, self._emit).start()
         except BaseException:
             self.shutdown()  # nothing half-started stays behind; start() may be called again
             raise
@@ -177,9 +183,9 @@ class RLSession:
         """Return how long a prompt may be under the current settings."""
         return PromptFit(self.context, self.cfg.rollout.max_new_tokens, self.cfg.data.truncate_prompts)
 
-    def _start_hub(self, env: dict) -> None:
+    def _start_hub(self, env: dict, model_dir: Path) -> None:
         """Start the run's hub before the warm start and the workers (they send it device
-        samples through ``env``)."""
+        samples through ``env``); its first record has the config explained for the dashboard."""
         from hybridlab.telemetry.hub import ENV_HUB, hub_name, start_hub
 
         self.hub = start_hub(self.run_dir)
@@ -187,7 +193,17 @@ class RLSession:
         self.hub.add.remote("run", [{"time": time.time(), "name": self.cfg.name, "run_dir": str(self.run_dir),
                                      "algorithm": self.cfg.algorithm.adv_estimator,
                                      "dataflow": self._dataflow.names, "mapping": self.mapping.to_dict(),
-                                     "processor": self.environment["processor"]}])
+                                     "processor": self.environment["processor"],
+                                     "explanation": self._explanation(model_dir)}])
+
+    def _explanation(self, model_dir: Path) -> str:
+        """Return ``hybridlab explain`` for this run as Markdown (a note if it cannot be made)."""
+        from hybridlab.explain import explain
+
+        try:
+            return explain(self.cfg, model_dir).markdown()
+        except Exception as exc:  # the run itself does not depend on it
+            return f"(no explanation: {exc})"
 
     def _telemetry_size(self) -> int | None:
         """Mark a checkpoint in the telemetry file; returns the file's size after the mark."""
@@ -226,6 +242,9 @@ class RLSession:
     def shutdown(self) -> None:
         """Stop the workers and close the logs (the Ray connection stays for the kernel)."""
         self.ahead.pending = None
+        if self._reporter is not None:
+            self._reporter.stop()
+            self._reporter = None
         for board in self._dashboards:
             board.stop()
         self._dashboards.clear()
@@ -334,7 +353,7 @@ class RLSession:
     def _step(self, ctx: StepContext) -> StepResult:
         t = self.cfg.trainer
         self.session.watch.configure(t.call_deadline_floor_s, t.call_deadline_s)
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         trace: list[tuple[str, list[str]]] = []
         batch, metrics = self._dataflow.run(ctx, self.prompts.next(), trace=trace)
         seconds = time.perf_counter() - start
@@ -350,6 +369,7 @@ class RLSession:
         metrics.setdefault("rollout/staleness", 0)
         metrics.update({"timing/step_s": seconds, "perf/tokens_per_s": tokens / seconds if seconds else 0.0,
                         "warnings": len(ctx.warnings)})
+        metrics.update(session_busy(self.session, wall, time.time()))
         self.step_count += 1
         self.history.append({"step": self.step_count, **metrics})
         del self.history[:-HISTORY_STEPS]  # bounded: metrics.jsonl keeps every step
@@ -371,7 +391,7 @@ class RLSession:
         report = sync_mapped(self.session.groups, self.mapping, self.spec)
         self._emit("sync", {"step": self.step_count + (reason == "step"), "bytes": report.bytes_moved,
                             "buckets": report.buckets, "seconds": report.seconds, "mode": report.mode,
-                            "reason": reason})
+                            "reason": reason, "bytes_per_pair": report.plan.get("bytes_per_pair", {})})
         return report
 
     def running(self) -> list[dict]:
@@ -383,9 +403,13 @@ class RLSession:
         """Write every worker process's Python stacks to ``RUN_DIR/stacks/``; returns the files."""
         from hybridlab.controller.watch import dump_stacks
 
-        label = time.strftime("%Y%m%d-%H%M%S")
-        return [f for role, group in self.session.groups.items()
-                for f in dump_stacks(group.placements, self.run_dir / "stacks", f"{label}-{role}")]
+        label, seen, files = time.strftime("%Y%m%d-%H%M%S"), set(), []
+        for role, group in self.session.groups.items():  # colocated roles share processes: dump each once
+            pids = tuple(p["pid"] for p in group.placements)
+            if pids not in seen:
+                seen.add(pids)
+                files += dump_stacks(group.placements, self.run_dir / "stacks", f"{label}-{role}")
+        return files
 
     # -------------------------------------------------------------- evaluation
     def evaluate(self, samples: list | None = None) -> dict:

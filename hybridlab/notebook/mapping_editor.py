@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import ipywidgets as widgets
 
-from hybridlab.controller.mapping import ROLES, DeviceMapping
+from hybridlab.controller.mapping import ROLES, DeviceMapping, rank_label
 from hybridlab.notebook.apply import FOREGROUND_NOTE, Applier, ok, problem_list, problems_of
 
 if TYPE_CHECKING:
@@ -164,15 +164,6 @@ class MappingEditor(widgets.VBox):
         self.drawing.value = draw(mapping)
 
 
-def _rank_label(role: str, layout, rank: int) -> str:
-    if role == "rollout":
-        return f"{role} engine {rank // layout.tp}" + (f" tp{rank % layout.tp}" if layout.tp > 1 else "")
-    if role == "reward":
-        return f"{role} {rank}"
-    tp, rest = rank % layout.tp, rank // layout.tp  # megatron's order: tp fastest, then dp, then pp
-    return f"{role} tp{tp} dp{rest % layout.dp} pp{rest // layout.dp}"
-
-
 def draw(mapping: DeviceMapping) -> str:
     """Return HTML: one row per pool, one box per device, listing the role ranks on it; roles
     that share processes have the same color."""
@@ -185,7 +176,7 @@ def draw(mapping: DeviceMapping) -> str:
         boxes = []
         for d in range(pool.devices):
             lines = [f"<div style='background:{colors[r]};padding:1px 4px;margin:1px'>"
-                     f"{html.escape(_rank_label(r, lay, d))}</div>"
+                     f"{html.escape(rank_label(r, lay, d))}</div>"
                      for r, lay in mapping.roles.items() if lay.pool == name and d < lay.world_size]
             boxes.append(f"<div style='border:1px solid #888;border-radius:4px;padding:3px;margin:2px;"
                          f"min-width:120px;font-size:12px'><b>device {first + d}</b>{''.join(lines) or '(idle)'}</div>")

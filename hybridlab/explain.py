@@ -1,0 +1,158 @@
+"""``hybridlab explain``: the sizes a config implies, the mapping drawn in text, and memory per worker.
+
+    hybridlab explain [CONFIG] [key=value ...]
+
+prints prompts and samples per step, optimizer steps and mini-batches per update, sequences and
+micro-batches per data-parallel rank, tokens per step, and an estimate of the resident memory of
+every worker process. Inconsistent sizes are refused with the arithmetic that fails (the same
+checks a run makes). The memory estimate is a runtime base measured on our machines plus what
+the model and the layout add (weights, gradients, AdamW moments, logits, KV cache); see
+``MEMORY`` for the constants and ``tests/test_explain.py`` for the factor it is held to.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from hybridlab.config import RunConfig, dataflow_names, default_mapping, validate_config
+from hybridlab.controller.mapping import DeviceMapping, rank_label
+
+# Resident memory of a worker process beyond what the model adds, calibrated on our CPU machines
+# (AMD EPYC; float32) from the device samples of real runs: every worker process (Python, torch,
+# Ray's worker), plus what each kind of role loads once per process: Megatron-core with gloo
+# (actor, critic, ref), a vLLM engine (PLATFORM.md's ~650 MiB fixed cost of an engine process
+# includes the process itself), a reward scorer.
+MEMORY = {"process_mb": 350.0, "megatron_mb": 150.0, "vllm_mb": 300.0, "reward_mb": 30.0,
+          "train_bytes_per_param": 16.0,   # fp32 weights + gradients + two AdamW moments
+          "frozen_bytes_per_param": 4.0,   # ref model, rollout engine: fp32 weights only
+          "logit_copies": 3.0}             # logits, log-softmax and their gradient, per micro-batch
+RUNTIME = {"actor": "megatron_mb", "critic": "megatron_mb", "ref": "megatron_mb", "rollout": "vllm_mb",
+           "reward": "reward_mb"}
+TRAINERS = ("actor", "critic")
+
+
+@dataclasses.dataclass
+class Explanation:
+    """What a config implies: ``sizes`` (name -> number), ``lines`` (the printed text),
+    ``memory_mb`` (process set -> estimated resident MB per process)."""
+
+    sizes: dict
+    lines: list[str]
+    memory_mb: dict
+
+    def text(self) -> str:
+        """Return the explanation as plain text."""
+        return "\n".join(self.lines)
+
+    def markdown(self) -> str:
+        """Return the explanation as Markdown (a fenced block, for the dashboard)."""
+        return "```\n" + self.text() + "\n```"
+
+
+def parameter_count(model_dir: str | Path) -> int:
+    """Return the number of parameters in a checkpoint's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                total += math.prod(f.get_slice(key).get_shape())
+    return total
+
+
+def _update_sizes(cfg: RunConfig, role: str, dp: int) -> dict:
+    section = getattr(cfg, role)
+    prompts, n = cfg.data.prompts_per_step, cfg.rollout.n
+    mini_rows = section.ppo_mini_batch_size * n
+    per_rank = mini_rows // dp
+    return {"mini_batches": prompts // section.ppo_mini_batch_size,
+            "optimizer_steps": prompts // section.ppo_mini_batch_size * section.ppo_epochs,
+            "sequences_per_mini_batch": mini_rows, "sequences_per_rank": per_rank,
+            "micro_batches_per_rank": math.ceil(per_rank / section.micro_batch_size),
+            "micro_rows": min(per_rank, section.micro_batch_size)}
+
+
+def estimate_memory(cfg: RunConfig, mapping: DeviceMapping, params: int, vocab: int, seq_len: int) -> dict:
+    """Return process set (its roles joined by '+') -> estimated resident MB of each of its
+    processes, from ``MEMORY``, the model's size and the layout (reward models: not counted)."""
+    m, out = MEMORY, {}
+    for _, members in mapping.process_sets():
+        mb = m["process_mb"] + sum(m[kind] for kind in {RUNTIME.get(r, "reward_mb") for r in members})
+        for role in members:
+            lay = mapping.roles[role]
+            shard = params / (lay.tp * lay.pp)
+            if role in TRAINERS:
+                sizes = _update_sizes(cfg, role, lay.dp)
+                logits = sizes["micro_rows"] * seq_len * (vocab / lay.tp) * 4 * m["logit_copies"]
+                mb += (shard * m["train_bytes_per_param"] + logits) / 2**20
+            elif role == "ref":
+                logits = min(cfg.actor.micro_batch_size, cfg.data.prompts_per_step * cfg.rollout.n) * seq_len * vocab * 4
+                mb += (shard * m["frozen_bytes_per_param"] + logits) / 2**20
+            elif role == "rollout":
+                mb += params / lay.tp * m["frozen_bytes_per_param"] / 2**20 + cfg.rollout.kv_cache_mb
+        out["+".join(members)] = round(mb, 1)  # colocated roles share the process and its runtimes
+    return out
+
+
+def draw_mapping(mapping: DeviceMapping) -> list[str]:
+    """Return the mapping as text lines: each pool, each of its devices, the role ranks on it."""
+    lines, first = [], 0
+    for name, pool in mapping.pools.items():
+        lines.append(f"pool {name} ({pool.devices} device{'s' if pool.devices > 1 else ''}):")
+        for d in range(pool.devices):
+            ranks = [rank_label(r, lay, d) for r, lay in mapping.roles.items() if lay.pool == name and d < lay.world_size]
+            lines.append(f"  device {first + d}: {', '.join(ranks) or '(idle)'}")
+        first += pool.devices
+    return lines
+
+
+def explain(cfg: RunConfig, model_dir: str | Path | None = None) -> Explanation:
+    """Return the Explanation of a valid ``cfg`` (``validate_config`` refuses an invalid one
+    first, naming the sizes that do not fit); ``model_dir`` defaults to the config's model."""
+    from transformers import AutoTokenizer
+
+    from hybridlab.dataflow.prompts import load_samples
+    from hybridlab.models.zoo import resolve_model
+    from hybridlab.workers.train.convert import ModelSpec
+
+    validate_config(cfg)
+    model_dir = Path(model_dir or resolve_model(cfg.model))
+    spec = ModelSpec.from_hf(model_dir)
+    params = parameter_count(model_dir)
+    names = dataflow_names(cfg)
+    mapping = DeviceMapping.from_dict(cfg.mapping or default_mapping(cfg, names))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt_lens = [len(tokenizer(s.prompt, add_special_tokens=False).input_ids)
+                   for s in load_samples(cfg, "train")[:2000]]
+    mean_prompt, max_prompt = sum(prompt_lens) / len(prompt_lens), max(prompt_lens)
+    prompts, n, new = cfg.data.prompts_per_step, cfg.rollout.n, cfg.rollout.max_new_tokens
+    samples = prompts * n
+    sizes = {"prompts_per_step": prompts, "samples_per_step": samples, "parameters": params,
+             "prompt_tokens_mean": round(mean_prompt, 1), "prompt_tokens_max": max_prompt,
+             "tokens_per_step_max": samples * (max_prompt + new),
+             "tokens_per_step_mean_prompt": round(samples * (mean_prompt + new))}
+    lines = [f"model {model_dir.name}: {params / 1e6:.2f}M parameters, vocabulary {spec.vocab_size},"
+             f" {spec.layers} layers, hidden {spec.hidden}",
+             f"per step: {prompts} prompts (data.prompts_per_step) x {n} samples (rollout.n) = {samples} sequences",
+             f"tokens per step: {samples} x (prompt {mean_prompt:.1f} mean / {max_prompt} max + up to {new} new)"
+             f" = about {sizes['tokens_per_step_mean_prompt']}, at most {sizes['tokens_per_step_max']}"]
+    for role in TRAINERS:
+        if role not in mapping.roles or (role == "critic" and "update_critic" not in names):
+            continue
+        lay, section = mapping.roles[role], getattr(cfg, role)
+        u = _update_sizes(cfg, role, lay.dp)
+        sizes[role] = u
+        lines.append(f"{role} update: {prompts} prompts / {section.ppo_mini_batch_size} ({role}.ppo_mini_batch_size)"
+                     f" = {u['mini_batches']} mini-batches x {section.ppo_epochs} epoch(s) = {u['optimizer_steps']}"
+                     f" optimizer steps; each {section.ppo_mini_batch_size} x {n} = {u['sequences_per_mini_batch']}"
+                     f" sequences / dp {lay.dp} = {u['sequences_per_rank']} per rank in {u['micro_batches_per_rank']}"
+                     f" micro-batch(es) of at most {section.micro_batch_size} ({role}.micro_batch_size)")
+    lines += ["device mapping:", *draw_mapping(mapping)]
+    seq_len = max_prompt + new
+    memory = estimate_memory(cfg, mapping, params, spec.vocab_size, seq_len)
+    lines.append("estimated resident memory per process (runtime base + model state; measured bases, see"
+                 " hybridlab.explain.MEMORY):")
+    lines += [f"  {name}: {mb:.0f} MB" for name, mb in memory.items()]
+    return Explanation(sizes, lines, memory)
