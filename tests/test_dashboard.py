@@ -44,10 +44,34 @@ def _status_step(page) -> int:
     return int(found.group(1))
 
 
+# The rows of every ColumnDataSource in the page's Bokeh documents, keyed by its sorted columns.
+PAGE_SOURCES = """() => {
+  const sizes = {};
+  for (const doc of Bokeh.documents) {
+    for (const model of doc.all_models) {
+      if (model.data === undefined || model.selected === undefined) continue;
+      const data = model.data instanceof Map ? Object.fromEntries(model.data) : model.data;
+      const keys = Object.keys(data).sort();
+      if (keys.length) sizes[keys.join(",")] = Math.max(sizes[keys.join(",")] || 0, data[keys[0]].length);
+    }
+  }
+  return sizes;
+}"""
+PANEL_COLUMNS = ["accuracy,reward,step",                          # reward curves
+                 "color,left,right,stage,worker",                 # phase timeline
+                 "memory_mb,t,util",                              # device utilization
+                 "gpu_mb,mb,t",                                   # memory per worker
+                 "step,t,y",                                      # step markers on the memory plot
+                 "busy,step",                                     # device busy per step
+                 "max,p10,p50,p90,step,straggler_pct,tokens_per_s",  # rollout lengths, tokens/s, stragglers
+                 "alpha,dst,label,mb,src",                        # the last sync's plan
+                 "mb,seconds,step"]                               # sync history
+
+
 def test_served_dashboard_renders_and_follows_the_run(rl):
     from playwright.sync_api import sync_playwright
 
-    from hybridlab.telemetry.dashboard import serve
+    from hybridlab.telemetry.serving import serve
 
     chromium = _chromium()
     rl.step()  # something to show at once
@@ -68,7 +92,14 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
                 later = _status_step(page)
             assert later > first, f"status stayed at step {first}"
             page.locator("canvas").first.wait_for(timeout=20_000)
-            assert page.locator("canvas").count() >= 4  # reward, sync, phases, devices
+            assert page.locator("canvas").count() >= 9  # reward, sync, phases, memory, devices, busy, rollout x2, sync plan
+            page.get_by_text("running for").first.wait_for(timeout=30_000)  # a call in flight, in the table
+            sizes = page.evaluate(PAGE_SOURCES)  # what the browser's Bokeh document holds, per data source
+            for columns in PANEL_COLUMNS:
+                assert sizes.get(columns, 0) > 0, f"no data in the page's source with columns {columns}: {sizes}"
+            page.get_by_role("button", name="Write every worker's stacks").click()
+            page.get_by_text("most recent call first").first.wait_for(timeout=30_000)  # the workers' stacks
+            assert sorted(p.name for p in (rl.run_dir / "stacks").glob("*-rank0-pid*.txt"))
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
             browser.close()
@@ -181,3 +212,66 @@ def test_status_line_names_the_phase_from_warm_start_to_evaluation(tmp_path):
     board.update()
     assert "RL step 1 · mean reward 0.250" in board.status.object
     hub.close()
+
+
+def test_a_page_served_off_localhost_shows_nothing_without_login(rl, tmp_path):
+    """Bound to 0.0.0.0 (reached here through 127.0.0.1 only), the page needs Panel's login."""
+    import urllib.request
+
+    from playwright.sync_api import sync_playwright
+
+    from hybridlab.errors import UserError
+    from hybridlab.telemetry.serving import free_port, serve
+
+    with pytest.raises(UserError, match="give --basic-auth PASSWORD_FILE"):
+        serve(rl.run_dir, address="0.0.0.0", threaded=True)
+    users = tmp_path / "users.json"
+    users.write_text(json.dumps({"ann": "s3cret-pass"}))
+    port = free_port("0.0.0.0")
+    server, port = serve(rl.run_dir, port=port, address="0.0.0.0", threaded=True, basic_auth=str(users))
+    try:
+        for _ in range(60):
+            try:
+                response = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5)
+                break
+            except OSError:
+                time.sleep(0.5)
+        body = response.read().decode()
+        assert response.url.startswith(f"http://127.0.0.1:{port}/login")  # sent to the login form
+        assert 'name="password"' in body and "docs_json" not in body and rl.run_dir.name not in body
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=_chromium(), headless=True,
+                                        args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                                              "--disable-component-update", "--no-first-run"])
+            page = browser.new_page()
+            page.goto(f"http://127.0.0.1:{port}/", timeout=60_000)
+            assert page.locator("canvas").count() == 0
+            page.fill("input[name=username]", "ann")
+            page.fill("input[name=password]", "wrong")
+            page.locator("input[name=password]").press("Enter")
+            page.wait_for_load_state()
+            assert page.locator("canvas").count() == 0 and "/login" in page.url
+            page.fill("input[name=username]", "ann")
+            page.fill("input[name=password]", "s3cret-pass")
+            page.locator("input[name=password]").press("Enter")
+            page.get_by_text(re.compile(r"RL step \d+ · mean reward")).first.wait_for(timeout=60_000)
+            page.get_by_role("button", name="Write every worker's stacks").wait_for(timeout=10_000)  # logged in
+            browser.close()
+    finally:
+        server.stop()
+
+
+def test_the_memory_estimate_matches_the_measured_resident_memory(rl):
+    """hybridlab explain's estimate of the worker process against its median resident memory in
+    this run (one process: actor, rollout, reward and ref colocated), within a factor of 1.5."""
+    import statistics
+
+    from hybridlab.explain import explain
+
+    records = [json.loads(line) for line in (rl.run_dir / "telemetry.jsonl").read_text().splitlines()]
+    (_, members), = rl.mapping.process_sets()
+    assert set(members) == {"actor", "rollout", "ref", "reward"}
+    measured = statistics.median(r["rss_mb"] for r in records if r["kind"] == "device"
+                                 and set(r["role"].split(",")) == set(members))
+    estimate = explain(rl.cfg, rl.model_dir).memory_mb["+".join(members)]
+    assert 1 / 1.5 <= estimate / measured <= 1.5, (estimate, measured)

@@ -1,0 +1,191 @@
+"""The dashboard's panels, runs page, serving rules and explainer on recorded telemetry (no
+engines needed: the records are what a run writes; the live run is in test_dashboard.py)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridlab.errors import UserError
+from hybridlab.telemetry import dashboard as dash
+from hybridlab.telemetry import panels
+from hybridlab.telemetry.busy import busy_fractions, busy_metrics, union_seconds
+from hybridlab.telemetry.memory import leak_check
+from hybridlab.telemetry.timeline import Span
+
+
+def write_run(run_dir: Path, records: list[dict], metrics: list[dict] = (), summary: dict | None = None) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "telemetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    if summary is not None:
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+    return run_dir
+
+
+def step_record(step: int, t: float) -> dict:
+    return {"kind": "metrics", "step": step, "time": t, "reward/mean": step / 10, "timing/step_s": 2.0,
+            "timing/generate_s": 0.5, "rollout/tokens": 100, "response_length/p10": 2.0,
+            "response_length/p50": 4.0, "response_length/p90": 6.0, "response_length/max": 8.0,
+            "rollout/straggler_share": 0.25, "perf/device_busy": 0.5, "perf/device_busy/gpu0": 0.75,
+            "perf/device_busy/gpu1": 0.25}
+
+
+def test_busy_fraction_is_the_union_of_the_calls_on_each_device():
+    assert union_seconds([(0, 2), (1, 3), (5, 6)]) == 4
+    spans = [Span("actor", 0, "update", 1.0, 3.0), Span("rollout", 0, "generate", 2.0, 5.0),  # overlap on GPU 0
+             Span("reward", 0, "score", 4.0, 12.0)]                                            # clipped at 10
+    where = {"actor": ["GPU 0"], "rollout": ["GPU 0"], "reward": ["GPU 1"]}
+    fractions = busy_fractions(spans, lambda role, rank: where[role], 0.0, 10.0)
+    assert fractions == {"GPU 0": 0.4, "GPU 1": 0.6}
+    assert busy_metrics(fractions, ["GPU 0", "GPU 1", "GPU 2"]) == {
+        "perf/device_busy/gpu0": 0.4, "perf/device_busy/gpu1": 0.6, "perf/device_busy/gpu2": 0.0,
+        "perf/device_busy": pytest.approx(1.0 / 3)}
+
+
+def test_the_leak_alarm_fires_on_memory_that_keeps_growing_after_warm_up():
+    ends = [float(s) for s in range(1, 151)]                  # 150 steps, one a second
+    times = [s / 2 for s in range(1, 301)]                    # two samples a step
+    settles = [1000.0 + 100 * min(t, 60.0) / 60 for t in times]  # a start-up ramp into step 60, then flat
+    growing = [1000.0 + 0.5 * t for t in times]                # +50 MB per 100 steps: about 5%
+    assert leak_check(times, growing, ends[:99]) is None       # 50 warm-up + 50 steps not reached yet
+    assert leak_check(times, settles, ends)["leak"] is False   # warm-up is a third of 150: the ramp is over
+    check = leak_check(times, growing, ends)
+    assert check["leak"] is True and check["slope_mb"] == pytest.approx(50.0, rel=1e-6)
+    stops = [1000.0 + 0.5 * min(t, 110.0) for t in times]      # grows, then stops: not a leak that stays
+    assert leak_check(times, stops, ends)["slope_pct"] > 1 and leak_check(times, stops, ends)["leak"] is False
+
+
+def test_every_panel_receives_its_records_and_every_source_rolls_over(tmp_path, monkeypatch):
+    monkeypatch.setitem(dash.ROLLOVER, "curves", 5)
+    monkeypatch.setitem(dash.ROLLOVER, "devices", 7)
+    for key in panels.ROLLOVER:
+        monkeypatch.setitem(panels.ROLLOVER, key, 6)
+    t0 = time.time() - 100
+    records = [{"kind": "run", "name": "r", "mapping": {}, "processor": "AMD EPYC", "explanation": "```\nper step\n```"}]
+    for step in range(1, 21):
+        t = t0 + step
+        records += [{"kind": "device", "time": t - 0.5, "device": "GPU 0", "role": "actor", "rank": 0, "util": 50.0,
+                     "memory_mb": 900.0 + step, "rss_mb": 900.0 + step, "pid": 1},
+                    {"kind": "sync", "step": step, "time": t, "bytes": 2**20 * 3, "buckets": 2, "seconds": 0.5,
+                     "mode": "collective", "reason": "step", "bytes_per_pair": {"0->0": 2**20, "0->1": 2 * 2**20}},
+                    step_record(step, t)]
+    records.append({"kind": "running", "time": t0 + 21, "calls": [
+        {"role": "rollout", "ranks": [0], "method": "generate", "stage": "generate", "start": time.time() - 30,
+         "deadline_s": 10.0, "late": True},
+        {"role": "actor", "ranks": [0, 1], "method": "update", "stage": "update_actor", "start": time.time() - 1,
+         "deadline_s": 120.0, "late": False}]})
+    board = dash.Dashboard(write_run(tmp_path / "run", records), control=False)
+    board.update()
+    assert board.curves.data["step"] == [16, 17, 18, 19, 20]              # rollover 5
+    assert len(board.devices["GPU 0 actor r0"].data["t"]) == 7
+    assert board.memory.sources["actor r0"].data["mb"] == [915.0 + i for i in range(6)]
+    assert len(board.memory.markers.data["t"]) == 6
+    assert board.busy.sources["gpu0"].data["busy"] == [0.75] * 6 and set(board.busy.sources) == {"gpu0", "gpu1"}
+    assert board.rollout.source.data["step"] == list(range(15, 21))
+    assert board.rollout.source.data["tokens_per_s"][-1] == 200.0
+    assert board.rollout.source.data["straggler_pct"][-1] == 25.0
+    matrix = board.reshard.matrix.data
+    assert (matrix["src"], matrix["dst"], matrix["label"]) == ([0, 0], [0, 1], ["1.0", "2.0"])
+    assert "3.0 MB in 2 bucket(s), 0.50 s, 25.0% of step 20" in board.reshard.caption.object
+    rows = board.running.table.object.split("</tr>")
+    assert len(rows) == 4 and "color:#c62828" in rows[1] and "(stuck)" in rows[1]  # the late call in red
+    assert "color:#c62828" not in rows[2] and ">update_actor<" in rows[2]
+    assert board.running.button is None                                    # no control: no button
+    assert "per step" in board.explanation.object
+
+
+def test_the_stack_button_asks_the_controller_and_shows_the_files(tmp_path):
+    from hybridlab.telemetry.live import LiveReporter
+
+    run_dir = write_run(tmp_path / "run", [{"kind": "run", "name": "r", "mapping": {}}])
+    board = dash.Dashboard(run_dir, control=True)
+    board.update()
+    board.running.button.clicks += 1                                       # what a click does
+    assert (run_dir / "stacks" / "request").exists()
+
+    def stacks():
+        path = run_dir / "stacks" / "x-actor-rank0-pid1.txt"
+        path.write_text('Thread 0x1 (most recent call first):\n  File "train.py", line 3 in update\n')
+        return [path]
+
+    sent = []
+    reporter = LiveReporter(run_dir, lambda: [], stacks, lambda kind, r: sent.append({"kind": kind, **r}))
+    reporter.tick()
+    assert [r["kind"] for r in sent] == ["stacks"] and not (run_dir / "stacks" / "request").exists()
+    board.running.feed(sent)
+    assert 'File "train.py", line 3 in update' in board.running.stacks.object
+
+
+def test_the_runs_page_lists_each_run_with_its_status_and_overlays_selected_curves(tmp_path):
+    from hybridlab.telemetry.runs import RunsPage
+
+    now = time.time()
+    write_run(tmp_path / "done", [{"kind": "run"}], [{"step": s, "reward/mean": s / 10} for s in (1, 2, 3)],
+              summary={"steps": 3, "failed": False})
+    write_run(tmp_path / "broke", [{"kind": "run"}], [{"step": 1, "reward/mean": 0.5}], summary={"failed": True})
+    live = write_run(tmp_path / "live", [{"kind": "run"}, {"kind": "resume", "step": 1}],
+                     [{"step": s, "reward/mean": 0.1} for s in (1, 2)])
+    crashed = write_run(tmp_path / "crashed", [{"kind": "run"}], [{"step": 1, "reward/mean": 0.2}])
+    for name in ("metrics.jsonl", "telemetry.jsonl"):
+        os.utime(crashed / name, (now - 600, now - 600))
+    page = RunsPage(tmp_path)
+    page.update()
+    assert {k: page.runs[k].status for k in page.runs} == {"done": "finished", "broke": "failed",
+                                                            "live": "live, resumed", "crashed": "crashed"}
+    assert "<td>done</td><td style='color:'>finished</td><td>3</td><td>0.300</td>" in page.table.object
+    page.select.value = ["done", "live"]
+    with open(live / "metrics.jsonl", "a") as f:  # the live run goes on
+        f.write(json.dumps({"step": 3, "reward/mean": 0.7}) + "\n")
+    page.update()
+    curves = {k: line[0].data_source.data["reward"] for k, line in page.lines.items()}
+    assert curves == {"done": [0.1, 0.2, 0.3], "live": [0.1, 0.1, 0.7]}
+    page.select.value = ["live"]
+    assert list(page.lines) == ["live"] and len(page.fig.renderers) == 1
+
+
+def test_serving_off_localhost_needs_panels_login(tmp_path):
+    from hybridlab.telemetry.serving import check_serving, is_loopback
+
+    assert is_loopback("localhost") and is_loopback("127.0.0.1") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    check_serving("localhost", None, None)
+    with pytest.raises(UserError, match="serving on 0.0.0.0 .* give --basic-auth PASSWORD_FILE"):
+        check_serving("0.0.0.0", None, None)
+    with pytest.raises(UserError, match="--basic-auth: no password file"):
+        check_serving("0.0.0.0", str(tmp_path / "missing.json"), None)
+    bad = tmp_path / "users.json"
+    bad.write_text('{"ann": ""}')
+    with pytest.raises(UserError, match="must map each user name to a non-empty password"):
+        check_serving("0.0.0.0", str(bad), None)
+    check_serving("0.0.0.0", None, "github")
+
+
+def test_explain_shows_the_arithmetic_and_refuses_sizes_that_do_not_fit():
+    from hybridlab.config import ConfigError, load_config
+    from hybridlab.explain import explain
+
+    cfg = load_config(None, ["data.prompts_per_step=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
+                             "actor.micro_batch_size=3", "actor.ppo_epochs=2"])
+    e = explain(cfg)
+    assert e.sizes["samples_per_step"] == 32
+    assert e.sizes["actor"] == {"mini_batches": 2, "optimizer_steps": 4, "sequences_per_mini_batch": 16,
+                                "sequences_per_rank": 16, "micro_batches_per_rank": 6, "micro_rows": 3}
+    assert "8 prompts / 4 (actor.ppo_mini_batch_size) = 2 mini-batches x 2 epoch(s) = 4 optimizer steps" in e.text()
+    assert "device 0: actor tp0 dp0 pp0, rollout engine 0, reward 0" in e.text()
+    with pytest.raises(ConfigError, match=r"actor.ppo_mini_batch_size: 3 prompts does not divide"
+                                          r" data.prompts_per_step \(8\)"):
+        explain(load_config(None, ["data.prompts_per_step=8", "actor.ppo_mini_batch_size=3"]))
+
+
+def test_the_timeline_gives_the_spans_that_ended_after_a_time_newest_last():
+    from hybridlab.telemetry.timeline import Timeline
+
+    timeline = Timeline()
+    timeline.add([Span("actor", 0, "update", float(i), float(i) + 0.5) for i in range(200)])
+    timeline.add([Span("rollout", 0, "generate", 100.0, 195.0)])  # a long call, appended when it ended
+    assert [s.end for s in timeline.ending_after(196.0)] == [196.5, 197.5, 198.5, 199.5]
+    assert [s.role for s in timeline.ending_after(190.0)][-1] == "rollout"
