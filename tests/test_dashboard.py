@@ -275,3 +275,26 @@ def test_the_memory_estimate_matches_the_measured_resident_memory(rl):
                                  and set(r["role"].split(",")) == set(members))
     estimate = explain(rl.cfg, rl.model_dir).memory_mb["+".join(members)]
     assert 1 / 1.5 <= estimate / measured <= 1.5, (estimate, measured)
+
+
+def test_the_runs_page_lists_the_run_in_the_browser(rl):
+    """``hybridlab dashboard RUNS_ROOT``: the run under the folder, with its status and last step."""
+    from playwright.sync_api import sync_playwright
+
+    from hybridlab.telemetry.serving import serve
+
+    server, port = serve(rl.run_dir.parent, threaded=True)
+    steps = [json.loads(line)["step"] for line in (rl.run_dir / "metrics.jsonl").read_text().splitlines()]
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=_chromium(), headless=True,
+                                        args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                                              "--disable-component-update", "--no-first-run"])
+            page = browser.new_page()
+            page.goto(f"http://localhost:{port}/", timeout=60_000)
+            page.get_by_text("last step").first.wait_for(timeout=30_000)  # the table's header
+            rows = [r.locator("td").all_text_contents() for r in page.locator("tr").all()]
+            assert [r[:3] for r in rows if r] == [[rl.run_dir.name, "finished", str(steps[-1])]]  # summary written
+            browser.close()
+    finally:
+        server.stop()

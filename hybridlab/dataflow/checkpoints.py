@@ -81,7 +81,7 @@ def save(rl: "RLSession", train_state: dict) -> Path:
             "prompts": rl.prompts.state(), "kl_ctrl": dict(vars(rl.kl_ctrl)), "history": rl.history,
             "faults": {"bad_updates": rl.bad_updates, "bad_steps_in_a_row": rl.bad_steps_in_a_row,
                        "worker_restarts": rl.worker_restarts},
-            "train": train_state, "metrics_bytes": rl.log.tell(), "telemetry_bytes": rl._telemetry_size()})
+            "train": train_state, "metrics_bytes": rl.log.tell(), "telemetry_bytes": rl.telemetry.mark_checkpoint(rl.step_count)})
         if target.exists():  # the same step saved again (a stop right after a periodic save)
             shutil.rmtree(target)
         tmp.rename(target)

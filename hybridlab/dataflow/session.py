@@ -33,6 +33,7 @@ from hybridlab.dataflow.roles import role_classes
 from hybridlab.dataflow.context import BackgroundRun, StepContext
 from hybridlab.atomic import write_json
 from hybridlab.telemetry.busy import session_busy
+from hybridlab.telemetry.run import RunTelemetry
 from hybridlab.protocol import Batch
 
 
@@ -77,8 +78,7 @@ class RLSession:
         self.step_count = 0
         self.history: list[dict] = []  # the metrics of the newest HISTORY_STEPS steps
         self.ahead = RolloutAhead()  # off-policy: the next step's rollout, submitted during this one
-        self.hub = None        # the telemetry hub actor (trainer.telemetry)
-        self._reporter = None  # LiveReporter: calls in flight and stack requests -> the hub
+        self.telemetry = RunTelemetry(self.run_dir)  # the hub, span stream, live reporter (trainer.telemetry)
         self.log = None        # MetricsLog, once started
         self._stop_requested = False
         self._training = False     # a train() loop runs (in this thread or a background one)
@@ -92,7 +92,6 @@ class RLSession:
         self.environment: dict = {}
         self.remaps: list = []      # RemapReports, in order
         self.warm_start_info: dict | None = None  # steps, seconds, held-out accuracy of the warm start
-        self._dashboards: list = []
         self.background: BackgroundRun | None = None   # the latest start_background() run
         self._resume_from: Path | None = None   # the checkpoint resume() continues from
         self._train_state: dict | None = None   # train()'s progress restored from it
@@ -131,7 +130,7 @@ class RLSession:
         try:
             connect(address=self._ray["address"], temp_dir=self._ray["temp_dir"], min_gpus=devices)
             if self.cfg.trainer.telemetry:  # first, so a viewer sees the warm start too
-                self._start_hub(env, model_dir)
+                self.telemetry.start(env, self._run_record(model_dir))
             if self.cfg.warm_start.max_steps:
                 model_dir = self._warm_start(model_dir)
             self.model_dir = model_dir
@@ -139,14 +138,8 @@ class RLSession:
             self.session = Session(self.mapping, role_classes(self.cfg, self.mapping, str(model_dir)),
                                    address=self._ray["address"], env=env, ray_temp_dir=self._ray["temp_dir"])
             self.session.watch.stacks_dir = self.run_dir / "stacks"
-            if self.hub is not None:  # every worker call's span goes to the hub
-                self.session.timeline.subscribe(
-                    lambda spans: self.hub.add.remote("span", [dataclasses.asdict(s) for s in spans]))
             self.session.start()
-            if self.hub is not None:  # the calls in flight and stack requests, for the dashboard
-                from hybridlab.telemetry.live import LiveReporter
-
-                self._reporter = LiveReporter(self.run_dir, self.running, self.stacks, self._emit).start()
+            self.telemetry.watch(self.session, self.stacks)
         except BaseException:
             self.shutdown()  # nothing half-started stays behind; start() may be called again
             raise
@@ -183,35 +176,18 @@ class RLSession:
         """Return how long a prompt may be under the current settings."""
         return PromptFit(self.context, self.cfg.rollout.max_new_tokens, self.cfg.data.truncate_prompts)
 
-    def _start_hub(self, env: dict, model_dir: Path) -> None:
-        """Start the run's hub before the warm start and the workers (they send it device
-        samples through ``env``); its first record has the config explained for the dashboard."""
-        from hybridlab.telemetry.hub import ENV_HUB, hub_name, start_hub
-
-        self.hub = start_hub(self.run_dir)
-        env[ENV_HUB] = hub_name(self.run_dir)
-        self.hub.add.remote("run", [{"time": time.time(), "name": self.cfg.name, "run_dir": str(self.run_dir),
-                                     "algorithm": self.cfg.algorithm.adv_estimator,
-                                     "dataflow": self._dataflow.names, "mapping": self.mapping.to_dict(),
-                                     "processor": self.environment["processor"],
-                                     "explanation": self._explanation(model_dir)}])
-
-    def _explanation(self, model_dir: Path) -> str:
-        """Return ``hybridlab explain`` for this run as Markdown (a note if it cannot be made)."""
+    def _run_record(self, model_dir: Path) -> dict:
+        """Return the telemetry's first record: the run, its mapping, and the config explained
+        (``hybridlab explain``; a note if it cannot be made: the run does not depend on it)."""
         from hybridlab.explain import explain
 
         try:
-            return explain(self.cfg, model_dir).markdown()
-        except Exception as exc:  # the run itself does not depend on it
-            return f"(no explanation: {exc})"
-
-    def _telemetry_size(self) -> int | None:
-        """Mark a checkpoint in the telemetry file; returns the file's size after the mark."""
-        if self.hub is None:
-            return None
-        import ray
-
-        return ray.get(self.hub.add.remote("checkpoint", [{"step": self.step_count, "time": time.time()}]))
+            explanation = explain(self.cfg, model_dir).markdown()
+        except Exception as exc:
+            explanation = f"(no explanation: {exc})"
+        return {"name": self.cfg.name, "run_dir": str(self.run_dir), "algorithm": self.cfg.algorithm.adv_estimator,
+                "dataflow": self._dataflow.names, "mapping": self.mapping.to_dict(),
+                "processor": self.environment["processor"], "explanation": explanation}
 
     def save_checkpoint(self) -> Path:
         """Write a checkpoint of the run now (between steps); returns its folder."""
@@ -221,16 +197,12 @@ class RLSession:
             return checkpoints.save(self, dict(self._train_state or {}))
 
     def _emit(self, kind: str, record: dict) -> None:
-        if self.hub is not None:
-            self.hub.add.remote(kind, [{"time": time.time(), **record}])
+        self.telemetry.emit(kind, record)
 
     def dashboard(self):
-        """Return the live dashboard of this run (display it in a notebook cell); read-only."""
-        from hybridlab.telemetry.dashboard import build_dashboard
-
-        layout = build_dashboard(self.run_dir)
-        self._dashboards.append(layout.dashboard)  # its poller stops when the session shuts down
-        return layout
+        """Return the live dashboard of this run (display it in a notebook cell); its one
+        action asks for the workers' stacks."""
+        return self.telemetry.dashboard()
 
     def _warm_start(self, base: Path) -> Path:
         """Run (or reuse) the warm start; returns the checkpoint directory."""
@@ -242,24 +214,14 @@ class RLSession:
     def shutdown(self) -> None:
         """Stop the workers and close the logs (the Ray connection stays for the kernel)."""
         self.ahead.pending = None
-        if self._reporter is not None:
-            self._reporter.stop()
-            self._reporter = None
-        for board in self._dashboards:
-            board.stop()
-        self._dashboards.clear()
+        self.telemetry.stop_watching()
         if self.session is not None:
             self.session.shutdown()
             self.session = None
         if getattr(self, "log", None) is not None:
             self.log.close()
             self.log = None
-        if self.hub is not None:
-            import ray
-
-            ray.get(self.hub.close.remote())  # everything sent so far is on disk
-            ray.kill(self.hub)
-            self.hub = None
+        self.telemetry.close()
 
     def __enter__(self) -> "RLSession":
         return self.start()
