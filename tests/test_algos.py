@@ -92,7 +92,8 @@ def test_agg_loss_modes_and_micro_batch_shares():
     assert torch.isclose(A.agg_loss(loss, mask, "token-mean"), torch.tensor(10 / 4))
     assert torch.isclose(A.agg_loss(loss, mask, "seq-mean-token-sum"), torch.tensor((6 + 4) / 2))
     assert torch.isclose(A.agg_loss(loss, mask, "seq-mean-token-mean"), torch.tensor((2 + 4) / 2))
-    assert torch.isclose(A.agg_loss(loss, mask, "seq-mean-token-sum-norm"), torch.tensor(10 / 3))
+    assert torch.isclose(A.agg_loss(loss, mask, "seq-mean-token-sum-norm"), torch.tensor((6 + 4) / 2 / 3))  # verl
+    assert torch.isclose(A.agg_loss(loss, mask, "token-sum"), torch.tensor(10.0))
     for mode in A.AGG_MODES:  # shares of single rows add up to the whole
         whole = A.agg_loss(loss, mask, mode)
         parts = sum(A.agg_loss(loss[i:i + 1], mask[i:i + 1], mode, global_tokens=4.0, global_seqs=2.0)
@@ -114,8 +115,11 @@ def test_policy_loss_clip_higher_and_dual_clip():
     assert torch.isclose(loss, torch.tensor((-1.28 + 0.8 - 1.1 + 3.0) / 4), atol=1e-6)
     assert torch.isclose(clipfrac, torch.tensor(2 / 4)) and torch.isclose(clip_lower, torch.tensor(1 / 4))
     assert torch.isclose(ppo_kl, -new.mean())
-    same = A.compute_policy_loss_vanilla(old, new, adv, mask, config={"clip_ratio": 0.2, "clip_ratio_high": 0.28})
-    assert torch.allclose(torch.stack(same), torch.stack([loss, clipfrac, ppo_kl, clip_lower]))
+    same, metrics = A.compute_policy_loss_vanilla(old, new, adv, mask, config={"clip_ratio": 0.2,
+                                                                               "clip_ratio_high": 0.28})
+    assert torch.isclose(same, loss) and metrics == {"actor/pg_clipfrac": float(clipfrac),
+                                                     "actor/ppo_kl": float(ppo_kl),
+                                                     "actor/pg_clipfrac_lower": float(clip_lower)}
     assert A.get_policy_loss_fn("vanilla") is A.compute_policy_loss_vanilla
 
 

@@ -108,15 +108,18 @@ def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
 def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                                                   config=None, **kwargs):
     """REINFORCE++: discounted returns (``config.gamma``, default 1) whitened over the batch;
-    returns (advantages, returns)."""
+    returns (advantages, returns). Tokens outside the mask (padding, or tool output inside a
+    multi-turn response) get no return and add no reward; the running return passes through
+    them unchanged, so a reward after such a span still reaches the tokens before it (verl 0.9.1)."""
     gamma = _cfg(config, "gamma", kwargs.get("gamma", 1.0))
     with torch.no_grad():
         returns = torch.zeros_like(token_level_rewards)
         running = torch.zeros_like(token_level_rewards[:, 0])
         for t in reversed(range(token_level_rewards.shape[1])):
-            running = token_level_rewards[:, t] + gamma * running
-            returns[:, t] = running
-            running = running * response_mask[:, t]  # reset past the end of the response
+            mask = response_mask[:, t].to(running.dtype)
+            step = token_level_rewards[:, t] + gamma * running
+            returns[:, t] = step * mask
+            running = step * mask + running * (1 - mask)
         advantages = masked_whiten(returns, response_mask) * response_mask
     return advantages, returns
 

@@ -1,6 +1,7 @@
 """Losses under verl's names and signatures: aggregation, PPO policy loss, value loss, KL.
 
-Every loss also takes keyword-only ``global_tokens`` / ``global_seqs``: given them, the
+Policy losses return ``(loss, metrics)`` as verl's do. Every loss also takes keyword-only
+``global_tokens`` / ``global_seqs``: given them, the
 aggregate is this micro-batch's *share* of the mini-batch value (hybridlab's loss contract,
 see ``workers/train/engine.py``), so the shares of all micro-batches and data-parallel ranks
 add up to exactly what verl's function returns on the whole mini-batch at once.
@@ -14,36 +15,58 @@ import torch
 from hybridlab.algos.functional import masked_mean
 from hybridlab.errors import unknown
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 POLICY_LOSSES: dict[str, Any] = {}
 
 
-def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, *,
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, dp_size: int = 1,
+             batch_num_tokens: torch.Tensor | float | None = None,
+             global_batch_size: torch.Tensor | float | None = None, loss_scale_factor: float | None = None, *,
              global_tokens: torch.Tensor | float | None = None,
              global_seqs: torch.Tensor | float | None = None) -> torch.Tensor:
-    """Return ``loss_mat`` [batch, len] aggregated to a scalar over ``loss_mask``.
+    """Return ``loss_mat`` [batch, len] aggregated to a scalar over ``loss_mask``, as verl 0.9.1.
 
-    token-mean: mean over all response tokens; seq-mean-token-sum: per-sequence sums, averaged;
-    seq-mean-token-mean: per-sequence means, averaged; seq-mean-token-sum-norm (Dr.GRPO): the
-    sum of per-sequence sums divided by the response length (a constant).
+    token-mean: the token sum over ``batch_num_tokens`` (default: this batch's tokens);
+    token-sum: the token sum; seq-mean-token-sum: per-sequence sums over ``global_batch_size``
+    sequences (default: this batch's sequences with at least one token; empty ones never count);
+    seq-mean-token-mean: per-sequence means, the same way; seq-mean-token-sum-norm (Dr.GRPO):
+    seq-mean-token-sum divided by ``loss_scale_factor`` (default: the padded response length).
+    Each is multiplied by ``dp_size`` (DDP averages gradients over ranks; with ``dp_size`` > 1 the
+    global totals are required). With keyword ``global_tokens`` / ``global_seqs`` (hybridlab's
+    engine) the result is this micro-batch's share: the same formula with the mini-batch totals
+    and ``dp_size`` 1, so the shares the engine sums add up to verl's value on the mini-batch.
     """
+    if global_tokens is not None or global_seqs is not None:
+        dp_size, batch_num_tokens, global_batch_size = 1, global_tokens, global_seqs
     mask = loss_mask.to(loss_mat.dtype)
-    if loss_agg_mode == "token-mean":
-        if global_tokens is None:
-            return masked_mean(loss_mat, mask)
-        return (loss_mat * mask).sum() / global_tokens
-    seq_sums = (loss_mat * mask).sum(-1)
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        return seq_sums.sum() / mask.shape[-1]
-    if loss_agg_mode == "seq-mean-token-mean":
-        # An empty sequence (micro-batch padding) contributes 0 instead of 0/0.
-        seq_values = seq_sums / mask.sum(-1).clamp(min=1)
-    elif loss_agg_mode == "seq-mean-token-sum":
-        seq_values = seq_sums
-    else:
+    if loss_agg_mode not in AGG_MODES:
         raise unknown("loss_agg_mode", loss_agg_mode, AGG_MODES)
-    return seq_values.mean() if global_seqs is None else seq_values.sum() / global_seqs
+    if loss_agg_mode in ("token-mean", "token-sum"):
+        total = (loss_mat * mask).sum()
+        if loss_agg_mode == "token-sum":
+            return total * dp_size
+        if batch_num_tokens is None:
+            _need_global(dp_size, "batch_num_tokens")
+            batch_num_tokens = mask.sum().clamp(min=1)  # verl: 0/0 for a batch without tokens
+        return total / batch_num_tokens * dp_size
+    counts = mask.sum(-1)
+    seq_values = (loss_mat * mask).sum(-1)
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_values = seq_values / (counts + 1e-8)
+    valid = (counts > 0).to(loss_mat.dtype)  # sequences without tokens neither count nor divide
+    if global_batch_size is None:
+        _need_global(dp_size, "global_batch_size")
+        global_batch_size = valid.sum().clamp(min=1)
+    loss = (seq_values * valid).sum() / global_batch_size * dp_size
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        loss = loss / (mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    return loss
+
+
+def _need_global(dp_size: int, name: str) -> None:
+    if dp_size > 1:
+        raise ValueError(f"agg_loss: {name} (the global total) is required when dp_size > 1, got dp_size={dp_size}")
 
 
 def register_policy_loss(name: str):
@@ -64,9 +87,11 @@ def get_policy_loss_fn(name: str):
 def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                         response_mask: torch.Tensor, cliprange: float | None = None,
                         cliprange_low: float | None = None, cliprange_high: float | None = None,
-                        clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean", **share):
+                        clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean",
+                        rollout_is_weights: torch.Tensor | None = None, agg: dict | None = None, **share):
     """PPO's clipped objective with separate low/high clip ranges (DAPO's clip-higher) and dual
-    clip (the ratio term is bounded by ``clip_ratio_c`` for negative advantages).
+    clip (the ratio term is bounded by ``clip_ratio_c`` for negative advantages); per-token
+    losses times ``rollout_is_weights`` when given; ``agg``: agg_loss's dp_size and totals.
 
     Returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower).
     """
@@ -85,7 +110,9 @@ def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adva
     clipped2 = torch.min(losses3, clipped1)
     pg_clipfrac_lower = masked_mean(torch.gt(clipped1, losses3) * (advantages < 0).float(), response_mask)
     pg_losses = torch.where(advantages < 0, clipped2, clipped1)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **share)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **(agg or {}), **share)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
@@ -96,20 +123,30 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def agg_settings(config: Any) -> dict:
+    """Return agg_loss's keyword arguments from a config's ``global_batch_info`` (dp_size,
+    batch_num_tokens, global_batch_size, loss_scale_factor), which is all verl's policy losses read."""
+    return {k: v for k, v in (_get(config, "global_batch_info", {}) or {}).items() if v is not None}
+
+
 @register_policy_loss("vanilla")
 def compute_policy_loss_vanilla(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                                 response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config=None,
-                                **share):
-    """``compute_policy_loss`` with the clip settings read from ``config`` (a dict or an object
-    with clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c), as in verl.
+                                rollout_is_weights: torch.Tensor | None = None, **share):
+    """PPO's clipped policy loss as verl's: clip settings (clip_ratio, clip_ratio_low,
+    clip_ratio_high, clip_ratio_c) and ``global_batch_info`` read from ``config`` (a dict or an
+    object).
 
-    Returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower).
+    Returns (pg_loss, metrics): actor/pg_clipfrac, actor/ppo_kl, actor/pg_clipfrac_lower (floats).
     """
     clip = _get(config, "clip_ratio", 0.2)
-    return compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, cliprange=clip,
-                               cliprange_low=_get(config, "clip_ratio_low", clip),
-                               cliprange_high=_get(config, "clip_ratio_high", clip),
-                               clip_ratio_c=_get(config, "clip_ratio_c", 3.0), loss_agg_mode=loss_agg_mode, **share)
+    pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+        old_log_prob, log_prob, advantages, response_mask, cliprange=clip,
+        cliprange_low=_get(config, "clip_ratio_low", clip), cliprange_high=_get(config, "clip_ratio_high", clip),
+        clip_ratio_c=_get(config, "clip_ratio_c", 3.0), loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights, agg=agg_settings(config), **share)
+    return pg_loss, {"actor/pg_clipfrac": float(clipfrac.detach()), "actor/ppo_kl": float(ppo_kl.detach()),
+                     "actor/pg_clipfrac_lower": float(clipfrac_lower.detach())}
 
 
 def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor,

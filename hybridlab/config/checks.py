@@ -99,6 +99,14 @@ def validate_config(cfg: RunConfig) -> None:
     _choice(p, "actor.kl_loss_type", a.kl_loss_type, KL_PENALTIES)
     _choice(p, "actor.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
     _choice(p, "critic.loss_agg_mode", cfg.critic.loss_agg_mode, AGG_MODES)
+    if a.policy_loss == "dro" and not (a.dro_beta or 0) > 0:
+        p.append(f"actor.dro_beta: the dro policy loss needs a positive dro_beta, got {a.dro_beta}")
+    for key in ("tau_pos", "tau_neg", "clip_cov_ratio", "kl_cov_ratio"):
+        if not getattr(a, key) > 0:
+            p.append(f"actor.{key}: must be positive, got {getattr(a, key)}")
+    if a.loss_scale_factor is not None and not a.loss_scale_factor > 0:
+        p.append(f"actor.loss_scale_factor: must be a positive number (or null: the padded response length),"
+                 f" got {a.loss_scale_factor}")
     _choice(p, "actor.policy_loss", a.policy_loss, sorted(POLICY_LOSSES))
     if a.clip_ratio_c <= 1:
         p.append(f"actor.clip_ratio_c: the dual-clip bound must be greater than 1, got {a.clip_ratio_c}")

@@ -148,11 +148,13 @@ class MegatronEngine:
         return micros, pad
 
     def _global_totals(self, batch) -> dict[str, torch.Tensor]:
-        """Response tokens and sequences of the whole mini-batch, summed over DP ranks."""
+        """Response tokens and sequences with at least one of them in the whole mini-batch, summed
+        over DP ranks."""
         import torch.distributed as dist
 
         mask = batch.tensors.get("response_mask")
-        local = torch.tensor([float(mask.sum()) if mask is not None else 0.0, float(len(batch))])
+        seqs = float((mask.sum(-1) > 0).sum()) if mask is not None else float(len(batch))  # as verl: empty rows don't count
+        local = torch.tensor([float(mask.sum()) if mask is not None else 0.0, seqs])
         if self.ps.get_data_parallel_world_size() > 1:
             dist.all_reduce(local, group=self.ps.get_data_parallel_group())
         return {"global_tokens": local[0].clamp(min=1), "global_seqs": local[1].clamp(min=1),
