@@ -1,8 +1,8 @@
 """RL algorithms under verl's names and signatures, so verl recipes port unchanged.
 
 Registries select them by string in configs: ``ADV_ESTIMATORS`` (gae, grpo, rloo,
-reinforce_plus_plus, reinforce_plus_plus_baseline, remax), ``POLICY_LOSSES`` (vanilla),
-``AGG_MODES`` and ``KL_PENALTIES``.
+reinforce_plus_plus, reinforce_plus_plus_baseline, remax), ``POLICY_LOSSES`` (vanilla, gspo,
+sapo, gpg, geo_mean, cispo, dro, clip_cov, kl_cov), ``AGG_MODES`` and ``KL_PENALTIES``.
 """
 from hybridlab.algos.advantages import (ADV_ESTIMATORS, compute_gae_advantage_return, compute_grpo_outcome_advantage,
                                         compute_reinforce_plus_plus_baseline_outcome_advantage,
@@ -15,11 +15,17 @@ from hybridlab.algos.kl import AdaptiveKLController, FixedKLController, apply_kl
 from hybridlab.algos.losses import (AGG_MODES, KL_PENALTIES, POLICY_LOSSES, agg_loss, compute_policy_loss,
                                     compute_policy_loss_vanilla, compute_value_loss, get_policy_loss_fn, kl_penalty,
                                     register_policy_loss)
+from hybridlab.algos.policy_losses import (compute_policy_loss_cispo, compute_policy_loss_clip_cov,
+                                           compute_policy_loss_dro, compute_policy_loss_geo_mean,
+                                           compute_policy_loss_gpg, compute_policy_loss_gspo,
+                                           compute_policy_loss_kl_cov, compute_policy_loss_sapo)
 
 __all__ = [
     "ADV_ESTIMATORS", "AGG_MODES", "KL_PENALTIES", "POLICY_LOSSES", "AdaptiveKLController", "FixedKLController",
     "agg_loss", "apply_kl_penalty", "compute_gae_advantage_return", "compute_grpo_outcome_advantage",
-    "compute_policy_loss", "compute_policy_loss_vanilla", "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_policy_loss", "compute_policy_loss_cispo", "compute_policy_loss_clip_cov", "compute_policy_loss_dro",
+    "compute_policy_loss_geo_mean", "compute_policy_loss_gpg", "compute_policy_loss_gspo", "compute_policy_loss_kl_cov",
+    "compute_policy_loss_sapo", "compute_policy_loss_vanilla", "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage", "compute_remax_outcome_advantage",
     "compute_rloo_outcome_advantage", "compute_value_loss", "entropy_from_logits", "get_adv_estimator_fn",
     "get_kl_controller", "get_policy_loss_fn", "informative_groups", "kl_penalty", "logprobs_from_logits",

@@ -112,12 +112,21 @@ class ActorConfig:
     ppo_mini_batch_size: int = 16       # prompts per optimizer step (x rollout.n sequences)
     ppo_epochs: int = 1
     micro_batch_size: int = 64          # sequences per forward/backward
-    policy_loss: str = "vanilla"
+    policy_loss: str = "vanilla"         # a name in hybridlab.algos.POLICY_LOSSES; its settings below
+    tau_pos: float = 1.0                # sapo: the gate's temperature for positive advantages
+    tau_neg: float = 1.05               # sapo: ... for the others
+    clip_cov_ratio: float = 0.0002      # clip_cov: share of tokens whose gradient is cut
+    clip_cov_lb: float = 1.0            # clip_cov: the covariance band the tokens are drawn from
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002        # kl_cov: share of tokens with the |log-ratio| penalty
+    ppo_kl_coef: float = 0.1            # kl_cov: the penalty's coefficient
+    dro_beta: Optional[float] = None    # dro: the squared log-ratio penalty (required for dro)
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None
     clip_ratio_high: Optional[float] = None
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None  # seq-mean-token-sum-norm's divisor (None: the padded response length)
     entropy_coeff: float = 0.0
     use_rollout_log_probs: bool = True  # default dataflow: old log-probs = the rollout's where exact
     use_kl_loss: bool = False

@@ -321,7 +321,9 @@ def update_actor(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
     a = ctx.cfg.actor
     loss = actor_loss({k: getattr(a, k) for k in ("policy_loss", "clip_ratio", "clip_ratio_low", "clip_ratio_high",
                                                   "clip_ratio_c", "loss_agg_mode", "entropy_coeff", "use_kl_loss",
-                                                  "kl_loss_coef", "kl_loss_type")})
+                                                  "kl_loss_coef", "kl_loss_type", "loss_scale_factor", "tau_pos",
+                                                  "tau_neg", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
+                                                  "kl_cov_ratio", "ppo_kl_coef", "dro_beta")})
     data = batch.select(_actor_fields(ctx.cfg), meta=False)
     group = ctx.group("actor")
     results = [group.update_actor(mb, loss) for mb in _mini_batches(data, a.ppo_mini_batch_size,
