@@ -218,3 +218,55 @@ def test_remax_and_dapo_dataflows(rl):
             assert all(max(s) > min(s) and len(s) == rl.cfg.rollout.n for s in groups.values())
     finally:
         rl.update("algorithm.filter_groups.enable=false", *saved)
+
+
+@pytest.mark.parametrize("mode, extra", [("token-sum", []), ("seq-mean-token-sum-norm", []),
+                                         ("seq-mean-token-sum-norm", ["actor.loss_scale_factor=4"]),
+                                         ("seq-mean-token-mean", [])])
+def test_the_engines_loss_over_micro_batches_and_dp_ranks_is_verls_on_the_whole_batch(rl, mode, extra):
+    """One mini-batch split over 2 DP ranks and micro-batches of 3: the first update sees ratio 1,
+    so its policy loss is agg_loss(-advantages) over the whole batch, as verl's function gives it."""
+    saved = [f"algorithm.adv_estimator={rl.cfg.algorithm.adv_estimator}", f"dataflow={json.dumps(rl.dataflow.names)}",
+             f"actor.ppo_mini_batch_size={rl.cfg.actor.ppo_mini_batch_size}",
+             f"actor.micro_batch_size={rl.cfg.actor.micro_batch_size}", "actor.loss_scale_factor=null",
+             f"actor.loss_agg_mode={rl.cfg.actor.loss_agg_mode}", f"actor.use_kl_loss={str(rl.cfg.actor.use_kl_loss).lower()}"]
+    try:
+        rl.update("algorithm.adv_estimator=grpo", "actor.use_kl_loss=false", f"actor.loss_agg_mode={mode}",
+                  "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=3", *extra,
+                  "dataflow=[generate, reward, old_logprob, advantages, update_actor, sync_weights]")
+        result = rl.step()
+        b = result.batch
+        expected = A.agg_loss(-b["advantages"], b["response_mask"].float(), mode,
+                              loss_scale_factor=rl.cfg.actor.loss_scale_factor)
+        assert result.metrics["actor/pg_loss"] == pytest.approx(float(expected), rel=1e-5, abs=1e-6)
+    finally:
+        rl.update(*saved)
+
+
+LOSS_KEYS = ("policy_loss", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "loss_agg_mode", "tau_pos", "tau_neg",
+             "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")
+
+
+def test_every_policy_loss_preset_steps_through_update_with_finite_loss_and_gradient(rl):
+    """The presets of verl's policy losses, switched live on one session (DP 2); each step's
+    policy loss and gradient norm are finite and the loss is the preset's."""
+    from hybridlab.config import load_config
+
+    saved = [f"actor.{k}={json.dumps(getattr(rl.cfg.actor, k))}" for k in LOSS_KEYS] + [
+        f"algorithm.adv_estimator={rl.cfg.algorithm.adv_estimator}", f"dataflow={json.dumps(rl.dataflow.names)}",
+        f"algorithm.norm_adv_by_std_in_grpo={str(rl.cfg.algorithm.norm_adv_by_std_in_grpo).lower()}"]
+    before = pids(rl)
+    try:
+        rl.update("algorithm.adv_estimator=grpo", "actor.use_kl_loss=false",
+                  "dataflow=[generate, reward, old_logprob, advantages, update_actor, sync_weights]")
+        for preset in ("gspo", "cispo", "gpg", "clip_cov", "kl_cov", "sapo", "gmpo"):
+            cfg = load_config(preset)
+            rl.update(*[f"actor.{k}={json.dumps(getattr(cfg.actor, k))}" for k in LOSS_KEYS],
+                      f"algorithm.norm_adv_by_std_in_grpo={str(cfg.algorithm.norm_adv_by_std_in_grpo).lower()}")
+            m = rl.step().metrics
+            assert rl.cfg.actor.policy_loss == cfg.actor.policy_loss
+            assert torch.isfinite(torch.tensor([m["actor/pg_loss"], m["actor/grad_norm"]])).all(), (preset, m)
+            assert m["actor/grad_norm"] > 0, preset
+        assert pids(rl) == before  # live: no worker was re-created
+    finally:
+        rl.update(*saved)
