@@ -7,18 +7,22 @@ import torch
 
 from hybridlab.protocol import Batch
 
+PROMPT_WIDTH = "prompt_width"  # Batch.meta key: the width rollout ranks left-pad their prompts to
+
 
 def sequences_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
-                    response_len: int | None = None) -> Batch:
+                    response_len: int | None = None, prompt_len: int | None = None) -> Batch:
     """Return a Batch with ``prompts``, ``responses``, ``input_ids``, ``attention_mask``,
     ``position_ids`` and ``response_mask`` (verl's layout).
 
-    Prompts are left-padded to the longest prompt, responses right-padded to ``response_len``
-    (default: the longest response), so every response starts at the same column.
+    Prompts are left-padded to the longest prompt (at least ``prompt_len``: data-parallel ranks
+    pad their parts of one batch to the same width, so the parts concatenate), responses
+    right-padded to ``response_len`` (default: the longest response), so every response starts
+    at the same column.
     """
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-    p_len = max(len(p) for p in prompts)
+    p_len = max(prompt_len or 0, max(len(p) for p in prompts))
     r_len = response_len or max(1, max(len(r) for r in responses))
     n = len(prompts)
     prompt_ids = torch.full((n, p_len), pad_id, dtype=torch.long)
@@ -47,3 +51,24 @@ def on_last_token(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Te
     last = (response_mask.sum(-1) - 1).clamp(min=0)
     out[torch.arange(len(values)), last] = values.float()
     return out
+
+
+PROMPT_SIDE = ("prompts", "input_ids", "attention_mask", "position_ids")  # fields that start with the prompt
+
+
+def concat_sequences(batches: Sequence[Batch]) -> Batch:
+    """Return ``Batch.concat`` of sequence batches whose prompts were padded to different widths
+    (separate generate calls), left-padding the narrower ones' prompt-side fields with zeros
+    (masked out: attention 0, position 0, token 0) to the widest prompt."""
+    width = max(b["prompts"].shape[1] for b in batches)
+    padded = []
+    for b in batches:
+        extra = width - b["prompts"].shape[1]
+        if extra:
+            b = b.select(list(b.keys()))
+            for key in PROMPT_SIDE:
+                if key in b.tensors:
+                    t = b.tensors[key]
+                    b.tensors[key] = torch.cat([t.new_zeros(t.shape[0], extra), t], dim=1)
+        padded.append(b)
+    return Batch.concat(padded)

@@ -55,3 +55,22 @@ def test_pickle_large_tensors_through_buffers():
     b = Batch({"x": torch.randn(5000, 4), "h": torch.randn(5000, 4).to(torch.bfloat16)})
     back = pickle.loads(pickle.dumps(b, protocol=5))
     assert torch.equal(back["x"], b["x"]) and torch.equal(back["h"], b["h"]) and back["h"].dtype == torch.bfloat16
+
+
+def test_rollout_parts_pad_prompts_alike_and_rounds_of_different_widths_concatenate():
+    from hybridlab.batching import concat_sequences, sequences_batch
+
+    # two data-parallel ranks with prompts of 2 and 4 tokens: the batch's width makes them concatenate
+    parts = [sequences_batch([[1, 2]], [[5]], 0, response_len=2, prompt_len=4),
+             sequences_batch([[1, 2, 3, 4]], [[6, 7]], 0, response_len=2, prompt_len=4)]
+    whole = Batch.concat(parts)
+    assert whole["input_ids"].tolist() == [[0, 0, 1, 2, 5, 0], [1, 2, 3, 4, 6, 7]]
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match"):  # what each rank's own width gave
+        Batch.concat([sequences_batch([[1, 2]], [[5]], 0, response_len=2),
+                      sequences_batch([[1, 2, 3, 4]], [[6, 7]], 0, response_len=2)])
+    # DAPO's refill rounds: generated separately, left-padded to the widest on concatenation
+    rounds = concat_sequences([sequences_batch([[1, 2]], [[5]], 0, response_len=2),
+                               sequences_batch([[1, 2, 3]], [[6]], 0, response_len=2)])
+    assert rounds["input_ids"].tolist() == [[0, 1, 2, 5, 0], [1, 2, 3, 6, 0]]
+    assert rounds["attention_mask"].tolist() == [[0, 1, 1, 1, 0], [1, 1, 1, 1, 0]]
+    assert rounds["position_ids"].tolist() == [[0, 0, 1, 2, 2], [0, 1, 2, 3, 3]]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 
+from hybridlab.batching import PROMPT_WIDTH
 from hybridlab.errors import UserError
 from hybridlab.protocol import Batch
 from hybridlab.tasks import Sample
@@ -71,12 +72,13 @@ def tokenize_prompts(samples: list[Sample], tokenizer, fit: PromptFit | None = N
 def prompt_batch(samples: list[Sample], tokenizer, uids: list, fit: PromptFit | None = None,
                  ids: list[list[int]] | None = None) -> Batch:
     """Return a Batch of prompts: object fields prompt, prompt_ids (``ids`` if given, else
-    tokenized and checked against ``fit``), uid, ground_truth, data_source."""
-    return Batch(objects={
-        "prompt": [s.prompt for s in samples],
-        "prompt_ids": ids if ids is not None else tokenize_prompts(samples, tokenizer, fit),
-        "uid": list(uids), "ground_truth": [s.ground_truth for s in samples],
-        "data_source": [s.data_source for s in samples]})
+    tokenized and checked against ``fit``), uid, ground_truth, data_source; ``meta`` holds the
+    longest prompt's length, the width every rollout rank pads its part to."""
+    ids = ids if ids is not None else tokenize_prompts(samples, tokenizer, fit)
+    return Batch(objects={"prompt": [s.prompt for s in samples], "prompt_ids": ids, "uid": list(uids),
+                          "ground_truth": [s.ground_truth for s in samples],
+                          "data_source": [s.data_source for s in samples]},
+                 meta={PROMPT_WIDTH: max((len(p) for p in ids), default=0)})
 
 
 class PromptSource:

@@ -19,7 +19,7 @@ from hybridlab.algos.dapo import informative_groups, overlong_penalty
 from hybridlab.algos.functional import masked_mean
 from hybridlab.algos.kl import apply_kl_penalty
 from hybridlab.algos.objectives import actor_loss, critic_loss
-from hybridlab.batching import on_last_token
+from hybridlab.batching import PROMPT_WIDTH, concat_sequences, on_last_token
 from hybridlab.errors import unknown
 from hybridlab.faults import fault_point
 from hybridlab.protocol import Batch
@@ -189,7 +189,7 @@ def filter_groups(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
         good = set(informative_groups(current["uid"], current["token_level_scores"].sum(-1)))
         seen += len(set(current["uid"]))
         part = current.take([i for i, u in enumerate(current["uid"]) if u in good])
-        kept = part if kept is None else Batch.concat([kept, part])
+        kept = part if kept is None else concat_sequences([kept, part])  # rounds may pad prompts differently
         if len(set(kept["uid"])) >= want or rounds >= ctx.cfg.algorithm.filter_groups.max_num_gen_batches:
             break
         current = ctx.rerun_rollout(["generate", "reward"])
@@ -208,6 +208,7 @@ def remax_baseline(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """ReMax: reward of each prompt's greedy response, the per-prompt baseline."""
     firsts = list({u: i for i, u in reversed(list(enumerate(batch["uid"])))}.values())
     prompts = batch.select(["prompt_ids", "uid", "ground_truth", "data_source"]).take(sorted(firsts))
+    prompts.meta[PROMPT_WIDTH] = max(len(p) for p in prompts["prompt_ids"])  # rollout DP ranks pad alike
     greedy = ctx.group("rollout").generate(prompts, ctx.sampling(n=1, temperature=0.0))
     scored = ctx.group("reward").compute_reward(greedy.select(REWARD_FIELDS))
     by_uid = dict(zip(greedy["uid"], scored["token_level_scores"].sum(-1).tolist()))

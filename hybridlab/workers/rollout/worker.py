@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from hybridlab.batching import sequences_batch
+from hybridlab.batching import PROMPT_WIDTH, sequences_batch
 from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.protocol import Batch
 from hybridlab.workers.rollout.sampling import SamplingConfig, fit_prompts
@@ -100,7 +100,7 @@ class RolloutWorker(Worker):
             responses, logprobs = generate_ids(self.model, prompts, cfg, self.pad_id, self.eos_id)
         repeated = batch.repeat(cfg.n)
         out = sequences_batch([p for p in prompts for _ in range(cfg.n)], responses, self.pad_id,
-                              response_len=cfg.max_tokens)
+                              response_len=cfg.max_tokens, prompt_len=batch.meta.get(PROMPT_WIDTH))
         lp = torch.zeros(out["responses"].shape, dtype=torch.float32)
         for i, row in enumerate(logprobs):
             lp[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
