@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import hybridlab.algos as A
+from hybridlab.algos.rollout_correction import IS_LEVELS, RS_OPTIONS
 
 REFERENCE = json.loads((Path(__file__).parent / "verl_reference" / "reference.json").read_text())
 CASES = REFERENCE["cases"]
@@ -49,16 +50,38 @@ def test_policy_loss_equals_verl(case):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c["fn"] == "advantage"], ids=lambda c: c["name"])
 def test_advantage_estimator_equals_verl(case):
-    inputs = {k: t(v) if isinstance(v, list) and k != "index" else v for k, v in case["inputs"].items()}
+    def arg(key, value):
+        if key == "batch":  # GDPO reads the prompt width and attention mask from it
+            return {f: torch.tensor(x) for f, x in value.items()}
+        return t(value) if isinstance(value, list) and key not in ("index", "non_tensor_batch") else value
+    inputs = {k: arg(k, v) for k, v in case["inputs"].items()}
     advantages, returns = A.get_adv_estimator_fn(case["estimator"])(**inputs)
     close(advantages, case["expected"])
     close(returns, case["expected_returns"])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c["fn"] == "rollout_correction"], ids=lambda c: c["name"])
+def test_rollout_correction_equals_verl(case):
+    calm = BATCHES["calm"]
+    weights, mask, metrics = A.compute_rollout_correction_and_rejection_mask(
+        t(calm["log_prob"]), t(calm["old_log_prob"]), t(case["response_mask"]), **case["settings"])
+    assert (weights is None) == (case["expected_weights"] is None)
+    if weights is not None:
+        close(weights, case["expected_weights"])
+    close(mask, case["expected_mask"])
+    assert metrics.keys() == case["expected_metrics"].keys()
+    close([metrics[k] for k in sorted(metrics)], [case["expected_metrics"][k] for k in sorted(metrics)])
 
 
 def test_every_registered_name_has_a_reference_case():
     covered = {("agg", c["loss_agg_mode"]) for c in CASES if c["fn"] == "agg_loss"}
     covered |= {("policy", c["policy_loss"]) for c in CASES if c["fn"] == "policy_loss"}
     covered |= {("advantage", c["estimator"]) for c in CASES if c["fn"] == "advantage"}
-    registered = {("agg", m) for m in A.AGG_MODES} | {("policy", p) for p in A.POLICY_LOSSES} | \
+    covered |= {("rollout_rs", o.strip()) for c in CASES if c["fn"] == "rollout_correction"
+                for o in c["settings"].get("rollout_rs", "").split(",") if o}
+    covered |= {("rollout_is", c["settings"]["rollout_is"]) for c in CASES
+                if c["fn"] == "rollout_correction" and "rollout_is" in c["settings"]}
+    registered = {("rollout_rs", o) for o in RS_OPTIONS} | {("rollout_is", level) for level in IS_LEVELS}
+    registered |= {("agg", m) for m in A.AGG_MODES} | {("policy", p) for p in A.POLICY_LOSSES} | \
         {("advantage", e) for e in A.ADV_ESTIMATORS}
     assert registered - covered == set()

@@ -5,8 +5,10 @@ import torch
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
-    """Return the sum of ``values`` where ``mask`` is 1 (over ``axis``, or everything)."""
-    return (values * mask).sum() if axis is None else (values * mask).sum(axis)
+    """Return the sum of ``values`` where ``mask`` is 1 (over ``axis``, or everything); a NaN
+    outside the mask does not spread."""
+    kept = torch.where(mask.bool(), values, 0.0) * mask
+    return kept.sum() if axis is None else kept.sum(axis)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:

@@ -16,6 +16,10 @@ Tested equal to verl 0.9.1 (value, metrics and gradient) in ``tests/test_verl_re
     dro       log_prob x advantage with a squared log-ratio penalty               arXiv 2506.17252
     clip_cov  PPO, with the gradient cut for a few high-covariance tokens          arXiv 2505.22617
     kl_cov    PPO, with a |log-ratio| penalty on the highest-covariance tokens     arXiv 2505.22617
+    dppo_tv   log_prob x truncated ratio, masked where |p - p_old| leaves a band    arXiv 2602.04879
+    dppo_kl   the same with a binary-KL band                                       arXiv 2602.04879
+    bypass_mode  old log-probs are the rollout's: PPO-clip or IS-weighted REINFORCE, with rollout
+              correction (``rollout_correction``: rollout_is, rollout_rs, thresholds, loss_type)
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from hybridlab.algos.functional import masked_mean
 from hybridlab.algos.losses import _get, agg_loss, agg_settings, register_policy_loss
 
 POLICY_LOSS_DEFAULTS = {"clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.0002,
-                        "ppo_kl_coef": 0.1, "dro_beta": None}
+                        "ppo_kl_coef": 0.1, "dro_beta": None, "rollout_correction": None}
 
 
 def loss_setting(config: Any, key: str) -> Any:
@@ -216,3 +220,88 @@ def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask
         pg_losses = penalized
     pg_loss = _aggregate(pg_losses, response_mask, loss_agg_mode, config, rollout_is_weights, share)
     return pg_loss, {"actor/ppo_kl": _float(masked_mean(log_ratio.abs(), response_mask))}
+
+
+def _dppo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, share,
+          inside_band) -> tuple[torch.Tensor, dict]:
+    """DPPO's shared body: -advantage x ratio (truncated at clip_ratio_c, default 20, and
+    stopped) x log_prob on the tokens ``inside_band(log_prob, old_log_prob, low, high)`` keeps
+    (two masks: for positive and for other advantages)."""
+    low, high = _clips(config)
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    cap = _get(config, "clip_ratio_c", 20.0)
+    keep_pos, keep_neg = inside_band(log_prob, old_log_prob, low, high)
+    valid = torch.where(advantages > 0, keep_pos, keep_neg).detach().float()
+    pg_losses = -advantages * torch.clamp(ratio, max=cap).detach() * log_prob * valid
+    pg_loss = _aggregate(pg_losses, response_mask, loss_agg_mode, config, rollout_is_weights, share)
+    return pg_loss, _metrics(masked_mean(1.0 - valid, response_mask), masked_mean(-log_ratio, response_mask),
+                             masked_mean((ratio > cap).float() * valid, response_mask))
+
+
+@register_policy_loss("dppo_tv")
+def compute_policy_loss_dppo_tv(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                                config=None, rollout_is_weights=None, **share):
+    """DPPO-Binary-TV: the clip ratios bound the change of each token's probability, p - p_old,
+    from above (positive advantage) or below (negative); tokens outside get no gradient.
+    Returns (loss, metrics)."""
+    def band(logp, logq, low, high):
+        change = logp.exp() - logq.exp()
+        return change <= high, change >= -low
+    return _dppo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, share,
+                 band)
+
+
+@register_policy_loss("dppo_kl")
+def compute_policy_loss_dppo_kl(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                                config=None, rollout_is_weights=None, **share):
+    """DPPO-Binary-KL: as dppo_tv, with the band on the binary KL between Bernoulli(p_old) and
+    Bernoulli(p) for moves in the advantage's direction. Returns (loss, metrics)."""
+    def band(logp, logq, low, high):
+        p, q = logp.exp(), logq.exp()
+        binary_kl = q * (logq - logp) + (1 - q) * torch.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))
+        return (binary_kl <= high) | (p <= q), (binary_kl <= low) | (p >= q)
+    return _dppo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, share,
+                 band)
+
+
+def compute_policy_loss_reinforce(rollout_log_prob, log_prob, advantages, response_mask,
+                                  loss_agg_mode="seq-mean-token-sum", config=None, rollout_is_weights=None, **share):
+    """REINFORCE: -advantage x log_prob, times the (stopped) IS weights when given; returns
+    (loss, {"actor/ppo_kl": trainer-vs-rollout KL})."""
+    pg_losses = -advantages * log_prob
+    pg_loss = _aggregate(pg_losses, response_mask, loss_agg_mode, config, rollout_is_weights, share)
+    return pg_loss, {"actor/ppo_kl": _float(masked_mean(rollout_log_prob - log_prob, response_mask))}
+
+
+@register_policy_loss("bypass_mode")
+def compute_policy_loss_bypass_mode(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                                    config=None, rollout_is_weights=None, **share):
+    """Bypass mode: ``old_log_prob`` is the rollout's (the ``rollout_as_old_logprob`` stage).
+    IS weights and rejection come from the current policy against the rollout (settings under
+    ``rollout_correction``); ``loss_type`` "ppo_clip" (default) runs PPO's loss on the kept tokens
+    without the weights (its ratio already is one), "reinforce" the IS-weighted policy gradient.
+    Passed-in ``rollout_is_weights`` are ignored. Returns (loss, metrics incl. rollout_corr/*)."""
+    from hybridlab.algos.losses import compute_policy_loss_vanilla
+    from hybridlab.algos.rollout_correction import compute_rollout_correction_and_rejection_mask
+
+    settings = loss_setting(config, "rollout_correction")
+    if settings is None:
+        raise ValueError("the bypass_mode policy loss needs rollout_correction settings (loss_type, rollout_is, "
+                         "rollout_is_threshold, rollout_rs, rollout_rs_threshold)")
+    loss_type = _get(settings, "loss_type", "ppo_clip")
+    if loss_type not in ("ppo_clip", "reinforce"):
+        raise ValueError(f"rollout_correction.loss_type must be 'ppo_clip' or 'reinforce', got {loss_type!r}")
+    with torch.no_grad():
+        weights, mask, corr_metrics = compute_rollout_correction_and_rejection_mask(
+            log_prob, old_log_prob, response_mask, rollout_is=_get(settings, "rollout_is"),
+            rollout_is_threshold=_get(settings, "rollout_is_threshold", 2.0),
+            rollout_is_batch_normalize=_get(settings, "rollout_is_batch_normalize", False),
+            rollout_rs=_get(settings, "rollout_rs"), rollout_rs_threshold=_get(settings, "rollout_rs_threshold"))
+    if loss_type == "reinforce":
+        pg_loss, metrics = compute_policy_loss_reinforce(old_log_prob, log_prob, advantages, mask, loss_agg_mode,
+                                                         config, weights, **share)
+    else:
+        pg_loss, metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, mask, loss_agg_mode,
+                                                       config, None, **share)
+    return pg_loss, {**metrics, **corr_metrics}

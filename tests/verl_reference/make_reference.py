@@ -90,6 +90,13 @@ def policy_call(C, name: str, inputs: dict, mode: str, cfg: Config, is_weights) 
 
 
 BATCHES: dict[str, dict] = {}  # policy-loss inputs, stored once in the JSON and named by the cases
+BYPASS = [{"loss_type": "ppo_clip"},
+          {"loss_type": "ppo_clip", "rollout_rs": "token_k3", "rollout_rs_threshold": 0.05},
+          {"loss_type": "reinforce", "rollout_is": "sequence", "rollout_is_threshold": 2.0},
+          {"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": 1.5,
+           "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.9_1.1"},
+          {"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": "0.5_2.0",
+           "rollout_is_batch_normalize": True}]
 
 
 def policy_cases(C) -> list[dict]:
@@ -134,7 +141,12 @@ def policy_cases(C) -> list[dict]:
                            {"clip_ratio": 0.2, "policy_loss": {"clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0,
                                                                "clip_cov_ub": 5.0}}],
               "kl_cov": [{"policy_loss": {"kl_cov_ratio": 0.2, "ppo_kl_coef": 1.0}},
-                         {"policy_loss": {"kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1}}]}
+                         {"policy_loss": {"kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1}}],
+              "dppo_tv": [{"clip_ratio": 0.2}, {"clip_ratio": 0.2, "clip_ratio_low": 0.05, "clip_ratio_high": 0.1,
+                                                "clip_ratio_c": 3.0}],
+              "dppo_kl": [{"clip_ratio": 0.05}, {"clip_ratio": 0.2, "clip_ratio_low": 0.01, "clip_ratio_high": 0.3,
+                                                 "clip_ratio_c": 3.0}],
+              "bypass_mode": [{"clip_ratio": 0.2, "policy_loss": {"rollout_correction": c}} for c in BYPASS]}
     for name, configs in others.items():
         for config in configs:
             for batch_label, batch in (("outliers", inputs), ("calm", calm)):
@@ -143,7 +155,8 @@ def policy_cases(C) -> list[dict]:
                                                                                  "global_batch_size": 7.0}}, weights)):
                         cfg = Config({"global_batch_info": {}, **config, **info})
                         if "policy_loss" in cfg:
-                            cfg["policy_loss"] = Config(cfg["policy_loss"])
+                            cfg["policy_loss"] = Config({k: Config(v) if isinstance(v, dict) else v
+                                                         for k, v in cfg["policy_loss"].items()})
                         cases.append({"fn": "policy_loss", "policy_loss": name,
                                       "name": f"{name} {json.dumps(config)} {batch_label} {mode} {json.dumps(info)}",
                                       "batch": batch_label, "loss_agg_mode": mode,
@@ -169,9 +182,13 @@ def advantage_cases(C) -> list[dict]:
     cases = []
 
     def add(estimator, call, **inputs):
-        adv, ret = call(**{k: (np.array(v, dtype=object) if k == "index" else
-                               torch.tensor(v, dtype=torch.float32) if isinstance(v, list) else v)
-                           for k, v in inputs.items()})
+        def arg(k, v):
+            if k == "index":
+                return np.array(v, dtype=object)
+            if k == "batch":
+                return {f: torch.tensor(x, dtype=torch.long) for f, x in v.items()}
+            return torch.tensor(v, dtype=torch.float32) if isinstance(v, list) and k != "non_tensor_batch" else v
+        adv, ret = call(**{k: arg(k, v) for k, v in inputs.items()})
         cases.append({"fn": "advantage", "estimator": estimator, "name": f"{estimator} {sorted(inputs)}",
                       "inputs": inputs, "expected": adv.tolist(), "expected_returns": ret.tolist()})
 
@@ -188,12 +205,73 @@ def advantage_cases(C) -> list[dict]:
                 response_mask=mask, config=Config(gamma=gamma))
     add("remax", C.compute_remax_outcome_advantage, token_level_rewards=outcome, response_mask=mask,
         reward_baselines=[0.25, 1.0, 0.0, 0.5, 0.5, 1.0, 0.0, 0.5, 0.25], config=Config())
+    for norm in (True, False):
+        add("grpo_vectorized", C.compute_grpo_vectorized_outcome_advantage, token_level_rewards=outcome,
+            response_mask=mask, index=index, norm_adv_by_std_in_grpo=norm)
+        # Pass@k needs groups of two or more: the rows without the single-sample group "a"
+        add("grpo_passk", C.compute_grpo_passk_outcome_advantage, token_level_rewards=outcome[1:],
+            response_mask=mask[1:], index=index[1:], config=Config(norm_adv_by_std_in_grpo=norm))
+    add("rloo_vectorized", C.compute_rloo_vectorized_outcome_advantage, token_level_rewards=outcome,
+        response_mask=mask, index=index, config=Config())
+    add("opo", C.compute_opo_outcome_advantage, token_level_rewards=outcome, response_mask=mask, index=index,
+        config=Config())
+    add("gpg", C.compute_gpg_outcome_advantage, token_level_rewards=outcome, response_mask=mask, index=index,
+        config=Config())
+    add("gdpo", C.compute_gdpo_outcome_advantage, token_level_rewards=outcome, response_mask=mask, index=index)
+    last = [max(j for j, m in enumerate(row) if m) for row in mask]
+    components = {"format_reward": [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0],
+                  "accuracy_reward": scores}
+    batch = {"prompts": [[5, 6, 7]] * 9,
+             "attention_mask": [[1, 1, 1] + [int(j <= last[i]) for j in range(6)] for i in range(9)]}
+    for weights in (None, [0.5, 2.0]):
+        add("gdpo", C.compute_gdpo_outcome_advantage, token_level_rewards=outcome, response_mask=mask, index=index,
+            norm_adv_by_std_in_grpo=weights is None, non_tensor_batch=components, batch=batch,
+            config=Config(gdpo_reward_keys=["format_reward", "accuracy_reward"], gdpo_reward_weights=weights))
+    old = [[-abs(x) for x in row] for row in numbers((9, 6), 10, 1.5)]
+    sum_pi_squared = [[min(0.95, 0.05 + abs(x) / 3) for x in row] for row in numbers((9, 6), 11)]
+    is_weights = [[min(2.0, abs(x)) for x in row] for row in numbers((9, 6), 12)]
+    for name, fn in (("optimal_token_baseline", C.compute_optimal_token_baseline_advantage),
+                     ("tir_optimal_token_baseline", C.compute_multi_turn_optimal_token_baseline_advantage)):
+        for rewards in (outcome, dense):
+            for weights, tail in ((None, True), (is_weights, True), (None, False)):
+                add(name, fn, token_level_rewards=rewards, response_mask=mask, index=index, old_log_probs=old,
+                    sum_pi_squared=sum_pi_squared, rollout_is_weights=weights, handle_zero_tail=tail)
     for gamma, lam in ((1.0, 1.0), (0.99, 0.95)):
         add("gae", C.compute_gae_advantage_return, token_level_rewards=dense, values=values, response_mask=mask,
             gamma=gamma, lam=lam)
     for case in cases:  # JSON-friendly configs
         if isinstance(case["inputs"].get("config"), Config):
             case["inputs"]["config"] = dict(case["inputs"]["config"])
+    return cases
+
+
+def correction_cases() -> list[dict]:
+    """compute_rollout_correction_and_rejection_mask under every IS level, threshold form and
+    rejection option; the trainer's log-probs are the calm batch's, the rollout's its old ones."""
+    from verl.trainer.ppo import rollout_corr_helper as H
+
+    settings = [{}, {"rollout_is": "token"}, {"rollout_is": "sequence", "rollout_is_threshold": 3.0},
+                {"rollout_is": "token", "rollout_is_threshold": "0.8_1.25"},
+                {"rollout_is": "token", "rollout_is_batch_normalize": True},
+                {"rollout_is": "sequence", "rollout_is_threshold": "0.5_5.0", "rollout_is_batch_normalize": True},
+                {"rollout_rs": "token_k1", "rollout_rs_threshold": "0.8_1.25"},
+                {"rollout_rs": "token_k1", "rollout_rs_threshold": 1.3},
+                {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"},
+                {"rollout_rs": "token_k1,seq_mean_k3", "rollout_rs_threshold": "0.5_2.0,0.05"},
+                {"rollout_rs": "seq_max_k2,seq_max_k3,seq_sum_k2", "rollout_rs_threshold": 0.1},
+                {"rollout_is": "token", "rollout_rs": "seq_sum_k1,seq_sum_k3,seq_mean_k2,token_k2,token_k3",
+                 "rollout_rs_threshold": "0.5_3.0,0.2,0.02,0.05,0.05"}]
+    cases = []
+    for mask_name in ("right_padding", "with_empty_row"):
+        mask = masks()[mask_name]
+        for setting in settings:
+            weights, new_mask, metrics = H.compute_rollout_correction_and_rejection_mask(
+                torch.tensor(BATCHES["calm"]["log_prob"]), torch.tensor(BATCHES["calm"]["old_log_prob"]),
+                torch.tensor(mask, dtype=torch.float32), **setting)
+            cases.append({"fn": "rollout_correction", "name": f"rollout correction {mask_name} {json.dumps(setting)}",
+                          "response_mask": mask, "settings": setting, "expected_mask": new_mask.tolist(),
+                          "expected_weights": None if weights is None else weights.batch["rollout_is_weights"].tolist(),
+                          "expected_metrics": metrics})
     return cases
 
 
@@ -210,7 +288,7 @@ def rounded(value):
 
 def main(source: str) -> None:
     C = load_verl(source)
-    cases = [rounded(c) for c in agg_cases(C) + policy_cases(C) + advantage_cases(C)]
+    cases = [rounded(c) for c in agg_cases(C) + policy_cases(C) + advantage_cases(C) + correction_cases()]
     OUT.write_text(json.dumps({"verl": "0.9.1", "batches": rounded(BATCHES), "cases": cases},
                               separators=(",", ":")) + "\n")
     print(f"{len(cases)} cases -> {OUT} ({OUT.stat().st_size / 1024:.0f} KiB)")
