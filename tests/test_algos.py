@@ -168,8 +168,25 @@ def test_dapo_helpers():
 
 
 def test_registry_names_and_errors():
-    assert set(A.ADV_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                                     "remax"}
+    assert set(A.ADV_ESTIMATORS) == {  # verl 0.9.1's 14
+        "gae", "grpo", "grpo_vectorized", "grpo_passk", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo",
+        "rloo_vectorized", "opo", "remax", "gpg", "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo"}
+    assert set(A.POLICY_LOSSES) == {"vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov",
+                                    "geo_mean", "dro", "cispo", "bypass_mode"}  # verl 0.9.1's 12
     assert A.get_adv_estimator_fn("rloo") is A.compute_rloo_outcome_advantage
     with pytest.raises(UserError, match="grpo"):
         A.get_adv_estimator_fn("gpro")
+
+
+def test_pass_at_k_names_a_group_of_one():
+    rewards, mask = torch.tensor([[1.0], [0.0], [1.0]]), torch.ones(3, 1)
+    with pytest.raises(ValueError, match="grpo_passk needs at least 2 samples per group .* group 'b' has 1"):
+        A.compute_grpo_passk_outcome_advantage(rewards, mask, ["a", "a", "b"])
+
+
+def test_gdpo_names_a_missing_reward_component():
+    rewards, mask = torch.tensor([[0.0, 1.0], [0.0, 0.0]]), torch.ones(2, 2)
+    batch = {"prompts": torch.zeros(2, 1, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
+    with pytest.raises(ValueError, match="gdpo reward key 'format' is not among the reward's outputs \\['acc'\\]"):
+        A.compute_gdpo_outcome_advantage(rewards, mask, ["a", "a"], config={"gdpo_reward_keys": ["format"]},
+                                         non_tensor_batch={"acc": [1.0, 0.0]}, batch=batch)

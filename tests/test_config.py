@@ -61,6 +61,17 @@ def test_overrides_parse_values_as_yaml():
       " rollout: {pool: main, tp: 2}, reward: {pool: main, dp: 2}}}"],
      ["mapping.roles.rollout.tp", "tp=2 needs rollout.backend=vllm", "use dp for replicas"]),
     (["warm_start.target_accuracy=0"], ["warm_start.target_accuracy", "must be in (0, 1]"]),
+    (["algorithm.rollout_correction.rollout_rs=seq_mean_k4", "algorithm.rollout_correction.rollout_rs_threshold=1"],
+     ["algorithm.rollout_correction.rollout_rs", "'seq_mean_k4'", "seq_mean_k1", "token_k3"]),
+    (["algorithm.rollout_correction.rollout_rs=token_k2"], ["rollout_rs_threshold is required"]),
+    (["algorithm.rollout_correction.rollout_is=tokens"], ["algorithm.rollout_correction.rollout_is", "sequence"]),
+    (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0_1.0"],
+     ["algorithm.rollout_correction.rollout_is_threshold", "lower <= upper"]),
+    (["algorithm.rollout_correction.bypass_mode=true", "actor.policy_loss=gspo"],
+     ["bypass_mode", "actor.policy_loss must be vanilla or bypass_mode", "'gspo'"]),
+    (["actor.policy_loss=bypass_mode"], ["actor.policy_loss", "needs algorithm.rollout_correction.bypass_mode=true"]),
+    (["algorithm.rollout_correction.loss_type=ppo"], ["algorithm.rollout_correction.loss_type", "reinforce"]),
+    (["actor.policy_loss.loss_mode=gpso"], ["actor.policy_loss", "'gpso'", "gspo"]),
 ])
 def test_bad_values_name_the_key_and_what_is_allowed(override, words):
     with pytest.raises(ConfigError) as err:
@@ -80,6 +91,42 @@ def test_rollout_log_probs_stand_in_for_old_ones_only_where_exact(override, old_
     for source in (None, "grpo"):  # the default run and its preset follow the settings
         names = dataflow_names(load_config(source, override))
         assert old_stage in names and not {"old_logprob", "rollout_as_old_logprob"} - {old_stage} & set(names)
+
+
+def test_rollout_correction_places_its_stage_as_verl_does():
+    """Decoupled: the actor recomputes old log-probs and the correction runs after the KL
+    penalty, before advantages, its weights reaching the actor's update. Bypass: the rollout's
+    log-probs are the old ones (even off-policy) and the loss is bypass_mode."""
+    from hybridlab.dataflow.stages import actor_loss_settings, get_stage
+
+    cfg = load_config(None, ["algorithm.rollout_correction.rollout_is=token", "algorithm.use_kl_in_reward=true"])
+    names = dataflow_names(cfg)
+    assert names.index("old_logprob") < names.index("kl_reward") < names.index("rollout_correction") \
+        < names.index("advantages") and "rollout_as_old_logprob" not in names
+    assert "rollout_is_weights" in get_stage("update_actor").inputs(cfg)
+    cfg = load_config(None, ["algorithm.rollout_correction.bypass_mode=true", "trainer.off_policy=true",
+                             "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
+                             "algorithm.rollout_correction.rollout_rs_threshold=0.999_1.001"])
+    names = dataflow_names(cfg)
+    assert "rollout_as_old_logprob" in names and "rollout_correction" not in names and "old_logprob" not in names
+    settings = actor_loss_settings(cfg)
+    assert settings["policy_loss"] == "bypass_mode" and settings["rollout_correction"]["rollout_rs"] == "seq_mean_k1"
+    cfg = load_config(None, ["algorithm.adv_estimator=optimal_token_baseline"])  # needs the actor's sum of p^2
+    assert "old_logprob" in dataflow_names(cfg) and "sum_pi_squared" in get_stage("old_logprob").outputs(cfg)
+
+
+def test_verl_style_policy_loss_sections_and_keys_are_accepted(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("actor:\n  policy_loss:\n    loss_mode: clip_cov\n    clip_cov_ratio: 0.01\n"
+                    "    rollout_correction:\n      rollout_is: sequence\n      rollout_is_threshold: 3.0\n")
+    cfg = load_config(str(path))
+    assert (cfg.actor.policy_loss, cfg.actor.clip_cov_ratio) == ("clip_cov", 0.01)
+    assert (cfg.algorithm.rollout_correction.rollout_is, cfg.algorithm.rollout_correction.rollout_is_threshold) \
+        == ("sequence", 3.0)
+    cfg = load_config(str(path), ["actor.policy_loss.loss_mode=gspo", "actor.policy_loss.kl_cov_ratio=0.5",
+                                  "actor.policy_loss.rollout_correction.rollout_is=token"])
+    assert (cfg.actor.policy_loss, cfg.actor.kl_cov_ratio, cfg.algorithm.rollout_correction.rollout_is) == \
+        ("gspo", 0.5, "token")
 
 
 def test_the_grpo_preset_gains_the_reference_pass_with_a_kl_loss():

@@ -18,11 +18,13 @@ ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 
 @pytest.fixture(scope="module")
 def rl(ray_local, trained_dir, tmp_path_factory):
-    """A GRPO session with telemetry on (tiny, small batches, one device)."""
+    """A GRPO session with telemetry on (tiny, small batches, one device); the actor recomputes
+    the old log-probs, so the steps measure the rollout-vs-trainer mismatch."""
     run_dir = tmp_path_factory.mktemp("dash") / "run"
     session = RLSession(None, [f"model={trained_dir}", "warm_start.max_steps=0", "data.prompts_per_step=8",
                                "rollout.n=4", "actor.ppo_mini_batch_size=8", "data.test_samples=16",
-                               "trainer.eval_every=5", "trainer.progress=false", f"trainer.run_dir={run_dir}"])
+                               "trainer.eval_every=5", "trainer.progress=false", f"trainer.run_dir={run_dir}",
+                               "actor.use_rollout_log_probs=false"])
     session.start()
     yield session
     session.shutdown()
@@ -65,7 +67,8 @@ PANEL_COLUMNS = ["accuracy,reward,step",                          # reward curve
                  "busy,step",                                     # device busy per step
                  "max,p10,p50,p90,step,straggler_pct,tokens_per_s",  # rollout lengths, tokens/s, stragglers
                  "alpha,dst,label,mb,src",                        # the last sync's plan
-                 "mb,seconds,step"]                               # sync history
+                 "mb,seconds,step",                               # sync history
+                 "is_mean,k3_kl,kl,rejected_pct,step"]            # rollout-vs-trainer mismatch
 
 
 def test_served_dashboard_renders_and_follows_the_run(rl):
@@ -92,7 +95,8 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
                 later = _status_step(page)
             assert later > first, f"status stayed at step {first}"
             page.locator("canvas").first.wait_for(timeout=20_000)
-            assert page.locator("canvas").count() >= 9  # reward, sync, phases, memory, devices, busy, rollout x2, sync plan
+            assert page.locator("canvas").count() >= 10  # reward, sync, phases, memory, devices, busy, rollout x2,
+            #                                               sync plan, mismatch
             page.get_by_text("running for").first.wait_for(timeout=30_000)  # a call in flight, in the table
             sizes = page.evaluate(PAGE_SOURCES)  # what the browser's Bokeh document holds, per data source
             for columns in PANEL_COLUMNS:

@@ -26,7 +26,8 @@ def random_batch(n=8, seed=0):
 BATCH = random_batch()
 
 
-def hf_logprobs(model_dir, batch):
+def hf_logprobs(model_dir, batch, sum_pi_squared: bool = False):
+    """transformers' log-probs of the responses (and the sum of squared token probabilities)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -34,7 +35,9 @@ def hf_logprobs(model_dir, batch):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                        position_ids=batch["position_ids"]).logits.double()
     r = batch["responses"].shape[1]
-    return torch.log_softmax(logits[:, -r - 1:-1], -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    log_probs = torch.log_softmax(logits[:, -r - 1:-1], -1)
+    picked = log_probs.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    return (picked, log_probs.exp().square().sum(-1)) if sum_pi_squared else picked
 
 
 def session_for(roles: dict, tp=1, pp=1, dp=1, colocate=True):
@@ -112,9 +115,11 @@ def tiny(ray_local):
 def test_tp1_logprobs_match_transformers_and_sft_step(tiny, tmp_path_factory):
     roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=tiny, optim=OPTIM, micro_batch_size=3))}
     with session_for(roles) as s:
-        out = s.groups["actor"].compute_log_prob(BATCH)
+        out = s.groups["actor"].compute_log_prob(BATCH, sum_pi_squared=True)
         mask = BATCH["response_mask"].bool()
-        assert (out["old_log_probs"].double() - hf_logprobs(tiny, BATCH))[mask].abs().max() < 1e-5
+        log_probs, sum_pi_squared = hf_logprobs(tiny, BATCH, sum_pi_squared=True)
+        assert (out["old_log_probs"].double() - log_probs)[mask].abs().max() < 1e-5
+        assert (out["sum_pi_squared"].double() - sum_pi_squared)[mask].abs().max() < 1e-6
         assert out["entropy"].shape == BATCH["responses"].shape and (out["entropy"][mask] > 0).all()
         metrics = s.groups["actor"].sft_step(BATCH)[0]
         assert metrics["sft_loss"] == pytest.approx(5.76, abs=0.1) and metrics["lr"] == 1e-3
@@ -128,8 +133,11 @@ def test_tp2_actor_and_colocated_ref(tiny, tmp_path_factory):
         actor, ref = s.groups["actor"], s.groups["ref"]
         assert [p["pid"] for p in actor.placements] == [p["pid"] for p in ref.placements]
         mask = BATCH["response_mask"].bool()
-        lp = actor.compute_log_prob(BATCH)["old_log_probs"]
-        assert (lp.double() - hf_logprobs(tiny, BATCH))[mask].abs().max() < 1e-5
+        out = actor.compute_log_prob(BATCH, sum_pi_squared=True)  # vocabulary split over the TP ranks
+        lp = out["old_log_probs"]
+        log_probs, sum_pi_squared = hf_logprobs(tiny, BATCH, sum_pi_squared=True)
+        assert (lp.double() - log_probs)[mask].abs().max() < 1e-5
+        assert (out["sum_pi_squared"].double() - sum_pi_squared)[mask].abs().max() < 1e-6
         assert torch.equal(ref.compute_ref_log_prob(BATCH)["ref_log_prob"], lp)
         actor.sft_step(BATCH)
         RESULTS["tp2"] = gathered(actor)

@@ -152,24 +152,35 @@ def compute_remax_outcome_advantage(token_level_rewards: torch.Tensor, reward_ba
 
 
 def compute_advantage(name: str, batch_fields: dict, config=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Call estimator ``name`` with the fields it needs from ``batch_fields`` and settings from
-    ``config`` (gamma, lam, norm_adv_by_std_in_grpo); returns (advantages, returns)."""
+    """Call estimator ``name`` with the fields it needs from ``batch_fields`` (``uid`` as the
+    group index) and settings from ``config`` (gamma, lam, norm_adv_by_std_in_grpo), as verl's
+    trainer does; returns (advantages, returns)."""
     fn = get_adv_estimator_fn(name)
     rewards, mask = batch_fields["token_level_rewards"], batch_fields["response_mask"].to(torch.float32)
     if name == "gae":
         return fn(rewards, batch_fields["values"], mask, _cfg(config, "gamma", 1.0), _cfg(config, "lam", 1.0))
-    if name == "grpo":
-        return fn(rewards, mask, batch_fields["uid"],
-                  norm_adv_by_std_in_grpo=_cfg(config, "norm_adv_by_std_in_grpo", True), config=config)
-    if name in ("rloo", "reinforce_plus_plus_baseline"):
-        return fn(rewards, mask, batch_fields["uid"], config=config)
-    if name == "remax":
-        return fn(rewards, batch_fields["reward_baselines"], mask, config=config)
-    return fn(rewards, mask, config=config)
+    kwargs: dict[str, Any] = {"token_level_rewards": rewards, "response_mask": mask, "config": config}
+    if "uid" in ADV_INPUTS[name]:
+        kwargs["index"] = batch_fields["uid"]
+    if name in ("grpo", "grpo_vectorized"):
+        kwargs["norm_adv_by_std_in_grpo"] = _cfg(config, "norm_adv_by_std_in_grpo", True)
+    for key in ("reward_baselines", "old_log_probs", "sum_pi_squared", "rollout_is_weights"):
+        if key in ADV_INPUTS[name] or key in OPTIONAL_ADV_INPUTS.get(name, ()) and key in batch_fields:
+            kwargs[key] = batch_fields[key]
+    if name in OPTIONAL_ADV_INPUTS:  # the optimal token baselines take no config
+        kwargs.pop("config")
+    return fn(**kwargs)
 
 
 # Batch fields each estimator reads beyond token_level_rewards and response_mask.
+_GROUPED = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline", "opo",
+            "gpg", "gdpo")
 ADV_INPUTS: dict[str, tuple[str, ...]] = {
-    "gae": ("values",), "grpo": ("uid",), "rloo": ("uid",), "reinforce_plus_plus": (),
-    "reinforce_plus_plus_baseline": ("uid",), "remax": ("reward_baselines",),
+    "gae": ("values",), "reinforce_plus_plus": (), "remax": ("reward_baselines",),
+    **{name: ("uid",) for name in _GROUPED},
+    **{name: ("uid", "old_log_probs", "sum_pi_squared") for name in ("optimal_token_baseline",
+                                                                    "tir_optimal_token_baseline")},
 }
+# ... and read when the batch has them (rollout correction's weights).
+OPTIONAL_ADV_INPUTS = {"optimal_token_baseline": ("rollout_is_weights",),
+                       "tir_optimal_token_baseline": ("rollout_is_weights",)}

@@ -9,7 +9,8 @@ from hybridlab.config.schema import ConfigError, RunConfig
 from hybridlab.errors import UserError
 from hybridlab.dataflow.prompts import PROMPT_FIELDS
 
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline",
+                    "opo", "gpg", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline")
 
 
 def default_dataflow(cfg: RunConfig) -> list[str]:
@@ -20,16 +21,20 @@ def default_dataflow(cfg: RunConfig) -> list[str]:
         stages.append("filter_groups")
     if est == "remax":
         stages.append("remax_baseline")
-    from hybridlab.dataflow.stages import rollout_log_probs_inexact
+    from hybridlab.dataflow.stages import TRAINER_LOGPROB_ESTIMATORS, rollout_log_probs_inexact
 
+    correction = algo.rollout_correction
     exact = cfg.actor.use_rollout_log_probs and not rollout_log_probs_inexact(cfg)
-    stages.append("rollout_as_old_logprob" if exact else "old_logprob")
+    recompute = (correction.enabled and not correction.bypass_mode) or est in TRAINER_LOGPROB_ESTIMATORS
+    stages.append("rollout_as_old_logprob" if correction.bypass_mode or (exact and not recompute) else "old_logprob")
     if cfg.actor.use_kl_loss or algo.use_kl_in_reward:
         stages.append("ref_logprob")
     if est == "gae":
         stages.append("values")
     if algo.use_kl_in_reward:
         stages.append("kl_reward")
+    if correction.enabled and not correction.bypass_mode:  # verl's place: after the KL penalty, before advantages
+        stages.append("rollout_correction")
     stages.append("advantages")
     if est == "gae":
         stages.append("update_critic")
@@ -108,6 +113,7 @@ def validate_config(cfg: RunConfig) -> None:
         p.append(f"actor.loss_scale_factor: must be a positive number (or null: the padded response length),"
                  f" got {a.loss_scale_factor}")
     _choice(p, "actor.policy_loss", a.policy_loss, sorted(POLICY_LOSSES))
+    p += _correction_problems(cfg)
     if a.clip_ratio_c <= 1:
         p.append(f"actor.clip_ratio_c: the dual-clip bound must be greater than 1, got {a.clip_ratio_c}")
     if algo.overlong_buffer.enable and not 0 < algo.overlong_buffer.len <= r.max_new_tokens:
@@ -187,6 +193,31 @@ def validate_config(cfg: RunConfig) -> None:
             p.append("trainer.off_policy: the dataflow must start with 'generate' to overlap the next rollout")
     if p:
         raise ConfigError("config is invalid:\n  - " + "\n  - ".join(p))
+
+
+def _correction_problems(cfg: RunConfig) -> list[str]:
+    from hybridlab.algos.rollout_correction import IS_LEVELS, parse_is_threshold, parse_rs
+
+    c, out, where = cfg.algorithm.rollout_correction, [], "algorithm.rollout_correction"
+    if c.rollout_is is not None and c.rollout_is not in IS_LEVELS:
+        out.append(f"{where}.rollout_is: {c.rollout_is!r} is not one of {', '.join(IS_LEVELS)} (or null: off)")
+    for check, args, key in ((parse_is_threshold, (c.rollout_is_threshold,), "rollout_is_threshold"),
+                             (parse_rs, (c.rollout_rs, c.rollout_rs_threshold), "rollout_rs")):
+        if key == "rollout_rs" and c.rollout_rs is None or key == "rollout_is_threshold" and c.rollout_is is None:
+            continue
+        try:
+            check(*args)
+        except (TypeError, ValueError) as exc:
+            out.append(f"{where}.{key}: {exc}")
+    if c.loss_type not in ("ppo_clip", "reinforce"):
+        out.append(f"{where}.loss_type: {c.loss_type!r} is not one of ppo_clip, reinforce")
+    if c.bypass_mode and cfg.actor.policy_loss not in ("vanilla", "bypass_mode"):
+        out.append(f"{where}.bypass_mode: bypass mode runs its own loss (ppo_clip or reinforce, by loss_type), so"
+                   f" actor.policy_loss must be vanilla or bypass_mode, got {cfg.actor.policy_loss!r}")
+    if cfg.actor.policy_loss == "bypass_mode" and not c.bypass_mode:
+        out.append(f"actor.policy_loss: bypass_mode needs {where}.bypass_mode=true (the rollout's log-probs stand in"
+                   f" for the old ones)")
+    return out
 
 
 def _dp_problems(cfg: RunConfig, mapping) -> list[str]:

@@ -89,6 +89,27 @@ class OverlongConfig:
 
 
 @dataclasses.dataclass
+class RolloutCorrectionConfig:
+    """Importance weights and rejection against the rollout-vs-trainer mismatch, as verl's
+    ``algorithm.rollout_correction`` (``hybridlab.algos.rollout_correction``). Decoupled (the
+    default): the ``rollout_correction`` stage compares the actor's old log-probs with the
+    rollout's. ``bypass_mode``: the rollout's log-probs are the old ones and the actor's loss
+    is ``bypass_mode`` with ``loss_type`` ppo_clip or reinforce."""
+    rollout_is: Optional[str] = None    # None (off), "token" or "sequence"
+    rollout_is_threshold: object = 2.0  # a number (truncate) or a "lower_upper" string (IcePop); checked in checks.py
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: Optional[str] = None    # comma-separated rejection criteria, e.g. "seq_mean_k1" (Geo-RS)
+    rollout_rs_threshold: object = None  # one threshold, or one per criterion ("0.999_1.001,0.05")
+    bypass_mode: bool = False
+    loss_type: str = "ppo_clip"         # bypass mode: "ppo_clip" or "reinforce"
+
+    @property
+    def enabled(self) -> bool:
+        """True when weights or rejection are asked for (mismatch metrics are logged anyway)."""
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+
+@dataclasses.dataclass
 class AlgorithmConfig:
     """Advantage estimation and reward shaping."""
     adv_estimator: str = "grpo"
@@ -100,6 +121,7 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = dataclasses.field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = dataclasses.field(default_factory=FilterGroupsConfig)
     overlong_buffer: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
+    rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclasses.dataclass
@@ -112,7 +134,8 @@ class ActorConfig:
     ppo_mini_batch_size: int = 16       # prompts per optimizer step (x rollout.n sequences)
     ppo_epochs: int = 1
     micro_batch_size: int = 64          # sequences per forward/backward
-    policy_loss: str = "vanilla"         # a name in hybridlab.algos.POLICY_LOSSES; its settings below
+    policy_loss: str = "vanilla"         # a name in hybridlab.algos.POLICY_LOSSES (verl's policy_loss.loss_mode
+                                        # and its section are accepted too); its settings below
     tau_pos: float = 1.0                # sapo: the gate's temperature for positive advantages
     tau_neg: float = 1.05               # sapo: ... for the others
     clip_cov_ratio: float = 0.0002      # clip_cov: share of tokens whose gradient is cut
@@ -230,12 +253,46 @@ def _coerce(value: Any, tp, where: str) -> Any:
     return value
 
 
+def verl_key(key: str) -> str:
+    """Return hybridlab's key for a verl-style one: verl nests the loss's settings in a section,
+    ``actor.policy_loss.loss_mode`` (hybridlab: ``actor.policy_loss``), ``actor.policy_loss.<k>``
+    (``actor.<k>``) and ``actor.policy_loss.rollout_correction.<k>`` (where verl's trainer copies
+    it from: ``algorithm.rollout_correction.<k>``); other keys are returned unchanged."""
+    prefix = "actor.policy_loss."
+    if not key.startswith(prefix):
+        return key
+    rest = key[len(prefix):]
+    if rest == "loss_mode":
+        return "actor.policy_loss"
+    return f"algorithm.{rest}" if rest.startswith("rollout_correction") else f"actor.{rest}"
+
+
+def _flatten_policy_loss(data: dict) -> dict:
+    """Move a verl-style ``actor.policy_loss`` section's keys to hybridlab's (``verl_key``)."""
+    actor = data.get("actor")
+    if not isinstance(actor, dict) or not isinstance(actor.get("policy_loss"), dict):
+        return data
+    data, actor = dict(data), dict(actor)
+    section = actor.pop("policy_loss")
+    data["actor"] = actor
+    for key, value in section.items():
+        target = verl_key(f"actor.policy_loss.{key}").split(".")
+        node = data
+        for part in target[:-1]:
+            node[part] = dict(node.get(part) or {})
+            node = node[part]
+        node[target[-1]] = value
+    return data
+
+
 def build(cls, data: Any, where: str = ""):
     """Return ``cls`` built from the dict ``data``; unknown keys and wrong types are ConfigErrors."""
     if isinstance(data, cls):
         return data
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'}: expected a mapping of keys, got {data!r}")
+    if cls is RunConfig:
+        data = _flatten_policy_loss(data)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     bad = [k for k in data if k not in fields]
@@ -252,6 +309,7 @@ def apply_override(data: dict, pair: str) -> None:
     if "=" not in pair:
         raise ConfigError(f"override {pair!r} must look like key=value, e.g. actor.lr=1e-4")
     key, raw = pair.split("=", 1)
+    key = verl_key(key.strip())
     value = yaml.safe_load(raw) if raw.strip() else None
     node, cls, parts = data, RunConfig, key.strip().split(".")
     for i, part in enumerate(parts):

@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from hybridlab.algos.advantages import ADV_INPUTS, compute_advantage
+from hybridlab.algos.advantages import ADV_INPUTS, OPTIONAL_ADV_INPUTS, compute_advantage
 from hybridlab.algos.dapo import informative_groups, overlong_penalty
 from hybridlab.algos.functional import masked_mean
 from hybridlab.algos.kl import apply_kl_penalty
 from hybridlab.algos.objectives import actor_loss, critic_loss
+from hybridlab.algos.rollout_correction import compute_rollout_correction_and_rejection_mask, mismatch_metrics
 from hybridlab.batching import PROMPT_WIDTH, concat_sequences, on_last_token
 from hybridlab.errors import unknown
 from hybridlab.faults import fault_point
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 StageFn = Callable[["StepContext", Batch], tuple[Batch | None, dict]]
 REWARD_FIELDS = ("responses", "response_mask", "ground_truth", "data_source")  # what scoring reads
 SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+TRAINER_LOGPROB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")  # need sum_pi_squared
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,11 +219,23 @@ def remax_baseline(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
 
 
 # ------------------------------------------------------------ model passes
-@register_stage("old_logprob", "actor", SEQUENCE_FIELDS, ("old_log_probs", "entropy"))
+def _wants_sum_pi_squared(cfg) -> bool:
+    return cfg.algorithm.adv_estimator in TRAINER_LOGPROB_ESTIMATORS
+
+
+@register_stage("old_logprob", "actor", SEQUENCE_FIELDS,
+                lambda cfg: ("old_log_probs", "entropy", *(("sum_pi_squared",) if _wants_sum_pi_squared(cfg) else ())))
 def old_logprob(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
-    """Log-probs (and entropy) of the sampled tokens under the actor before its update."""
-    out = ctx.group("actor").compute_log_prob(batch.select(SEQUENCE_FIELDS, meta=False))
-    return out, {"actor/entropy_before": float(masked_mean(out["entropy"], batch["response_mask"].float()))}
+    """Log-probs (and entropy) of the sampled tokens under the actor before its update; with the
+    rollout's log-probs at hand, the rollout-vs-trainer mismatch metrics (``rollout_corr/``)."""
+    out = ctx.group("actor").compute_log_prob(batch.select(SEQUENCE_FIELDS, meta=False),
+                                              sum_pi_squared=_wants_sum_pi_squared(ctx.cfg))
+    mask = batch["response_mask"].float()
+    metrics = {"actor/entropy_before": float(masked_mean(out["entropy"], mask))}
+    if "rollout_log_probs" in batch and mask.any():
+        metrics.update({f"rollout_corr/{k}": v for k, v in
+                        mismatch_metrics(out["old_log_probs"], batch["rollout_log_probs"], mask).items()})
+    return out, metrics
 
 
 def rollout_log_probs_inexact(cfg) -> list[str]:
@@ -230,6 +244,8 @@ def rollout_log_probs_inexact(cfg) -> list[str]:
     fix = ("; use the old_logprob stage instead of rollout_as_old_logprob (or leave `dataflow` unset: the"
            " stages then follow the settings)")
     out = []
+    if cfg.algorithm.rollout_correction.bypass_mode:  # the mismatch is accepted and corrected in the loss
+        return out
     if cfg.trainer.off_policy:
         out.append("trainer.off_policy: off-policy samples come from older weights, so their rollout log-probs are"
                    " not the current policy's" + fix)
@@ -262,6 +278,27 @@ def values(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
 
 
 # --------------------------------------------------------- controller math
+def _correction_outputs(cfg) -> tuple[str, ...]:
+    return ("response_mask", *(("rollout_is_weights",) if cfg.algorithm.rollout_correction.rollout_is else ()))
+
+
+@register_stage("rollout_correction", None, ("old_log_probs", "rollout_log_probs", "response_mask"),
+                _correction_outputs)
+def rollout_correction(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
+    """Rollout correction (algorithm.rollout_correction): IS weights of the trainer's old
+    log-probs against the rollout's, and rejection of tokens and sequences whose mismatch is
+    past the thresholds (they leave the response mask)."""
+    c = ctx.cfg.algorithm.rollout_correction
+    weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
+        batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], rollout_is=c.rollout_is,
+        rollout_is_threshold=c.rollout_is_threshold, rollout_is_batch_normalize=c.rollout_is_batch_normalize,
+        rollout_rs=c.rollout_rs, rollout_rs_threshold=c.rollout_rs_threshold)
+    out = {"response_mask": mask}
+    if weights is not None:
+        out["rollout_is_weights"] = weights
+    return Batch(out), metrics
+
+
 @register_stage("kl_reward", None, ("token_level_scores", "old_log_probs", "ref_log_prob", "response_mask"),
                 ("token_level_rewards",))
 def kl_reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
@@ -277,7 +314,9 @@ def kl_reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
 def advantages(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Advantages and returns with the configured estimator (algorithm.adv_estimator)."""
     algo = ctx.cfg.algorithm
-    fields = {k: batch[k] for k in ("token_level_rewards", "response_mask", *ADV_INPUTS[algo.adv_estimator])}
+    wanted = ("token_level_rewards", "response_mask", *ADV_INPUTS[algo.adv_estimator],
+              *OPTIONAL_ADV_INPUTS.get(algo.adv_estimator, ()))
+    fields = {k: batch[k] for k in wanted if k in batch}
     adv, ret = compute_advantage(algo.adv_estimator, fields, algo)
     mask = batch["response_mask"].bool()
     return Batch({"advantages": adv, "returns": ret}), {**_stats("advantages", adv[mask]),
@@ -313,18 +352,33 @@ def update_critic(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
 
 
 def _actor_fields(cfg) -> tuple[str, ...]:
-    return (*SEQUENCE_FIELDS, "old_log_probs", "advantages", *(("ref_log_prob",) if cfg.actor.use_kl_loss else ()))
+    c = cfg.algorithm.rollout_correction
+    weights = c.rollout_is and not c.bypass_mode  # decoupled mode: the stage's weights scale the loss
+    return (*SEQUENCE_FIELDS, "old_log_probs", "advantages", *(("ref_log_prob",) if cfg.actor.use_kl_loss else ()),
+            *(("rollout_is_weights",) if weights else ()))
+
+
+ACTOR_LOSS_SETTINGS = ("policy_loss", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
+                       "loss_agg_mode", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type",
+                       "loss_scale_factor", "tau_pos", "tau_neg", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
+                       "kl_cov_ratio", "ppo_kl_coef", "dro_beta")
+
+
+def actor_loss_settings(cfg) -> dict:
+    """Return the settings the actor's loss reads: the actor's, and in bypass mode the loss
+    ``bypass_mode`` with the rollout-correction section (as verl's trainer sets them)."""
+    settings = {k: getattr(cfg.actor, k) for k in ACTOR_LOSS_SETTINGS}
+    c = cfg.algorithm.rollout_correction
+    if c.bypass_mode:
+        settings.update(policy_loss="bypass_mode", rollout_correction=dataclasses.asdict(c))
+    return settings
 
 
 @register_stage("update_actor", "actor", _actor_fields, ("@actor_updated",))
 def update_actor(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
     """Optimizer steps of the policy loss (+ KL loss, entropy bonus) over mini-batches and epochs."""
     a = ctx.cfg.actor
-    loss = actor_loss({k: getattr(a, k) for k in ("policy_loss", "clip_ratio", "clip_ratio_low", "clip_ratio_high",
-                                                  "clip_ratio_c", "loss_agg_mode", "entropy_coeff", "use_kl_loss",
-                                                  "kl_loss_coef", "kl_loss_type", "loss_scale_factor", "tau_pos",
-                                                  "tau_neg", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
-                                                  "kl_cov_ratio", "ppo_kl_coef", "dro_beta")})
+    loss = actor_loss(actor_loss_settings(ctx.cfg))
     data = batch.select(_actor_fields(ctx.cfg), meta=False)
     group = ctx.group("actor")
     results = [group.update_actor(mb, loss) for mb in _mini_batches(data, a.ppo_mini_batch_size,
@@ -332,7 +386,7 @@ def update_actor(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
     metrics = _mean_metrics(results)
     ctx.actor_unchanged = bool(results) and metrics.get("skipped", 0.0) == len(results)
     fault_point("update_actor", ctx.rl.step_count + 1)
-    return None, {(k if k.startswith("actor/") else f"actor/{k}"): v for k, v in metrics.items()}
+    return None, {(k if k.startswith(("actor/", "rollout_corr/")) else f"actor/{k}"): v for k, v in metrics.items()}
 
 
 @register_stage("sync_weights", "actor", ("@actor_updated",), ("@weights_synced",), needs=("rollout",))

@@ -57,7 +57,8 @@ class Dashboard:
         """``control``: show the stack-dump button (localhost, or a logged-in user elsewhere)."""
         import panel as pn
 
-        from hybridlab.telemetry.panels import BusyPanel, MemoryPanel, ReshardPanel, RolloutPanel, RunningPanel
+        from hybridlab.telemetry.panels import (BusyPanel, MemoryPanel, MismatchPanel, ReshardPanel, RolloutPanel,
+                                                RunningPanel)
         from bokeh.models import ColumnDataSource, FactorRange
         from bokeh.plotting import figure
 
@@ -100,14 +101,15 @@ class Dashboard:
         self.memory = MemoryPanel(self._clock)
         self.memory.fig.x_range = self.gantt_fig.x_range  # the phases above are the memory's phase markers
         self.busy, self.rollout, self.reshard = BusyPanel(), RolloutPanel(), ReshardPanel()
-        self.panels = [self.running, self.memory, self.busy, self.rollout, self.reshard]
+        self.mismatch = MismatchPanel()
+        self.panels = [self.running, self.memory, self.busy, self.rollout, self.reshard, self.mismatch]
         self.explanation = pn.pane.Markdown("", name="explanation", sizing_mode="stretch_width")
         row = dict(sizing_mode="stretch_width")
         self.layout = pn.Column(
             self.status, self.mapping_pane, self.running.layout,
             pn.Row(self.reward_fig, self.sync_fig, **row), self.gantt_fig, self.memory.alarm, self.memory.fig,
             pn.Row(self.device_fig, self.busy.fig, **row), pn.Row(self.rollout.lengths, self.rollout.speed, **row),
-            pn.Row(self.reshard.fig, pn.Column(self.reshard.caption, **row), **row),
+            pn.Row(self.reshard.fig, pn.Column(self.reshard.caption, **row), **row), self.mismatch.fig,
             pn.Card(self.explanation, title="config explained", collapsed=True, **row), **row)
 
     def stop(self) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from hybridlab.telemetry.memory import leak_check
 
-ROLLOVER = {"memory": 3600, "markers": 2000, "busy": 5000, "lengths": 5000, "matrix": 4096}
+ROLLOVER = {"memory": 3600, "markers": 2000, "busy": 5000, "lengths": 5000, "matrix": 4096, "mismatch": 5000}
 COMMON = dict(height=240, sizing_mode="stretch_width", toolbar_location="above")
 STACK_CHARS = 6000     # of each stack file shown on the page (the file has all of it)
 
@@ -208,6 +208,40 @@ class RolloutPanel:
                                 "tokens_per_s": [tps(r) for r in rows],
                                 "straggler_pct": [100 * r.get("rollout/straggler_share", 0.0) for r in rows]},
                                rollover=ROLLOVER["lengths"])
+
+
+class MismatchPanel:
+    """The rollout-vs-trainer mismatch per step (``rollout_corr/`` metrics): KL and k3-KL of the
+    log-probs, the mean IS weight and the rejected share of tokens, when the step measured them
+    (a step that recomputes old log-probs, or rollout correction in bypass mode)."""
+
+    def __init__(self):
+        from bokeh.models import ColumnDataSource, LinearAxis, Range1d
+        from bokeh.plotting import figure
+
+        self.source = ColumnDataSource({"step": [], "kl": [], "k3_kl": [], "is_mean": [], "rejected_pct": []})
+        self.fig = figure(title="rollout vs trainer: KL, k3-KL (left); mean IS weight, rejected % (right)",
+                          x_axis_label="step", **COMMON)
+        self.fig.line("step", "kl", source=self.source, color="#4e79a7", legend_label="KL")
+        self.fig.line("step", "k3_kl", source=self.source, color="#f28e2b", legend_label="k3-KL")
+        self.fig.extra_y_ranges = {"right": Range1d(0, 2)}
+        self.fig.add_layout(LinearAxis(y_range_name="right"), "right")
+        self.fig.scatter("step", "is_mean", source=self.source, y_range_name="right", color="#59a14f",
+                         legend_label="IS weight mean")
+        self.fig.vbar(x="step", top="rejected_pct", width=0.8, source=self.source, y_range_name="right",
+                      color="#e15759", alpha=0.4, legend_label="rejected % / 100")
+        self.fig.legend.location = "top_left"
+
+    def feed(self, records: list[dict]) -> None:
+        """Stream the mismatch metrics of new steps that have them."""
+        rows = [r for r in records if r.get("kind") == "metrics" and "rollout_corr/kl" in r]
+        if rows:
+            nan = float("nan")
+            self.source.stream({"step": [r["step"] for r in rows], "kl": [r["rollout_corr/kl"] for r in rows],
+                                "k3_kl": [r.get("rollout_corr/k3_kl", nan) for r in rows],
+                                "is_mean": [r.get("rollout_corr/rollout_is_mean", nan) for r in rows],
+                                "rejected_pct": [r.get("rollout_corr/rollout_rs_masked_fraction", 0.0) for r in rows]},
+                               rollover=ROLLOVER["mismatch"])
 
 
 class ReshardPanel:

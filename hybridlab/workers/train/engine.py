@@ -83,6 +83,25 @@ def vocab_parallel_logprobs_entropy(logits: torch.Tensor, target: torch.Tensor) 
     return picked - log_total.squeeze(-1), log_total.squeeze(-1) - expected
 
 
+def vocab_parallel_sum_pi_squared(logits: torch.Tensor) -> torch.Tensor:
+    """Return sum over the vocabulary of p^2 per position, from logits split over TP ranks (the
+    optimal token baselines' path-variance term; forward only)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    tp = ps.get_tensor_model_parallel_world_size()
+    peak = logits.max(-1, keepdim=True).values
+    if tp > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    exp = (logits - peak).exp()
+    total, squares = exp.sum(-1), exp.square().sum(-1)
+    if tp > 1:
+        dist.all_reduce(total, group=group)
+        dist.all_reduce(squares, group=group)
+    return squares / total.square()
+
+
 def _replicated(name: str) -> bool:
     return "layernorm" in name or name.startswith("output_layer.linear")
 
@@ -106,6 +125,7 @@ class MegatronEngine:
 
         self.ps, self.tp, self.pp = ps, tp, pp
         self.value_head, self.temperature = value_head, temperature
+        self.with_sum_pi_squared = False  # set during forward() calls that ask for it
         torch.manual_seed(seed)
         self.model = build_model(self.spec, tp, pp, load_hf_state(model_dir), value_head=value_head)
         self.optim_cfg = optim
@@ -177,6 +197,8 @@ class MegatronEngine:
             return {"values": output[:, -resp_len - 1:-1, 0]}
         logits = output[:, -resp_len - 1:-1, :] / self.temperature
         logp, entropy = vocab_parallel_logprobs_entropy(logits, micro["responses"])
+        if self.with_sum_pi_squared:
+            return {"log_probs": logp, "entropy": entropy, "sum_pi_squared": vocab_parallel_sum_pi_squared(logits)}
         return {"log_probs": logp, "entropy": entropy}
 
     def _loss(self, loss_fn: LossFn | None, micro: dict, output: torch.Tensor):
@@ -203,11 +225,17 @@ class MegatronEngine:
 
     # -------------------------------------------------------------- public API
     @torch.no_grad()
-    def forward(self, batch, micro_batch_size: int = 8) -> dict[str, torch.Tensor] | None:
+    def forward(self, batch, micro_batch_size: int = 8,
+                sum_pi_squared: bool = False) -> dict[str, torch.Tensor] | None:
         """Return log_probs and entropy (or values for a critic) for the response tokens,
-        [batch, response_len], on the answering rank; None on the other ranks."""
+        [batch, response_len], and with ``sum_pi_squared`` the sum of squared token
+        probabilities per position, on the answering rank; None on the other ranks."""
         self.model.eval()
-        store, pad = self._run(batch, micro_batch_size, None)
+        self.with_sum_pi_squared = sum_pi_squared
+        try:
+            store, pad = self._run(batch, micro_batch_size, None)
+        finally:
+            self.with_sum_pi_squared = False
         if not store:
             return None
         out = {k: torch.cat([s[k] for s in store]) for k in store[0]}

@@ -176,10 +176,16 @@ class ActorWorker(TrainWorker):
         return stream_colocated(self.engine, buckets, self.peers[role].load_weights)
 
     @register(Dispatch.DP)
-    def compute_log_prob(self, batch: Batch) -> Batch:
-        """Return ``old_log_probs`` and ``entropy`` of the responses, [batch, response_len]."""
-        out = self.engine.forward(batch, self.micro_batch_size)
-        return None if out is None else Batch({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
+    def compute_log_prob(self, batch: Batch, sum_pi_squared: bool = False) -> Batch:
+        """Return ``old_log_probs`` and ``entropy`` of the responses, [batch, response_len], and
+        with ``sum_pi_squared`` the sum of squared token probabilities per position."""
+        out = self.engine.forward(batch, self.micro_batch_size, sum_pi_squared=sum_pi_squared)
+        if out is None:
+            return None
+        fields = {"old_log_probs": out["log_probs"], "entropy": out["entropy"]}
+        if sum_pi_squared:
+            fields["sum_pi_squared"] = out["sum_pi_squared"]
+        return Batch(fields)
 
     @register(Dispatch.DP)
     def update_actor(self, batch: Batch, loss_fn: LossFn) -> dict:
