@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridlab.batching import sequences_batch
+from hybridlab.batching import on_last_token, sequences_batch
 from hybridlab.protocol import Batch
 from hybridlab.workers.reward.worker import RewardWorker
 
@@ -42,6 +42,40 @@ def test_a_raising_reward_function_scores_error_score_and_is_counted(tiny_dir, t
     assert out["reward_error"].tolist() == [0.0, 1.0, 0.0]
     assert out["reward_error_msg"][1] == "RuntimeError: cannot parse 8"
     assert out["acc"].tolist() == [1.0, 0.0, 0.0]
+
+
+def test_reward_components_reach_gdpo_as_verl_passes_them(tiny_dir, tmp_path):
+    """A dict answer's other numbers are the sample's components (verl's reward_extra_info);
+    GDPO normalizes each within its group (config.gdpo_reward_keys), as verl's estimator does
+    when handed them."""
+    import hybridlab.algos as A
+    from hybridlab.algos.advantages import compute_advantage
+
+    module = tmp_path / "parts.py"
+    module.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    right = float(solution_str == ground_truth)\n"
+        "    fmt = float(solution_str.isdigit())\n"
+        "    return {'score': right + fmt, 'accuracy_reward': right, 'format_reward': fmt, 'note': 'text'}\n")
+    worker = RewardWorker(str(tiny_dir), kind="function", function=f"{module}:compute_score")
+    batch = _batch(worker.tokenizer, ["1+2=", "1+2=", "3+4=", "3+4="], ["3", "x", "7", "8"], ["3", "3", "7", "7"])
+    out = worker.compute_reward(batch)
+    assert out["reward_extra_info"] == [{"accuracy_reward": 1.0, "format_reward": 1.0},
+                                        {"accuracy_reward": 0.0, "format_reward": 0.0},
+                                        {"accuracy_reward": 1.0, "format_reward": 1.0},
+                                        {"accuracy_reward": 0.0, "format_reward": 1.0}]
+    config = {"gdpo_reward_keys": ["format_reward", "accuracy_reward"], "gdpo_reward_weights": [1.0, 2.0]}
+    fields = {"token_level_rewards": out["token_level_scores"], "response_mask": batch["response_mask"],
+              "uid": ["a", "a", "b", "b"], "reward_extra_info": out["reward_extra_info"],
+              "prompts": batch["prompts"], "attention_mask": batch["attention_mask"]}
+    adv, _ = compute_advantage("gdpo", fields, config)
+    mask = batch["response_mask"].float()
+    fmt, acc = (A.compute_grpo_outcome_advantage(on_last_token(torch.tensor(v), batch["response_mask"]), mask,
+                                                 fields["uid"])[0]
+                for v in ([1.0, 0.0, 1.0, 1.0], [1.0, 0.0, 1.0, 0.0]))
+    expected = A.masked_whiten(fmt + 2.0 * acc, mask) * mask
+    assert torch.allclose(adv, expected, atol=1e-6)
+    assert not torch.allclose(adv, compute_advantage("gdpo", fields, None)[0], atol=1e-3)  # not the total's
 
 
 def test_reward_model_scores_equal_transformers(tiny_dir, tmp_path):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hybridlab.algos as A
+from hybridlab.algos.advantages import compute_advantage
 from hybridlab.dataflow.graph import DataflowError, StageError
 from hybridlab.dataflow.session import RLSession
 from hybridlab.dataflow.stages import STAGES, register_stage
@@ -273,7 +274,7 @@ def test_every_policy_loss_preset_steps_through_update_with_finite_loss_and_grad
         rl.update(*saved)
 
 
-def test_rollout_correction_and_the_other_verl_estimators_run_live(rl):
+def test_rollout_correction_and_the_other_verl_estimators_run_live(rl, tmp_path):
     """Decoupled rollout correction (token IS weights, k3 rejection), then bypass mode with
     IS-weighted REINFORCE, then every estimator added for verl parity, on one live session:
     the metrics are present, the losses finite, no worker re-created."""
@@ -320,5 +321,22 @@ def test_rollout_correction_and_the_other_verl_estimators_run_live(rl):
                                                                 b["old_log_probs"], b["sum_pi_squared"])
                 assert torch.allclose(b["advantages"], expected, atol=1e-6)
         assert pids(rl) == before
+
+        module = tmp_path / "parts.py"  # GDPO's reward components, from a reward function's dict answer
+        module.write_text("from hybridlab.tasks.base import task_for_source\n"
+                          "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                          "    right = float(task_for_source(data_source).check(solution_str, ground_truth)[0])\n"
+                          "    short = float(len(solution_str) <= 3)\n"
+                          "    return {'score': right + short, 'right': right, 'short': short}\n")
+        rl.update("reward.kind=function", f"reward.function={module}:score", "algorithm.adv_estimator=gdpo",
+                  "algorithm.gdpo_reward_keys=[right, short]", "algorithm.gdpo_reward_weights=[2.0, 1.0]")
+        result = rl.step()
+        b, m = result.batch, result.metrics
+        assert {"reward/right/mean", "reward/short/mean"} <= m.keys()
+        fields = {k: b[k] for k in ("token_level_rewards", "response_mask", "uid", "reward_extra_info", "prompts",
+                                    "attention_mask")}
+        expected, _ = compute_advantage("gdpo", fields, rl.cfg.algorithm)
+        assert torch.allclose(b["advantages"], expected, atol=1e-6)
     finally:
-        rl.update(*saved)
+        rl.update("reward.kind=rule", "reward.function=null", "algorithm.gdpo_reward_keys=null",
+                  "algorithm.gdpo_reward_weights=null", *saved)

@@ -169,6 +169,11 @@ def compute_advantage(name: str, batch_fields: dict, config=None) -> tuple[torch
             kwargs[key] = batch_fields[key]
     if name in OPTIONAL_ADV_INPUTS:  # the optimal token baselines take no config
         kwargs.pop("config")
+    if name == "gdpo" and _cfg(config, "gdpo_reward_keys", None):  # each reward component, as verl passes them
+        infos = batch_fields["reward_extra_info"]
+        present = {k for parts in infos for k in parts}
+        kwargs["non_tensor_batch"] = {k: [parts.get(k, float("nan")) for parts in infos] for k in present}
+        kwargs["batch"] = {"prompts": batch_fields["prompts"], "attention_mask": batch_fields["attention_mask"]}
     return fn(**kwargs)
 
 

@@ -114,6 +114,12 @@ def validate_config(cfg: RunConfig) -> None:
                  f" got {a.loss_scale_factor}")
     _choice(p, "actor.policy_loss", a.policy_loss, sorted(POLICY_LOSSES))
     p += _correction_problems(cfg)
+    keys, weights = algo.gdpo_reward_keys, algo.gdpo_reward_weights
+    if keys is not None and (not keys or not all(isinstance(k, str) for k in keys)):
+        p.append(f"algorithm.gdpo_reward_keys: a list of reward component names, got {keys!r}")
+    if weights is not None and (keys is None or len(weights) != len(keys)):
+        p.append(f"algorithm.gdpo_reward_weights: one weight per algorithm.gdpo_reward_keys entry ({keys!r}),"
+                 f" got {weights!r}")
     if a.clip_ratio_c <= 1:
         p.append(f"actor.clip_ratio_c: the dual-clip bound must be greater than 1, got {a.clip_ratio_c}")
     if algo.overlong_buffer.enable and not 0 < algo.overlong_buffer.len <= r.max_new_tokens:

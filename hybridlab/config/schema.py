@@ -122,6 +122,8 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig = dataclasses.field(default_factory=FilterGroupsConfig)
     overlong_buffer: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
+    gdpo_reward_keys: Optional[list] = None     # gdpo: the reward components (keys of the reward's dict answer)
+    gdpo_reward_weights: Optional[list] = None  # gdpo: their weights (None: 1 each)
 
 
 @dataclasses.dataclass

@@ -135,7 +135,7 @@ def generation_metrics(cfg, out: Batch) -> dict:
 
 
 @register_stage("reward", "reward", REWARD_FIELDS,
-                ("token_level_scores", "token_level_rewards", "acc"))
+                ("token_level_scores", "token_level_rewards", "acc", "reward_extra_info"))
 def reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Score each response with the configured rule or function (a raising one scores error_score)."""
     fields = [*REWARD_FIELDS, *(k for k in ("extra_info",) if k in batch)]
@@ -144,7 +144,7 @@ def reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
 
 
 @register_stage("reward_model", "reward", ("input_ids", "attention_mask", "position_ids", "response_mask"),
-                ("token_level_scores", "token_level_rewards", "acc"))
+                ("token_level_scores", "token_level_rewards", "acc", "reward_extra_info"))
 def reward_model(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Score each sequence with the reward model at reward.model (loaded on first use)."""
     if not ctx.cfg.reward.model:
@@ -176,7 +176,12 @@ def _finish_reward(ctx: "StepContext", batch: Batch, out: Batch) -> tuple[Batch,
         penalty = overlong_penalty(lengths, ctx.cfg.rollout.max_new_tokens, overlong.len, overlong.penalty_factor)
         scores = scores + on_last_token(penalty, batch["response_mask"])
         metrics["reward/overlong_penalty"] = float(penalty.mean())
-    return Batch({"token_level_scores": scores, "token_level_rewards": scores, "acc": out["acc"]}), metrics
+    components = out.objects.get("reward_extra_info") or [{} for _ in range(len(out))]
+    for key in sorted({k for parts in components for k in parts}):
+        values = [parts[key] for parts in components if key in parts]
+        metrics[f"reward/{key}/mean"] = sum(values) / len(values)
+    return Batch({"token_level_scores": scores, "token_level_rewards": scores, "acc": out["acc"]},
+                 {"reward_extra_info": components}), metrics
 
 
 @register_stage("filter_groups", None, ("token_level_scores", "uid"), (), replaces_rows=True,
@@ -308,14 +313,18 @@ def kl_reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     return Batch({"token_level_rewards": rewards}), metrics
 
 
-@register_stage("advantages", None,
-                lambda cfg: ("token_level_rewards", "response_mask", *ADV_INPUTS[cfg.algorithm.adv_estimator]),
-                ("advantages", "returns"))
+def _advantage_inputs(cfg) -> tuple[str, ...]:
+    algo = cfg.algorithm
+    components = ("reward_extra_info", "prompts", "attention_mask") if algo.adv_estimator == "gdpo" and \
+        algo.gdpo_reward_keys else ()
+    return ("token_level_rewards", "response_mask", *ADV_INPUTS[algo.adv_estimator], *components)
+
+
+@register_stage("advantages", None, _advantage_inputs, ("advantages", "returns"))
 def advantages(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Advantages and returns with the configured estimator (algorithm.adv_estimator)."""
     algo = ctx.cfg.algorithm
-    wanted = ("token_level_rewards", "response_mask", *ADV_INPUTS[algo.adv_estimator],
-              *OPTIONAL_ADV_INPUTS.get(algo.adv_estimator, ()))
+    wanted = (*_advantage_inputs(ctx.cfg), *OPTIONAL_ADV_INPUTS.get(algo.adv_estimator, ()))
     fields = {k: batch[k] for k in wanted if k in batch}
     adv, ret = compute_advantage(algo.adv_estimator, fields, algo)
     mask = batch["response_mask"].bool()

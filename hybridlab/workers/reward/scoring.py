@@ -1,7 +1,8 @@
 """Reward functions behind one interface: ``fn(data_source, solution_str, ground_truth, extra_info)``.
 
 That is verl's ``compute_score`` signature, so a verl reward function is used unchanged. It
-returns a float, or a dict with ``score`` (and optionally ``acc``). Built in: the tasks'
+returns a float, or a dict with ``score`` (and optionally ``acc``); the dict's other numeric
+entries are the sample's reward components (verl's ``reward_extra_info``: GDPO reads them). Built in: the tasks'
 rule scorers; a user's function is named by an import path ``package.module:function`` or a
 file ``path/to/file.py:function``.
 """
@@ -73,20 +74,24 @@ class RuleScorer:
         return {"score": task.score(solution_str, ground_truth), "acc": float(task.check(solution_str, ground_truth)[0])}
 
 
-def score_one(fn: ScoreFn, data_source: str, text: str, ground_truth: Any, extra_info: Any) -> tuple[float, float | None]:
-    """Return (score, acc or None) from a reward function's number or dict answer; raises
-    ValueError for anything else (None, a string, NaN, inf), which scores ``error_score``."""
+def score_one(fn: ScoreFn, data_source: str, text: str, ground_truth: Any,
+              extra_info: Any) -> tuple[float, float | None, dict[str, float]]:
+    """Return (score, acc or None, the other numeric entries of a dict answer) from a reward
+    function's number or dict answer; raises ValueError for anything else (None, a string,
+    NaN, inf), which scores ``error_score``."""
     out = fn(data_source, text, ground_truth, extra_info)
-    acc = None
+    acc, components = None, {}
     if isinstance(out, dict):
         if "score" not in out:
             raise ValueError(f"reward function returned a dict without 'score': {sorted(out)}")
+        components = {k: float(v) for k, v in out.items() if k not in ("score", "acc") and
+                      (isinstance(v, (int, float)) or _is_number(v)) and not isinstance(v, bool)}
         out, acc = out["score"], out.get("acc")
     if isinstance(out, bool) or not isinstance(out, (int, float)) and not _is_number(out):
         raise ValueError(f"reward function returned {type(out).__name__} {out!r:.40}, not a number")
     if not math.isfinite(float(out)):
         raise ValueError(f"reward function returned {float(out)}, not a finite number")
-    return float(out), None if acc is None else float(acc)
+    return float(out), None if acc is None else float(acc), components
 
 
 def _is_number(value: Any) -> bool:
@@ -94,12 +99,13 @@ def _is_number(value: Any) -> bool:
     return hasattr(value, "__float__") and not isinstance(value, (str, bytes))
 
 
-Scored = tuple[float, "float | None", str]  # (score, acc or None, error message or "")
+Scored = tuple[float, "float | None", str, dict]  # (score, acc or None, error message or "", components)
 
 
 def score_batch(fn: ScoreFn, items: list[tuple], error_score: float, timeout_s: float = 0.0) -> list[Scored]:
     """Score ``items`` (data_source, text, ground_truth, extra_info) with ``fn``; returns one
-    (score, acc, error) per item, a failed item scoring ``error_score`` with its error.
+    (score, acc, error, components) per item, a failed item scoring ``error_score`` with its
+    error and no components.
 
     With ``timeout_s > 0`` the items are scored in a forked child process that is killed when
     the batch takes longer: the items it did not finish score ``error_score`` with a timeout
@@ -129,15 +135,15 @@ def score_batch(fn: ScoreFn, items: list[tuple], error_score: float, timeout_s: 
         child.join()
         receive.close()
     missing = f"TimeoutError: reward.timeout_s={timeout_s:g} s passed before this sample was scored"
-    return [results.get(i, (error_score, None, missing)) for i in range(len(items))]
+    return [results.get(i, (error_score, None, missing, {})) for i in range(len(items))]
 
 
 def _safe_score(fn: ScoreFn, source: str, text: str, truth: Any, extra: Any, error_score: float) -> Scored:
     try:
-        score, acc = score_one(fn, source, text, truth, extra)
-        return score, acc, ""
+        score, acc, components = score_one(fn, source, text, truth, extra)
+        return score, acc, "", components
     except Exception as exc:  # a bad sample must not end the run
-        return error_score, None, f"{type(exc).__name__}: {exc}"
+        return error_score, None, f"{type(exc).__name__}: {exc}", {}
 
 
 def _score_into(fn: ScoreFn, items: list[tuple], error_score: float, send) -> None:

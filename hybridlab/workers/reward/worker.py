@@ -2,8 +2,8 @@
 
 ``compute_reward`` (rules or function) and ``compute_model_reward`` return, per sample: ``token_level_scores`` (the score on the response's
 last token, zeros elsewhere), ``acc`` (task accuracy where a rule scorer knows the data
-source), ``reward_error`` (1 where the function raised) and the object field
-``reward_error_msg``. A raising reward function never stops the run: the sample gets
+source), ``reward_error`` (1 where the function raised) and the object fields
+``reward_error_msg`` and ``reward_extra_info`` (each sample's reward components, a dict). A raising reward function never stops the run: the sample gets
 ``error_score`` and is counted; with ``timeout_s`` a function that hangs is cut off.
 """
 from __future__ import annotations
@@ -46,7 +46,8 @@ class RewardWorker(Worker):
 
     @register(Dispatch.DP)
     def compute_reward(self, batch: Batch) -> Batch:
-        """Return token_level_scores, acc, reward_error and reward_error_msg for the batch."""
+        """Return token_level_scores, acc, reward_error, reward_error_msg and reward_extra_info
+        for the batch."""
         texts = self._texts(batch)
         n = len(batch)
         scores, acc, errors, messages = torch.zeros(n), torch.zeros(n), torch.zeros(n), [""] * n
@@ -55,11 +56,13 @@ class RewardWorker(Worker):
         extras = batch.objects.get("extra_info", [None] * n)
         items = [(sources[i], text, truths[i], extras[i]) for i, text in enumerate(texts)]
         timeout = self.timeout_s if self.kind == "function" else 0.0  # the built-in rules never hang
-        for i, (score, sample_acc, error) in enumerate(score_batch(self.fn, items, self.error_score, timeout)):
-            scores[i], errors[i], messages[i] = score, float(bool(error)), error
+        components: list[dict] = [{} for _ in range(n)]
+        for i, (score, sample_acc, error, parts) in enumerate(score_batch(self.fn, items, self.error_score,
+                                                                          timeout)):
+            scores[i], errors[i], messages[i], components[i] = score, float(bool(error)), error, parts
             acc[i] = sample_acc if sample_acc is not None else self._accuracy(sources[i], texts[i], truths[i])
         return Batch({"token_level_scores": on_last_token(scores, batch["response_mask"]), "acc": acc,
-                      "reward_error": errors}, {"reward_error_msg": messages})
+                      "reward_error": errors}, {"reward_error_msg": messages, "reward_extra_info": components})
 
     @register(Dispatch.DP)
     @torch.no_grad()
