@@ -86,6 +86,7 @@ def test_bad_values_name_the_key_and_what_is_allowed(override, words):
     (["trainer.off_policy=true"], "old_logprob"),       # samples from older weights
     (["rollout.top_p=0.9"], "old_logprob"),             # log-probs of a truncated distribution
     (["rollout.top_k=5"], "old_logprob"),
+    (["rollout.dtype=bfloat16"], "old_logprob"),        # log-probs of another precision
 ])
 def test_rollout_log_probs_stand_in_for_old_ones_only_where_exact(override, old_stage):
     for source in (None, "grpo"):  # the default run and its preset follow the settings

@@ -89,6 +89,7 @@ def validate_config(cfg: RunConfig) -> None:
     p: list[str] = []
     r, a, algo, data = cfg.rollout, cfg.actor, cfg.algorithm, cfg.data
     _choice(p, "rollout.backend", r.backend, BACKENDS)
+    _choice(p, "rollout.dtype", r.dtype, ("float32", "bfloat16"))
     _at_least(p, "rollout.n", r.n, 1)
     _at_least(p, "rollout.max_new_tokens", r.max_new_tokens, 1)
     _at_least(p, "rollout.temperature", r.temperature, 0.0)

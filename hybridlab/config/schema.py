@@ -62,6 +62,7 @@ class RolloutConfig:
     max_new_tokens: int = 8
     ignore_eos: bool = False            # generate exactly max_new_tokens (benchmarks)
     kv_cache_mb: int = 64
+    dtype: str = "float32"              # or "bfloat16": the engine's weights and compute (verl's rollout.dtype)
 
 
 @dataclasses.dataclass
