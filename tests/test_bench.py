@@ -19,7 +19,7 @@ def test_bench_dispatch_json(ray_local, capfd):
 
 def test_unknown_benchmark_lists_names(capfd):
     assert main(["bench", "nope", "--json"]) == 2
-    assert "unknown benchmark 'nope'; choose one of: dispatch, e2e, learn, remap, rollout, soak, sync, train" in capfd.readouterr().err
+    assert "unknown benchmark 'nope'; choose one of: dispatch, e2e, learn, precision, remap, rollout, soak, sync, train" in capfd.readouterr().err
 
 
 def test_bench_train_json(ray_local, capfd):
@@ -53,6 +53,17 @@ def test_bench_e2e_json_against_trl(ray_local, capfd):
     assert result["telemetry_sessions"] == 2  # on, off, off, on
     assert (result["prompts_per_step"], result["group"], result["max_new_tokens"]) == (2, 2, 8)
     assert 500_000 < result["params"] < 800_000 and result["speedup_vs_trl"] > 0
+
+
+def test_bench_precision_json_runs_bf16_on_both_sides(ray_local, capfd):
+    result = _bench(["precision", "--model", "tiny", "--prompts", "4", "--max-new-tokens", "8", "--rounds", "1",
+                     "--steps", "1", "--batch-size", "4", "--response-len", "16"], capfd)
+    assert {"processor", "rollout_fp32_tokens_per_s", "rollout_bf16_tokens_per_s", "rollout_bf16_speedup",
+            "train_fp32_tokens_per_s", "train_bf16_tokens_per_s", "train_bf16_speedup",
+            "bf16_rollout_vs_fp32_actor", "bf16_actor_vs_fp32_actor_max_abs_logprob_gap"} <= set(result)
+    # bf16 really ran on each side (fp32 agrees to 1e-5), and stays near fp32
+    assert 1e-4 < result["bf16_rollout_vs_fp32_actor"]["max_abs_logprob_gap"] < 0.5
+    assert 1e-4 < result["bf16_actor_vs_fp32_actor_max_abs_logprob_gap"] < 0.5
 
 
 def test_bench_learn_refuses_bad_seeds_before_any_run(capfd):

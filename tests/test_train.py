@@ -149,6 +149,29 @@ def test_tp2_actor_and_colocated_ref(tiny, tmp_path_factory):
         RESULTS["tp2_two_steps"] = gathered(actor)
 
 
+def test_bf16_compute_keeps_fp32_weights_and_moments_and_switches_live(tiny):
+    """actor precision bf16: matmuls under autocast, so log-probs move off the fp32 ones (by a
+    bf16-sized amount); a live switch to fp32 gives transformers' log-probs again; bf16 steps
+    learn while the weights stay fp32 (the gradients and AdamW moments follow their dtype)."""
+    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=tiny, optim=OPTIM, micro_batch_size=3,
+                                                         precision="bf16"))}
+    with session_for(roles) as s:
+        actor = s.groups["actor"]
+        mask = BATCH["response_mask"].bool()
+        reference = hf_logprobs(tiny, BATCH)
+        gap = (actor.compute_log_prob(BATCH)["old_log_probs"].double() - reference)[mask].abs().max()
+        assert 1e-4 < gap < 0.2
+        actor.configure(precision="fp32")
+        assert actor.settings()[0]["precision"] == "fp32"
+        assert (actor.compute_log_prob(BATCH)["old_log_probs"].double() - reference)[mask].abs().max() < 1e-5
+        actor.configure(precision="bf16")
+        losses = [actor.sft_step(BATCH)[0]["sft_loss"] for _ in range(3)]
+        assert losses[2] < losses[0]
+        assert {t.dtype for t in gathered(actor).values()} == {torch.float32}
+        with pytest.raises(Exception, match="precision must be one of fp32, bf16, got 'fp16'"):
+            actor.configure(precision="fp16")
+
+
 def test_pp2_logprobs_and_step(tiny):
     roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=tiny, pp=2, optim=OPTIM, micro_batch_size=3))}
     with session_for(roles, pp=2) as s:

@@ -15,6 +15,7 @@ BENCHES = {
     "learn": "hybridlab.bench.learn",
     "remap": "hybridlab.bench.remap",
     "soak": "hybridlab.bench.soak",
+    "precision": "hybridlab.bench.precision",
 }
 
 

@@ -90,6 +90,8 @@ def validate_config(cfg: RunConfig) -> None:
     r, a, algo, data = cfg.rollout, cfg.actor, cfg.algorithm, cfg.data
     _choice(p, "rollout.backend", r.backend, BACKENDS)
     _choice(p, "rollout.dtype", r.dtype, ("float32", "bfloat16"))
+    _choice(p, "actor.precision", cfg.actor.precision, ("fp32", "bf16"))
+    _choice(p, "critic.precision", cfg.critic.precision, ("fp32", "bf16"))
     _at_least(p, "rollout.n", r.n, 1)
     _at_least(p, "rollout.max_new_tokens", r.max_new_tokens, 1)
     _at_least(p, "rollout.temperature", r.temperature, 0.0)

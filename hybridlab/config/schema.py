@@ -137,6 +137,7 @@ class ActorConfig:
     ppo_mini_batch_size: int = 16       # prompts per optimizer step (x rollout.n sequences)
     ppo_epochs: int = 1
     micro_batch_size: int = 64          # sequences per forward/backward
+    precision: str = "fp32"             # or "bf16": matmuls in bf16 (autocast); weights, grads, AdamW stay fp32
     policy_loss: str = "vanilla"         # a name in hybridlab.algos.POLICY_LOSSES (verl's policy_loss.loss_mode
                                         # and its section are accepted too); its settings below
     tau_pos: float = 1.0                # sapo: the gate's temperature for positive advantages
@@ -170,6 +171,7 @@ class CriticConfig:
     ppo_mini_batch_size: int = 16
     ppo_epochs: int = 1
     micro_batch_size: int = 64
+    precision: str = "fp32"             # or "bf16", as actor.precision
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
 

@@ -255,9 +255,9 @@ def rollout_log_probs_inexact(cfg) -> list[str]:
         out.append("trainer.off_policy: off-policy samples come from older weights, so their rollout log-probs are"
                    " not the current policy's" + fix)
     r = cfg.rollout
-    if r.dtype != "float32":
-        out.append(f"rollout.dtype={r.dtype}: the rollout's log-probs come from another precision than the actor's"
-                   f" (float32)" + fix)
+    if (r.dtype, cfg.actor.precision) != ("float32", "fp32"):
+        out.append(f"rollout.dtype={r.dtype}, actor.precision={cfg.actor.precision}: the rollout's log-probs are"
+                   f" not computed as the actor's (only float32 on both sides agrees to 1e-5)" + fix)
     if r.top_p < 1 or r.top_k:  # vLLM's processed log-probs are then of the truncated distribution
         out.append(f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: the rollout's log-probs are of the truncated"
                    f" distribution, not the actor's" + fix)

@@ -9,6 +9,7 @@ passed in, so the engine knows nothing of PPO versus GRPO.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from functools import partial
@@ -50,6 +51,9 @@ class OptimConfig:
             return 1.0
         frac = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+PRECISIONS = ("fp32", "bf16")
 
 
 def vocab_parallel_logprobs_entropy(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +121,10 @@ class MegatronEngine:
     """This rank's share of a model under megatron-core, with optional optimizer."""
 
     def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, *, value_head: bool = False,
-                 optim: OptimConfig | None = None, seed: int = 0, temperature: float = 1.0):
+                 optim: OptimConfig | None = None, seed: int = 0, temperature: float = 1.0, precision: str = "fp32"):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        self.precision = precision
         self.spec = ModelSpec.from_hf(model_dir)
         self.spec.check_layout(tp, pp)
         init_parallel(tp, pp, seed)
@@ -191,11 +198,20 @@ class MegatronEngine:
         output = model(micro["input_ids"], position_ids, mask_4d)
         return output, partial(self._loss, loss_fn, micro)
 
+    def _autocast(self):
+        """bf16: matmuls in bf16, weights, gradients and optimizer state stay fp32 (autocast).
+        It spans the whole schedule, backward included: Megatron's linear layers compute their
+        input gradients in a custom autograd function that would otherwise meet bf16 gradients
+        with fp32 weights."""
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
+
     def _outputs(self, output: torch.Tensor, micro: dict) -> dict:
         resp_len = micro["responses"].shape[1]
         if self.value_head:  # value of the state before each response token
-            return {"values": output[:, -resp_len - 1:-1, 0]}
-        logits = output[:, -resp_len - 1:-1, :] / self.temperature
+            return {"values": output[:, -resp_len - 1:-1, 0].float()}
+        logits = output[:, -resp_len - 1:-1, :].float() / self.temperature  # bf16 logits: softmax in fp32
         logp, entropy = vocab_parallel_logprobs_entropy(logits, micro["responses"])
         if self.with_sum_pi_squared:
             return {"log_probs": logp, "entropy": entropy, "sum_pi_squared": vocab_parallel_sum_pi_squared(logits)}
@@ -217,10 +233,11 @@ class MegatronEngine:
 
         micros, pad = self._micro_batches(batch, micro_batch_size)
         seq = micros[0]["input_ids"].shape[1]
-        store = get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(micros),
-            model=[self.model], num_microbatches=len(micros), seq_length=seq,
-            micro_batch_size=micros[0]["input_ids"].shape[0], forward_only=loss_fn is None)
+        with self._autocast():
+            store = get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(micros),
+                model=[self.model], num_microbatches=len(micros), seq_length=seq,
+                micro_batch_size=micros[0]["input_ids"].shape[0], forward_only=loss_fn is None)
         return store, pad
 
     # -------------------------------------------------------------- public API

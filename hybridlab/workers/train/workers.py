@@ -25,14 +25,15 @@ class TrainWorker(Worker):
     frozen = False
 
     def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, optim: OptimConfig | dict | None = None,
-                 seed: int = 0, temperature: float = 1.0, micro_batch_size: int = 8):
+                 seed: int = 0, temperature: float = 1.0, micro_batch_size: int = 8, precision: str = "fp32"):
         if isinstance(optim, dict):
             optim = OptimConfig(**optim)
         if optim is None and not self.frozen:
             optim = OptimConfig()
         self.micro_batch_size, self.seed = micro_batch_size, seed
         self.engine = MegatronEngine(model_dir, tp, pp, value_head=self.value_head,
-                                     optim=None if self.frozen else optim, seed=seed, temperature=temperature)
+                                     optim=None if self.frozen else optim, seed=seed, temperature=temperature,
+                                     precision=precision)
 
     def dp_info(self) -> tuple[int, int, bool]:
         return self.engine.dp_info()
@@ -68,10 +69,17 @@ class TrainWorker(Worker):
 
     @register(Dispatch.ALL)
     def configure(self, micro_batch_size: int | None = None, temperature: float | None = None,
-                  optim: dict | None = None, seed: int | None = None) -> None:
+                  optim: dict | None = None, seed: int | None = None, precision: str | None = None) -> None:
         """Apply settings to the running worker (between steps): micro-batch size, log-prob
-        temperature and optimizer settings (lr, weight decay, clipping, warm-up), keeping the
-        optimizer's moments and the schedule's position. ``seed`` is only checked: it is fixed."""
+        temperature, compute precision (fp32 or bf16 autocast; weights and moments stay fp32) and
+        optimizer settings (lr, weight decay, clipping, warm-up), keeping the optimizer's moments
+        and the schedule's position. ``seed`` is only checked: it is fixed."""
+        if precision is not None:
+            from hybridlab.workers.train.engine import PRECISIONS
+
+            if precision not in PRECISIONS:
+                raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+            self.engine.precision = precision
         if seed is not None and seed != self.seed:
             raise ValueError(f"the seed is fixed once a worker runs (have {self.seed}, got {seed})")
         if micro_batch_size is not None:
@@ -87,7 +95,8 @@ class TrainWorker(Worker):
     def settings(self) -> dict:
         """Return this rank's live settings: micro_batch_size, temperature, optim (as a dict)."""
         optim = dataclasses.asdict(self.engine.optim_cfg) if self.engine.optimizer is not None else None
-        return {"micro_batch_size": self.micro_batch_size, "temperature": self.engine.temperature, "optim": optim}
+        return {"micro_batch_size": self.micro_batch_size, "temperature": self.engine.temperature, "optim": optim,
+                "precision": self.engine.precision}
 
     @register(Dispatch.ALL)
     def load_state(self, boxed: list) -> None:
