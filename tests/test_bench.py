@@ -46,10 +46,11 @@ def test_bench_sync_json(ray_local, capfd):
 
 def test_bench_e2e_json_against_trl(ray_local, capfd):
     result = _bench(["e2e", "--model", "tiny", "--prompts-per-step", "2", "--group", "2", "--max-new-tokens", "8",
-                     "--steps", "1", "--warmup", "0"], capfd)
+                     "--steps", "1", "--warmup", "0", "--precision", "bf16"], capfd)
     assert {"median_step_s", "completion_tokens_per_s", "params", "prompts_per_step", "group", "max_new_tokens",
             "trl_completion_tokens_per_s", "speedup_vs_trl", "median_step_s_telemetry_off",
-            "telemetry_overhead_pct"} <= set(result)
+            "telemetry_overhead_pct", "precision", "processor", "workload", "placement"} <= set(result)
+    assert result["precision"] == "bf16" and set(result["trl_tokens_per_s_by_precision"]) == {"fp32", "bf16"}
     assert result["telemetry_sessions"] == 2  # on, off, off, on
     assert (result["prompts_per_step"], result["group"], result["max_new_tokens"]) == (2, 2, 8)
     assert 500_000 < result["params"] < 800_000 and result["speedup_vs_trl"] > 0

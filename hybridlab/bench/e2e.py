@@ -19,23 +19,27 @@ import torch
 
 
 def _config(model: str, prompts_per_step: int, group: int, max_new_tokens: int, steps: int, run_dir: str,
-            telemetry: bool = True) -> list[str]:
+            telemetry: bool = True, precision: str = "fp32") -> list[str]:
+    # bf16: both engines in bf16; the rollout's log-probs still stand in for the old policy's,
+    # as verl's bypass mode (PPO clip against them; the gap is logged as rollout_corr/*)
+    bf16 = ["rollout.dtype=bfloat16", "actor.precision=bf16", "algorithm.rollout_correction.bypass_mode=true"] \
+        if precision == "bf16" else []
     return [f"model={model}", "warm_start.max_steps=0", f"data.prompts_per_step={prompts_per_step}",
             f"rollout.n={group}", f"rollout.max_new_tokens={max_new_tokens}", "rollout.ignore_eos=true",
             "rollout.kv_cache_mb=256", f"actor.ppo_mini_batch_size={prompts_per_step}", "actor.use_kl_loss=false",
             "actor.micro_batch_size=64", "actor.lr=1e-5", f"trainer.steps={steps}", "trainer.progress=false",
             f"trainer.telemetry={str(telemetry).lower()}", f"trainer.run_dir={run_dir}", "data.test_samples=8",
-            "dataflow=[generate, reward, rollout_as_old_logprob, advantages, update_actor, sync_weights]"]
+            "dataflow=[generate, reward, rollout_as_old_logprob, advantages, update_actor, sync_weights]", *bf16]
 
 
 def ours(model_dir: str, prompts_per_step: int, group: int, max_new_tokens: int, steps: int, warmup: int,
-         telemetry: bool = True) -> dict:
+         telemetry: bool = True, precision: str = "fp32") -> dict:
     """Return per-step seconds and completion tokens of hybridlab's GRPO steps."""
     from hybridlab.dataflow.session import RLSession
 
     with tempfile.TemporaryDirectory() as tmp:
         rl = RLSession(None, _config(model_dir, prompts_per_step, group, max_new_tokens, steps, f"{tmp}/run",
-                                     telemetry))
+                                     telemetry, precision))
         try:
             rl.start()
             seconds, tokens = [], []
@@ -52,7 +56,7 @@ def ours(model_dir: str, prompts_per_step: int, group: int, max_new_tokens: int,
 
 
 def trl(model_dir: str, prompts_per_step: int, group: int, max_new_tokens: int, steps: int, warmup: int,
-        threads: int) -> dict:
+        threads: int, bf16: bool = False) -> dict:
     """Return per-step seconds and completion tokens of TRL's GRPOTrainer on the same work."""
     import warnings
 
@@ -87,7 +91,7 @@ def trl(model_dir: str, prompts_per_step: int, group: int, max_new_tokens: int, 
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(output_dir=tmp, per_device_train_batch_size=prompts_per_step * group, num_generations=group,
                           max_completion_length=max_new_tokens, generation_kwargs={"min_new_tokens": max_new_tokens},
-                          temperature=1.0, learning_rate=1e-5, max_steps=steps + warmup, use_cpu=True, bf16=False,
+                          temperature=1.0, learning_rate=1e-5, max_steps=steps + warmup, use_cpu=True, bf16=bf16,
                           report_to="none", save_strategy="no", logging_steps=10**6, beta=0.0,
                           dataloader_num_workers=0, disable_tqdm=True)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -115,23 +119,31 @@ def _summary(result: dict) -> dict:
 
 
 def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new_tokens: int = 64, steps: int = 10,
-        warmup: int = 1, peer: str = "trl") -> dict:
-    """Return hybridlab's and TRL's median step time and completion tokens/s, and their ratio."""
+        warmup: int = 1, peer: str = "trl", precision: str = "fp32") -> dict:
+    """Return hybridlab's and TRL's median step time and completion tokens/s, and their ratio.
+    ``precision`` bf16 runs both engines of ours in bf16 and TRL with ``bf16=True``; TRL's fp32
+    figure is measured too and the faster of its two is the peer."""
     from hybridlab.controller.resources import connect
     from hybridlab.models.zoo import count_parameters, resolve_model
 
     threads = max(1, min(2, os.cpu_count() or 1))
     model_dir = str(resolve_model(model))
     params = count_parameters(model_dir)
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+    from hybridlab.environment import processor
+
     out = {"model": model, "params": params, "prompts_per_step": prompts_per_step, "group": group,
-           "max_new_tokens": max_new_tokens, "steps": steps, "threads": threads}
+           "max_new_tokens": max_new_tokens, "steps": steps, "threads": threads, "precision": precision,
+           "processor": processor(), "workload": "fixed_length", "placement": "colocated"}
     import ray
 
     attached = ray.is_initialized()  # a caller's cluster stays up; one we start is stopped
     connect(num_gpus=1)
     runs: dict[bool, list[dict]] = {True: [], False: []}
     for telemetry in TELEMETRY_ORDER:
-        runs[telemetry].append(ours(model_dir, prompts_per_step, group, max_new_tokens, steps, warmup, telemetry))
+        runs[telemetry].append(ours(model_dir, prompts_per_step, group, max_new_tokens, steps, warmup, telemetry,
+                                    precision))
     out.update(_summary(_pooled(runs[True])), stages_s=runs[True][0]["last_step_stages_s"])
     quiet = _summary(_pooled(runs[False]))
     out.update(median_step_s_telemetry_off=quiet["median_step_s"],
@@ -140,9 +152,15 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
     if not attached:
         ray.shutdown()  # free the cores for the peer
     if peer == "trl":
-        theirs = _summary(trl(model_dir, prompts_per_step, group, max_new_tokens, steps, warmup, threads))
+        settings = (False, True) if precision == "bf16" else (False,)
+        peers = {bf16: _summary(trl(model_dir, prompts_per_step, group, max_new_tokens, steps, warmup, threads, bf16))
+                 for bf16 in settings}
+        best = max(peers, key=lambda k: peers[k]["completion_tokens_per_s"])
+        theirs = peers[best]
         out.update(trl_median_step_s=theirs["median_step_s"],
-                   trl_completion_tokens_per_s=theirs["completion_tokens_per_s"],
+                   trl_completion_tokens_per_s=theirs["completion_tokens_per_s"], trl_bf16=best,
+                   trl_tokens_per_s_by_precision={("bf16" if k else "fp32"): v["completion_tokens_per_s"]
+                                                  for k, v in peers.items()},
                    speedup_vs_trl=round(out["completion_tokens_per_s"] / theirs["completion_tokens_per_s"], 2))
     return out
 

@@ -44,7 +44,7 @@ class RolloutWorker(Worker):
         self.pad_id = config.get("pad_token_id") or 0
         self.eos_id = config.get("eos_token_id")
         self.tied = bool(config.get("tie_word_embeddings", False))
-        self.tp = tp
+        self.tp, self.dtype = tp, getattr(torch, dtype)
         self.load_seconds = {"fetch_s": 0.0, "load_s": 0.0}
         if backend == "vllm":
             from hybridlab.workers.rollout.vllm_engine import start_llm
@@ -138,8 +138,10 @@ class RolloutWorker(Worker):
         """Load HF-named tensors into the engine in place; returns how many were loaded.
 
         A call must carry whole fused groups (q, k and v of a layer; gate and up), as the
-        engine fuses them on load.
+        engine fuses them on load. Tensors arrive in the trainer's precision and are cast to the
+        engine's (fp32 weights into a bf16 engine).
         """
+        named = [(n, t.to(self.dtype) if t.is_floating_point() and t.dtype != self.dtype else t) for n, t in named]
         if self.backend == "hf":
             missing = self.model.load_state_dict(dict(named), strict=False).unexpected_keys
             if missing:
