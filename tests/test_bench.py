@@ -49,7 +49,7 @@ def test_bench_e2e_json_against_trl(ray_local, capfd):
                      "--steps", "1", "--warmup", "0", "--precision", "bf16"], capfd)
     assert {"median_step_s", "completion_tokens_per_s", "params", "prompts_per_step", "group", "max_new_tokens",
             "trl_completion_tokens_per_s", "speedup_vs_trl", "median_step_s_telemetry_off",
-            "telemetry_overhead_pct", "precision", "processor", "workload", "placement"} <= set(result)
+            "telemetry_overhead_pct", "precision", "processor", "workload", "placement", "device_busy"} <= set(result)
     assert result["precision"] == "bf16" and set(result["trl_tokens_per_s_by_precision"]) == {"fp32", "bf16"}
     assert result["telemetry_sessions"] == 2  # on, off, off, on
     assert (result["prompts_per_step"], result["group"], result["max_new_tokens"]) == (2, 2, 8)
@@ -65,6 +65,14 @@ def test_bench_precision_json_runs_bf16_on_both_sides(ray_local, capfd):
     # bf16 really ran on each side (fp32 agrees to 1e-5), and stays near fp32
     assert 1e-4 < result["bf16_rollout_vs_fp32_actor"]["max_abs_logprob_gap"] < 0.5
     assert 1e-4 < result["bf16_actor_vs_fp32_actor_max_abs_logprob_gap"] < 0.5
+
+
+def test_bench_e2e_split_placement_overlaps_on_two_devices(ray_local, capfd):
+    result = _bench(["e2e", "--model", "tiny", "--prompts-per-step", "2", "--group", "2", "--max-new-tokens", "8",
+                     "--steps", "2", "--warmup", "1", "--placement", "split", "--peer", "none"], capfd)
+    assert result["placement"] == "split" and "speedup_vs_trl" not in result
+    assert result["rollout_staleness"] == 1  # the rollout ran one step ahead, overlapping the update
+    assert {"generate", "update_actor", "sync_weights"} <= set(result["stages_s"])
 
 
 def test_bench_learn_refuses_bad_seeds_before_any_run(capfd):

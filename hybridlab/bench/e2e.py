@@ -4,9 +4,13 @@ Hugging Face TRL's GRPOTrainer on the CPU, same model, task, batch, group and le
 Both generate exactly ``max_new_tokens`` per completion (end-of-sequence ignored; TRL through
 ``min_new_tokens``), score them with the arith rule, and take one optimizer step per RL step
 without a reference model (TRL's default beta=0). Both run with the same number of threads,
-one after the other in this process (TRL) and in one Ray worker (ours). Ours runs four times,
+one after the other in this process (TRL) and in Ray workers (ours). Ours runs four times,
 with the telemetry hub on (the reported figures), off, off and on again: alternating cancels
 the drift between sessions, which one on/off pair mistook for a telemetry cost of -3% to +11%.
+
+Levers (issue 18): ``precision=bf16`` runs both our engines in bf16 and TRL both ways (its
+faster is the peer); ``placement=split`` puts the rollout and the actor on a device and a
+thread each, the rollout one step ahead (off-policy) so generation overlaps the update.
 """
 from __future__ import annotations
 
@@ -18,12 +22,22 @@ import time
 import torch
 
 
+# split: the rollout on one device, the actor (with the reward: beside the rollout it would wait
+# behind the next step's generation) on the other, one thread each, generation of step k+1
+# overlapping the update of step k (trainer.off_policy)
+SPLIT = ["mapping={pools: {train: {devices: 1}, gen: {devices: 1}}, roles: {actor: {pool: train, colocate: t},"
+         " reward: {pool: train, colocate: t}, rollout: {pool: gen}}}", "trainer.off_policy=true"]
+PLACEMENTS = ("colocated", "split")
+
+
 def _config(model: str, prompts_per_step: int, group: int, max_new_tokens: int, steps: int, run_dir: str,
-            telemetry: bool = True, precision: str = "fp32") -> list[str]:
-    # bf16: both engines in bf16; the rollout's log-probs still stand in for the old policy's,
-    # as verl's bypass mode (PPO clip against them; the gap is logged as rollout_corr/*)
-    bf16 = ["rollout.dtype=bfloat16", "actor.precision=bf16", "algorithm.rollout_correction.bypass_mode=true"] \
-        if precision == "bf16" else []
+            telemetry: bool = True, precision: str = "fp32", placement: str = "colocated") -> list[str]:
+    # bf16 or split: the rollout's log-probs (of another precision, or one update stale) still
+    # stand in for the old policy's, as verl's bypass mode (PPO clip against them; the gap is
+    # logged as rollout_corr/*)
+    bypass = ["algorithm.rollout_correction.bypass_mode=true"] if precision == "bf16" or placement == "split" else []
+    bf16 = ["rollout.dtype=bfloat16", "actor.precision=bf16"] if precision == "bf16" else []
+    bf16 += bypass + (SPLIT if placement == "split" else [])
     return [f"model={model}", "warm_start.max_steps=0", f"data.prompts_per_step={prompts_per_step}",
             f"rollout.n={group}", f"rollout.max_new_tokens={max_new_tokens}", "rollout.ignore_eos=true",
             "rollout.kv_cache_mb=256", f"actor.ppo_mini_batch_size={prompts_per_step}", "actor.use_kl_loss=false",
@@ -33,26 +47,29 @@ def _config(model: str, prompts_per_step: int, group: int, max_new_tokens: int, 
 
 
 def ours(model_dir: str, prompts_per_step: int, group: int, max_new_tokens: int, steps: int, warmup: int,
-         telemetry: bool = True, precision: str = "fp32") -> dict:
+         telemetry: bool = True, precision: str = "fp32", placement: str = "colocated") -> dict:
     """Return per-step seconds and completion tokens of hybridlab's GRPO steps."""
     from hybridlab.dataflow.session import RLSession
 
     with tempfile.TemporaryDirectory() as tmp:
         rl = RLSession(None, _config(model_dir, prompts_per_step, group, max_new_tokens, steps, f"{tmp}/run",
-                                     telemetry, precision))
+                                     telemetry, precision, placement))
         try:
             rl.start()
-            seconds, tokens = [], []
+            seconds, tokens, busy, stale = [], [], [], []
             for i in range(warmup + steps):
                 start = time.perf_counter()
                 result = rl.step()
                 if i >= warmup:
                     seconds.append(time.perf_counter() - start)
                     tokens.append(int(result.batch["response_mask"].sum()))
+                    busy.append(result.metrics.get("perf/device_busy", float("nan")))
+                    stale.append(result.metrics.get("rollout/staleness", 0))
             stage_s = {k.split("/")[1][:-2]: round(v, 3) for k, v in result.metrics.items() if k.startswith("timing/")}
         finally:
             rl.shutdown()
-    return {"seconds": seconds, "tokens": tokens, "last_step_stages_s": stage_s}
+    return {"seconds": seconds, "tokens": tokens, "last_step_stages_s": stage_s, "device_busy": busy,
+            "staleness": max(stale, default=0)}
 
 
 def trl(model_dir: str, prompts_per_step: int, group: int, max_new_tokens: int, steps: int, warmup: int,
@@ -119,10 +136,11 @@ def _summary(result: dict) -> dict:
 
 
 def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new_tokens: int = 64, steps: int = 10,
-        warmup: int = 1, peer: str = "trl", precision: str = "fp32") -> dict:
+        warmup: int = 1, peer: str = "trl", precision: str = "fp32", placement: str = "colocated") -> dict:
     """Return hybridlab's and TRL's median step time and completion tokens/s, and their ratio.
     ``precision`` bf16 runs both engines of ours in bf16 and TRL with ``bf16=True``; TRL's fp32
-    figure is measured too and the faster of its two is the peer."""
+    figure is measured too and the faster of its two is the peer. ``placement`` split puts the
+    rollout and the actor on a device (and a thread) each, overlapping them one step off-policy."""
     from hybridlab.controller.resources import connect
     from hybridlab.models.zoo import count_parameters, resolve_model
 
@@ -131,20 +149,26 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
     params = count_parameters(model_dir)
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+    if peer not in ("trl", "none"):
+        raise ValueError(f"peer must be trl or none, got {peer!r}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
     from hybridlab.environment import processor
 
     out = {"model": model, "params": params, "prompts_per_step": prompts_per_step, "group": group,
            "max_new_tokens": max_new_tokens, "steps": steps, "threads": threads, "precision": precision,
-           "processor": processor(), "workload": "fixed_length", "placement": "colocated"}
+           "processor": processor(), "workload": "fixed_length", "placement": placement}
     import ray
 
     attached = ray.is_initialized()  # a caller's cluster stays up; one we start is stopped
-    connect(num_gpus=1)
+    connect(num_gpus=2 if placement == "split" else 1)
     runs: dict[bool, list[dict]] = {True: [], False: []}
     for telemetry in TELEMETRY_ORDER:
         runs[telemetry].append(ours(model_dir, prompts_per_step, group, max_new_tokens, steps, warmup, telemetry,
-                                    precision))
-    out.update(_summary(_pooled(runs[True])), stages_s=runs[True][0]["last_step_stages_s"])
+                                    precision, placement))
+    out.update(_summary(_pooled(runs[True])), stages_s=runs[True][0]["last_step_stages_s"],
+               device_busy=round(statistics.median(b for r in runs[True] for b in r["device_busy"]), 3),
+               rollout_staleness=max(r["staleness"] for r in runs[True]))
     quiet = _summary(_pooled(runs[False]))
     out.update(median_step_s_telemetry_off=quiet["median_step_s"],
                telemetry_overhead_pct=round(100 * (out["median_step_s"] / quiet["median_step_s"] - 1), 1),
