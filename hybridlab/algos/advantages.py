@@ -167,8 +167,6 @@ def compute_advantage(name: str, batch_fields: dict, config=None) -> tuple[torch
     for key in ("reward_baselines", "old_log_probs", "sum_pi_squared", "rollout_is_weights"):
         if key in ADV_INPUTS[name] or key in OPTIONAL_ADV_INPUTS.get(name, ()) and key in batch_fields:
             kwargs[key] = batch_fields[key]
-    if name in OPTIONAL_ADV_INPUTS:  # the optimal token baselines take no config
-        kwargs.pop("config")
     if name == "gdpo" and _cfg(config, "gdpo_reward_keys", None):  # each reward component, as verl passes them
         infos = batch_fields["reward_extra_info"]
         present = {k for parts in infos for k in parts}

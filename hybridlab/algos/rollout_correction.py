@@ -77,14 +77,6 @@ def parse_rs(options: str, spec: str | float | None) -> dict[str, tuple[float | 
     return out
 
 
-def _seq_sum(values, mask):
-    return masked_sum(values, mask, -1)
-
-
-def _seq_mean(values, mask):
-    return _seq_sum(values, mask) / (mask.sum(-1) + 1e-8)
-
-
 def _item(x) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
@@ -100,7 +92,7 @@ def rollout_is_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, rol
         log_for_metrics = log_ratio
         raw = torch.exp(log_ratio.clamp(-BOUND, BOUND))
     else:
-        log_for_metrics = _seq_sum(log_ratio, response_mask).unsqueeze(-1)
+        log_for_metrics = masked_sum(log_ratio, response_mask, -1).unsqueeze(-1)
         raw = torch.exp(log_for_metrics.clamp(-BOUND, BOUND)).expand_as(log_ratio)
     raw = raw * response_mask
     weights = raw.clamp(max=upper) if lower is None else torch.where((raw >= lower) & (raw <= upper), raw,
@@ -114,7 +106,7 @@ def rollout_is_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, rol
             mean = masked_mean(weights, response_mask)
         else:
             seq_mask = (response_mask.sum(-1) > 0).to(weights.dtype)
-            mean = (_seq_mean(weights, response_mask) * seq_mask).sum() / seq_mask.sum().clamp_min(1e-8)
+            mean = (masked_mean(weights, response_mask, -1) * seq_mask).sum() / seq_mask.sum().clamp_min(1e-8)
         if mean > 1e-8:
             weights = weights / mean
         metrics["rollout_is_batch_norm_factor"] = _item(mean) if mean > 1e-8 else 1.0
@@ -140,11 +132,11 @@ def _is_metrics(weights, raw, log_for_metrics, mask, level, upper, lower) -> dic
     var = masked_mean(clamped.square(), mask) - mean.square()
     m["rollout_is_std"] = _item(var.clamp(min=0.0).sqrt()) if mask.sum() > 1 else 0.0
     m["rollout_is_eff_sample_size"] = 1.0 / _item(masked_mean((clamped / (mean + 1e-8)).square(), mask))
-    seq = _seq_mean(weights, mask)
+    seq = masked_mean(weights, mask, -1)
     m.update(rollout_is_seq_mean=_item(seq.mean()), rollout_is_seq_std=_item(seq.std()) if seq.numel() > 1 else 0.0,
              rollout_is_seq_max=_item(seq.max()), rollout_is_seq_min=_item(seq.min()),
              rollout_is_seq_max_deviation=_item((seq - 1.0).abs().max()))
-    raw_seq = _seq_mean(raw, mask)
+    raw_seq = masked_mean(raw, mask, -1)
     m["rollout_is_seq_fraction_high"] = _item((raw_seq > upper).float().mean())
     m["rollout_is_seq_fraction_low"] = _item((raw_seq < lower).float().mean())
     return m
@@ -170,9 +162,9 @@ def rollout_rejection_mask(log_ratio: torch.Tensor, response_mask: torch.Tensor,
         else:
             values = per_token[k]
             if kind == "seq_sum":
-                seq_stat = _seq_sum(values, response_mask)
+                seq_stat = masked_sum(values, response_mask, -1)
             elif kind == "seq_mean":
-                seq_stat = _seq_mean(values, response_mask)
+                seq_stat = masked_mean(values, response_mask, -1)
             else:
                 peak = values.masked_fill(~bool_mask, float("-inf")).max(-1).values
                 seq_stat = torch.where(peak == float("-inf"), torch.zeros_like(peak), peak)
@@ -197,7 +189,7 @@ def _rs_metrics(name, stat, mask, seq_valid, seq_stat, high, low, two_sided) -> 
     if not mask.any():
         raise ValueError("rollout correction needs at least one response token")
     prefix, bool_mask = f"rollout_rs_{name}", mask.bool()
-    seq = (seq_stat if seq_stat is not None else _seq_mean(stat, mask))[seq_valid]
+    seq = (seq_stat if seq_stat is not None else masked_mean(stat, mask, -1))[seq_valid]
     sequence = seq_stat is not None and seq.numel() > 0
     m = {f"{prefix}_mean": _item(masked_mean(stat, mask))}
     if sequence:
@@ -236,11 +228,11 @@ def mismatch_metrics(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
     min), ppl_ratio, chi2_token and chi2_seq."""
     if not response_mask.any():
         raise ValueError("rollout correction needs at least one response token")
-    train_mean = _seq_mean(old_log_prob, response_mask)
-    roll_mean = _seq_mean(rollout_log_prob, response_mask)
+    train_mean = masked_mean(old_log_prob, response_mask, -1)
+    roll_mean = masked_mean(rollout_log_prob, response_mask, -1)
     log_ratio = old_log_prob - rollout_log_prob
     diff = roll_mean - train_mean
-    seq_sum = _seq_sum(log_ratio, response_mask).clamp(-BOUND, BOUND)
+    seq_sum = masked_sum(log_ratio, response_mask, -1).clamp(-BOUND, BOUND)
     return {"training_ppl": _item(torch.exp(-train_mean).mean()), "training_log_ppl": _item((-train_mean).mean()),
             "kl": _item(masked_mean(rollout_log_prob - old_log_prob, response_mask)),
             "k3_kl": _item(masked_mean(torch.exp(log_ratio) - log_ratio - 1, response_mask)),

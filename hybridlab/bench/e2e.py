@@ -35,15 +35,16 @@ def _config(model: str, prompts_per_step: int, group: int, max_new_tokens: int, 
     # bf16 or split: the rollout's log-probs (of another precision, or one update stale) still
     # stand in for the old policy's, as verl's bypass mode (PPO clip against them; the gap is
     # logged as rollout_corr/*)
-    bypass = ["algorithm.rollout_correction.bypass_mode=true"] if precision == "bf16" or placement == "split" else []
-    bf16 = ["rollout.dtype=bfloat16", "actor.precision=bf16"] if precision == "bf16" else []
-    bf16 += bypass + (SPLIT if placement == "split" else [])
+    levers = ["rollout.dtype=bfloat16", "actor.precision=bf16"] if precision == "bf16" else []
+    levers += SPLIT if placement == "split" else []
+    if levers:
+        levers.append("algorithm.rollout_correction.bypass_mode=true")
     return [f"model={model}", "warm_start.max_steps=0", f"data.prompts_per_step={prompts_per_step}",
             f"rollout.n={group}", f"rollout.max_new_tokens={max_new_tokens}", "rollout.ignore_eos=true",
             "rollout.kv_cache_mb=256", f"actor.ppo_mini_batch_size={prompts_per_step}", "actor.use_kl_loss=false",
             "actor.micro_batch_size=64", "actor.lr=1e-5", f"trainer.steps={steps}", "trainer.progress=false",
             f"trainer.telemetry={str(telemetry).lower()}", f"trainer.run_dir={run_dir}", "data.test_samples=8",
-            "dataflow=[generate, reward, rollout_as_old_logprob, advantages, update_actor, sync_weights]", *bf16]
+            "dataflow=[generate, reward, rollout_as_old_logprob, advantages, update_actor, sync_weights]", *levers]
 
 
 def ours(model_dir: str, prompts_per_step: int, group: int, max_new_tokens: int, steps: int, warmup: int,

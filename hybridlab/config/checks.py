@@ -9,10 +9,6 @@ from hybridlab.config.schema import ConfigError, RunConfig
 from hybridlab.errors import UserError
 from hybridlab.dataflow.prompts import PROMPT_FIELDS
 
-GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline",
-                    "opo", "gpg", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline")
-
-
 def default_dataflow(cfg: RunConfig) -> list[str]:
     """Return the stage names of the standard step for the config's algorithm and reward."""
     algo, est = cfg.algorithm, cfg.algorithm.adv_estimator
@@ -21,11 +17,11 @@ def default_dataflow(cfg: RunConfig) -> list[str]:
         stages.append("filter_groups")
     if est == "remax":
         stages.append("remax_baseline")
-    from hybridlab.dataflow.stages import TRAINER_LOGPROB_ESTIMATORS, rollout_log_probs_inexact
+    from hybridlab.dataflow.stages import rollout_log_probs_inexact, wants_sum_pi_squared
 
     correction = algo.rollout_correction
     exact = cfg.actor.use_rollout_log_probs and not rollout_log_probs_inexact(cfg)
-    recompute = (correction.enabled and not correction.bypass_mode) or est in TRAINER_LOGPROB_ESTIMATORS
+    recompute = (correction.enabled and not correction.bypass_mode) or wants_sum_pi_squared(cfg)
     stages.append("rollout_as_old_logprob" if correction.bypass_mode or (exact and not recompute) else "old_logprob")
     if cfg.actor.use_kl_loss or algo.use_kl_in_reward:
         stages.append("ref_logprob")
@@ -99,7 +95,9 @@ def validate_config(cfg: RunConfig) -> None:
     if not 0 < r.top_p <= 1:
         p.append(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
     _choice(p, "algorithm.adv_estimator", algo.adv_estimator, sorted(ADV_ESTIMATORS))
-    if algo.adv_estimator in GROUP_ESTIMATORS and r.n < 2:
+    from hybridlab.algos.advantages import ADV_INPUTS
+
+    if "uid" in ADV_INPUTS.get(algo.adv_estimator, ()) and r.n < 2:  # it compares samples within a group
         p.append(f"rollout.n: {algo.adv_estimator} compares samples within a group, so the group size must be at"
                  f" least 2, got {r.n}")
     _choice(p, "algorithm.kl_penalty", algo.kl_penalty, KL_PENALTIES)
@@ -210,12 +208,14 @@ def _correction_problems(cfg: RunConfig) -> list[str]:
     c, out, where = cfg.algorithm.rollout_correction, [], "algorithm.rollout_correction"
     if c.rollout_is is not None and c.rollout_is not in IS_LEVELS:
         out.append(f"{where}.rollout_is: {c.rollout_is!r} is not one of {', '.join(IS_LEVELS)} (or null: off)")
-    for check, args, key in ((parse_is_threshold, (c.rollout_is_threshold,), "rollout_is_threshold"),
-                             (parse_rs, (c.rollout_rs, c.rollout_rs_threshold), "rollout_rs")):
-        if key == "rollout_rs" and c.rollout_rs is None or key == "rollout_is_threshold" and c.rollout_is is None:
-            continue
+    checks = []
+    if c.rollout_is is not None:
+        checks.append(("rollout_is_threshold", lambda: parse_is_threshold(c.rollout_is_threshold)))
+    if c.rollout_rs is not None:
+        checks.append(("rollout_rs", lambda: parse_rs(c.rollout_rs, c.rollout_rs_threshold)))
+    for key, check in checks:
         try:
-            check(*args)
+            check()
         except (TypeError, ValueError) as exc:
             out.append(f"{where}.{key}: {exc}")
     if c.loss_type not in ("ppo_clip", "reinforce"):

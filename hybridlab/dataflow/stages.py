@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 StageFn = Callable[["StepContext", Batch], tuple[Batch | None, dict]]
 REWARD_FIELDS = ("responses", "response_mask", "ground_truth", "data_source")  # what scoring reads
 SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
-TRAINER_LOGPROB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")  # need sum_pi_squared
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,17 +223,18 @@ def remax_baseline(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
 
 
 # ------------------------------------------------------------ model passes
-def _wants_sum_pi_squared(cfg) -> bool:
-    return cfg.algorithm.adv_estimator in TRAINER_LOGPROB_ESTIMATORS
+def wants_sum_pi_squared(cfg) -> bool:
+    """True when the advantage estimator reads the actor's sum of p^2 (the optimal token baselines)."""
+    return "sum_pi_squared" in ADV_INPUTS.get(cfg.algorithm.adv_estimator, ())
 
 
 @register_stage("old_logprob", "actor", SEQUENCE_FIELDS,
-                lambda cfg: ("old_log_probs", "entropy", *(("sum_pi_squared",) if _wants_sum_pi_squared(cfg) else ())))
+                lambda cfg: ("old_log_probs", "entropy", *(("sum_pi_squared",) if wants_sum_pi_squared(cfg) else ())))
 def old_logprob(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Log-probs (and entropy) of the sampled tokens under the actor before its update; with the
     rollout's log-probs at hand, the rollout-vs-trainer mismatch metrics (``rollout_corr/``)."""
     out = ctx.group("actor").compute_log_prob(batch.select(SEQUENCE_FIELDS, meta=False),
-                                              sum_pi_squared=_wants_sum_pi_squared(ctx.cfg))
+                                              sum_pi_squared=wants_sum_pi_squared(ctx.cfg))
     mask = batch["response_mask"].float()
     metrics = {"actor/entropy_before": float(masked_mean(out["entropy"], mask))}
     if "rollout_log_probs" in batch and mask.any():

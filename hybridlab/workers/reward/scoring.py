@@ -84,8 +84,8 @@ def score_one(fn: ScoreFn, data_source: str, text: str, ground_truth: Any,
     if isinstance(out, dict):
         if "score" not in out:
             raise ValueError(f"reward function returned a dict without 'score': {sorted(out)}")
-        components = {k: float(v) for k, v in out.items() if k not in ("score", "acc") and
-                      (isinstance(v, (int, float)) or _is_number(v)) and not isinstance(v, bool)}
+        components = {k: float(v) for k, v in out.items()
+                      if k not in ("score", "acc") and _is_number(v) and not isinstance(v, bool)}
         out, acc = out["score"], out.get("acc")
     if isinstance(out, bool) or not isinstance(out, (int, float)) and not _is_number(out):
         raise ValueError(f"reward function returned {type(out).__name__} {out!r:.40}, not a number")

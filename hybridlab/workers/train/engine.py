@@ -56,8 +56,10 @@ class OptimConfig:
 PRECISIONS = ("fp32", "bf16")
 
 
-def vocab_parallel_logprobs_entropy(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (log p(target), entropy) from logits split over TP ranks along the vocabulary.
+def vocab_parallel_logprobs_entropy(logits: torch.Tensor, target: torch.Tensor, sum_pi_squared: bool = False):
+    """Return (log p(target), entropy) from logits split over TP ranks along the vocabulary, and
+    with ``sum_pi_squared`` a third tensor: the sum of p^2 over the vocabulary per position (the
+    optimal token baselines' path-variance term).
 
     The loss is replicated on TP ranks, so the sums use Megatron's all-reduce whose backward is
     the identity (each rank already holds the full upstream gradient).
@@ -84,26 +86,13 @@ def vocab_parallel_logprobs_entropy(logits: torch.Tensor, target: torch.Tensor) 
     expected = (exp / total * shifted).sum(-1)
     if tp > 1:
         expected = allsum(expected)
-    return picked - log_total.squeeze(-1), log_total.squeeze(-1) - expected
-
-
-def vocab_parallel_sum_pi_squared(logits: torch.Tensor) -> torch.Tensor:
-    """Return sum over the vocabulary of p^2 per position, from logits split over TP ranks (the
-    optimal token baselines' path-variance term; forward only)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    group = ps.get_tensor_model_parallel_group()
-    tp = ps.get_tensor_model_parallel_world_size()
-    peak = logits.max(-1, keepdim=True).values
+    out = (picked - log_total.squeeze(-1), log_total.squeeze(-1) - expected)
+    if not sum_pi_squared:
+        return out
+    squares = exp.detach().square().sum(-1)
     if tp > 1:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    exp = (logits - peak).exp()
-    total, squares = exp.sum(-1), exp.square().sum(-1)
-    if tp > 1:
-        dist.all_reduce(total, group=group)
-        dist.all_reduce(squares, group=group)
-    return squares / total.square()
+        dist.all_reduce(squares, group=ps.get_tensor_model_parallel_group())
+    return (*out, squares / total.detach().squeeze(-1).square())
 
 
 def _replicated(name: str) -> bool:
@@ -132,7 +121,6 @@ class MegatronEngine:
 
         self.ps, self.tp, self.pp = ps, tp, pp
         self.value_head, self.temperature = value_head, temperature
-        self.with_sum_pi_squared = False  # set during forward() calls that ask for it
         torch.manual_seed(seed)
         self.model = build_model(self.spec, tp, pp, load_hf_state(model_dir), value_head=value_head)
         self.optim_cfg = optim
@@ -212,9 +200,10 @@ class MegatronEngine:
         if self.value_head:  # value of the state before each response token
             return {"values": output[:, -resp_len - 1:-1, 0].float()}
         logits = output[:, -resp_len - 1:-1, :].float() / self.temperature  # bf16 logits: softmax in fp32
+        if micro.get("sum_pi_squared"):
+            logp, entropy, squares = vocab_parallel_logprobs_entropy(logits, micro["responses"], sum_pi_squared=True)
+            return {"log_probs": logp, "entropy": entropy, "sum_pi_squared": squares}
         logp, entropy = vocab_parallel_logprobs_entropy(logits, micro["responses"])
-        if self.with_sum_pi_squared:
-            return {"log_probs": logp, "entropy": entropy, "sum_pi_squared": vocab_parallel_sum_pi_squared(logits)}
         return {"log_probs": logp, "entropy": entropy}
 
     def _loss(self, loss_fn: LossFn | None, micro: dict, output: torch.Tensor):
@@ -228,10 +217,13 @@ class MegatronEngine:
         return loss * micro["num_microbatches"], {k: torch.as_tensor(v).detach().clone().float()
                                                   for k, v in metrics.items()}
 
-    def _run(self, batch, micro_batch_size: int, loss_fn: LossFn | None) -> tuple[list[dict], int]:
+    def _run(self, batch, micro_batch_size: int, loss_fn: LossFn | None,
+             sum_pi_squared: bool = False) -> tuple[list[dict], int]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         micros, pad = self._micro_batches(batch, micro_batch_size)
+        for micro in micros:  # what _outputs computes besides log-probs and entropy
+            micro["sum_pi_squared"] = sum_pi_squared
         seq = micros[0]["input_ids"].shape[1]
         with self._autocast():
             store = get_forward_backward_func()(
@@ -248,11 +240,7 @@ class MegatronEngine:
         [batch, response_len], and with ``sum_pi_squared`` the sum of squared token
         probabilities per position, on the answering rank; None on the other ranks."""
         self.model.eval()
-        self.with_sum_pi_squared = sum_pi_squared
-        try:
-            store, pad = self._run(batch, micro_batch_size, None)
-        finally:
-            self.with_sum_pi_squared = False
+        store, pad = self._run(batch, micro_batch_size, None, sum_pi_squared=sum_pi_squared)
         if not store:
             return None
         out = {k: torch.cat([s[k] for s in store]) for k in store[0]}
