@@ -149,6 +149,7 @@ def validate_config(cfg: RunConfig) -> None:
     _at_least(p, "trainer.keep_checkpoints", cfg.trainer.keep_checkpoints, 1)
     _at_least(p, "trainer.max_bad_updates", cfg.trainer.max_bad_updates, 1)
     _at_least(p, "trainer.max_restarts", cfg.trainer.max_restarts, 0)
+    _at_least(p, "trainer.spare_processes", cfg.trainer.spare_processes, 0)
     _at_least(p, "trainer.call_deadline_s", cfg.trainer.call_deadline_s, 0)
     if cfg.trainer.call_deadline_floor_s <= 0:
         p.append(f"trainer.call_deadline_floor_s: must be positive, got {cfg.trainer.call_deadline_floor_s}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -19,6 +19,9 @@ from hybridlab.controller.watch import CallWatch, dump_stacks
 from hybridlab.controller.worker import Dispatch, RemoteError, host_actor_class, registered_methods
 from hybridlab.protocol import Batch
 from hybridlab.telemetry.timeline import Span, Timeline
+
+if TYPE_CHECKING:
+    from hybridlab.controller.spares import SparePool
 
 DEFAULT_TIMEOUT_S = 600.0
 INLINE_BYTES = 100 * 1024  # Ray's limit for passing an argument inline rather than via the store
@@ -89,19 +92,67 @@ def _raise_for(exc: BaseException, role: str, rank: int, method: str) -> None:
     raise exc
 
 
+@dataclasses.dataclass
+class Launch:
+    """A process set whose role workers are being constructed (``finish`` waits for them)."""
+
+    hostset: HostSet
+    refs: list
+    timeout: float
+
+    def finish(self) -> HostSet:
+        """Wait until every rank has constructed its roles; returns the set (killed on a failure)."""
+        try:
+            _get_all(self.refs, list(range(len(self.refs))), ",".join(self.hostset.roles), "__init__", self.timeout)
+        except BaseException:
+            self.hostset.kill()
+            raise
+        return self.hostset
+
+
 def spawn_hosts(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass], *, gpus: float = 1.0,
-                cpus: float = 1.0, env: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> HostSet:
+                cpus: float = 1.0, env: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+                spares: "SparePool | None" = None) -> HostSet:
     """Start one host per (placement group, bundle index), construct ``roles`` in each; returns the set."""
+    return launch_hosts(bundles, roles, gpus=gpus, cpus=cpus, env=env, timeout=timeout, spares=spares).finish()
+
+
+def launch_hosts(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass], *, gpus: float = 1.0,
+                 cpus: float = 1.0, env: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+                 spares: "SparePool | None" = None) -> Launch:
+    """Place one worker process per (placement group, bundle index) and start constructing
+    ``roles`` in each; returns the Launch to ``finish()``. A process comes from ``spares``
+    (warmed up, adopting the bundle's devices) where one is on the bundle's node, else it is
+    started here."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     env = {k: str(v) for k, v in (env or {}).items()}
+    classes = {name: rc.cls for name, rc in roles.items()}
     # An empty runtime_env still forces fresh processes; pass one only when there is an env to set.
-    actor_class = host_actor_class({name: rc.cls for name, rc in roles.items()})
-    hosts = [actor_class.options(num_cpus=cpus, num_gpus=gpus, runtime_env={"env_vars": env} if env else None,
-                                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
-             .remote(env) for pg, i in bundles]
+    actor_class = host_actor_class(classes)
+
+    def placed(pg, i) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+
+    def fresh(pg, i):
+        return actor_class.options(num_cpus=cpus, num_gpus=gpus, runtime_env={"env_vars": env} if env else None,
+                                   scheduling_strategy=placed(pg, i)).remote(env)
+
+    offers: list = [None] * len(bundles)  # per bundle: its node and devices, where a spare may take it
+    usable = sum(s.can_host(classes) for s in spares.spares) if spares is not None else 0
+    if usable:
+        from hybridlab.controller.spares import bundle_devices
+
+        asked = [bundle_devices.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=placed(pg, i)).remote()
+                 for pg, i in bundles[:usable]]
+        offers[:usable] = ray.get(asked, timeout=timeout)
+    hosts, asks = [], []
+    for (pg, i), offer in zip(bundles, offers):
+        spare = spares.take(offer["node_id"], classes) if offer else None
+        hosts.append(spare if spare is not None else fresh(pg, i))
+        asks.append(spare.adopt.remote(offer) if spare is not None else hosts[-1].placement.remote())
     try:
-        placements = ray.get([h.placement.remote() for h in hosts], timeout=timeout)
+        placements = ray.get(asks, timeout=timeout)
     except GetTimeoutError:
         HostSet(hosts, [], tuple(roles)).kill(close_timeout=0)
         raise WorkerError(",".join(roles), 0, "start", f"worker processes did not start within {timeout:.0f} s"
@@ -113,13 +164,7 @@ def spawn_hosts(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass],
     master = (placements[0]["ip"], ray.get(hosts[0].free_port.remote(), timeout=timeout))
     specs = {name: (rc.cls, rc.args, rc.kwargs) for name, rc in roles.items()}
     refs = [h.start.remote(rank, len(hosts), master, specs) for rank, h in enumerate(hosts)]
-    hostset = HostSet(hosts, placements, tuple(roles))
-    try:
-        _get_all(refs, list(range(len(hosts))), ",".join(roles), "__init__", timeout)
-    except BaseException:
-        hostset.kill()
-        raise
-    return hostset
+    return Launch(HostSet(hosts, placements, tuple(roles)), refs, timeout)
 
 
 def _get_all(refs: list, ranks: list[int], role: str, method: str, timeout: float | None) -> list:

@@ -2,7 +2,9 @@
 
 It owns the Ray connection, the device mapping, one resource pool per mapping pool and one
 WorkerGroup per role. ``remap`` changes the mapping between steps, re-creating only the
-worker processes whose placement changed; hooks carry model state across.
+worker processes whose placement changed; hooks carry model state across. With ``spares=N``
+it keeps N warmed-up processes (controller/spares.py) that remaps and re-created roles use
+instead of starting new ones.
 """
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ from typing import Any, Callable
 
 import ray
 
-from hybridlab.controller.group import DEFAULT_TIMEOUT_S, HostSet, RoleClass, WorkerGroup, spawn_hosts
+from hybridlab.controller.group import DEFAULT_TIMEOUT_S, HostSet, Launch, RoleClass, WorkerGroup, launch_hosts
 from hybridlab.controller.mapping import DeviceMapping, MappingError
 from hybridlab.controller.resources import ResourcePool, connect
+from hybridlab.controller.spares import SparePool
 from hybridlab.controller.watch import CallWatch
 from hybridlab.telemetry.timeline import Timeline
 
@@ -25,7 +28,8 @@ class Session:
 
     def __init__(self, mapping: DeviceMapping, workers: dict[str, RoleClass | type], *,
                  address: str | None = None, num_gpus: int | None = None, model: Any = None,
-                 env: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S, ray_temp_dir: str | None = None):
+                 env: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S, ray_temp_dir: str | None = None,
+                 spares: int = 0):
         self.mapping = mapping
         self.workers = {r: w if isinstance(w, RoleClass) else RoleClass(w) for r, w in workers.items()}
         self.model, self.env, self.timeout = model, dict(env or {}), timeout
@@ -36,6 +40,8 @@ class Session:
         self.groups: dict[str, WorkerGroup] = {}
         self._sets: list[HostSet] = []
         self._hooks: list[tuple[SaveHook | None, LoadHook | None]] = []
+        self.spares: SparePool | None = None
+        self._spare_count = spares
         self._check(mapping)
 
     # ------------------------------------------------------------ lifecycle
@@ -54,9 +60,25 @@ class Session:
             return self
         resources = connect(**self._connect_args)
         self._check(self.mapping, resources.get("GPU", 0))
-        for pool, members in self.mapping.process_sets():
-            self._spawn(self.mapping, pool, members)
+        self._spawn(self.mapping, list(self.mapping.process_sets()))
+        self.set_spares(self._spare_count)  # they warm up after the workers, not against them
         return self
+
+    def _learn_modules(self, sets: list[HostSet]) -> None:
+        """Let spares import what these freshly built worker processes imported."""
+        if self.spares is not None and sets:
+            for names in ray.get([s.hosts[0].loaded_modules.remote() for s in sets], timeout=self.timeout):
+                self.spares.learn_modules(names)
+
+    def set_spares(self, n: int) -> None:
+        """Keep ``n`` warmed-up spare processes for remaps and re-created roles (0: none); the
+        missing ones start now and warm up in the background."""
+        self._spare_count = n
+        if self.spares is None and n:
+            self.spares = SparePool({r: w.cls for r, w in self.workers.items()}, self.env)
+            self._learn_modules(self._sets)
+        if self.spares is not None:
+            self.spares.resize(n)
 
     def __enter__(self) -> "Session":
         return self.start()
@@ -71,14 +93,26 @@ class Session:
             pool = self.pools[name] = ResourcePool(name, spec.devices, spec.strategy, spec.cpus_per_device)
         return pool.create()
 
-    def _spawn(self, mapping: DeviceMapping, pool_name: str, members: tuple[str, ...]) -> None:
-        pool = self._pool(mapping, pool_name)
-        sharing = sum(1 for p, _ in mapping.process_sets() if p == pool_name)
-        hostset = spawn_hosts(pool.bundles(), {m: self.workers[m] for m in members}, gpus=1.0 / sharing,
-                              cpus=pool.cpus_per_device / sharing, env=self.env, timeout=self.timeout)
-        self._sets.append(hostset)
-        for m in members:
-            self.groups[m] = WorkerGroup(m, self.workers[m].cls, hostset, self.timeline, self.timeout, self.watch)
+    def _spawn(self, mapping: DeviceMapping, sets: list[tuple[str, tuple[str, ...]]]) -> None:
+        """Start the process sets ``(pool, roles)``: all are placed and construct their roles at
+        once (spares first), then each becomes its roles' groups. On a failure none stays."""
+        launches: list[Launch] = []
+        try:
+            for pool_name, members in sets:
+                pool = self._pool(mapping, pool_name)
+                sharing = sum(1 for p, _ in mapping.process_sets() if p == pool_name)
+                launches.append(launch_hosts(pool.bundles(), {m: self.workers[m] for m in members},
+                                             gpus=1.0 / sharing, cpus=pool.cpus_per_device / sharing, env=self.env,
+                                             timeout=self.timeout, spares=self.spares))
+            done = [launch.finish() for launch in launches]
+        except BaseException:
+            for launch in launches:
+                launch.hostset.kill(close_timeout=5.0)
+            raise
+        for hostset in done:
+            self._sets.append(hostset)
+            for m in hostset.roles:
+                self.groups[m] = WorkerGroup(m, self.workers[m].cls, hostset, self.timeline, self.timeout, self.watch)
 
     def _teardown(self, roles: set[str], close_timeout: float = 15.0) -> None:
         for hostset in [s for s in self._sets if set(s.roles) & roles]:
@@ -89,7 +123,9 @@ class Session:
                 self.groups.pop(m, None)
 
     def shutdown(self) -> None:
-        """Stop every worker process and release the pools (the Ray connection stays)."""
+        """Stop every worker process and spare and release the pools (the Ray connection stays)."""
+        if self.spares is not None:
+            self.spares.shutdown()
         self._teardown(set(self.groups) | {r for s in self._sets for r in s.roles})
         for pool in self.pools.values():
             pool.remove()
@@ -106,11 +142,12 @@ class Session:
         self._hooks.remove((save, load))
 
     def remap(self, new: DeviceMapping, workers: dict[str, RoleClass | type] | None = None,
-              recreate: set[str] | frozenset = frozenset()) -> set[str]:
+              recreate: set[str] | frozenset = frozenset(), refill: bool = True) -> set[str]:
         """Switch to mapping ``new``, re-creating only the roles whose placement changed (plus
         ``recreate``, e.g. roles whose built-in settings changed, with the roles that share their
         processes); returns the re-created roles. ``workers`` gives classes for new roles or new
-        constructor arguments for existing ones.
+        constructor arguments for existing ones. Spares used are replaced at the end, or, with
+        ``refill=False``, when the caller calls ``refill_spares()`` (after its own follow-up work).
 
         Everything is validated first: on an error nothing is touched.
         """
@@ -133,11 +170,18 @@ class Session:
             if name not in live and (name not in used or new.pools.get(name) != self.mapping.pools.get(name)):
                 self.pools.pop(name).remove()
         self.mapping = new
-        for pool, members in new.process_sets():
-            if set(members) & changed:
-                self._spawn(new, pool, members)
+        if self.spares is not None:  # a spare can host a role added by this remap, too
+            self.spares.add_roles({r: w.cls for r, w in self.workers.items()})
+        self._spawn(new, [(pool, members) for pool, members in new.process_sets() if set(members) & changed])
         self._load(changed, states)
+        if refill:
+            self.refill_spares()
         return changed
+
+    def refill_spares(self) -> None:
+        """Start spares in place of those used (they warm up in the background)."""
+        if self.spares is not None:
+            self.spares.refill()
 
     def recreate(self, role: str, close_timeout: float = 15.0) -> WorkerGroup:
         """Replace the processes of ``role`` (and of roles colocated with it) on the same
@@ -149,8 +193,9 @@ class Session:
         pool, members = next((p, m) for p, m in self.mapping.process_sets() if role in m)
         states = self._save(set(members), tolerate_dead=True)
         self._teardown(set(members), close_timeout)
-        self._spawn(self.mapping, pool, members)
+        self._spawn(self.mapping, [(pool, members)])
         self._load(set(members), states)
+        self.refill_spares()
         return self.groups[role]
 
     def dead_roles(self, timeout: float = 10.0, exclude: set[str] = frozenset(),

@@ -61,6 +61,9 @@ class Worker:
     world_size: int = 1
     role: str = ""
     peers: dict = {}  # role -> worker object, for the roles colocated in this process
+    # Modules a spare process imports ahead of this role (its engine's heavy imports, which a
+    # worker module imports lazily); see controller/spares.py.
+    warm_modules: tuple[str, ...] = ()
 
     def dp_info(self) -> tuple[int, int, bool]:
         """Return (data-parallel rank, data-parallel size, answers for its DP group).
@@ -120,13 +123,53 @@ class WorkerHost:
         os.environ.update(env)
         self.workers: dict[str, Worker] = {}
         self.rank = -1
+        self.gpu_ids: list[str] | None = None  # set when a spare adopts a lease's devices
         self._stacks = _register_stack_dump()
 
     def placement(self) -> dict:
         """Return where this process runs: node id and IP, device ids, process id."""
         ctx = ray.get_runtime_context()
         return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
+                "gpu_ids": self._gpu_ids(), "pid": os.getpid()}
+
+    def _gpu_ids(self) -> list[str]:
+        return self.gpu_ids if self.gpu_ids is not None else [str(g) for g in ray.get_gpu_ids()]
+
+    def warm(self, modules: tuple[str, ...]) -> dict:
+        """Import ``modules`` (the engines' heavy imports) so that a role built here later starts
+        without them; returns ``placement()`` and the modules that failed to import (the role
+        that needs one raises the real error when it is built). Used by spare processes."""
+        import gc
+        import importlib
+
+        import sys
+
+        failed = []
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except (Exception, SystemExit):
+                failed.append(name)
+        gc.freeze()  # imported objects live as long as the process; the collector need not scan them
+        torch = sys.modules.get("torch")
+        # A process that initialized CUDA here sees every device and cannot take one bundle's.
+        touched = bool(torch is not None and torch.cuda.is_initialized())
+        return {**self.placement(), "failed_imports": failed, "device_touched": touched}
+
+    def loaded_modules(self) -> list[str]:
+        """Return the names of the modules this process has imported, in import order (what a
+        spare imports ahead of the same roles)."""
+        import sys
+
+        return [name for name in list(sys.modules) if not name.startswith("__")]
+
+    def adopt(self, lease: dict) -> dict:
+        """Take a bundle's devices (``spares.bundle_devices``): their ids and the device variables
+        Ray sets there (``CUDA_VISIBLE_DEVICES``), before anything touches a device; returns
+        ``placement()`` with them."""
+        self.gpu_ids = list(lease["gpu_ids"])
+        os.environ.update(lease["env"])
+        return self.placement()
 
     def free_port(self) -> int:
         """Return a TCP port that is free on this node (for the torch.distributed rendezvous)."""
@@ -157,7 +200,7 @@ class WorkerHost:
         hub = get_hub(os.environ.get(ENV_HUB))
         if hub is None:
             return
-        self.sampler = DeviceSampler(hub, roles, self.rank, [str(g) for g in ray.get_gpu_ids()]).start()
+        self.sampler = DeviceSampler(hub, roles, self.rank, self._gpu_ids()).start()
 
     def dp_info(self, role: str) -> tuple[int, int, bool]:
         """Return the role's (dp_rank, dp_size, collect) on this rank."""

@@ -34,8 +34,9 @@ class RemapReport:
     roles_recreated: list[str]         # kept their state (trainers) but got new processes
     roles_added: list[str]
     roles_removed: list[str]
-    processes_started: int
+    processes_started: int             # worker processes that joined, spares included
     processes_stopped: int
+    spares_used: int                   # of those, warmed-up spares (trainer.spare_processes)
     bytes_moved: int                   # trainer state carried in memory + weights synced to the rollout
     seconds: dict[str, float]          # per phase: save, teardown_and_start, load, sync (if any), total
     mapping_before: dict
@@ -51,7 +52,7 @@ class RemapReport:
         added = f", added {', '.join(self.roles_added)}" if self.roles_added else ""
         removed = f", removed {', '.join(self.roles_removed)}" if self.roles_removed else ""
         return (f"remap after step {self.step}: re-created {roles}{added}{removed}; "
-                f"{self.processes_started} processes started, "
+                f"{self.processes_started} processes started ({self.spares_used} of them spares), "
                 f"{self.processes_stopped} stopped; {self.bytes_moved / 2**20:.1f} MB moved in memory; "
                 f"{self.seconds['total']:.1f} s")
 
@@ -178,12 +179,13 @@ def apply(rl: "RLSession", cfg: RunConfig, mapping: DeviceMapping, recreate: set
     t0 = time.perf_counter()
     mapping_before = rl.mapping.to_dict()
     pids_before = {p["pid"] for s in session._sets for p in s.placements}
+    taken_before = session.spares.taken if session.spares else 0
     seconds: dict[str, float] = {}
     carried = _CarriedState(rl)
     session.add_remap_hook(carried.save, carried.load)
     try:
         t = time.perf_counter()
-        changed = session.remap(mapping, role_classes(cfg, mapping, str(rl.model_dir)), recreate)
+        changed = session.remap(mapping, role_classes(cfg, mapping, str(rl.model_dir)), recreate, refill=False)
         elapsed = time.perf_counter() - t
     finally:
         session.remove_remap_hook(carried.save, carried.load)
@@ -202,11 +204,13 @@ def apply(rl: "RLSession", cfg: RunConfig, mapping: DeviceMapping, recreate: set
                          roles_added=sorted(new_roles - old_roles), roles_removed=sorted(old_roles - new_roles),
                          processes_started=len(pids_after - pids_before),
                          processes_stopped=len(pids_before - pids_after),
+                         spares_used=(session.spares.taken if session.spares else 0) - taken_before,
                          bytes_moved=carried.bytes + sync_bytes, seconds={k: round(v, 3) for k, v in seconds.items()},
                          mapping_before=mapping_before, mapping_after=mapping.to_dict(), reason=reason)
     with open(rl.run_dir / REMAP_LOG, "a") as f:
         f.write(json.dumps(report.as_dict()) + "\n")
     rl._emit("remap", report.as_dict())
+    session.refill_spares()  # after the sync: warming spares would compete with it for the cores
     return report
 
 

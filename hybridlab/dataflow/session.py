@@ -136,7 +136,8 @@ class RLSession:
             self.model_dir = model_dir
             self.spec = ModelSpec.from_hf(model_dir)
             self.session = Session(self.mapping, role_classes(self.cfg, self.mapping, str(model_dir)),
-                                   address=self._ray["address"], env=env, ray_temp_dir=self._ray["temp_dir"])
+                                   address=self._ray["address"], env=env, ray_temp_dir=self._ray["temp_dir"],
+                                   spares=self.cfg.trainer.spare_processes)
             self.session.watch.stacks_dir = self.run_dir / "stacks"
             self.session.start()
             self.telemetry.watch(self.session, self.stacks)
@@ -295,6 +296,8 @@ class RLSession:
             self.kl_ctrl = get_kl_controller(new.algorithm.kl_ctrl)
         if new.trainer.off_policy != self.cfg.trainer.off_policy or new.rollout != self.cfg.rollout:
             self._drop_pending()
+        if self.session is not None and new.trainer.spare_processes != self.cfg.trainer.spare_processes:
+            self.session.set_spares(new.trainer.spare_processes)
         self.cfg, self._dataflow = new, flow
 
     def _drop_pending(self) -> None:
