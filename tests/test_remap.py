@@ -8,6 +8,7 @@ import json
 import os
 
 import pytest
+import ray
 import torch
 
 from hybridlab.config import ConfigError
@@ -75,7 +76,9 @@ def reference(ray_local, trained_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rl(ray_local, trained_dir, tmp_path_factory):
-    session = RLSession(None, [f"model={trained_dir}", *SETTINGS,
+    # Two warmed-up spare processes: every remap below builds its new workers in them (the
+    # reference run has none, so the bit-for-bit test also holds spares against new processes).
+    session = RLSession(None, [f"model={trained_dir}", *SETTINGS, "trainer.spare_processes=2",
                                f"trainer.run_dir={tmp_path_factory.mktemp('remap') / 'run'}"]).start()
     yield session
     session.shutdown()
@@ -85,10 +88,17 @@ def test_same_layout_remap_keeps_state_and_the_run_bit_for_bit(rl, reference):
     steps = [rl.step().metrics for _ in range(2)]
     before = actor_state(rl)
     pids = {p["pid"] for p in rl.session.groups["actor"].placements}
+    assert rl.session.spares.wait_ready(timeout=300) == 2
+    spare_pids = {ray.get(s.warmed)["pid"] for s in rl.session.spares.spares}
     report = rl.remap(SEPARATE)  # YAML text; colocated on one device -> actor | rollout + reward
     assert_equal_state(before, actor_state(rl))
     assert report.roles_recreated == ["actor", "reward", "rollout"]
-    assert (report.processes_started, report.processes_stopped) == (2, 1)
+    assert (report.processes_started, report.processes_stopped, report.spares_used) == (2, 1, 2)
+    placed = {g: rl.session.groups[g].placements[0] for g in ("actor", "rollout")}
+    assert {p["pid"] for p in placed.values()} == spare_pids  # the new workers are the spares
+    assert placed["actor"]["gpu_ids"] != placed["rollout"]["gpu_ids"]  # each took its pool's device
+    assert len(rl.session.spares.spares) == 2 and not spare_pids & {
+        ray.get(s.warmed)["pid"] for s in rl.session.spares.spares}  # used ones replaced by new ones
     assert report.step == 2 and report.bytes_moved > 3 * 4 * 600_000  # weights + two moments, fp32
     assert not pids & {p["pid"] for p in rl.session.groups["actor"].placements}
     assert rl.session.groups["actor"].hostset is not rl.session.groups["rollout"].hostset
@@ -197,6 +207,18 @@ def test_live_settings_apply_to_running_workers_without_restarts(rl):
     assert sorted(p["pid"] for s in rl.session._sets for p in s.placements) == pids and len(rl.remaps) == remaps
     metrics = rl.step().metrics
     assert metrics["actor/lr"] == pytest.approx(5e-5)
+
+
+def test_the_number_of_spares_changes_live_and_a_bad_one_is_refused_by_name(rl):
+    with pytest.raises(ConfigError, match=r"trainer.spare_processes: must be at least 0, got -1"):
+        rl.update("trainer.spare_processes=-1")
+    assert len(rl.session.spares.spares) == 2 and rl.cfg.trainer.spare_processes == 2
+    rl.update("trainer.spare_processes=1")
+    assert len(rl.session.spares.spares) == 1
+    rl.update("trainer.spare_processes=2")
+    assert len(rl.session.spares.spares) == 2
+    rl.update("trainer.spare_processes=0")  # the remaps below start new processes (that path stays tested)
+    assert rl.session.spares.spares == []
 
 
 def test_a_setting_built_into_the_rollout_re_creates_only_its_processes(rl):
