@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import ray
 
-from hybridlab.controller.group import DEFAULT_TIMEOUT_S, HostSet, Launch, RoleClass, WorkerGroup, launch_hosts
+from hybridlab.controller.group import DEFAULT_TIMEOUT_S, HostSet, RoleClass, WorkerGroup, launch_hosts
 from hybridlab.controller.mapping import DeviceMapping, MappingError
 from hybridlab.controller.resources import ResourcePool, connect
 from hybridlab.controller.spares import SparePool
@@ -94,20 +94,22 @@ class Session:
         return pool.create()
 
     def _spawn(self, mapping: DeviceMapping, sets: list[tuple[str, tuple[str, ...]]]) -> None:
-        """Start the process sets ``(pool, roles)``: all are placed and construct their roles at
-        once (spares first), then each becomes its roles' groups. On a failure none stays."""
-        launches: list[Launch] = []
+        """Start the process sets ``(pool, roles)`` one after the other (in spares where there
+        are some), then make each its roles' groups. On a failure none stays.
+
+        One at a time: a set's rendezvous port is asked of the OS while the previous set's is
+        already bound, so two sets can never be handed the same port."""
+        done: list[HostSet] = []
         try:
             for pool_name, members in sets:
                 pool = self._pool(mapping, pool_name)
                 sharing = sum(1 for p, _ in mapping.process_sets() if p == pool_name)
-                launches.append(launch_hosts(pool.bundles(), {m: self.workers[m] for m in members},
-                                             gpus=1.0 / sharing, cpus=pool.cpus_per_device / sharing, env=self.env,
-                                             timeout=self.timeout, spares=self.spares))
-            done = [launch.finish() for launch in launches]
+                done.append(launch_hosts(pool.bundles(), {m: self.workers[m] for m in members},
+                                         gpus=1.0 / sharing, cpus=pool.cpus_per_device / sharing, env=self.env,
+                                         timeout=self.timeout, spares=self.spares).finish())
         except BaseException:
-            for launch in launches:
-                launch.hostset.kill(close_timeout=5.0)
+            for hostset in done:
+                hostset.kill(close_timeout=5.0)
             raise
         for hostset in done:
             self._sets.append(hostset)

@@ -25,7 +25,9 @@ import warnings
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+WARM_TIMEOUT_S = 120.0  # a spare still warming up after this long is dropped (a new process is faster)
 
 
 @ray.remote(num_cpus=0)
@@ -125,8 +127,9 @@ class SparePool:
         for spare in sorted(on_node, key=lambda s: s.warmed not in ready):
             self.spares.remove(spare)
             try:
-                warmed = ray.get(spare.warmed)
-            except (RayActorError, RayTaskError):  # it died: try the next one
+                warmed = ray.get(spare.warmed, timeout=WARM_TIMEOUT_S)
+            except (RayActorError, RayTaskError, GetTimeoutError):  # died or stuck: try the next one
+                ray.kill(spare.actor, no_restart=True)
                 continue
             if warmed["device_touched"]:
                 ray.kill(spare.actor, no_restart=True)
