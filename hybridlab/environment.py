@@ -31,13 +31,18 @@ def _cpuinfo() -> dict[str, str]:
 
 def processor() -> str:
     """Return the processor's model name with the features that matter, e.g.
-    ``"AMD EPYC (avx512_bf16, no AMX)"``: the label every published figure carries."""
+    ``"AMD EPYC (avx512_bf16, no AMX)"`` or ``"AMD EPYC (no AVX-512, no AMX)"``: the label every
+    published figure carries (vLLM's CPU kernels, torch's bf16 speed and the shared-memory TP
+    communicator all depend on them)."""
     info = _cpuinfo()
     name = info.get("model name") or platform.processor() or platform.machine()
     flags = set(info.get("flags", "").split())
-    bf16 = "avx512_bf16" if "avx512_bf16" in flags else "no avx512_bf16"
+    if "avx512f" not in flags:
+        isa = "no AVX-512"
+    else:
+        isa = "avx512_bf16" if "avx512_bf16" in flags else "no avx512_bf16"
     amx = "AMX" if "amx_bf16" in flags else "no AMX"
-    return f"{name} ({bf16}, {amx})"
+    return f"{name} ({isa}, {amx})"
 
 
 def describe(seed: int | None = None) -> dict:

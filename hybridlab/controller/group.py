@@ -1,6 +1,6 @@
 """WorkerGroup: the controller-side handle of one role, whose methods fan out to its ranks.
 
-``spawn_hosts`` starts one WorkerHost per device bundle of a resource pool, orders them by
+``launch_hosts`` starts one WorkerHost per device bundle of a resource pool, orders them by
 (node, device) so ranks map to devices stably, wires the torch.distributed rendezvous and
 constructs the role workers. Roles built into the same hosts are colocated (one process);
 each gets its own WorkerGroup over the shared hosts.
@@ -108,13 +108,6 @@ class Launch:
             self.hostset.kill()
             raise
         return self.hostset
-
-
-def spawn_hosts(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass], *, gpus: float = 1.0,
-                cpus: float = 1.0, env: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S,
-                spares: "SparePool | None" = None) -> HostSet:
-    """Start one host per (placement group, bundle index), construct ``roles`` in each; returns the set."""
-    return launch_hosts(bundles, roles, gpus=gpus, cpus=cpus, env=env, timeout=timeout, spares=spares).finish()
 
 
 def launch_hosts(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass], *, gpus: float = 1.0,
