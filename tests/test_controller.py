@@ -239,7 +239,7 @@ def test_a_re_created_group_starts_in_warmed_spares_on_its_own_devices(ray_local
     s = Session(mapping, {"critic": Probe}, timeout=60, spares=2).start()
     try:
         fresh = s.groups["critic"].devices()
-        assert s.spares.wait_ready(timeout=120) == 2
+        assert s.spares.wait_ready(timeout=300) == 2
         warmed = [ray.get(sp.warmed) for sp in s.spares.spares]
         spare_pids = {w["pid"] for w in warmed}
         # they imported what the running workers had imported (torch among it), without a device
@@ -254,6 +254,14 @@ def test_a_re_created_group_starts_in_warmed_spares_on_its_own_devices(ray_local
         assert sorted(p["gpu_ids"] for p in group.placements) == sorted([d["cuda_visible"]] for d in fresh)
         assert group.all_reduce_ranks() == [1.0, 1.0]  # the rendezvous works between adopted spares
         assert len(s.spares.spares) == 2  # replaced after use
+        # a spare that died while idle is passed over: its bundle gets a new process
+        assert s.spares.wait_ready(timeout=300) == 2
+        dead, alive = s.spares.spares
+        ray.kill(dead.actor, no_restart=True)
+        group = s.recreate("critic")
+        pids = {d["pid"] for d in group.devices()}
+        assert ray.get(alive.warmed)["pid"] in pids and len(pids) == 2 and s.spares.taken == 3
+        assert group.all_reduce_ranks() == [1.0, 1.0]
         with pytest.raises(ValueError, match="spares must be a whole number >= 0, got -1"):
             s.set_spares(-1)
     finally:

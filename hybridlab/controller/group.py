@@ -1,8 +1,8 @@
 """WorkerGroup: the controller-side handle of one role, whose methods fan out to its ranks.
 
-``launch_hosts`` starts one WorkerHost per device bundle of a resource pool, orders them by
-(node, device) so ranks map to devices stably, wires the torch.distributed rendezvous and
-constructs the role workers. Roles built into the same hosts are colocated (one process);
+``launch_hosts`` places one WorkerHost per device bundle of a resource pool (a new process, or
+a warmed-up spare), orders them by (node, device) so ranks map to devices stably, wires the
+torch.distributed rendezvous and starts constructing the role workers (``Launch.finish`` waits). Roles built into the same hosts are colocated (one process);
 each gets its own WorkerGroup over the shared hosts.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from hybridlab.controller.watch import CallWatch, dump_stacks
 from hybridlab.controller.worker import Dispatch, RemoteError, host_actor_class, registered_methods
@@ -138,18 +138,34 @@ def launch_hosts(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass]
 
         asked = [bundle_devices.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=placed(pg, i)).remote()
                  for pg, i in bundles[:usable]]
-        offers[:usable] = ray.get(asked, timeout=timeout)
-    hosts, asks = [], []
-    for (pg, i), offer in zip(bundles, offers):
-        spare = spares.take(offer["node_id"], classes) if offer else None
-        hosts.append(spare if spare is not None else fresh(pg, i))
-        asks.append(spare.adopt.remote(offer) if spare is not None else hosts[-1].placement.remote())
+        try:
+            offers[:usable] = ray.get(asked, timeout=timeout)
+        except GetTimeoutError:
+            raise WorkerError(",".join(roles), 0, "start", f"the pool's devices were not free within {timeout:.0f} s",
+                              kind="timed out") from None
+    # What a new process would get from Ray (the session's env usually sets it for all).
+    threads = int(env.get("OMP_NUM_THREADS") or max(1, int(cpus)))
+    hosts, placements = [], []
     try:
-        placements = ray.get(asks, timeout=timeout)
+        for (pg, i), offer in zip(bundles, offers):
+            spare = spares.take(offer["node_id"], classes) if offer else None
+            if spare is not None:
+                try:
+                    placements.append(ray.get(spare.adopt.remote(offer, threads), timeout=60.0))
+                    hosts.append(spare)
+                    continue
+                except (RayError, GetTimeoutError):  # it died on the way: a new process instead
+                    ray.kill(spare, no_restart=True)
+            hosts.append(fresh(pg, i))
+            placements.append(hosts[-1].placement.remote())
+        placements = [p if isinstance(p, dict) else ray.get(p, timeout=timeout) for p in placements]
     except GetTimeoutError:
         HostSet(hosts, [], tuple(roles)).kill(close_timeout=0)
         raise WorkerError(",".join(roles), 0, "start", f"worker processes did not start within {timeout:.0f} s"
                           " (are the pool's devices free?)", kind="timed out") from None
+    except BaseException:
+        HostSet(hosts, [], tuple(roles)).kill(close_timeout=0)
+        raise
     order = sorted(range(len(hosts)), key=lambda i: (placements[i]["ip"], placements[i]["node_id"],
                                                      placements[i]["gpu_ids"], i))
     hosts = [hosts[i] for i in order]

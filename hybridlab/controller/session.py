@@ -41,7 +41,8 @@ class Session:
         self._sets: list[HostSet] = []
         self._hooks: list[tuple[SaveHook | None, LoadHook | None]] = []
         self.spares: SparePool | None = None
-        self._spare_count = spares
+        self._spare_count = 0
+        self.set_spares(spares)  # checked now; the spares start with the workers
         self._check(mapping)
 
     # ------------------------------------------------------------ lifecycle
@@ -61,7 +62,7 @@ class Session:
         resources = connect(**self._connect_args)
         self._check(self.mapping, resources.get("GPU", 0))
         self._spawn(self.mapping, list(self.mapping.process_sets()))
-        self.set_spares(self._spare_count)  # they warm up after the workers, not against them
+        self.set_spares(self._spare_count)  # after the workers are built (they then share the cores with the first steps)
         return self
 
     def _learn_modules(self, sets: list[HostSet]) -> None:
@@ -73,7 +74,11 @@ class Session:
     def set_spares(self, n: int) -> None:
         """Keep ``n`` warmed-up spare processes for remaps and re-created roles (0: none); the
         missing ones start now and warm up in the background."""
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"spares must be a whole number >= 0, got {n!r}")
         self._spare_count = n
+        if not self._sets:  # not started: start() keeps them
+            return
         if self.spares is None and n:
             self.spares = SparePool({r: w.cls for r, w in self.workers.items()}, self.env)
             self._learn_modules(self._sets)

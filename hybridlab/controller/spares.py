@@ -9,8 +9,11 @@ devices. When a process set needs a process on a device bundle:
 1. a ``bundle_devices`` task runs in the bundle with the resources the worker would take; Ray
    runs it in one of its pooled task processes (milliseconds once one exists) and it returns the
    bundle's node and device ids, exactly what Ray would give a new worker process there;
-2. a ready spare on that node adopts the device ids (``CUDA_VISIBLE_DEVICES``, set before
-   anything touches a device) and becomes the bundle's worker process.
+2. a spare on that node (a ready one, else one still warming up, waited for) adopts the device
+   ids and thread count a new process would get (``CUDA_VISIBLE_DEVICES`` and
+   ``OMP_NUM_THREADS``, set before anything touches a device) and becomes the bundle's worker
+   process. Inside it ``ray.get_gpu_ids()`` is empty (Ray placed the task, not the spare);
+   ``CUDA_VISIBLE_DEVICES``, which the engines use, is the bundle's.
 
 The placement group keeps the bundle reserved for the session; what Ray's bookkeeping does not
 see is that an adopted spare uses it (the session places nothing else there beyond its mapping,
@@ -21,13 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import warnings
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayError
 
-WARM_TIMEOUT_S = 120.0  # a spare still warming up after this long is dropped (a new process is faster)
+WARM_TIMEOUT_S = 300.0  # a spare still warming up this long after it started is stuck: it is dropped
 
 
 @ray.remote(num_cpus=0)
@@ -46,6 +50,7 @@ class Spare:
     node_id: str
     warmed: Any                # ObjectRef of WorkerHost.warm(...)
     roles: dict[str, type]     # the roles its host class can run (role -> worker class)
+    started: float = dataclasses.field(default_factory=time.monotonic)
 
     def can_host(self, roles: dict[str, type]) -> bool:
         """Return True if this spare's host class runs ``roles`` (role -> worker class)."""
@@ -120,26 +125,37 @@ class SparePool:
         return len(ready)
 
     def take(self, node_id: str, roles: dict[str, type]) -> Any | None:
-        """Remove and return a spare on ``node_id`` that can host ``roles`` (a ready one first;
-        else one still warming up, further along than a new process), or None if there is none."""
+        """Remove and return a live spare on ``node_id`` that can host ``roles`` (a ready one
+        first; else one still warming up, waited for: it is further along than a new process),
+        or None if there is none. Dead or stuck spares met on the way are dropped."""
+        if self.disabled:
+            return None
         on_node = [s for s in self.spares if s.node_id in (node_id, "") and s.can_host(roles)]
         ready, _ = ray.wait([s.warmed for s in on_node], num_returns=len(on_node), timeout=0) if on_node else ([], [])
         for spare in sorted(on_node, key=lambda s: s.warmed not in ready):
             self.spares.remove(spare)
             try:
-                warmed = ray.get(spare.warmed, timeout=WARM_TIMEOUT_S)
-            except (RayActorError, RayTaskError, GetTimeoutError):  # died or stuck: try the next one
+                left = max(1.0, WARM_TIMEOUT_S - (time.monotonic() - spare.started))
+                warmed = ray.get(spare.warmed, timeout=left)
+                ray.get(spare.actor.ping.remote(), timeout=10.0)  # it may have died since it warmed up
+            except (RayError, GetTimeoutError):  # died or stuck: try the next one
                 ray.kill(spare.actor, no_restart=True)
                 continue
             if warmed["device_touched"]:
                 ray.kill(spare.actor, no_restart=True)
-                self.disabled = ("a spare's imports initialized CUDA, so spares cannot take devices on this"
-                                 " cluster; remaps start new processes")
-                warnings.warn(self.disabled)
+                self.disable("a spare's imports initialized CUDA, so spares cannot take devices on this cluster;"
+                             " remaps start new processes")
                 return None
             self.taken += 1
             return spare.actor
         return None
+
+    def disable(self, why: str) -> None:
+        """Stop every spare and start no more, saying ``why`` (a warning, and ``disabled``)."""
+        self.disabled = why
+        warnings.warn(why)
+        while self.spares:
+            ray.kill(self.spares.pop().actor, no_restart=True)
 
     def shutdown(self) -> None:
         """Stop every spare."""

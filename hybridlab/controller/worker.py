@@ -151,9 +151,14 @@ class WorkerHost:
             except (Exception, SystemExit):
                 failed.append(name)
         gc.freeze()  # imported objects live as long as the process; the collector need not scan them
-        torch = sys.modules.get("torch")
-        # A process that initialized CUDA here sees every device and cannot take one bundle's.
-        touched = bool(torch is not None and torch.cuda.is_initialized())
+        # A process whose imports loaded the CUDA driver (``torch.cuda.is_available()`` does) has
+        # fixed the devices it sees and cannot take one bundle's.
+        try:
+            with open("/proc/self/maps") as maps:
+                touched = "libcuda.so" in maps.read()
+        except OSError:
+            torch = sys.modules.get("torch")
+            touched = bool(torch is not None and torch.cuda.is_initialized())
         return {**self.placement(), "failed_imports": failed, "device_touched": touched}
 
     def loaded_modules(self) -> list[str]:
@@ -163,12 +168,18 @@ class WorkerHost:
 
         return [name for name in list(sys.modules) if not name.startswith("__")]
 
-    def adopt(self, lease: dict) -> dict:
+    def adopt(self, lease: dict, threads: int | None = None) -> dict:
         """Take a bundle's devices (``spares.bundle_devices``): their ids and the device variables
-        Ray sets there (``CUDA_VISIBLE_DEVICES``), before anything touches a device; returns
-        ``placement()`` with them."""
+        Ray sets there (``CUDA_VISIBLE_DEVICES``), before anything touches a device, and the
+        thread count a new process there would have; returns ``placement()`` with them."""
+        import sys
+
         self.gpu_ids = list(lease["gpu_ids"])
         os.environ.update(lease["env"])
+        if threads is not None:
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+            if "torch" in sys.modules:
+                sys.modules["torch"].set_num_threads(threads)
         return self.placement()
 
     def free_port(self) -> int:
