@@ -113,6 +113,42 @@ def session(ray_local):
     s.shutdown()
 
 
+def test_a_re_created_group_starts_in_warmed_spares_on_its_own_devices(ray_local):
+    # First in the module: the shared session below takes all four devices once it starts.
+    mapping = DeviceMapping.from_dict({"pools": {"p": {"devices": 2}}, "roles": {"critic": {"pool": "p", "dp": 2}}})
+    s = Session(mapping, {"critic": Probe}, timeout=60, spares=2).start()
+    try:
+        fresh = s.groups["critic"].devices()
+        assert s.spares.wait_ready(timeout=300) == 2
+        warmed = [ray.get(sp.warmed) for sp in s.spares.spares]
+        spare_pids = {w["pid"] for w in warmed}
+        # they imported what the running workers had imported (torch among it), without a device
+        assert "torch" in s.spares.modules and not any("torch" in w["failed_imports"] for w in warmed)
+        assert not any(w["device_touched"] for w in warmed)
+        assert not spare_pids & {d["pid"] for d in fresh}
+        group = s.recreate("critic")
+        adopted = group.devices()
+        assert {d["pid"] for d in adopted} == spare_pids and s.spares.taken == 2
+        # each spare took its bundle's device, as Ray gave it to the processes it replaced
+        assert sorted(d["cuda_visible"] for d in adopted) == sorted(d["cuda_visible"] for d in fresh)
+        assert sorted(p["gpu_ids"] for p in group.placements) == sorted([d["cuda_visible"]] for d in fresh)
+        assert group.all_reduce_ranks() == [1.0, 1.0]  # the rendezvous works between adopted spares
+        assert len(s.spares.spares) == 2  # replaced after use
+        # a spare that died while idle is passed over: its bundle gets a new process
+        assert s.spares.wait_ready(timeout=300) == 2
+        dead, alive = s.spares.spares
+        ray.kill(dead.actor, no_restart=True)
+        group = s.recreate("critic")
+        pids = {d["pid"] for d in group.devices()}
+        assert ray.get(alive.warmed)["pid"] in pids and len(pids) == 2 and s.spares.taken == 3
+        assert group.all_reduce_ranks() == [1.0, 1.0]
+        with pytest.raises(ValueError, match="spares must be a whole number >= 0, got -1"):
+            s.set_spares(-1)
+    finally:
+        s.shutdown()
+    assert s.spares.spares == []
+
+
 def test_placement_colocation_and_rendezvous(session):
     actor, reward, critic = (session.groups[r].where() for r in ("actor", "reward", "critic"))
     assert [w["rank"] for w in actor] == [0, 1, 2, 3]
@@ -233,37 +269,3 @@ def test_remap_recreates_only_changed_roles_and_validates_first(session):
     assert not set(after["critic"]) & set(before["critic"])
     session._hooks.clear()
 
-
-def test_a_re_created_group_starts_in_warmed_spares_on_its_own_devices(ray_local):
-    mapping = DeviceMapping.from_dict({"pools": {"p": {"devices": 2}}, "roles": {"critic": {"pool": "p", "dp": 2}}})
-    s = Session(mapping, {"critic": Probe}, timeout=60, spares=2).start()
-    try:
-        fresh = s.groups["critic"].devices()
-        assert s.spares.wait_ready(timeout=300) == 2
-        warmed = [ray.get(sp.warmed) for sp in s.spares.spares]
-        spare_pids = {w["pid"] for w in warmed}
-        # they imported what the running workers had imported (torch among it), without a device
-        assert "torch" in s.spares.modules and not any("torch" in w["failed_imports"] for w in warmed)
-        assert not any(w["device_touched"] for w in warmed)
-        assert not spare_pids & {d["pid"] for d in fresh}
-        group = s.recreate("critic")
-        adopted = group.devices()
-        assert {d["pid"] for d in adopted} == spare_pids and s.spares.taken == 2
-        # each spare took its bundle's device, as Ray gave it to the processes it replaced
-        assert sorted(d["cuda_visible"] for d in adopted) == sorted(d["cuda_visible"] for d in fresh)
-        assert sorted(p["gpu_ids"] for p in group.placements) == sorted([d["cuda_visible"]] for d in fresh)
-        assert group.all_reduce_ranks() == [1.0, 1.0]  # the rendezvous works between adopted spares
-        assert len(s.spares.spares) == 2  # replaced after use
-        # a spare that died while idle is passed over: its bundle gets a new process
-        assert s.spares.wait_ready(timeout=300) == 2
-        dead, alive = s.spares.spares
-        ray.kill(dead.actor, no_restart=True)
-        group = s.recreate("critic")
-        pids = {d["pid"] for d in group.devices()}
-        assert ray.get(alive.warmed)["pid"] in pids and len(pids) == 2 and s.spares.taken == 3
-        assert group.all_reduce_ranks() == [1.0, 1.0]
-        with pytest.raises(ValueError, match="spares must be a whole number >= 0, got -1"):
-            s.set_spares(-1)
-    finally:
-        s.shutdown()
-    assert s.spares.spares == []
