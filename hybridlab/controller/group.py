@@ -1,9 +1,9 @@
 """WorkerGroup: the controller-side handle of one role, whose methods fan out to its ranks.
 
-``launch_hosts`` places one WorkerHost per device bundle of a resource pool (a new process, or
+``spawn_hosts`` places one WorkerHost per device bundle of a resource pool (a new process, or
 a warmed-up spare), orders them by (node, device) so ranks map to devices stably, wires the
-torch.distributed rendezvous and starts constructing the role workers (``Launch.finish`` waits). Roles built into the same hosts are colocated (one process);
-each gets its own WorkerGroup over the shared hosts.
+torch.distributed rendezvous and constructs the role workers. Roles built into the same hosts
+are colocated (one process); each gets its own WorkerGroup over the shared hosts.
 """
 from __future__ import annotations
 
@@ -92,31 +92,12 @@ def _raise_for(exc: BaseException, role: str, rank: int, method: str) -> None:
     raise exc
 
 
-@dataclasses.dataclass
-class Launch:
-    """A process set whose role workers are being constructed (``finish`` waits for them)."""
-
-    hostset: HostSet
-    refs: list
-    timeout: float
-
-    def finish(self) -> HostSet:
-        """Wait until every rank has constructed its roles; returns the set (killed on a failure)."""
-        try:
-            _get_all(self.refs, list(range(len(self.refs))), ",".join(self.hostset.roles), "__init__", self.timeout)
-        except BaseException:
-            self.hostset.kill()
-            raise
-        return self.hostset
-
-
-def launch_hosts(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass], *, gpus: float = 1.0,
-                 cpus: float = 1.0, env: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S,
-                 spares: "SparePool | None" = None) -> Launch:
-    """Place one worker process per (placement group, bundle index) and start constructing
-    ``roles`` in each; returns the Launch to ``finish()``. A process comes from ``spares``
-    (warmed up, adopting the bundle's devices) where one is on the bundle's node, else it is
-    started here."""
+def spawn_hosts(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass], *, gpus: float = 1.0,
+                cpus: float = 1.0, env: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+                spares: "SparePool | None" = None) -> HostSet:
+    """Place one worker process per (placement group, bundle index) and construct ``roles`` in
+    each; returns the set. A process comes from ``spares`` (warmed up, adopting the bundle's
+    devices) where one is on the bundle's node, else it is started here."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     env = {k: str(v) for k, v in (env or {}).items()}
@@ -173,7 +154,13 @@ def launch_hosts(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass]
     master = (placements[0]["ip"], ray.get(hosts[0].free_port.remote(), timeout=timeout))
     specs = {name: (rc.cls, rc.args, rc.kwargs) for name, rc in roles.items()}
     refs = [h.start.remote(rank, len(hosts), master, specs) for rank, h in enumerate(hosts)]
-    return Launch(HostSet(hosts, placements, tuple(roles)), refs, timeout)
+    hostset = HostSet(hosts, placements, tuple(roles))
+    try:
+        _get_all(refs, list(range(len(hosts))), ",".join(roles), "__init__", timeout)
+    except BaseException:
+        hostset.kill()
+        raise
+    return hostset
 
 
 def _get_all(refs: list, ranks: list[int], role: str, method: str, timeout: float | None) -> list:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import ray
 
-from hybridlab.controller.group import DEFAULT_TIMEOUT_S, HostSet, RoleClass, WorkerGroup, launch_hosts
+from hybridlab.controller.group import DEFAULT_TIMEOUT_S, HostSet, RoleClass, WorkerGroup, spawn_hosts
 from hybridlab.controller.mapping import DeviceMapping, MappingError
 from hybridlab.controller.resources import ResourcePool, connect
 from hybridlab.controller.spares import SparePool
@@ -66,7 +66,8 @@ class Session:
         return self
 
     def _learn_modules(self, sets: list[HostSet]) -> None:
-        """Let spares import what these freshly built worker processes imported."""
+        """Let spares import what these worker processes imported (the engines import most of
+        theirs lazily while they are built: the cost a spare is for)."""
         if self.spares is not None and sets:
             for names in ray.get([s.hosts[0].loaded_modules.remote() for s in sets], timeout=self.timeout):
                 self.spares.learn_modules(names)
@@ -109,9 +110,9 @@ class Session:
             for pool_name, members in sets:
                 pool = self._pool(mapping, pool_name)
                 sharing = sum(1 for p, _ in mapping.process_sets() if p == pool_name)
-                done.append(launch_hosts(pool.bundles(), {m: self.workers[m] for m in members},
-                                         gpus=1.0 / sharing, cpus=pool.cpus_per_device / sharing, env=self.env,
-                                         timeout=self.timeout, spares=self.spares).finish())
+                done.append(spawn_hosts(pool.bundles(), {m: self.workers[m] for m in members},
+                                        gpus=1.0 / sharing, cpus=pool.cpus_per_device / sharing, env=self.env,
+                                        timeout=self.timeout, spares=self.spares))
         except BaseException:
             for hostset in done:
                 hostset.kill(close_timeout=5.0)
@@ -120,6 +121,7 @@ class Session:
             self._sets.append(hostset)
             for m in hostset.roles:
                 self.groups[m] = WorkerGroup(m, self.workers[m].cls, hostset, self.timeline, self.timeout, self.watch)
+        self._learn_modules(done)  # a role new to the spares (a critic added later) is warmed from now on
 
     def _teardown(self, roles: set[str], close_timeout: float = 15.0) -> None:
         for hostset in [s for s in self._sets if set(s.roles) & roles]:

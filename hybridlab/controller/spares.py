@@ -57,32 +57,19 @@ class Spare:
         return all(self.roles.get(r) is c for r, c in roles.items())
 
 
-def warm_modules(classes) -> tuple[str, ...]:
-    """Return the modules a spare imports for these worker classes: each class's module and
-    what it lists in ``warm_modules`` (its engine's heavy imports), without repeats."""
-    out: list[str] = []
-    for cls in classes:
-        for name in (cls.__module__, *getattr(cls, "warm_modules", ())):
-            if name not in out:
-                out.append(name)
-    return tuple(out)
-
-
 class SparePool:
     """Up to ``target`` warmed-up processes of one host class, spread over the cluster's nodes."""
 
     def __init__(self, roles: dict[str, type], env: dict[str, str]):
         self.roles, self.env = dict(roles), {k: str(v) for k, v in env.items()}
-        self.modules: list[str] = list(warm_modules(self.roles.values()))
+        self.modules: list[str] = []  # learned from running workers (learn_modules)
         self.target = 0
         self.spares: list[Spare] = []
         self.taken = 0  # spares that became worker processes, over the pool's life
         self.disabled = ""  # why spares cannot be used here (then none are started)
 
     def learn_modules(self, names: list[str]) -> None:
-        """Add modules a running worker process imported (in its order) to what spares import:
-        the engines import most of theirs lazily while they are built, which is the cost a
-        spare is for."""
+        """Add modules a running worker process imported (in its order) to what spares import."""
         known = set(self.modules)
         self.modules += [n for n in names if n not in known]
 

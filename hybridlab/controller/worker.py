@@ -61,9 +61,6 @@ class Worker:
     world_size: int = 1
     role: str = ""
     peers: dict = {}  # role -> worker object, for the roles colocated in this process
-    # Modules a spare process imports ahead of this role (its engine's heavy imports, which a
-    # worker module imports lazily); see controller/spares.py.
-    warm_modules: tuple[str, ...] = ()
 
     def dp_info(self) -> tuple[int, int, bool]:
         """Return (data-parallel rank, data-parallel size, answers for its DP group).
@@ -123,7 +120,7 @@ class WorkerHost:
         os.environ.update(env)
         self.workers: dict[str, Worker] = {}
         self.rank = -1
-        self.gpu_ids: list[str] | None = None  # set when a spare adopts a lease's devices
+        self.gpu_ids: list[str] | None = None  # set when a spare adopts a bundle's devices
         self._stacks = _register_stack_dump()
 
     def placement(self) -> dict:
@@ -141,7 +138,6 @@ class WorkerHost:
         that needs one raises the real error when it is built). Used by spare processes."""
         import gc
         import importlib
-
         import sys
 
         failed = []

@@ -21,8 +21,6 @@ KINDS = ("rule", "function", "model")  # "model" scores through compute_model_re
 class RewardWorker(Worker):
     """One rank of the reward role; ``kind`` picks the scorer."""
 
-    warm_modules = ("transformers",)
-
     def __init__(self, model_dir: str, kind: str = "rule", function: str | None = None,
                  format_score: float = 0.0, error_score: float = 0.0, timeout_s: float = 0.0):
         from transformers import AutoTokenizer

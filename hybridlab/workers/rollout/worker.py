@@ -27,8 +27,6 @@ class RolloutWorker(Worker):
     rank of an engine gets the same prompts, and the engine's first rank answers.
     """
 
-    warm_modules = ("vllm", "hybridlab.workers.rollout.vllm_engine", "transformers")
-
     def __init__(self, model_dir: str, backend: str = "vllm", max_model_len: int | None = None,
                  kv_cache_mb: int = 256, dtype: str = "float32", truncate_prompts: bool = False, seed: int = 0,
                  tp: int = 1):

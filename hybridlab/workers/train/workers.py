@@ -23,9 +23,6 @@ class TrainWorker(Worker):
 
     value_head = False
     frozen = False
-    warm_modules = ("megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs",
-                    "megatron.core.pipeline_parallel", "hybridlab.workers.train.checkpoint",
-                    "hybridlab.reshard.sources")
 
     def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, optim: OptimConfig | dict | None = None,
                  seed: int = 0, temperature: float = 1.0, micro_batch_size: int = 8, precision: str = "fp32"):
