@@ -189,10 +189,35 @@ def test_tp2_dp2_step(tiny):
         RESULTS["tp2dp2"] = gathered(s.groups["actor"])
 
 
+def test_packed_token_budget_micro_batches_give_the_padded_numbers_at_tp2_pp2(tiny):
+    """actor.remove_padding + actor.micro_batch_tokens: each micro-batch's sequences packed end
+    to end (attention kept inside each) in micro-batches cut by a token budget. The log-probs are
+    transformers' (zeros at the padding), the step's weights are the padded step's, and the
+    padded share of computed tokens drops; a live switch back gives the padded layout's share."""
+    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=tiny, tp=2, pp=2, optim=OPTIM, micro_batch_size=3,
+                                                         micro_batch_tokens=40, remove_padding=True))}
+    mask = BATCH["response_mask"].bool()
+    real, width = int(BATCH["attention_mask"].sum()), BATCH["attention_mask"].shape[1]
+    with session_for(roles, tp=2, pp=2) as s:
+        actor = s.groups["actor"]
+        lp = actor.compute_log_prob(BATCH)["old_log_probs"]
+        assert (lp.double() - hf_logprobs(tiny, BATCH))[mask].abs().max() < 1e-5
+        assert lp[~mask].abs().max() == 0.0
+        packed_share = actor.sft_step(BATCH)[0]["padded_token_share"]
+        RESULTS["packed_tp2pp2"] = gathered(actor)
+        # Packed micro-batches are padded only to the longest pack (one activation shape between
+        # pipeline stages); padded, 3 micro-batches of 3 rows (one repeated) of the full width.
+        assert 0.0 < packed_share < 0.5 * (1 - real / (8 * width))
+        actor.configure(remove_padding=False, micro_batch_tokens=0)
+        assert actor.settings()[0]["remove_padding"] is False
+        assert actor.compute_log_prob(BATCH)["old_log_probs"][~mask].abs().max() > 0  # the padded layout again
+        assert actor.sft_step(BATCH)[0]["padded_token_share"] == pytest.approx(1 - real / (9 * width))
+
+
 def test_one_step_gives_the_same_weights_in_every_layout(tiny):
     original = load_hf_state(tiny)
     assert max_diff(RESULTS["tp1"], original) > 5e-4          # the step moved the weights
-    for layout in ("tp2", "pp2", "tp2dp2"):
+    for layout in ("tp2", "pp2", "tp2dp2", "packed_tp2pp2"):
         # 1e-4 is a tenth of the step (lr 1e-3): AdamW's first step is +-lr per element, so a
         # wrong gradient anywhere would show as a difference of up to 2e-3. Micro-batches split
         # differently per layout (3+3+2 rows at DP1, 3+1 at DP2) and still give the same step.

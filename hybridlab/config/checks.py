@@ -134,6 +134,8 @@ def validate_config(cfg: RunConfig) -> None:
                        ("critic.ppo_mini_batch_size", cfg.critic.ppo_mini_batch_size),
                        ("critic.micro_batch_size", cfg.critic.micro_batch_size)):
         _at_least(p, key, value, 1)
+    _at_least(p, "actor.micro_batch_tokens", a.micro_batch_tokens, 0)
+    _at_least(p, "critic.micro_batch_tokens", cfg.critic.micro_batch_tokens, 0)
     ws = cfg.warm_start
     _at_least(p, "warm_start.max_steps", ws.max_steps, 0)
     for key, value in (("warm_start.eval_every", ws.eval_every), ("warm_start.eval_samples", ws.eval_samples),

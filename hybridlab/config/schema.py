@@ -137,6 +137,8 @@ class ActorConfig:
     ppo_mini_batch_size: int = 16       # prompts per optimizer step (x rollout.n sequences)
     ppo_epochs: int = 1
     micro_batch_size: int = 64          # sequences per forward/backward
+    micro_batch_tokens: int = 0         # >0: micro-batches by this token budget instead (verl's use_dynamic_bsz)
+    remove_padding: bool = False        # pack each micro-batch's sequences end to end (verl's use_remove_padding)
     precision: str = "fp32"             # or "bf16": matmuls in bf16 (autocast); weights, grads, AdamW stay fp32
     policy_loss: str = "vanilla"         # a name in hybridlab.algos.POLICY_LOSSES (verl's policy_loss.loss_mode
                                         # and its section are accepted too); its settings below
@@ -171,6 +173,8 @@ class CriticConfig:
     ppo_mini_batch_size: int = 16
     ppo_epochs: int = 1
     micro_batch_size: int = 64
+    micro_batch_tokens: int = 0         # as actor.micro_batch_tokens
+    remove_padding: bool = False        # as actor.remove_padding
     precision: str = "fp32"             # or "bf16", as actor.precision
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"

@@ -34,7 +34,8 @@ MAPPING_KEYS = ("mapping", "trainer.devices")
 def _train_settings(section: str, with_optim: bool = True) -> Callable[[RunConfig], dict]:
     def settings(cfg: RunConfig) -> dict:
         sec = getattr(cfg, section)
-        out = {"micro_batch_size": sec.micro_batch_size, "seed": cfg.trainer.seed,
+        out = {"micro_batch_size": sec.micro_batch_size, "micro_batch_tokens": sec.micro_batch_tokens,
+               "remove_padding": sec.remove_padding, "seed": cfg.trainer.seed,
                # log-probs under the sampling distribution (temperature 0 = greedy: scored at 1)
                "temperature": cfg.rollout.temperature or 1.0, "precision": sec.precision}
         if with_optim:
@@ -71,12 +72,13 @@ class RoleSpec:
         return RoleClass(self.worker_class(), (model_dir,), kwargs)
 
 
-_OPTIM = ("lr", "weight_decay", "grad_clip", "warmup_steps", "micro_batch_size", "precision")
+_BATCHING = ("micro_batch_size", "micro_batch_tokens", "remove_padding", "precision")
+_OPTIM = ("lr", "weight_decay", "grad_clip", "warmup_steps", *_BATCHING)
 ROLE_SPECS: dict[str, RoleSpec] = {spec.name: spec for spec in (
     RoleSpec("actor", "hybridlab.workers.train.workers:ActorWorker", _train_settings("actor"),
              live=tuple(f"actor.{k}" for k in _OPTIM) + ("rollout.temperature",), stateful=True, layout=("tp", "pp")),
     RoleSpec("ref", "hybridlab.workers.train.workers:RefWorker", _train_settings("actor", with_optim=False),
-             live=("actor.micro_batch_size", "actor.precision", "rollout.temperature"), layout=("tp", "pp")),
+             live=tuple(f"actor.{k}" for k in _BATCHING) + ("rollout.temperature",), layout=("tp", "pp")),
     RoleSpec("critic", "hybridlab.workers.train.workers:CriticWorker", _train_settings("critic"),
              live=tuple(f"critic.{k}" for k in _OPTIM), stateful=True, layout=("tp", "pp")),
     RoleSpec("rollout", "hybridlab.workers.rollout.worker:RolloutWorker",

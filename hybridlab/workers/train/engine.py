@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from hybridlab.workers.train import cpu_compat  # noqa: F401  (filters megatron's import warnings)
+from hybridlab.workers.train import packing
 from hybridlab.workers.train.convert import ModelSpec, load_hf_state
 from hybridlab.workers.train.model import build_model, init_parallel
 
@@ -125,6 +126,9 @@ class MegatronEngine:
         self.model = build_model(self.spec, tp, pp, load_hf_state(model_dir), value_head=value_head)
         self.optim_cfg = optim
         self.step_count = 0
+        # micro-batches by a token budget (0: by row count) and packed without padding (packing.py)
+        self.micro_batch_tokens, self.remove_padding = 0, False
+        self.padded_token_share = 0.0   # of the last forward or update
         self.optimizer = None
         if optim is not None:
             params = [p for p in self.model.parameters() if p.requires_grad]
@@ -146,22 +150,6 @@ class MegatronEngine:
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), collect
 
     # ------------------------------------------------------------- micro-batches
-    def _micro_batches(self, batch, micro_batch_size: int) -> tuple[list[dict], int]:
-        n = len(batch)
-        mbs = max(1, min(micro_batch_size, n))
-        count = -(-n // mbs)
-        pad = count * mbs - n
-        tensors = {k: v for k, v in batch.tensors.items()}
-        if pad:  # repeat row 0 and mask it out of every loss
-            tensors = {k: torch.cat([v, v[:1].expand(pad, *v.shape[1:])]) for k, v in tensors.items()}
-            if "response_mask" in tensors:
-                tensors["response_mask"][n:] = 0
-        micros = [{k: v[i * mbs:(i + 1) * mbs] for k, v in tensors.items()} for i in range(count)]
-        totals = self._global_totals(batch)
-        for m in micros:
-            m.update(totals, num_microbatches=count)
-        return micros, pad
-
     def _global_totals(self, batch) -> dict[str, torch.Tensor]:
         """Response tokens and sequences with at least one of them in the whole mini-batch, summed
         over DP ranks."""
@@ -177,6 +165,16 @@ class MegatronEngine:
 
     def _forward_step(self, loss_fn: LossFn | None, data_iterator, model):
         micro = next(data_iterator)
+        if "packed" in micro:
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            packed = micro["packed"]
+            cu, longest = packed["cu_seqlens"], packed["max_seqlen"]
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                     max_seqlen_kv=longest)
+            ids = packed["input_ids"]
+            output = model(ids, torch.arange(ids.shape[1]).unsqueeze(0), None, packed_seq_params=params)
+            return output, partial(self._loss, loss_fn, micro)
         mask = micro["attention_mask"]
         position_ids = micro.get("position_ids")
         if position_ids is None:
@@ -196,15 +194,30 @@ class MegatronEngine:
         return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
 
     def _outputs(self, output: torch.Tensor, micro: dict) -> dict:
+        """Return the per-response-token outputs, [rows, response_len]. Packed, only the real
+        response tokens are computed (zeros stand at the padding)."""
         resp_len = micro["responses"].shape[1]
+        targets = micro["responses"]
+        if "packed" in micro:
+            real = micro["attention_mask"][:, -resp_len:].bool()
+            output = output[0, micro["packed"]["response_index"][real]]  # [real tokens, vocab or 1]
+            targets = targets[real]
+        else:
+            output = output[:, -resp_len - 1:-1]
         if self.value_head:  # value of the state before each response token
-            return {"values": output[:, -resp_len - 1:-1, 0].float()}
-        logits = output[:, -resp_len - 1:-1, :].float() / self.temperature  # bf16 logits: softmax in fp32
-        if micro.get("sum_pi_squared"):
-            logp, entropy, squares = vocab_parallel_logprobs_entropy(logits, micro["responses"], sum_pi_squared=True)
-            return {"log_probs": logp, "entropy": entropy, "sum_pi_squared": squares}
-        logp, entropy = vocab_parallel_logprobs_entropy(logits, micro["responses"])
-        return {"log_probs": logp, "entropy": entropy}
+            named = {"values": output[..., 0].float()}
+        else:
+            logits = output.float() / self.temperature  # bf16 logits: softmax in fp32
+            names = ("log_probs", "entropy", "sum_pi_squared")
+            named = dict(zip(names, vocab_parallel_logprobs_entropy(logits, targets,
+                                                                    bool(micro.get("sum_pi_squared")))))
+        if "packed" not in micro:
+            return named
+        out = {}
+        for key, values in named.items():
+            out[key] = values.new_zeros(real.shape)
+            out[key][real] = values
+        return out
 
     def _loss(self, loss_fn: LossFn | None, micro: dict, output: torch.Tensor):
         outputs = self._outputs(output, micro)
@@ -218,19 +231,31 @@ class MegatronEngine:
                                                   for k, v in metrics.items()}
 
     def _run(self, batch, micro_batch_size: int, loss_fn: LossFn | None,
-             sum_pi_squared: bool = False) -> tuple[list[dict], int]:
+             sum_pi_squared: bool = False) -> tuple[list[dict], list[packing.MicroBatch]]:
+        """Run the schedule over the batch's micro-batches; return what the last stage stored
+        per micro-batch and the micro-batches (their rows, for putting outputs back in order)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        micros, pad = self._micro_batches(batch, micro_batch_size)
-        for micro in micros:  # what _outputs computes besides log-probs and entropy
-            micro["sum_pi_squared"] = sum_pi_squared
-        seq = micros[0]["input_ids"].shape[1]
+        micros, _ = packing.micro_batches(batch.tensors, micro_batch_size, self.micro_batch_tokens,
+                                          self.remove_padding)
+        totals = self._global_totals(batch)
+        # Pipeline stages exchange activations of one shape: packed micro-batches are padded alike.
+        pad_to = max(m.computed_tokens for m in micros) if self.remove_padding and self.pp > 1 else 0
+        inputs = []
+        for m in micros:
+            micro = {**m.tensors, **totals, "num_microbatches": len(micros), "sum_pi_squared": sum_pi_squared}
+            if self.remove_padding:
+                micro["packed"] = packing.pack(m.tensors, pad_to)
+                m.computed_tokens = micro["packed"]["input_ids"].shape[1]
+            inputs.append(micro)
+        self.padded_token_share = packing.padded_share(micros, int(batch["attention_mask"].sum()))
+        shape = inputs[0]["packed"]["input_ids"].shape if self.remove_padding else inputs[0]["input_ids"].shape
         with self._autocast():
             store = get_forward_backward_func()(
-                forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(micros),
-                model=[self.model], num_microbatches=len(micros), seq_length=seq,
-                micro_batch_size=micros[0]["input_ids"].shape[0], forward_only=loss_fn is None)
-        return store, pad
+                forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(inputs),
+                model=[self.model], num_microbatches=len(inputs), seq_length=shape[1],
+                micro_batch_size=shape[0], forward_only=loss_fn is None)
+        return store, micros
 
     # -------------------------------------------------------------- public API
     @torch.no_grad()
@@ -240,11 +265,10 @@ class MegatronEngine:
         [batch, response_len], and with ``sum_pi_squared`` the sum of squared token
         probabilities per position, on the answering rank; None on the other ranks."""
         self.model.eval()
-        store, pad = self._run(batch, micro_batch_size, None, sum_pi_squared=sum_pi_squared)
+        store, micros = self._run(batch, micro_batch_size, None, sum_pi_squared=sum_pi_squared)
         if not store:
             return None
-        out = {k: torch.cat([s[k] for s in store]) for k in store[0]}
-        return {k: v[:len(v) - pad] for k, v in out.items()}
+        return {k: packing.gather_rows([s[k] for s in store], micros, len(batch)) for k in store[0]}
 
     def train_step(self, batch, loss_fn: LossFn, micro_batch_size: int = 8) -> dict[str, float]:
         """Accumulate gradients of ``loss_fn`` over micro-batches, average over DP, clip and step.
@@ -257,6 +281,7 @@ class MegatronEngine:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         store, _ = self._run(batch, micro_batch_size, loss_fn)
+        padded_token_share = self.padded_token_share
         self._finalize_grads()
         grad_norm = self._clip_grads(self.optim_cfg.grad_clip)
         lr = self.optim_cfg.lr * self.optim_cfg.lr_factor(self.step_count)
@@ -267,7 +292,7 @@ class MegatronEngine:
             self.optimizer.step()
         self.step_count += 1
         metrics = self._reduce_metrics(store)
-        metrics.update(grad_norm=grad_norm, lr=lr, skipped=0.0 if finite else 1.0)
+        metrics.update(grad_norm=grad_norm, lr=lr, skipped=0.0 if finite else 1.0, padded_token_share=padded_token_share)
         return metrics
 
     # ------------------------------------------------------------------ grads

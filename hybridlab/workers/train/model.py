@@ -64,6 +64,8 @@ def _sdpa_attention_class():
     class SDPAttention(DotProductAttention):
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
+            if packed_seq_params is not None:
+                return self._packed(query, key, value, packed_seq_params.cu_seqlens_q)
             # [s, b, heads, dim] -> [b, heads, s, dim]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             if attention_mask is None:
@@ -75,6 +77,19 @@ def _sdpa_attention_class():
                                                      enable_gqa=True)
             # [b, heads, s, dim] -> [s, b, heads * dim]
             return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+        def _packed(self, query, key, value, cu_seqlens):
+            """Causal attention within each segment of a packed sequence ([t, heads, dim]);
+            returns [t, heads * dim]."""
+            bounds = cu_seqlens.tolist()
+            parts = []
+            for start, end in zip(bounds[:-1], bounds[1:]):
+                # [t, heads, dim] -> [1, heads, t, dim]
+                q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                                     enable_gqa=True)
+                parts.append(out[0].transpose(0, 1).reshape(end - start, -1))
+            return torch.cat(parts)
 
     return SDPAttention
 

@@ -25,7 +25,8 @@ class TrainWorker(Worker):
     frozen = False
 
     def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, optim: OptimConfig | dict | None = None,
-                 seed: int = 0, temperature: float = 1.0, micro_batch_size: int = 8, precision: str = "fp32"):
+                 seed: int = 0, temperature: float = 1.0, micro_batch_size: int = 8, precision: str = "fp32",
+                 micro_batch_tokens: int = 0, remove_padding: bool = False):
         if isinstance(optim, dict):
             optim = OptimConfig(**optim)
         if optim is None and not self.frozen:
@@ -34,6 +35,7 @@ class TrainWorker(Worker):
         self.engine = MegatronEngine(model_dir, tp, pp, value_head=self.value_head,
                                      optim=None if self.frozen else optim, seed=seed, temperature=temperature,
                                      precision=precision)
+        self.engine.micro_batch_tokens, self.engine.remove_padding = micro_batch_tokens, remove_padding
 
     def dp_info(self) -> tuple[int, int, bool]:
         return self.engine.dp_info()
@@ -69,8 +71,10 @@ class TrainWorker(Worker):
 
     @register(Dispatch.ALL)
     def configure(self, micro_batch_size: int | None = None, temperature: float | None = None,
-                  optim: dict | None = None, seed: int | None = None, precision: str | None = None) -> None:
-        """Apply settings to the running worker (between steps): micro-batch size, log-prob
+                  optim: dict | None = None, seed: int | None = None, precision: str | None = None,
+                  micro_batch_tokens: int | None = None, remove_padding: bool | None = None) -> None:
+        """Apply settings to the running worker (between steps): micro-batching (rows, token
+        budget, packing), log-prob
         temperature, compute precision (fp32 or bf16 autocast; weights and moments stay fp32) and
         optimizer settings (lr, weight decay, clipping, warm-up), keeping the optimizer's moments
         and the schedule's position. ``seed`` is only checked: it is fixed."""
@@ -84,6 +88,10 @@ class TrainWorker(Worker):
             raise ValueError(f"the seed is fixed once a worker runs (have {self.seed}, got {seed})")
         if micro_batch_size is not None:
             self.micro_batch_size = micro_batch_size
+        if micro_batch_tokens is not None:
+            self.engine.micro_batch_tokens = micro_batch_tokens
+        if remove_padding is not None:
+            self.engine.remove_padding = remove_padding
         if temperature is not None:
             self.engine.temperature = temperature
         if optim is not None and self.engine.optimizer is not None:
@@ -93,10 +101,11 @@ class TrainWorker(Worker):
 
     @register(Dispatch.ALL)
     def settings(self) -> dict:
-        """Return this rank's live settings: micro_batch_size, temperature, optim (as a dict)."""
+        """Return this rank's live settings: micro-batching, temperature, precision and optim (a dict)."""
         optim = dataclasses.asdict(self.engine.optim_cfg) if self.engine.optimizer is not None else None
-        return {"micro_batch_size": self.micro_batch_size, "temperature": self.engine.temperature, "optim": optim,
-                "precision": self.engine.precision}
+        return {"micro_batch_size": self.micro_batch_size, "micro_batch_tokens": self.engine.micro_batch_tokens,
+                "remove_padding": self.engine.remove_padding, "temperature": self.engine.temperature,
+                "optim": optim, "precision": self.engine.precision}
 
     @register(Dispatch.ALL)
     def load_state(self, boxed: list) -> None:

@@ -1,0 +1,116 @@
+"""Micro-batches for the training engine: by row count or by a token budget, padded or packed.
+
+A batch arrives in verl's layout, every row padded to one width (left-padded prompt + right-
+padded response). Two settings change how the engine cuts it into micro-batches (verl's
+``use_dynamic_bsz`` and ``use_remove_padding``):
+
+- ``tokens`` > 0: each micro-batch holds as many rows as fit in that many tokens (first fit,
+  longest rows first) instead of a fixed row count. Padded, a row costs the batch width;
+  packed, its real length.
+- ``packed``: the real tokens of a micro-batch's rows are laid end to end in one sequence,
+  with ``cu_seqlens`` marking where each row starts. Attention stays inside each row (the
+  engine's attention runs one causal kernel per segment), and RoPE restarts per row, so every
+  log-prob equals the padded computation's; only the padding's matmuls are gone.
+
+``padded_share`` reports the share of the tokens the model computed that were padding.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One micro-batch: per-row tensors of its rows, and where they sit in the batch."""
+
+    tensors: dict[str, torch.Tensor]  # rows of the batch (padded layout), as the loss sees them
+    rows: list[int]                   # their indices in the batch
+    computed_tokens: int              # tokens the model runs on (padding included)
+
+
+def plan(lengths: list[int], width: int, rows: int, tokens: int = 0, packed: bool = False) -> list[list[int]]:
+    """Return the row indices of each micro-batch.
+
+    ``tokens`` 0: consecutive runs of ``rows`` rows. Otherwise rows are placed longest first into
+    the first micro-batch with room for them under ``tokens``, a row costing ``width`` (padded)
+    or its real length (packed); a row longer than the budget gets a micro-batch of its own.
+    """
+    n = len(lengths)
+    if tokens <= 0:
+        size = max(1, min(rows, n))
+        return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+    cost = [length if packed else width for length in lengths]
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(n), key=lambda r: -cost[r]):
+        slot = next((b for b, free in enumerate(room) if free >= cost[i]), None)
+        if slot is None:
+            bins.append([i])
+            room.append(tokens - cost[i])
+        else:
+            bins[slot].append(i)
+            room[slot] -= cost[i]
+    return [sorted(b) for b in bins]
+
+
+def pack(tensors: dict[str, torch.Tensor], pad_to: int = 0, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Return the packed model inputs of one micro-batch: ``input_ids`` [1, T] (its rows' real
+    tokens end to end), ``cu_seqlens`` (int32, row starts plus T), ``max_seqlen`` and
+    ``response_index`` [rows, response_len]: where in the packed sequence sits the logit that
+    predicts each response token. ``pad_to`` > T appends a padding segment up to that length
+    (pipeline stages exchange activations of one fixed shape)."""
+    mask = tensors["attention_mask"].bool()
+    lengths = mask.sum(1)
+    ids = tensors["input_ids"][mask]  # row-major: row 0's real tokens, then row 1's, ...
+    where = (mask.flatten().long().cumsum(0) - 1).clamp(min=0).view(mask.shape)
+    resp_len = tensors["responses"].shape[1]
+    response_index = where[:, -resp_len - 1:-1]
+    if pad_to > ids.numel():
+        extra = pad_to - ids.numel()
+        ids = torch.cat([ids, ids.new_full((extra,), pad_id)])
+        lengths = torch.cat([lengths, lengths.new_tensor([extra])])
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = lengths.cumsum(0)
+    return {"input_ids": ids.unsqueeze(0), "cu_seqlens": cu, "max_seqlen": int(lengths.max()),
+            "response_index": response_index}
+
+
+def micro_batches(tensors: dict[str, torch.Tensor], rows: int, tokens: int = 0,
+                  packed: bool = False) -> tuple[list[MicroBatch], int]:
+    """Return the micro-batches of a batch's tensors, and how many padding rows were added (the
+    padded layout repeats row 0, masked out of the loss, so that all micro-batches have one
+    shape, as Megatron's pipeline schedule wants)."""
+    mask = tensors["attention_mask"]
+    n, width = mask.shape
+    groups = plan(mask.sum(1).tolist(), width, rows, tokens, packed)
+    pad = 0
+    if not packed and tokens <= 0 and n % len(groups[0]):
+        pad = len(groups) * len(groups[0]) - n
+        tensors = {k: torch.cat([v, v[:1].expand(pad, *v.shape[1:])]) for k, v in tensors.items()}
+        if "response_mask" in tensors:
+            tensors["response_mask"][n:] = 0
+        groups[-1] = list(range(groups[-1][0], n + pad))
+    out = []
+    for group in groups:
+        index = torch.as_tensor(group)
+        part = {k: v.index_select(0, index) for k, v in tensors.items()}
+        computed = int(part["attention_mask"].sum()) if packed else len(group) * width
+        out.append(MicroBatch(part, group, computed))
+    return out, pad
+
+
+def padded_share(micros: list[MicroBatch], real_tokens: int) -> float:
+    """Return the share of computed tokens that were padding (0 when every token was real)."""
+    computed = sum(m.computed_tokens for m in micros)
+    return 1.0 - real_tokens / computed if computed else 0.0
+
+
+def gather_rows(values: list[torch.Tensor], micros: list[MicroBatch], n: int) -> torch.Tensor:
+    """Return the per-row outputs of every micro-batch put back in batch order (first ``n`` rows)."""
+    rows = torch.as_tensor([r for m in micros for r in m.rows])
+    stacked = torch.cat(values)
+    out = stacked.new_zeros((int(rows.max()) + 1, *stacked.shape[1:]))
+    out[rows] = stacked
+    return out[:n]

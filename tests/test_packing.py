@@ -1,0 +1,43 @@
+"""How the training engine cuts a batch into micro-batches (packing.py), without the engine."""
+import torch
+
+from hybridlab.batching import sequences_batch
+from hybridlab.workers.train import packing
+
+
+def test_token_budget_plans_fit_the_budget_and_cover_every_row_once():
+    lengths = [30, 5, 12, 40, 7, 7, 25, 3]
+    groups = packing.plan(lengths, width=40, rows=2, tokens=45, packed=True)
+    assert sorted(r for g in groups for r in g) == list(range(8))
+    assert all(sum(lengths[r] for r in g) <= 45 for g in groups)
+    assert len(groups) == 3  # 129 tokens need at least 3 micro-batches of 45
+    # padded, every row costs the full width: one row per 45 tokens ... and a longer row alone
+    assert packing.plan(lengths, width=40, rows=2, tokens=45) == [[i] for i in range(8)]
+    assert packing.plan([50, 10], width=50, rows=2, tokens=20, packed=True) == [[0], [1]]
+    assert packing.plan(lengths, width=40, rows=3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+def test_pack_lays_real_tokens_end_to_end_and_points_at_each_response_token_predictor():
+    batch = sequences_batch([[11, 12, 13], [21]], [[14, 15], [22, 23, 24]], pad_id=0)
+    packed = packing.pack(batch.tensors)
+    assert packed["input_ids"].tolist() == [[11, 12, 13, 14, 15, 21, 22, 23, 24]]
+    assert packed["cu_seqlens"].tolist() == [0, 5, 9] and packed["max_seqlen"] == 5
+    ids = packed["input_ids"][0]
+    real = batch["response_mask"].bool()
+    # the logit at response_index predicts the next token: the response token itself follows it
+    assert ids[packed["response_index"][real] + 1].tolist() == batch["responses"][real].tolist()
+    padded = packing.pack(batch.tensors, pad_to=12)
+    assert padded["input_ids"].shape == (1, 12) and padded["cu_seqlens"].tolist() == [0, 5, 9, 12]
+
+
+def test_micro_batches_put_outputs_back_in_batch_order_and_count_padding():
+    batch = sequences_batch([[1, 2], [3], [4, 5, 6], [7]], [[8], [9, 9, 9, 9], [8, 8], [9]], pad_id=0)
+    micros, pad = packing.micro_batches(batch.tensors, rows=2, tokens=6, packed=True)
+    assert pad == 0 and sorted(r for m in micros for r in m.rows) == [0, 1, 2, 3]
+    assert packing.padded_share(micros, int(batch["attention_mask"].sum())) == 0.0
+    values = [m.tensors["input_ids"][:, :1].float() for m in micros]
+    assert torch.equal(packing.gather_rows(values, micros, 4), batch["input_ids"][:, :1].float())
+    micros, pad = packing.micro_batches(batch.tensors, rows=3)
+    assert pad == 2 and [len(m.rows) for m in micros] == [3, 3]
+    assert micros[1].tensors["response_mask"][1:].sum() == 0  # the repeated rows are out of every loss
+    assert packing.padded_share(micros, 15) == 1 - 15 / (6 * 7)
