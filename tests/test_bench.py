@@ -44,15 +44,22 @@ def test_bench_sync_json(ray_local, capfd):
     assert result["bytes_moved"] <= result["tp_shard_bytes"] < result["tp_bytes_moved"]
 
 
-def test_bench_e2e_json_against_trl(ray_local, capfd):
-    result = _bench(["e2e", "--model", "tiny", "--prompts-per-step", "2", "--group", "2", "--max-new-tokens", "8",
-                     "--steps", "1", "--warmup", "0", "--precision", "bf16"], capfd)
+def test_bench_e2e_variable_lengths_against_trl(ray_local, capfd):
+    """The variable-length workload: a model warm-started on reverse ends its answers by itself on
+    both sides (lengths counted from what each generated), packing leaves no padded token."""
+    result = _bench(["e2e", "--model", "tiny", "--prompts-per-step", "2", "--group", "4", "--steps", "1",
+                     "--warmup", "0", "--precision", "bf16", "--workload", "variable", "--warm-steps", "100",
+                     "--packing", "on"], capfd)
     assert {"median_step_s", "completion_tokens_per_s", "params", "prompts_per_step", "group", "max_new_tokens",
             "trl_completion_tokens_per_s", "speedup_vs_trl", "median_step_s_telemetry_off",
-            "telemetry_overhead_pct", "precision", "processor", "workload", "placement", "device_busy"} <= set(result)
-    assert result["precision"] == "bf16" and set(result["trl_tokens_per_s_by_precision"]) == {"fp32", "bf16"}
+            "telemetry_overhead_pct", "precision", "processor", "workload", "placement", "device_busy",
+            "padded_token_share", "stages_s"} <= set(result)
+    assert (result["workload"], result["precision"], result["max_new_tokens"]) == ("variable_length", "bf16", 256)
+    assert set(result["trl_tokens_per_s_by_setting"]) == {"fp32", "bf16"}
     assert result["telemetry_sessions"] == 2  # on, off, off, on
-    assert (result["prompts_per_step"], result["group"], result["max_new_tokens"]) == (2, 2, 8)
+    for lengths in (result["response_length"], result["trl_response_length"]):
+        assert lengths["p50"] < 256 and lengths["max"] <= 256  # stopped by itself, under the cap
+    assert result["padded_token_share"] == 0.0 and result["padded_token_share_of_layout"] > 0.2
     assert 500_000 < result["params"] < 800_000 and result["speedup_vs_trl"] > 0
 
 
@@ -69,7 +76,8 @@ def test_bench_precision_json_runs_bf16_on_both_sides(ray_local, capfd):
 
 def test_bench_e2e_split_placement_overlaps_on_two_devices(ray_local, capfd):
     result = _bench(["e2e", "--model", "tiny", "--prompts-per-step", "2", "--group", "2", "--max-new-tokens", "8",
-                     "--steps", "2", "--warmup", "1", "--placement", "split", "--peer", "none"], capfd)
+                     "--steps", "2", "--warmup", "1", "--placement", "split", "--peer", "none", "--workload", "fixed"],
+                    capfd)
     assert result["placement"] == "split" and "speedup_vs_trl" not in result
     assert result["rollout_staleness"] == 1  # the rollout ran one step ahead, overlapping the update
     assert {"generate", "update_actor", "sync_weights"} <= set(result["stages_s"])

@@ -1,19 +1,25 @@
 """End-to-end GRPO steps: hybridlab (vLLM rollout + Megatron training through Ray) against
-Hugging Face TRL's GRPOTrainer on the CPU, same model, task, batch, group and lengths.
+Hugging Face TRL's GRPOTrainer on the CPU, same model, task, batch, group, lengths rule, reward
+and threads, one after the other in this process (TRL) and in Ray workers (ours). Both take one
+optimizer step per RL step without a reference model (TRL's default beta=0).
 
-Both generate exactly ``max_new_tokens`` per completion (end-of-sequence ignored; TRL through
-``min_new_tokens``), score them with the arith rule, and take one optimizer step per RL step
-without a reference model (TRL's default beta=0). Both run with the same number of threads,
-one after the other in this process (TRL) and in Ray workers (ours). Ours runs four times,
-with the telemetry hub on (the reported figures), off, off and on again: alternating cancels
-the drift between sessions, which one on/off pair mistook for a telemetry cost of -3% to +11%.
+Two workloads (issue 18):
+- ``fixed``: arith, exactly ``max_new_tokens`` per completion (end-of-sequence ignored; TRL
+  through ``min_new_tokens``), the model as the zoo builds it.
+- ``variable``: reverse with 3 to 48 letters, up to 256 new tokens, each completion ending at its
+  own end-of-sequence on both sides, from the model warm-started on that task (cached) so that
+  it stops by itself. Response-length percentiles of both sides are reported.
 
-Levers (issue 18): ``precision=bf16`` runs both our engines in bf16 and TRL both ways (its
-faster is the peer); ``placement=split`` puts the rollout and the actor on a device and a
-thread each, the rollout one step ahead (off-policy) so generation overlaps the update.
+Completion tokens are counted from what each side generated. Ours runs four times, with the
+telemetry hub on (the reported figures), off, off and on again: alternating cancels the drift
+between sessions. Levers: ``precision=bf16`` runs both our engines in bf16 and TRL both ways
+(its faster is the peer); ``placement=split`` puts the rollout and the actor on a device and a
+thread each, the rollout one step ahead (off-policy) so generation overlaps the update;
+``packing=on`` packs the actor's micro-batches without padding, cut by a token budget.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -30,8 +36,44 @@ SPLIT = ["mapping={pools: {train: {devices: 1}, gen: {devices: 1}}, roles: {acto
 PLACEMENTS = ("colocated", "split")
 
 
-def _config(model: str, prompts_per_step: int, group: int, max_new_tokens: int, steps: int, run_dir: str,
-            telemetry: bool = True, precision: str = "fp32", placement: str = "colocated") -> list[str]:
+PACKING = ["actor.remove_padding=true", "actor.micro_batch_tokens=4096"]
+WORKLOADS = ("fixed", "variable", "both")
+VARIABLE_TASK = {"min_len": 3, "max_len": 48}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What both sides run: the task, its options, the model and the lengths rule."""
+
+    name: str              # as reported: fixed_length or variable_length
+    task: str
+    task_options: dict
+    model_dir: str
+    max_new_tokens: int
+    ignore_eos: bool       # every completion exactly max_new_tokens long
+
+
+def warm_model(model: str, task: str, options: dict, steps: int) -> str:
+    """Return a checkpoint of zoo ``model`` trained ``steps`` supervised steps on ``task``
+    (cached under hybridlab's home, so the cost is paid once per machine): enough for it to end
+    its answers with end-of-sequence, as RL users' models do."""
+    from hybridlab import sft
+    from hybridlab.evaluate import load_hf
+    from hybridlab.models.zoo import home, resolve_model
+    from hybridlab.tasks import get_task
+
+    tag = "-".join(f"{k}{v}" for k, v in sorted(options.items()))
+    out = home() / "warm" / f"{model}-{task}-{tag}-{steps}steps"
+    if not (out / "config.json").is_file():
+        hf_model, tokenizer = load_hf(resolve_model(model))
+        sft.train(hf_model, tokenizer, get_task(task, **options),
+                  sft.SFTConfig(steps=steps, max_seconds=float("inf"), batch_size=32), progress=False)
+        sft.save_checkpoint(hf_model, tokenizer, out)
+    return str(out)
+
+
+def _config(work: Workload, prompts_per_step: int, group: int, steps: int, run_dir: str, telemetry: bool = True,
+            precision: str = "fp32", placement: str = "colocated", packing: bool = False) -> list[str]:
     # bf16 or split: the rollout's log-probs (of another precision, or one update stale) still
     # stand in for the old policy's, as verl's bypass mode (PPO clip against them; the gap is
     # logged as rollout_corr/*)
@@ -39,43 +81,53 @@ def _config(model: str, prompts_per_step: int, group: int, max_new_tokens: int, 
     levers += SPLIT if placement == "split" else []
     if levers:
         levers.append("algorithm.rollout_correction.bypass_mode=true")
-    return [f"model={model}", "warm_start.max_steps=0", f"data.prompts_per_step={prompts_per_step}",
-            f"rollout.n={group}", f"rollout.max_new_tokens={max_new_tokens}", "rollout.ignore_eos=true",
-            "rollout.kv_cache_mb=256", f"actor.ppo_mini_batch_size={prompts_per_step}", "actor.use_kl_loss=false",
+    levers += PACKING if packing else []
+    options = ", ".join(f"{k}: {v}" for k, v in work.task_options.items())
+    return [f"model={work.model_dir}", "warm_start.max_steps=0", f"data.task={work.task}",
+            f"data.task_options={{{options}}}", f"data.prompts_per_step={prompts_per_step}",
+            f"rollout.n={group}", f"rollout.max_new_tokens={work.max_new_tokens}",
+            f"rollout.ignore_eos={str(work.ignore_eos).lower()}", "rollout.kv_cache_mb=256",
+            f"actor.ppo_mini_batch_size={prompts_per_step}", "actor.use_kl_loss=false",
             "actor.micro_batch_size=64", "actor.lr=1e-5", f"trainer.steps={steps}", "trainer.progress=false",
             f"trainer.telemetry={str(telemetry).lower()}", f"trainer.run_dir={run_dir}", "data.test_samples=8",
             "dataflow=[generate, reward, rollout_as_old_logprob, advantages, update_actor, sync_weights]", *levers]
 
 
-def ours(model_dir: str, prompts_per_step: int, group: int, max_new_tokens: int, steps: int, warmup: int,
-         telemetry: bool = True, precision: str = "fp32", placement: str = "colocated") -> dict:
-    """Return per-step seconds and completion tokens of hybridlab's GRPO steps."""
+def ours(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: int, telemetry: bool = True,
+         precision: str = "fp32", placement: str = "colocated", packing: bool = False) -> dict:
+    """Return per-step seconds, completion tokens and lengths of hybridlab's GRPO steps, with the
+    padded share of the actor's tokens and of the padded layout."""
     from hybridlab.dataflow.session import RLSession
 
     with tempfile.TemporaryDirectory() as tmp:
-        rl = RLSession(None, _config(model_dir, prompts_per_step, group, max_new_tokens, steps, f"{tmp}/run",
-                                     telemetry, precision, placement))
+        rl = RLSession(None, _config(work, prompts_per_step, group, steps, f"{tmp}/run", telemetry, precision,
+                                     placement, packing))
         try:
             rl.start()
-            seconds, tokens, busy, stale = [], [], [], []
+            seconds, tokens, lengths, busy, stale, padded, layout = [], [], [], [], [], [], []
             for i in range(warmup + steps):
                 start = time.perf_counter()
                 result = rl.step()
                 if i >= warmup:
                     seconds.append(time.perf_counter() - start)
-                    tokens.append(int(result.batch["response_mask"].sum()))
+                    mask = result.batch["response_mask"]
+                    tokens.append(int(mask.sum()))
+                    lengths += mask.sum(-1).tolist()
                     busy.append(result.metrics.get("perf/device_busy", float("nan")))
                     stale.append(result.metrics.get("rollout/staleness", 0))
+                    padded.append(result.metrics["actor/padded_token_share"])
+                    attention = result.batch["attention_mask"]
+                    layout.append(1 - float(attention.sum()) / attention.numel())
             stage_s = {k.split("/")[1][:-2]: round(v, 3) for k, v in result.metrics.items() if k.startswith("timing/")}
         finally:
             rl.shutdown()
-    return {"seconds": seconds, "tokens": tokens, "last_step_stages_s": stage_s, "device_busy": busy,
-            "staleness": max(stale, default=0)}
+    return {"seconds": seconds, "tokens": tokens, "lengths": lengths, "last_step_stages_s": stage_s,
+            "device_busy": busy, "staleness": max(stale, default=0), "padded": padded, "layout_padded": layout}
 
 
-def trl(model_dir: str, prompts_per_step: int, group: int, max_new_tokens: int, steps: int, warmup: int,
-        threads: int, bf16: bool = False) -> dict:
-    """Return per-step seconds and completion tokens of TRL's GRPOTrainer on the same work."""
+def trl(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: int, threads: int,
+        bf16: bool = False, gradient_checkpointing: bool = False) -> dict:
+    """Return per-step seconds, completion tokens and lengths of TRL's GRPOTrainer on the same work."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -86,11 +138,13 @@ def trl(model_dir: str, prompts_per_step: int, group: int, max_new_tokens: int, 
     from hybridlab.tasks import get_task
 
     torch.set_num_threads(threads)
-    task = get_task("arith")
+    task = get_task(work.task, **work.task_options)
     samples = task.split("train", prompts_per_step * (steps + warmup) * 2, seed=0)
     data = Dataset.from_dict({"prompt": [s.prompt for s in samples], "ground_truth": [s.ground_truth for s in samples]})
+    generated: list[list[int]] = []  # completion lengths of each generation batch, as TRL produced them
 
-    def reward(completions, ground_truth, **_):
+    def reward(completions, ground_truth, completion_ids, **_):
+        generated.append([len(ids) for ids in completion_ids])
         return [task.score(c, g) for c, g in zip(completions, ground_truth)]
 
     class Clock(TrainerCallback):
@@ -106,20 +160,24 @@ def trl(model_dir: str, prompts_per_step: int, group: int, max_new_tokens: int, 
             self.marks.append(time.perf_counter())
 
     clock = Clock()
+    lengths_rule = {"min_new_tokens": work.max_new_tokens} if work.ignore_eos else None
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(output_dir=tmp, per_device_train_batch_size=prompts_per_step * group, num_generations=group,
-                          max_completion_length=max_new_tokens, generation_kwargs={"min_new_tokens": max_new_tokens},
+                          max_completion_length=work.max_new_tokens, generation_kwargs=lengths_rule,
                           temperature=1.0, learning_rate=1e-5, max_steps=steps + warmup, use_cpu=True, bf16=bf16,
-                          report_to="none", save_strategy="no", logging_steps=10**6, beta=0.0,
-                          dataloader_num_workers=0, disable_tqdm=True)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+                          gradient_checkpointing=gradient_checkpointing, report_to="none", save_strategy="no",
+                          logging_steps=10**6, beta=0.0, dataloader_num_workers=0, disable_tqdm=True)
+        tokenizer = AutoTokenizer.from_pretrained(work.model_dir)
+        model = AutoModelForCausalLM.from_pretrained(work.model_dir, dtype=torch.float32)
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
                               processing_class=tokenizer, callbacks=[clock])
         trainer.train()
     pairs = list(zip(clock.marks[::2], clock.marks[1::2]))[warmup:]
-    per_step = prompts_per_step * group * max_new_tokens
-    return {"seconds": [end - start for start, end in pairs], "tokens": [per_step] * len(pairs)}
+    if len(generated) != steps + warmup:
+        raise RuntimeError(f"TRL generated {len(generated)} batches in {steps + warmup} steps; expected one per step")
+    batches = generated[warmup:]
+    return {"seconds": [end - start for start, end in pairs], "tokens": [sum(b) for b in batches],
+            "lengths": [n for b in batches for n in b]}
 
 
 # Telemetry on, off, off, on: each setting sees early and late sessions alike.
@@ -127,65 +185,86 @@ TELEMETRY_ORDER = (True, False, False, True)
 
 
 def _pooled(results: list[dict]) -> dict:
-    return {"seconds": [s for r in results for s in r["seconds"]], "tokens": [t for r in results for t in r["tokens"]]}
+    return {key: [x for r in results for x in r[key]] for key in ("seconds", "tokens", "lengths")}
 
 
 def _summary(result: dict) -> dict:
     median = statistics.median(result["seconds"])
+    lengths = sorted(result["lengths"])
     return {"median_step_s": round(median, 3),
-            "completion_tokens_per_s": round(statistics.median(result["tokens"]) / median, 1)}
+            "completion_tokens_per_s": round(statistics.median(result["tokens"]) / median, 1),
+            "response_length": {"p50": lengths[len(lengths) // 2], "p90": lengths[int(0.9 * (len(lengths) - 1))],
+                                "max": lengths[-1]}}
 
 
-def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new_tokens: int = 64, steps: int = 10,
-        warmup: int = 1, peer: str = "trl", precision: str = "fp32", placement: str = "colocated") -> dict:
-    """Return hybridlab's and TRL's median step time and completion tokens/s, and their ratio.
-    ``precision`` bf16 runs both engines of ours in bf16 and TRL with ``bf16=True``; TRL's fp32
-    figure is measured too and the faster of its two is the peer. ``placement`` split puts the
-    rollout and the actor on a device (and a thread) each, overlapping them one step off-policy."""
+def _check(precision: str, peer: str, placement: str, packing: str, workload: str, trl_gradient_checkpointing: str):
+    for name, value, allowed in (("precision", precision, ("fp32", "bf16")), ("peer", peer, ("trl", "none")),
+                                 ("placement", placement, PLACEMENTS), ("packing", packing, ("off", "on")),
+                                 ("workload", workload, WORKLOADS),
+                                 ("trl_gradient_checkpointing", trl_gradient_checkpointing, ("off", "on", "both"))):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new_tokens: int = 0, steps: int = 10,
+        warmup: int = 1, peer: str = "trl", precision: str = "fp32", placement: str = "colocated",
+        packing: str = "off", workload: str = "both", warm_steps: int = 200,
+        trl_gradient_checkpointing: str = "off") -> dict:
+    """Return hybridlab's and TRL's median step time, completion tokens/s and their ratio, for
+    one workload, or for both (``{"workload": "both", "runs": [fixed, variable]}``).
+    ``max_new_tokens`` 0 takes the workload's own (64 fixed, 256 variable); ``warm_steps`` is the
+    variable workload's supervised warm start. TRL runs without gradient checkpointing unless
+    ``trl_gradient_checkpointing`` says on (or both: measure both, the faster is the peer)."""
+    _check(precision, peer, placement, packing, workload, trl_gradient_checkpointing)
+    if workload == "both":
+        runs = [run(model, prompts_per_step, group, max_new_tokens, steps, warmup, peer, precision, placement,
+                    packing, kind, warm_steps, trl_gradient_checkpointing) for kind in ("fixed", "variable")]
+        return {"workload": "both", "processor": runs[0]["processor"], "runs": runs,
+                "speedup_vs_trl": {r["workload"]: r.get("speedup_vs_trl") for r in runs}}
     from hybridlab.controller.resources import connect
+    from hybridlab.environment import processor
     from hybridlab.models.zoo import count_parameters, resolve_model
 
     threads = max(1, min(2, os.cpu_count() or 1))
-    model_dir = str(resolve_model(model))
-    params = count_parameters(model_dir)
-    if precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
-    if peer not in ("trl", "none"):
-        raise ValueError(f"peer must be trl or none, got {peer!r}")
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
-    from hybridlab.environment import processor
-
-    out = {"model": model, "params": params, "prompts_per_step": prompts_per_step, "group": group,
-           "max_new_tokens": max_new_tokens, "steps": steps, "threads": threads, "precision": precision,
-           "processor": processor(), "workload": "fixed_length", "placement": placement}
+    if workload == "fixed":
+        work = Workload("fixed_length", "arith", {}, str(resolve_model(model)), max_new_tokens or 64, True)
+    else:
+        work = Workload("variable_length", "reverse", VARIABLE_TASK,
+                        warm_model(model, "reverse", VARIABLE_TASK, warm_steps), max_new_tokens or 256, False)
+    out = {"model": model, "params": count_parameters(work.model_dir), "prompts_per_step": prompts_per_step,
+           "group": group, "max_new_tokens": work.max_new_tokens, "steps": steps, "threads": threads,
+           "precision": precision, "processor": processor(), "workload": work.name, "placement": placement,
+           "packing": packing}
     import ray
 
     attached = ray.is_initialized()  # a caller's cluster stays up; one we start is stopped
     connect(num_gpus=2 if placement == "split" else 1)
     runs: dict[bool, list[dict]] = {True: [], False: []}
     for telemetry in TELEMETRY_ORDER:
-        runs[telemetry].append(ours(model_dir, prompts_per_step, group, max_new_tokens, steps, warmup, telemetry,
-                                    precision, placement))
-    out.update(_summary(_pooled(runs[True])), stages_s=runs[True][0]["last_step_stages_s"],
-               device_busy=round(statistics.median(b for r in runs[True] for b in r["device_busy"]), 3),
-               rollout_staleness=max(r["staleness"] for r in runs[True]))
+        runs[telemetry].append(ours(work, prompts_per_step, group, steps, warmup, telemetry, precision, placement,
+                                    packing == "on"))
+    measured = runs[True]
+    out.update(_summary(_pooled(measured)), stages_s=measured[0]["last_step_stages_s"],
+               device_busy=round(statistics.median(b for r in measured for b in r["device_busy"]), 3),
+               rollout_staleness=max(r["staleness"] for r in measured),
+               padded_token_share=round(statistics.mean(p for r in measured for p in r["padded"]), 3),
+               padded_token_share_of_layout=round(statistics.mean(p for r in measured for p in r["layout_padded"]), 3))
     quiet = _summary(_pooled(runs[False]))
     out.update(median_step_s_telemetry_off=quiet["median_step_s"],
                telemetry_overhead_pct=round(100 * (out["median_step_s"] / quiet["median_step_s"] - 1), 1),
-               telemetry_sessions=len(runs[True]))
+               telemetry_sessions=len(measured))
     if not attached:
         ray.shutdown()  # free the cores for the peer
     if peer == "trl":
-        settings = (False, True) if precision == "bf16" else (False,)
-        peers = {bf16: _summary(trl(model_dir, prompts_per_step, group, max_new_tokens, steps, warmup, threads, bf16))
-                 for bf16 in settings}
+        checkpointing = {"off": (False,), "on": (True,), "both": (False, True)}[trl_gradient_checkpointing]
+        settings = [(bf16, gc) for bf16 in ((False, True) if precision == "bf16" else (False,)) for gc in checkpointing]
+        peers = {s: _summary(trl(work, prompts_per_step, group, steps, warmup, threads, *s)) for s in settings}
         best = max(peers, key=lambda k: peers[k]["completion_tokens_per_s"])
         theirs = peers[best]
         out.update(trl_median_step_s=theirs["median_step_s"],
-                   trl_completion_tokens_per_s=theirs["completion_tokens_per_s"], trl_bf16=best,
-                   trl_tokens_per_s_by_precision={("bf16" if k else "fp32"): v["completion_tokens_per_s"]
-                                                  for k, v in peers.items()},
+                   trl_completion_tokens_per_s=theirs["completion_tokens_per_s"], trl_bf16=best[0],
+                   trl_gradient_checkpointing=best[1], trl_response_length=theirs["response_length"],
+                   trl_tokens_per_s_by_setting={f"{'bf16' if b else 'fp32'}{'+gc' if g else ''}":
+                                                v["completion_tokens_per_s"] for (b, g), v in peers.items()},
                    speedup_vs_trl=round(out["completion_tokens_per_s"] / theirs["completion_tokens_per_s"], 2))
     return out
-
