@@ -77,10 +77,11 @@ def test_bench_precision_json_runs_bf16_on_both_sides(ray_local, capfd):
 def test_bench_e2e_split_placement_overlaps_on_two_devices(ray_local, capfd):
     result = _bench(["e2e", "--model", "tiny", "--prompts-per-step", "2", "--group", "2", "--max-new-tokens", "8",
                      "--steps", "2", "--warmup", "1", "--placement", "split", "--peer", "none", "--workload", "fixed",
-                     "--telemetry-check", "off"], capfd)
+                     "--telemetry-check", "off", "--max-staleness", "2"], capfd)
     assert result["placement"] == "split" and "speedup_vs_trl" not in result
     assert result["telemetry_sessions"] == 1 and "telemetry_overhead_pct" not in result  # one session of ours
-    assert result["rollout_staleness"] == 1  # the rollout ran one step ahead, overlapping the update
+    # two rollouts in flight ahead, overlapping the updates: steps 0, 1 and 2 updates stale
+    assert result["rollout_staleness"] == 2 and result["max_staleness"] == 2
     assert {"generate", "update_actor", "sync_weights"} <= set(result["stages_s"])
 
 

@@ -136,9 +136,14 @@ def test_one_step_off_policy_records_staleness(rl):
     rl.update("trainer.off_policy=true")
     try:
         first, second = rl.step(), rl.step()
+        # bounded staleness: two rollouts kept ahead (the change drops the pending one first)
+        rl.update("trainer.max_staleness=2")
+        deeper = [rl.step().metrics["rollout/staleness"] for _ in range(4)]
+        assert len(rl.ahead.pending) == 2
     finally:
-        rl.update("trainer.off_policy=false")
+        rl.update("trainer.off_policy=false", "trainer.max_staleness=1")
     assert first.metrics["rollout/staleness"] == 0 and second.metrics["rollout/staleness"] == 1
+    assert deeper == [0, 1, 2, 2] and rl.ahead.pending == []
     assert "advantages" in second.batch and second.metrics["sync/bytes"] > 0
     # rollouts submitted ahead (collected by the next step's thread) still count as generate
     generated = [s for s in rl.session.timeline.spans(since=since) if s.method == "generate"]
@@ -153,9 +158,9 @@ def test_refill_rounds_generate_now_and_leave_the_next_steps_rollout_alone(rl):
     rl.update("trainer.off_policy=true")
     try:
         rl.step()
-        pending = rl.ahead.pending
+        pending = list(rl.ahead.pending)
         batch = StepContext(rl).rerun_rollout(["generate", "reward"])
-        assert rl.ahead.pending is pending
+        assert rl.ahead.pending == pending and len(pending) == 1
         assert len(batch) == rl.cfg.data.prompts_per_step * rl.cfg.rollout.n and "token_level_scores" in batch
     finally:
         rl.update("trainer.off_policy=false")

@@ -73,12 +73,13 @@ def warm_model(model: str, task: str, options: dict, steps: int) -> str:
 
 
 def _config(work: Workload, prompts_per_step: int, group: int, steps: int, run_dir: str, telemetry: bool = True,
-            precision: str = "fp32", placement: str = "colocated", packing: bool = False) -> list[str]:
+            precision: str = "fp32", placement: str = "colocated", packing: bool = False,
+            max_staleness: int = 1) -> list[str]:
     # bf16 or split: the rollout's log-probs (of another precision, or one update stale) still
     # stand in for the old policy's, as verl's bypass mode (PPO clip against them; the gap is
     # logged as rollout_corr/*)
     levers = ["rollout.dtype=bfloat16", "actor.precision=bf16"] if precision == "bf16" else []
-    levers += SPLIT if placement == "split" else []
+    levers += [*SPLIT, f"trainer.max_staleness={max_staleness}"] if placement == "split" else []
     if levers:
         levers.append("algorithm.rollout_correction.bypass_mode=true")
     levers += PACKING if packing else []
@@ -94,14 +95,14 @@ def _config(work: Workload, prompts_per_step: int, group: int, steps: int, run_d
 
 
 def ours(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: int, telemetry: bool = True,
-         precision: str = "fp32", placement: str = "colocated", packing: bool = False) -> dict:
+         precision: str = "fp32", placement: str = "colocated", packing: bool = False, max_staleness: int = 1) -> dict:
     """Return per-step seconds, completion tokens and lengths of hybridlab's GRPO steps, with the
     padded share of the actor's tokens and of the padded layout."""
     from hybridlab.dataflow.session import RLSession
 
     with tempfile.TemporaryDirectory() as tmp:
         rl = RLSession(None, _config(work, prompts_per_step, group, steps, f"{tmp}/run", telemetry, precision,
-                                     placement, packing))
+                                     placement, packing, max_staleness))
         try:
             rl.start()
             seconds, tokens, lengths, busy, stale, padded, layout = [], [], [], [], [], [], []
@@ -211,18 +212,21 @@ def _check(precision: str, peer: str, placement: str, packing: str, workload: st
 def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new_tokens: int = 0, steps: int = 10,
         warmup: int = 1, peer: str = "trl", precision: str = "fp32", placement: str = "colocated",
         packing: str = "off", workload: str = "both", warm_steps: int = 200,
-        trl_gradient_checkpointing: str = "off", telemetry_check: str = "on") -> dict:
+        trl_gradient_checkpointing: str = "off", telemetry_check: str = "on", max_staleness: int = 1) -> dict:
     """Return hybridlab's and TRL's median step time, completion tokens/s and their ratio, for
     one workload, or for both (``{"workload": "both", "runs": [fixed, variable]}``).
     ``max_new_tokens`` 0 takes the workload's own (64 fixed, 256 variable); ``warm_steps`` is the
     variable workload's supervised warm start. TRL runs without gradient checkpointing unless
     ``trl_gradient_checkpointing`` says on (or both: measure both, the faster is the peer).
     ``telemetry_check`` off runs one session of ours (telemetry on) instead of four, without
-    the telemetry overhead figure: for comparing levers in a quarter of the time."""
+    the telemetry overhead figure: for comparing levers in a quarter of the time.
+    ``max_staleness`` (split placement) keeps that many rollouts in flight ahead."""
     _check(precision, peer, placement, packing, workload, trl_gradient_checkpointing, telemetry_check)
+    if not isinstance(max_staleness, int) or max_staleness < 1:
+        raise ValueError(f"max_staleness must be an integer of at least 1, got {max_staleness!r}")
     if workload == "both":
         runs = [run(model, prompts_per_step, group, max_new_tokens, steps, warmup, peer, precision, placement,
-                    packing, kind, warm_steps, trl_gradient_checkpointing, telemetry_check)
+                    packing, kind, warm_steps, trl_gradient_checkpointing, telemetry_check, max_staleness)
                 for kind in ("fixed", "variable")]
         return {"workload": "both", "processor": runs[0]["processor"], "runs": runs,
                 "speedup_vs_trl": {r["workload"]: r.get("speedup_vs_trl") for r in runs}}
@@ -239,7 +243,7 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
     out = {"model": model, "params": count_parameters(work.model_dir), "prompts_per_step": prompts_per_step,
            "group": group, "max_new_tokens": work.max_new_tokens, "steps": steps, "threads": threads,
            "precision": precision, "processor": processor(), "workload": work.name, "placement": placement,
-           "packing": packing}
+           "packing": packing, "max_staleness": max_staleness if placement == "split" else 0}
     import ray
 
     attached = ray.is_initialized()  # a caller's cluster stays up; one we start is stopped
@@ -247,7 +251,7 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
     runs: dict[bool, list[dict]] = {True: [], False: []}
     for telemetry in TELEMETRY_ORDER if telemetry_check == "on" else (True,):
         runs[telemetry].append(ours(work, prompts_per_step, group, steps, warmup, telemetry, precision, placement,
-                                    packing == "on"))
+                                    packing == "on", max_staleness))
     measured = runs[True]
     out.update(_summary(_pooled(measured)), stages_s=measured[0]["last_step_stages_s"],
                device_busy=round(statistics.median(b for r in measured for b in r["device_busy"]), 3),

@@ -134,6 +134,7 @@ def validate_config(cfg: RunConfig) -> None:
                        ("critic.ppo_mini_batch_size", cfg.critic.ppo_mini_batch_size),
                        ("critic.micro_batch_size", cfg.critic.micro_batch_size)):
         _at_least(p, key, value, 1)
+    _at_least(p, "trainer.max_staleness", cfg.trainer.max_staleness, 1)
     _at_least(p, "actor.micro_batch_tokens", a.micro_batch_tokens, 0)
     _at_least(p, "critic.micro_batch_tokens", cfg.critic.micro_batch_tokens, 0)
     ws = cfg.warm_start

@@ -201,6 +201,7 @@ class TrainerConfig:
     run_dir: Optional[str] = None
     seed: int = 0
     off_policy: bool = False
+    max_staleness: int = 1              # off-policy: rollouts generated ahead (each at most this many updates stale)
     tensorboard: bool = True
     telemetry: bool = True              # the hub: spans, metrics, device samples -> telemetry.jsonl
     devices: int = 1

@@ -143,7 +143,7 @@ def recover(rl: "RLSession", err: WorkerError, dead: set[str], ctx: "StepContext
     t0 = time.perf_counter()
     print(f"{what}; re-creating {', '.join(sorted(dead))} (restart {rl.worker_restarts} of at most"
           f" {rl.cfg.trainer.max_restarts})", file=sys.stderr, flush=True)
-    rl.ahead.pending = None  # its workers may be gone; the look-ahead is submitted again
+    rl.ahead.pending = []  # its workers may be gone; the look-ahead is submitted again
     for pool_roles in {rl.session.colocated(r) for r in dead}:
         rl.session.recreate(pool_roles[0], close_timeout=2.0)
     if rollback:

@@ -214,7 +214,7 @@ class RLSession:
 
     def shutdown(self) -> None:
         """Stop the workers and close the logs (the Ray connection stays for the kernel)."""
-        self.ahead.pending = None
+        self.ahead.pending = []
         self.telemetry.stop_watching()
         if self.session is not None:
             self.session.shutdown()
@@ -294,7 +294,8 @@ class RLSession:
             from hybridlab.algos.kl import get_kl_controller
 
             self.kl_ctrl = get_kl_controller(new.algorithm.kl_ctrl)
-        if new.trainer.off_policy != self.cfg.trainer.off_policy or new.rollout != self.cfg.rollout:
+        if (new.trainer.off_policy, new.trainer.max_staleness, new.rollout) != \
+                (self.cfg.trainer.off_policy, self.cfg.trainer.max_staleness, self.cfg.rollout):
             self._drop_pending()
         if self.session is not None and new.trainer.spare_processes != self.cfg.trainer.spare_processes:
             self.session.set_spares(new.trainer.spare_processes)

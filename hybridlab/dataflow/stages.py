@@ -92,29 +92,37 @@ def generate(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
 
 
 class RolloutAhead:
-    """One-step off-policy generation: the rollout of step k+1 is submitted during step k,
-    before that step's update and sync reach the (serially executing) workers, so it samples
-    from the weights of step k and overlaps its training: exactly one update stale."""
+    """Off-policy generation: the rollouts of the next ``trainer.max_staleness`` steps are
+    submitted ahead, before this step's update and sync reach the (serially executing) workers,
+    so generation overlaps training. A batch submitted during step k samples from weights at
+    least as new as step k's, so it is at most ``max_staleness`` updates stale when used."""
 
     def __init__(self):
-        self.pending = None    # the GroupFuture of the next step's rollout
+        self.pending: list = []   # (GroupFuture, step it was submitted at), oldest first
 
     def take(self, ctx: "StepContext", batch: Batch) -> tuple[Batch, int]:
-        """Return (the responses for this step, their staleness in updates) and submit the
-        generation of the next step's prompts (``batch``; on the first step, the next draw)."""
-        staleness = 1
-        if self.pending is None:  # nothing ahead yet: this step's prompts now, the next ones ahead
-            self.pending = ctx.group("rollout").generate.submit(batch, ctx.sampling())
-            batch, staleness = ctx.rl.prompts.next(), 0
-        out = self.pending.result()
-        self.pending = ctx.group("rollout").generate.submit(batch, ctx.sampling(seed=ctx.sampling()["seed"] + 1))
-        return out, staleness
+        """Return (the responses for this step, their staleness in updates: steps since their
+        submission) and top up the rollouts ahead with this step's prompts (``batch``) and, on
+        the first step, further draws."""
+        step, depth = ctx.rl.step_count, ctx.cfg.trainer.max_staleness
+        rollout, seed = ctx.group("rollout"), ctx.sampling()["seed"]
+        if not self.pending:  # nothing ahead yet: this step's prompts now, the next ones ahead
+            self.pending.append((rollout.generate.submit(batch, ctx.sampling()), step))
+            batch = ctx.rl.prompts.next()
+        future, submitted = self.pending.pop(0)
+        out = future.result()
+        while len(self.pending) < depth:
+            ahead = len(self.pending) + 1
+            self.pending.append((rollout.generate.submit(batch, ctx.sampling(seed=seed + ahead)), step))
+            if len(self.pending) < depth:
+                batch = ctx.rl.prompts.next()
+        return out, step - submitted
 
     def drop(self) -> None:
-        """Let a pending rollout finish and forget it (settings or workers change)."""
-        if self.pending is not None:
-            self.pending.result()
-            self.pending = None
+        """Let the pending rollouts finish and forget them (settings or workers change)."""
+        for future, _ in self.pending:
+            future.result()
+        self.pending = []
 
 
 def generation_metrics(cfg, out: Batch) -> dict:
