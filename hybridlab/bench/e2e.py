@@ -12,10 +12,11 @@ Two workloads (issue 18):
 
 Completion tokens are counted from what each side generated. Ours runs four times, with the
 telemetry hub on (the reported figures), off, off and on again: alternating cancels the drift
-between sessions. Levers: ``precision=bf16`` runs both our engines in bf16 and TRL both ways
-(its faster is the peer); ``placement=split`` puts the rollout and the actor on a device and a
-thread each, the rollout one step ahead (off-policy) so generation overlaps the update;
-``packing=on`` packs the actor's micro-batches without padding, cut by a token budget.
+between sessions (``telemetry_check=off``: once, telemetry on). Levers: ``precision=bf16`` runs
+both our engines in bf16 and TRL both ways (its faster is the peer); ``placement=split`` puts the
+rollout and the actor on a device and a thread each, the rollout ``max_staleness`` steps ahead
+(off-policy) so generation overlaps the update; ``packing=on`` packs the actor's micro-batches
+without padding, cut by a token budget; ``trl_vllm=on`` also runs TRL generating with vLLM.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ import tempfile
 import time
 
 import torch
+
+from hybridlab.errors import UserError
 
 
 # split: the rollout on one device, the actor (with the reward: beside the rollout it would wait
@@ -220,7 +223,7 @@ def _check(precision: str, peer: str, placement: str, packing: str, workload: st
                                  ("workload", workload, WORKLOADS),
                                  ("trl_gradient_checkpointing", trl_gradient_checkpointing, ("off", "on", "both"))):
         if value not in allowed:
-            raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+            raise UserError(f"benchmark e2e: {name} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new_tokens: int = 0, steps: int = 10,
@@ -239,13 +242,19 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
     also measures TRL generating with vLLM (colocate mode, fp32; the second goal's peer)."""
     _check(precision, peer, placement, packing, workload, trl_gradient_checkpointing, telemetry_check, trl_vllm)
     if not isinstance(max_staleness, int) or max_staleness < 1:
-        raise ValueError(f"max_staleness must be an integer of at least 1, got {max_staleness!r}")
+        raise UserError(f"benchmark e2e: max_staleness must be an integer of at least 1, got {max_staleness!r}")
+    if max_staleness != 1 and placement != "split":
+        raise UserError(f"benchmark e2e: max_staleness={max_staleness} needs placement=split"
+                        " (rollouts ahead overlap the update)")
+    if trl_vllm == "on" and peer != "trl":
+        raise UserError("benchmark e2e: trl_vllm=on needs peer=trl")
     if workload == "both":
         runs = [run(model, prompts_per_step, group, max_new_tokens, steps, warmup, peer, precision, placement,
                     packing, kind, warm_steps, trl_gradient_checkpointing, telemetry_check, max_staleness, trl_vllm)
                 for kind in ("fixed", "variable")]
         return {"workload": "both", "processor": runs[0]["processor"], "runs": runs,
-                "speedup_vs_trl": {r["workload"]: r.get("speedup_vs_trl") for r in runs}}
+                "speedup_vs_trl": {r["workload"]: r.get("speedup_vs_trl") for r in runs},
+                "speedup_vs_trl_vllm": {r["workload"]: r.get("speedup_vs_trl_vllm") for r in runs}}
     from hybridlab.controller.resources import connect
     from hybridlab.environment import processor
     from hybridlab.models.zoo import count_parameters, resolve_model

@@ -77,7 +77,7 @@ class RLSession:
         self.session = None
         self.step_count = 0
         self.history: list[dict] = []  # the metrics of the newest HISTORY_STEPS steps
-        self.ahead = RolloutAhead()  # off-policy: the next step's rollout, submitted during this one
+        self.ahead = RolloutAhead()  # off-policy: the next steps' rollouts, submitted ahead
         self.telemetry = RunTelemetry(self.run_dir)  # the hub, span stream, live reporter (trainer.telemetry)
         self.log = None        # MetricsLog, once started
         self._stop_requested = False

@@ -82,7 +82,8 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
                 ("prompts", *SEQUENCE_FIELDS, "rollout_log_probs"), replaces_rows=True)
 def generate(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Sample rollout.n responses per prompt on the rollout engines. With trainer.off_policy,
-    take the responses generated during the previous step and start the next step's now."""
+    take the responses generated ahead (at most trainer.max_staleness updates stale) and submit
+    this step's prompts ahead (RolloutAhead)."""
     if ctx.cfg.trainer.off_policy and not ctx.rerunning:
         out, staleness = ctx.rl.ahead.take(ctx, batch)
     else:
@@ -119,7 +120,8 @@ class RolloutAhead:
         return out, step - submitted
 
     def drop(self) -> None:
-        """Let the pending rollouts finish and forget them (settings or workers change)."""
+        """Let the pending rollouts finish and forget them (settings or workers change): their
+        prompts, up to ``max_staleness`` batches, are not trained on."""
         for future, _ in self.pending:
             future.result()
         self.pending = []

@@ -4,9 +4,10 @@ A batch arrives in verl's layout, every row padded to one width (left-padded pro
 padded response). Two settings change how the engine cuts it into micro-batches (verl's
 ``use_dynamic_bsz`` and ``use_remove_padding``):
 
-- ``tokens`` > 0: each micro-batch holds as many rows as fit in that many tokens (first fit,
-  longest rows first) instead of a fixed row count. Padded, a row costs the batch width;
-  packed, its real length.
+- ``tokens`` > 0: each micro-batch holds as many rows as fit in that many tokens instead of a
+  fixed row count. Packed, a row costs its real length (first fit, longest rows first). Padded,
+  every row costs the batch width, so the budget is a row count (``tokens // width``) and all
+  micro-batches keep one shape, as Megatron's pipeline schedule wants.
 - ``packed``: the real tokens of a micro-batch's rows are laid end to end in one sequence,
   with ``cu_seqlens`` marking where each row starts. Attention stays inside each row (the
   engine's attention runs one causal kernel per segment), and RoPE restarts per row, so every
@@ -84,9 +85,11 @@ def micro_batches(tensors: dict[str, torch.Tensor], rows: int, tokens: int = 0,
     shape, as Megatron's pipeline schedule wants)."""
     mask = tensors["attention_mask"]
     n, width = mask.shape
+    if not packed and tokens > 0:  # padded, every row costs the width: the budget is a row count
+        rows, tokens = max(1, tokens // width), 0
     groups = plan(mask.sum(1).tolist(), width, rows, tokens, packed)
     pad = 0
-    if not packed and tokens <= 0 and n % len(groups[0]):
+    if not packed and n % len(groups[0]):
         pad = len(groups) * len(groups[0]) - n
         tensors = {k: torch.cat([v, v[:1].expand(pad, *v.shape[1:])]) for k, v in tensors.items()}
         if "response_mask" in tensors:
