@@ -218,7 +218,8 @@ def _summary(result: dict) -> dict:
 def _check(precision: str, peer: str, placement: str, packing: str, workload: str, trl_gradient_checkpointing: str,
            telemetry_check: str, trl_vllm: str):
     for name, value, allowed in (("precision", precision, ("fp32", "bf16")), ("peer", peer, ("trl", "none")),
-                                 ("telemetry_check", telemetry_check, ("on", "off")), ("trl_vllm", trl_vllm, ("on", "off")),
+                                 ("telemetry_check", telemetry_check, ("on", "off")),
+                                 ("trl_vllm", trl_vllm, ("on", "off")),
                                  ("placement", placement, PLACEMENTS), ("packing", packing, ("off", "on")),
                                  ("workload", workload, WORKLOADS),
                                  ("trl_gradient_checkpointing", trl_gradient_checkpointing, ("off", "on", "both"))):
