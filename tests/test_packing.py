@@ -32,18 +32,23 @@ def test_pack_lays_real_tokens_end_to_end_and_points_at_each_response_token_pred
 
 def test_micro_batches_put_outputs_back_in_batch_order_and_count_padding():
     batch = sequences_batch([[1, 2], [3], [4, 5, 6], [7]], [[8], [9, 9, 9, 9], [8, 8], [9]], pad_id=0)
-    micros, pad = packing.micro_batches(batch.tensors, rows=2, tokens=6, packed=True)
-    assert pad == 0 and sorted(r for m in micros for r in m.rows) == [0, 1, 2, 3]
+    micros = packing.micro_batches(batch.tensors, rows=2, tokens=6, packed=True)
+    assert sorted(r for m in micros for r in m.rows) == [0, 1, 2, 3]  # each row once, no repeats
+    assert all(m.packed["input_ids"].shape[1] == m.computed_tokens == m.tensors["attention_mask"].sum()
+               for m in micros)
+    longest = max(m.computed_tokens for m in micros)
+    alike = packing.micro_batches(batch.tensors, rows=2, tokens=6, packed=True, one_length=True)
+    assert {m.packed["input_ids"].shape[1] for m in alike} == {longest}
     assert packing.padded_share(micros, int(batch["attention_mask"].sum())) == 0.0
     values = [m.tensors["input_ids"].float() for m in micros]
     assert torch.equal(packing.gather_rows(values, micros, 4), batch["input_ids"].float())
     assert [m.rows for m in micros] != [[0, 1], [2, 3]]  # the plan did reorder: the gather put rows back
-    micros, pad = packing.micro_batches(batch.tensors, rows=3)
-    assert pad == 2 and [len(m.rows) for m in micros] == [3, 3]
+    micros = packing.micro_batches(batch.tensors, rows=3)
+    assert [m.rows for m in micros] == [[0, 1, 2], [3, 4, 5]]  # rows 4 and 5 repeat row 0
     assert micros[1].tensors["response_mask"][1:].sum() == 0  # the repeated rows are out of every loss
     assert packing.padded_share(micros, 15) == 1 - 15 / (6 * 7)
     # padded with a token budget: a row count (14 tokens // width 7 = 2 rows), one shape throughout
-    micros, pad = packing.micro_batches(batch.tensors, rows=3, tokens=14)
-    assert pad == 0 and [m.rows for m in micros] == [[0, 1], [2, 3]]
-    micros, pad = packing.micro_batches(batch.tensors, rows=3, tokens=21)
-    assert pad == 2 and [len(m.rows) for m in micros] == [3, 3]
+    micros = packing.micro_batches(batch.tensors, rows=3, tokens=14)
+    assert [m.rows for m in micros] == [[0, 1], [2, 3]]
+    micros = packing.micro_batches(batch.tensors, rows=3, tokens=21)
+    assert [m.rows for m in micros] == [[0, 1, 2], [3, 4, 5]]

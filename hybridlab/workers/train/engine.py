@@ -236,20 +236,14 @@ class MegatronEngine:
         per micro-batch and the micro-batches (their rows, for putting outputs back in order)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        micros, _ = packing.micro_batches(batch.tensors, micro_batch_size, self.micro_batch_tokens,
-                                          self.remove_padding)
+        # Pipeline stages exchange activations of one shape: packs are padded alike at PP > 1.
+        micros = packing.micro_batches(batch.tensors, micro_batch_size, self.micro_batch_tokens,
+                                       self.remove_padding, one_length=self.pp > 1)
         totals = self._global_totals(batch)
-        # Pipeline stages exchange activations of one shape: packed micro-batches are padded alike.
-        pad_to = max(m.computed_tokens for m in micros) if self.remove_padding and self.pp > 1 else 0
-        inputs = []
-        for m in micros:
-            micro = {**m.tensors, **totals, "num_microbatches": len(micros), "sum_pi_squared": sum_pi_squared}
-            if self.remove_padding:
-                micro["packed"] = packing.pack(m.tensors, pad_to)
-                m.computed_tokens = micro["packed"]["input_ids"].shape[1]
-            inputs.append(micro)
+        inputs = [{**m.tensors, **totals, "num_microbatches": len(micros), "sum_pi_squared": sum_pi_squared,
+                   **({"packed": m.packed} if m.packed else {})} for m in micros]
         self.padded_token_share = packing.padded_share(micros, int(batch["attention_mask"].sum()))
-        shape = inputs[0]["packed"]["input_ids"].shape if self.remove_padding else inputs[0]["input_ids"].shape
+        shape = (micros[0].packed or micros[0].tensors)["input_ids"].shape
         with self._autocast():
             store = get_forward_backward_func()(
                 forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(inputs),
@@ -292,7 +286,8 @@ class MegatronEngine:
             self.optimizer.step()
         self.step_count += 1
         metrics = self._reduce_metrics(store)
-        metrics.update(grad_norm=grad_norm, lr=lr, skipped=0.0 if finite else 1.0, padded_token_share=padded_token_share)
+        metrics.update(grad_norm=grad_norm, lr=lr, skipped=0.0 if finite else 1.0,
+                       padded_token_share=padded_token_share)
         return metrics
 
     # ------------------------------------------------------------------ grads

@@ -29,6 +29,7 @@ class MicroBatch:
     tensors: dict[str, torch.Tensor]  # rows of the batch (padded layout), as the loss sees them
     rows: list[int]                   # their indices in the batch
     computed_tokens: int              # tokens the model runs on (padding included)
+    packed: dict | None = None        # pack()'s model inputs when packed
 
 
 def plan(lengths: list[int], width: int, rows: int, tokens: int = 0, packed: bool = False) -> list[list[int]]:
@@ -78,30 +79,31 @@ def pack(tensors: dict[str, torch.Tensor], pad_to: int = 0, pad_id: int = 0) -> 
             "response_index": response_index}
 
 
-def micro_batches(tensors: dict[str, torch.Tensor], rows: int, tokens: int = 0,
-                  packed: bool = False) -> tuple[list[MicroBatch], int]:
-    """Return the micro-batches of a batch's tensors, and how many padding rows were added (the
-    padded layout repeats row 0, masked out of the loss, so that all micro-batches have one
-    shape, as Megatron's pipeline schedule wants)."""
+def micro_batches(tensors: dict[str, torch.Tensor], rows: int, tokens: int = 0, packed: bool = False,
+                  one_length: bool = False) -> list[MicroBatch]:
+    """Return the micro-batches of a batch's tensors. Padded, all have one shape (the last is
+    filled with repeats of row 0, masked out of the loss); packed with ``one_length``, every
+    pack is padded to the longest, as Megatron's pipeline schedule wants at PP > 1."""
     mask = tensors["attention_mask"]
     n, width = mask.shape
     if not packed and tokens > 0:  # padded, every row costs the width: the budget is a row count
         rows, tokens = max(1, tokens // width), 0
     groups = plan(mask.sum(1).tolist(), width, rows, tokens, packed)
-    pad = 0
     if not packed and n % len(groups[0]):
         pad = len(groups) * len(groups[0]) - n
         tensors = {k: torch.cat([v, v[:1].expand(pad, *v.shape[1:])]) for k, v in tensors.items()}
         if "response_mask" in tensors:
             tensors["response_mask"][n:] = 0
         groups[-1] = list(range(groups[-1][0], n + pad))
+    parts = [{k: v.index_select(0, torch.as_tensor(g)) for k, v in tensors.items()} for g in groups]
+    if not packed:
+        return [MicroBatch(part, group, len(group) * width) for part, group in zip(parts, groups)]
+    pad_to = max(int(p["attention_mask"].sum()) for p in parts) if one_length else 0
     out = []
-    for group in groups:
-        index = torch.as_tensor(group)
-        part = {k: v.index_select(0, index) for k, v in tensors.items()}
-        computed = int(part["attention_mask"].sum()) if packed else len(group) * width
-        out.append(MicroBatch(part, group, computed))
-    return out, pad
+    for part, group in zip(parts, groups):
+        inputs = pack(part, pad_to)
+        out.append(MicroBatch(part, group, inputs["input_ids"].shape[1], inputs))
+    return out
 
 
 def padded_share(micros: list[MicroBatch], real_tokens: int) -> float:
