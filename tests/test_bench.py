@@ -79,8 +79,14 @@ def test_bench_precision_json_runs_bf16_on_both_sides(ray_local, capfd):
 def test_bench_e2e_split_placement_overlaps_on_two_devices(ray_local, capfd):
     result = _bench(["e2e", "--model", "tiny", "--prompts-per-step", "2", "--group", "2", "--max-new-tokens", "8",
                      "--steps", "2", "--warmup", "1", "--placement", "split", "--peer", "none", "--workload", "fixed",
-                     "--telemetry-check", "off", "--max-staleness", "2"], capfd)
+                     "--telemetry-check", "off", "--max-staleness", "2", "--bind-threads", "on"], capfd)
     assert result["placement"] == "split" and "speedup_vs_trl" not in result
+    assert result["bind_threads"] == "on" and result["matmul_peak_gflops"]["fp32"] > 1.0
+    # the profile: the workers' seconds of a synchronous stage lie within the controller's
+    update = result["profile"]["stages"]["update_actor"]
+    assert 0 < update["workers_s"] <= update["controller_s"] and result["profile"]["calls_overhead_s"] >= 0
+    assert result["profile"]["call_bytes_per_step"] > 0 and 0 < result["engine_s"]["update_s"]
+    assert result["update_peak_fraction"] == round(result["update_gflops"] / result["matmul_peak_gflops"]["fp32"], 3)
     assert result["telemetry_sessions"] == 1 and "telemetry_overhead_pct" not in result  # one session of ours
     # two rollouts in flight ahead, overlapping the updates: steps 0, 1 and 2 updates stale
     assert result["rollout_staleness"] == 2 and result["max_staleness"] == 2
@@ -94,6 +100,32 @@ def test_bench_e2e_refuses_levers_that_would_be_ignored(capfd):
     assert "trl_vllm=on needs peer=trl" in capfd.readouterr().err
     assert main(["bench", "e2e", "--workload", "long", "--json"]) == 2
     assert "workload must be one of fixed, variable, both, got 'long'" in capfd.readouterr().err
+    assert main(["bench", "e2e", "--bind-threads", "yes", "--json"]) == 2
+    assert "bind_threads must be one of on, off, got 'yes'" in capfd.readouterr().err
+
+
+def test_step_profile_splits_stage_time_between_workers_and_controller():
+    from hybridlab.bench.profile import engine_seconds, peak_fractions, step_profile
+    from hybridlab.telemetry.timeline import Span
+
+    windows = [(100.0, 110.0), (110.0, 120.0)]
+    metrics = [{"timing/generate_s": 4.0, "timing/update_actor_s": 5.0, "timing/step_s": 9.5},
+               {"timing/generate_s": 2.0, "timing/update_actor_s": 7.0, "timing/step_s": 9.5}]
+    spans = [Span("rollout", 0, "generate", 100.5, 103.5, 10, 20, stage="generate"),
+             Span("actor", 0, "update_actor", 104.0, 108.0, 5, 5, stage="update_actor"),
+             Span("actor", 1, "update_actor", 104.5, 108.5, 5, 5, stage="update_actor"),  # ranks: the union
+             Span("rollout", 0, "generate", 110.2, 112.0, 10, 20, stage="generate"),
+             Span("actor", 0, "update_actor", 112.5, 118.5, 5, 5, stage="update_actor")]
+    profile = step_profile(spans, windows, metrics)
+    assert profile["stages"]["update_actor"] == {"controller_s": 6.0, "workers_s": 5.25}  # medians of 4.5, 6
+    assert profile["stages"]["generate"] == {"controller_s": 3.0, "workers_s": 2.4}
+    # step 1: (4 - 3) + (5 - 4.5) = 1.5; step 2: (2 - 1.8) + (7 - 6) = 1.2
+    assert profile["calls_overhead_s"] == 1.35 and profile["outside_stages_s"] == 0.5
+    assert profile["call_bytes_per_step"] == 45
+    assert engine_seconds(spans, windows, "actor", "update_actor") == 5.25
+    fractions = peak_fractions(params=1_000_000, tokens=1000, rollout_s=0.5, update_s=2.0, peak_gflops=10.0)
+    assert fractions == {"rollout_gflops": 4.0, "update_gflops": 3.0, "rollout_peak_fraction": 0.4,
+                         "update_peak_fraction": 0.3}
 
 
 def test_bench_learn_refuses_bad_seeds_before_any_run(capfd):

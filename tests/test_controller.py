@@ -7,6 +7,7 @@ import pytest
 import ray
 import torch
 
+from hybridlab.controller.binding import BIND_ENV, device_cores
 from hybridlab.controller.group import RoleClass, WorkerError
 from hybridlab.controller.mapping import DeviceMapping, MappingError
 from hybridlab.controller.session import Session
@@ -29,8 +30,10 @@ class Probe(Worker):
 
     @register(Dispatch.ALL)
     def where(self):
+        # the cores any thread of the process may run on
+        cores = sorted({c for tid in os.listdir("/proc/self/task") for c in os.sched_getaffinity(int(tid))})
         return {"rank": self.rank, "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()],
-                "master": (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])}
+                "master": (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]), "cores": cores}
 
     @register(Dispatch.ALL)
     def devices(self):
@@ -105,6 +108,13 @@ MAPPING = DeviceMapping.from_dict({
 })
 
 
+def test_device_cores_deal_the_nodes_cores_out_in_blocks():
+    assert device_cores([0, 1, 2, 3], 2, [0]) == [0, 1] and device_cores([0, 1, 2, 3], 2, [1]) == [2, 3]
+    assert device_cores([4, 5, 6, 7], 4, [1, 3]) == [5, 7]
+    assert device_cores([0, 1], 4, [2]) == [0] and device_cores([0, 1], 4, [3]) == [1]  # more devices than cores
+    assert device_cores([0, 1], 2, []) == [0, 1]
+
+
 @pytest.fixture(scope="module")
 def session(ray_local):
     s = Session(MAPPING, {"actor": RoleClass(Probe, kwargs={"tp": 2}), "reward": RoleClass(Probe, kwargs={"scale": 10}),
@@ -147,6 +157,21 @@ def test_a_re_created_group_starts_in_warmed_spares_on_its_own_devices(ray_local
     finally:
         s.shutdown()
     assert s.spares.spares == []
+
+
+def test_bind_threads_pins_each_process_to_its_devices_cores(ray_local):
+    # Before the shared session below (it takes all four devices): a process on a device each.
+    mapping = DeviceMapping.from_dict({"pools": {"a": {"devices": 1}, "b": {"devices": 1}},
+                                       "roles": {"actor": {"pool": "a"}, "critic": {"pool": "b"}}})
+    allowed = sorted(os.sched_getaffinity(0))
+    with Session(mapping, {"actor": Probe, "critic": Probe}, timeout=60, env={BIND_ENV: "1"}) as bound:
+        placed = [w for r in ("actor", "critic") for w in bound.groups[r].where()]
+    with Session(mapping, {"actor": Probe, "critic": Probe}, timeout=60) as free:
+        unbound = [w for r in ("actor", "critic") for w in free.groups[r].where()]
+    for w in placed:  # the four devices of ray_local deal out this machine's cores
+        assert w["cores"] == device_cores(allowed, 4, [int(w["gpus"][0])])
+        assert 0 < len(w["cores"]) < len(allowed)
+    assert [w["cores"] for w in unbound] == [allowed, allowed]
 
 
 def test_placement_colocation_and_rendezvous(session):

@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from hybridlab.bench.profile import engine_seconds, matmul_peaks, peak_fractions, step_profile
 from hybridlab.errors import UserError
 
 
@@ -77,7 +78,7 @@ def warm_model(model: str, task: str, options: dict, steps: int) -> str:
 
 def _config(work: Workload, prompts_per_step: int, group: int, steps: int, run_dir: str, telemetry: bool = True,
             precision: str = "fp32", placement: str = "colocated", packing: bool = False,
-            max_staleness: int = 1) -> list[str]:
+            max_staleness: int = 1, bind: bool = False) -> list[str]:
     # bf16 or split: the rollout's log-probs (of another precision, or one update stale) still
     # stand in for the old policy's, as verl's bypass mode (PPO clip against them; the gap is
     # logged as rollout_corr/*)
@@ -86,6 +87,7 @@ def _config(work: Workload, prompts_per_step: int, group: int, steps: int, run_d
     if levers:
         levers.append("algorithm.rollout_correction.bypass_mode=true")
     levers += PACKING if packing else []
+    levers += ["trainer.bind_threads=true"] if bind else []
     options = ", ".join(f"{k}: {v}" for k, v in work.task_options.items())
     return [f"model={work.model_dir}", "warm_start.max_steps=0", f"data.task={work.task}",
             f"data.task_options={{{options}}}", f"data.prompts_per_step={prompts_per_step}",
@@ -98,22 +100,28 @@ def _config(work: Workload, prompts_per_step: int, group: int, steps: int, run_d
 
 
 def ours(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: int, telemetry: bool = True,
-         precision: str = "fp32", placement: str = "colocated", packing: bool = False, max_staleness: int = 1) -> dict:
+         precision: str = "fp32", placement: str = "colocated", packing: bool = False, max_staleness: int = 1,
+         bind: bool = False) -> dict:
     """Return per-step seconds, completion tokens and lengths of hybridlab's GRPO steps, with the
-    padded share of the actor's tokens and of the padded layout."""
+    padded share of the actor's tokens and of the padded layout, the step profile and the
+    rollout's and update's engine seconds."""
     from hybridlab.dataflow.session import RLSession
 
     with tempfile.TemporaryDirectory() as tmp:
         rl = RLSession(None, _config(work, prompts_per_step, group, steps, f"{tmp}/run", telemetry, precision,
-                                     placement, packing, max_staleness))
+                                     placement, packing, max_staleness, bind))
         try:
             rl.start()
             seconds, tokens, lengths, busy, stale, padded, layout = [], [], [], [], [], [], []
+            windows, metrics, real = [], [], []  # for the profile
             for i in range(warmup + steps):
-                start = time.perf_counter()
+                start, wall = time.perf_counter(), time.time()
                 result = rl.step()
                 if i >= warmup:
                     seconds.append(time.perf_counter() - start)
+                    windows.append((wall, time.time()))
+                    metrics.append(result.metrics)
+                    real.append(int(result.batch["attention_mask"].sum()))
                     mask = result.batch["response_mask"]
                     tokens.append(int(mask.sum()))
                     lengths += mask.sum(-1).tolist()
@@ -123,10 +131,15 @@ def ours(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: 
                     attention = result.batch["attention_mask"]
                     layout.append(1 - float(attention.sum()) / attention.numel())
             stage_s = {k.split("/")[1][:-2]: round(v, 3) for k, v in result.metrics.items() if k.startswith("timing/")}
+            spans = rl.session.timeline.spans(since=windows[0][0])
+            profile = step_profile(spans, windows, metrics)
+            engines = {"rollout_s": engine_seconds(spans, windows, "rollout", "generate"),
+                       "update_s": engine_seconds(spans, windows, "actor", "update_actor")}
         finally:
             rl.shutdown()
     return {"seconds": seconds, "tokens": tokens, "lengths": lengths, "last_step_stages_s": stage_s,
-            "device_busy": busy, "staleness": max(stale, default=0), "padded": padded, "layout_padded": layout}
+            "device_busy": busy, "staleness": max(stale, default=0), "padded": padded, "layout_padded": layout,
+            "profile": profile, "engine_s": engines, "real_tokens": statistics.median(real)}
 
 
 def trl(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: int, threads: int,
@@ -216,8 +229,9 @@ def _summary(result: dict) -> dict:
 
 
 def _check(precision: str, peer: str, placement: str, packing: str, workload: str, trl_gradient_checkpointing: str,
-           telemetry_check: str, trl_vllm: str):
+           telemetry_check: str, trl_vllm: str, bind_threads: str):
     for name, value, allowed in (("precision", precision, ("fp32", "bf16")), ("peer", peer, ("trl", "none")),
+                                 ("bind_threads", bind_threads, ("on", "off")),
                                  ("telemetry_check", telemetry_check, ("on", "off")),
                                  ("trl_vllm", trl_vllm, ("on", "off")),
                                  ("placement", placement, PLACEMENTS), ("packing", packing, ("off", "on")),
@@ -231,7 +245,7 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
         warmup: int = 1, peer: str = "trl", precision: str = "fp32", placement: str = "colocated",
         packing: str = "off", workload: str = "both", warm_steps: int = 200,
         trl_gradient_checkpointing: str = "off", telemetry_check: str = "on", max_staleness: int = 1,
-        trl_vllm: str = "off") -> dict:
+        trl_vllm: str = "off", bind_threads: str = "off") -> dict:
     """Return hybridlab's and TRL's median step time, completion tokens/s and their ratio, for
     one workload, or for both (``{"workload": "both", "runs": [fixed, variable]}``).
     ``max_new_tokens`` 0 takes the workload's own (64 fixed, 256 variable); ``warm_steps`` is the
@@ -240,8 +254,13 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
     ``telemetry_check`` off runs one session of ours (telemetry on) instead of four, without
     the telemetry overhead figure: for comparing levers in a quarter of the time.
     ``max_staleness`` (split placement) keeps that many rollouts in flight ahead. ``trl_vllm`` on
-    also measures TRL generating with vLLM (colocate mode, fp32; the second goal's peer)."""
-    _check(precision, peer, placement, packing, workload, trl_gradient_checkpointing, telemetry_check, trl_vllm)
+    also measures TRL generating with vLLM (colocate mode, fp32; the second goal's peer).
+    ``bind_threads`` on pins each of our worker processes to its devices' cores
+    (``trainer.bind_threads``). The JSON also holds the machine's fp32 and bf16 matmul peaks
+    (measured first, before any worker starts), the GFLOP/s and peak fractions of our rollout
+    and update, and the step profile (``hybridlab.bench.profile``)."""
+    _check(precision, peer, placement, packing, workload, trl_gradient_checkpointing, telemetry_check, trl_vllm,
+           bind_threads)
     if not isinstance(max_staleness, int) or max_staleness < 1:
         raise UserError(f"benchmark e2e: max_staleness must be an integer of at least 1, got {max_staleness!r}")
     if max_staleness != 1 and placement != "split":
@@ -251,7 +270,8 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
         raise UserError("benchmark e2e: trl_vllm=on needs peer=trl")
     if workload == "both":
         runs = [run(model, prompts_per_step, group, max_new_tokens, steps, warmup, peer, precision, placement,
-                    packing, kind, warm_steps, trl_gradient_checkpointing, telemetry_check, max_staleness, trl_vllm)
+                    packing, kind, warm_steps, trl_gradient_checkpointing, telemetry_check, max_staleness, trl_vllm,
+                    bind_threads)
                 for kind in ("fixed", "variable")]
         return {"workload": "both", "processor": runs[0]["processor"], "runs": runs,
                 "speedup_vs_trl": {r["workload"]: r.get("speedup_vs_trl") for r in runs},
@@ -269,7 +289,8 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
     out = {"model": model, "params": count_parameters(work.model_dir), "prompts_per_step": prompts_per_step,
            "group": group, "max_new_tokens": work.max_new_tokens, "steps": steps, "threads": threads,
            "precision": precision, "processor": processor(), "workload": work.name, "placement": placement,
-           "packing": packing, "max_staleness": max_staleness if placement == "split" else 0}
+           "packing": packing, "max_staleness": max_staleness if placement == "split" else 0,
+           "bind_threads": bind_threads, "matmul_peak_gflops": matmul_peaks(threads)}
     import ray
 
     attached = ray.is_initialized()  # a caller's cluster stays up; one we start is stopped
@@ -277,13 +298,17 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
     runs: dict[bool, list[dict]] = {True: [], False: []}
     for telemetry in TELEMETRY_ORDER if telemetry_check == "on" else (True,):
         runs[telemetry].append(ours(work, prompts_per_step, group, steps, warmup, telemetry, precision, placement,
-                                    packing == "on", max_staleness))
+                                    packing == "on", max_staleness, bind_threads == "on"))
     measured = runs[True]
     out.update(_summary(_pooled(measured)), stages_s=measured[0]["last_step_stages_s"],
                device_busy=round(statistics.median(b for r in measured for b in r["device_busy"]), 3),
                rollout_staleness=max(r["staleness"] for r in measured),
                padded_token_share=round(statistics.mean(p for r in measured for p in r["padded"]), 3),
                padded_token_share_of_layout=round(statistics.mean(p for r in measured for p in r["layout_padded"]), 3))
+    first = measured[0]
+    out.update(profile=first["profile"], engine_s={k: round(v, 3) for k, v in first["engine_s"].items()},
+               **peak_fractions(out["params"], first["real_tokens"], first["engine_s"]["rollout_s"],
+                                first["engine_s"]["update_s"], out["matmul_peak_gflops"][precision]))
     out["telemetry_sessions"] = len(measured)
     if runs[False]:
         quiet = _summary(_pooled(runs[False]))

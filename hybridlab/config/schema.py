@@ -213,6 +213,7 @@ class TrainerConfig:
     call_deadline_s: float = 0.0        # a worker call with no answer by then is stuck (0: derived, below)
     call_deadline_floor_s: float = 120.0  # derived deadline: 5x the longest recent call of its stage, at least this
     spare_processes: int = 0            # warmed-up worker processes kept for remaps and re-created roles
+    bind_threads: bool = False          # CPU nodes: pin each worker process to its devices' share of the cores
 
 
 @dataclasses.dataclass

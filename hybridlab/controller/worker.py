@@ -185,10 +185,14 @@ class WorkerHost:
             return s.getsockname()[1]
 
     def start(self, rank: int, world_size: int, master: tuple[str, int], roles: dict) -> None:
-        """Set the rendezvous environment, then construct each role's worker object."""
+        """Set the rendezvous environment, pin the threads to the devices' cores (when
+        ``HYBRIDLAB_BIND_THREADS=1``), then construct each role's worker object."""
+        from hybridlab.controller.binding import bind_to_devices
+
         self.rank = rank
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
                            "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])})
+        bind_to_devices(self._gpu_ids())
         for role, (cls, args, kwargs) in roles.items():
             try:
                 obj = cls.__new__(cls)

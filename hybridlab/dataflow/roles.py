@@ -26,6 +26,7 @@ FIXED = {
     "trainer.seed": "the run's random streams were seeded from it when the workers started",
     "trainer.telemetry": "the telemetry hub is started (or not) with the session",
     "trainer.tensorboard": "the TensorBoard writer is opened (or not) with the session",
+    "trainer.bind_threads": "worker processes are pinned to their cores (or not) when the session starts them",
 }
 # Settings that change the device mapping: applied by a remap.
 MAPPING_KEYS = ("mapping", "trainer.devices")

@@ -32,6 +32,7 @@ from hybridlab.dataflow.edits import StepBoundary
 from hybridlab.dataflow.roles import role_classes
 from hybridlab.dataflow.context import BackgroundRun, StepContext
 from hybridlab.atomic import write_json
+from hybridlab.controller.binding import BIND_ENV
 from hybridlab.telemetry.busy import session_busy
 from hybridlab.telemetry.run import RunTelemetry
 from hybridlab.protocol import Batch
@@ -113,6 +114,8 @@ class RLSession:
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
         processes = sum(1 for _ in self.mapping.process_sets())
         env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // processes))}
+        if self.cfg.trainer.bind_threads:
+            env[BIND_ENV] = "1"
         self.environment = {**describe(self.cfg.trainer.seed), "worker_threads": int(env["OMP_NUM_THREADS"]),
                             "worker_processes": processes}
         write_json(self.run_dir / "environment.json", self.environment)

@@ -1,0 +1,53 @@
+"""Thread binding on CPU nodes: each worker process pinned to the cores of its own devices.
+
+On a CPU-only Ray cluster a "device" is a logical GPU that stands for a share of the node's
+cores. Ray reserves CPUs per bundle but does not pin anything, so two processes on two devices
+still let the OS move their threads across all cores, and an idle rollout engine's thread can
+land on the core the actor's matmuls run on. With ``trainer.bind_threads`` each worker process
+pins all its threads to its devices' cores (``HYBRIDLAB_BIND_THREADS=1`` in the workers'
+environment; read by ``Host.start``). vLLM's own ``VLLM_CPU_OMP_THREADS_BIND`` applies only to
+its multiprocess executor, not to the in-process engine our rollout worker runs.
+"""
+from __future__ import annotations
+
+import os
+
+BIND_ENV = "HYBRIDLAB_BIND_THREADS"
+
+
+def device_cores(allowed: list[int], devices_on_node: int, device_ids: list[int]) -> list[int]:
+    """Return the cores of ``device_ids`` when the node's ``allowed`` cores are dealt out in
+    equal consecutive blocks, block g to device g (more devices than cores: device g gets core
+    ``g mod cores``). No devices: all allowed cores."""
+    cores = sorted(allowed)
+    if devices_on_node <= 0 or not device_ids or not cores:
+        return cores
+    block = len(cores) // devices_on_node
+    if block == 0:
+        return sorted({cores[g % len(cores)] for g in device_ids})
+    return sorted(c for g in device_ids for c in cores[g * block:(g + 1) * block])
+
+
+def pin_process(cores: list[int]) -> list[int]:
+    """Pin every thread of this process (and so the threads they start later) to ``cores``;
+    returns the cores this thread now runs on."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+            pass
+    return sorted(os.sched_getaffinity(0))
+
+
+def bind_to_devices(device_ids: list[str]) -> list[int] | None:
+    """If ``HYBRIDLAB_BIND_THREADS=1``, pin this Ray worker process to its devices' cores
+    (``device_cores`` over the node's logical GPUs); returns the cores, or None when binding
+    is off or the platform cannot pin."""
+    if os.environ.get(BIND_ENV) != "1" or not hasattr(os, "sched_setaffinity"):
+        return None
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    devices = next((int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["NodeID"] == node), 0)
+    cores = device_cores(sorted(os.sched_getaffinity(0)), devices, [int(g) for g in device_ids])
+    return pin_process(cores)
