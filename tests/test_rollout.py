@@ -106,3 +106,24 @@ def test_text_prompts_stop_tokens_and_sleep(rollout, trained_dir, prompts):
     rollout.sleep()
     rollout.wake_up()
     assert torch.equal(rollout.generate(prompts, GREEDY)["responses"], by_ids["responses"])
+
+
+def test_prefix_caching_shares_prefill_but_never_reuses_kv_of_older_weights(ray_local, tiny_dir, trained_dir,
+                                                                            prompts):
+    """rollout.prefix_caching: the same prompts before and after a weight load must not meet the
+    old weights' cached KV (generate empties the cache); a prompt twice in a batch shares it."""
+    mapping = DeviceMapping.from_dict({"pools": {"q": {"devices": 1}}, "roles": {"rollout": {"pool": "q"}}})
+    roles = {"rollout": RoleClass(RolloutWorker, kwargs=dict(model_dir=str(tiny_dir), max_model_len=64,
+                                                             prefix_caching=True))}
+    # 40 tokens, over one 32-token KV block: the first block is shared
+    long = Batch(objects={"prompt_ids": [(ids * 40)[:40] for ids in prompts["prompt_ids"]]})
+    expected = RolloutWorker(str(trained_dir), backend="hf", max_model_len=64).generate(long, GREEDY)
+    twice = Batch(objects={"prompt_ids": long["prompt_ids"] * 2})
+    with Session(mapping, roles, timeout=300) as session:
+        cached = session.groups["rollout"]
+        cached.generate(twice, GREEDY)  # fills the cache under the untrained weights
+        cached.load_weights(sorted(load_hf_state(trained_dir).items()))
+        after = cached.generate(twice, GREEDY)
+    assert torch.equal(after["responses"][:16], expected["responses"])
+    assert torch.equal(after["responses"][16:], expected["responses"])
+    assert (after["rollout_log_probs"][16:] - expected["rollout_log_probs"]).abs().max() < 1e-4

@@ -78,7 +78,7 @@ def warm_model(model: str, task: str, options: dict, steps: int) -> str:
 
 def _config(work: Workload, prompts_per_step: int, group: int, steps: int, run_dir: str, telemetry: bool = True,
             precision: str = "fp32", placement: str = "colocated", packing: bool = False,
-            max_staleness: int = 1, bind: bool = False) -> list[str]:
+            max_staleness: int = 1, bind: bool = False, prefix_caching: bool = False) -> list[str]:
     # bf16 or split: the rollout's log-probs (of another precision, or one update stale) still
     # stand in for the old policy's, as verl's bypass mode (PPO clip against them; the gap is
     # logged as rollout_corr/*)
@@ -88,6 +88,7 @@ def _config(work: Workload, prompts_per_step: int, group: int, steps: int, run_d
         levers.append("algorithm.rollout_correction.bypass_mode=true")
     levers += PACKING if packing else []
     levers += ["trainer.bind_threads=true"] if bind else []
+    levers += ["rollout.prefix_caching=true"] if prefix_caching else []
     options = ", ".join(f"{k}: {v}" for k, v in work.task_options.items())
     return [f"model={work.model_dir}", "warm_start.max_steps=0", f"data.task={work.task}",
             f"data.task_options={{{options}}}", f"data.prompts_per_step={prompts_per_step}",
@@ -101,7 +102,7 @@ def _config(work: Workload, prompts_per_step: int, group: int, steps: int, run_d
 
 def ours(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: int, telemetry: bool = True,
          precision: str = "fp32", placement: str = "colocated", packing: bool = False, max_staleness: int = 1,
-         bind: bool = False) -> dict:
+         bind: bool = False, prefix_caching: bool = False) -> dict:
     """Return per-step seconds, completion tokens and lengths of hybridlab's GRPO steps, with the
     padded share of the actor's tokens and of the padded layout, the step profile and the
     rollout's and update's engine seconds."""
@@ -109,7 +110,7 @@ def ours(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: 
 
     with tempfile.TemporaryDirectory() as tmp:
         rl = RLSession(None, _config(work, prompts_per_step, group, steps, f"{tmp}/run", telemetry, precision,
-                                     placement, packing, max_staleness, bind))
+                                     placement, packing, max_staleness, bind, prefix_caching))
         try:
             rl.start()
             seconds, tokens, lengths, busy, stale, padded, layout = [], [], [], [], [], [], []
@@ -229,9 +230,10 @@ def _summary(result: dict) -> dict:
 
 
 def _check(precision: str, peer: str, placement: str, packing: str, workload: str, trl_gradient_checkpointing: str,
-           telemetry_check: str, trl_vllm: str, bind_threads: str):
+           telemetry_check: str, trl_vllm: str, bind_threads: str, prefix_caching: str):
     for name, value, allowed in (("precision", precision, ("fp32", "bf16")), ("peer", peer, ("trl", "none")),
                                  ("bind_threads", bind_threads, ("on", "off")),
+                                 ("prefix_caching", prefix_caching, ("on", "off")),
                                  ("telemetry_check", telemetry_check, ("on", "off")),
                                  ("trl_vllm", trl_vllm, ("on", "off")),
                                  ("placement", placement, PLACEMENTS), ("packing", packing, ("off", "on")),
@@ -245,7 +247,7 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
         warmup: int = 1, peer: str = "trl", precision: str = "fp32", placement: str = "colocated",
         packing: str = "off", workload: str = "both", warm_steps: int = 200,
         trl_gradient_checkpointing: str = "off", telemetry_check: str = "on", max_staleness: int = 1,
-        trl_vllm: str = "off", bind_threads: str = "off") -> dict:
+        trl_vllm: str = "off", bind_threads: str = "off", prefix_caching: str = "off") -> dict:
     """Return hybridlab's and TRL's median step time, completion tokens/s and their ratio, for
     one workload, or for both (``{"workload": "both", "runs": [fixed, variable]}``).
     ``max_new_tokens`` 0 takes the workload's own (64 fixed, 256 variable); ``warm_steps`` is the
@@ -256,11 +258,12 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
     ``max_staleness`` (split placement) keeps that many rollouts in flight ahead. ``trl_vllm`` on
     also measures TRL generating with vLLM (colocate mode, fp32; the second goal's peer).
     ``bind_threads`` on pins each of our worker processes to its devices' cores
-    (``trainer.bind_threads``). The JSON also holds the machine's fp32 and bf16 matmul peaks
+    (``trainer.bind_threads``); ``prefix_caching`` on lets the n samples of a prompt share its
+    prefill in vLLM (``rollout.prefix_caching``). The JSON also holds the machine's fp32 and bf16 matmul peaks
     (measured first, before any worker starts), the GFLOP/s and peak fractions of our rollout
     and update, and the step profile (``hybridlab.bench.profile``)."""
     _check(precision, peer, placement, packing, workload, trl_gradient_checkpointing, telemetry_check, trl_vllm,
-           bind_threads)
+           bind_threads, prefix_caching)
     if not isinstance(max_staleness, int) or max_staleness < 1:
         raise UserError(f"benchmark e2e: max_staleness must be an integer of at least 1, got {max_staleness!r}")
     if max_staleness != 1 and placement != "split":
@@ -271,7 +274,7 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
     if workload == "both":
         runs = [run(model, prompts_per_step, group, max_new_tokens, steps, warmup, peer, precision, placement,
                     packing, kind, warm_steps, trl_gradient_checkpointing, telemetry_check, max_staleness, trl_vllm,
-                    bind_threads)
+                    bind_threads, prefix_caching)
                 for kind in ("fixed", "variable")]
         return {"workload": "both", "processor": runs[0]["processor"], "runs": runs,
                 "speedup_vs_trl": {r["workload"]: r.get("speedup_vs_trl") for r in runs},
@@ -290,7 +293,7 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
            "group": group, "max_new_tokens": work.max_new_tokens, "steps": steps, "threads": threads,
            "precision": precision, "processor": processor(), "workload": work.name, "placement": placement,
            "packing": packing, "max_staleness": max_staleness if placement == "split" else 0,
-           "bind_threads": bind_threads, "matmul_peak_gflops": matmul_peaks(threads)}
+           "bind_threads": bind_threads, "prefix_caching": prefix_caching, "matmul_peak_gflops": matmul_peaks(threads)}
     import ray
 
     attached = ray.is_initialized()  # a caller's cluster stays up; one we start is stopped
@@ -298,7 +301,7 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
     runs: dict[bool, list[dict]] = {True: [], False: []}
     for telemetry in TELEMETRY_ORDER if telemetry_check == "on" else (True,):
         runs[telemetry].append(ours(work, prompts_per_step, group, steps, warmup, telemetry, precision, placement,
-                                    packing == "on", max_staleness, bind_threads == "on"))
+                                    packing == "on", max_staleness, bind_threads == "on", prefix_caching == "on"))
     measured = runs[True]
     out.update(_summary(_pooled(measured)), stages_s=measured[0]["last_step_stages_s"],
                device_busy=round(statistics.median(b for r in measured for b in r["device_busy"]), 3),

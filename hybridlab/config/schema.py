@@ -63,6 +63,7 @@ class RolloutConfig:
     ignore_eos: bool = False            # generate exactly max_new_tokens (benchmarks)
     kv_cache_mb: int = 64
     dtype: str = "float32"              # or "bfloat16": the engine's weights and compute (verl's rollout.dtype)
+    prefix_caching: bool = False        # vLLM: prefill a prompt once for its n samples (cache emptied every call)
 
 
 @dataclasses.dataclass

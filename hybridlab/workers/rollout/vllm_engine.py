@@ -15,8 +15,15 @@ if TYPE_CHECKING:
     from vllm import LLM
 
 
-def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: int, tp: int = 1) -> "LLM":
+def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: int, tp: int = 1,
+              prefix_caching: bool = False) -> "LLM":
     """Return a vLLM ``LLM`` running in this process with an explicitly sized KV cache.
+
+    With ``prefix_caching`` the n samples of a prompt share its prefill (vLLM fans ``n`` out
+    into n requests, each prefilling the prompt again otherwise); ``generate`` empties the
+    cache first, so no KV computed under earlier weights is ever reused. Only whole KV blocks
+    are shared, so the engine then takes the CPU backend's smallest block, 32 tokens (its
+    default, 128, is longer than most RL prompts).
 
     With ``tp > 1`` this process is one tensor-parallel rank of the engine (vLLM's
     "external launcher" mode, as verl runs it): the worker group's torch.distributed world must
@@ -35,7 +42,7 @@ def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: 
         parallel = dict(tensor_parallel_size=tp, distributed_executor_backend=_external_launcher())
     return LLM(model=model_dir, dtype=dtype, max_model_len=context, kv_cache_memory_bytes=kv_cache_mb << 20,
                enforce_eager=True, seed=seed, logprobs_mode="processed_logprobs",
-               enable_prefix_caching=False, **parallel)
+               enable_prefix_caching=prefix_caching, **({"block_size": 32} if prefix_caching else {}), **parallel)
 
 
 def _external_launcher() -> type:
@@ -105,6 +112,8 @@ def generate(llm, prompts: list[list[int]], cfg: SamplingConfig, eos_id: int | N
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
+        llm.reset_prefix_cache()  # the weights may have changed since the last call
     params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0,
                             max_tokens=cfg.max_tokens, stop_token_ids=cfg.stop_token_ids, seed=cfg.seed,
                             logprobs=0, detokenize=False, ignore_eos=cfg.ignore_eos)

@@ -29,7 +29,7 @@ class RolloutWorker(Worker):
 
     def __init__(self, model_dir: str, backend: str = "vllm", max_model_len: int | None = None,
                  kv_cache_mb: int = 256, dtype: str = "float32", truncate_prompts: bool = False, seed: int = 0,
-                 tp: int = 1):
+                 tp: int = 1, prefix_caching: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"unknown rollout backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
         if tp < 1 or self.world_size % tp:
@@ -51,7 +51,7 @@ class RolloutWorker(Worker):
 
             if tp > 1:
                 self.init_distributed()  # the engines' TP groups are cut from this group's world
-            self.llm = start_llm(model_dir, self.context, kv_cache_mb, dtype, seed, tp)
+            self.llm = start_llm(model_dir, self.context, kv_cache_mb, dtype, seed, tp, prefix_caching)
         else:
             from transformers import AutoModelForCausalLM
 
