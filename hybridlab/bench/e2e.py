@@ -294,6 +294,11 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
            "precision": precision, "processor": processor(), "workload": work.name, "placement": placement,
            "packing": packing, "max_staleness": max_staleness if placement == "split" else 0,
            "bind_threads": bind_threads, "prefix_caching": prefix_caching, "matmul_peak_gflops": matmul_peaks(threads)}
+    # split: the rollout and the actor have a device and so a share of the threads each
+    worker_threads = max(1, threads // 2) if placement == "split" else threads
+    out["worker_threads"] = worker_threads
+    out["matmul_peak_gflops_per_worker"] = (out["matmul_peak_gflops"] if worker_threads == threads
+                                            else matmul_peaks(worker_threads))
     import ray
 
     attached = ray.is_initialized()  # a caller's cluster stays up; one we start is stopped
@@ -311,7 +316,7 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
     first = measured[0]
     out.update(profile=first["profile"], engine_s={k: round(v, 3) for k, v in first["engine_s"].items()},
                **peak_fractions(out["params"], first["real_tokens"], first["engine_s"]["rollout_s"],
-                                first["engine_s"]["update_s"], out["matmul_peak_gflops"][precision]))
+                                first["engine_s"]["update_s"], out["matmul_peak_gflops_per_worker"][precision]))
     out["telemetry_sessions"] = len(measured)
     if runs[False]:
         quiet = _summary(_pooled(runs[False]))

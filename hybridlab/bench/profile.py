@@ -21,13 +21,21 @@ from hybridlab.telemetry.busy import union_seconds
 from hybridlab.telemetry.timeline import Span
 
 
-def matmul_gflops(dtype: torch.dtype, threads: int, size: int = 2048, seconds: float = 1.5) -> float:
-    """Return GFLOP/s of ``size`` x ``size`` matmuls in ``dtype`` on ``threads`` threads: as
-    many as fit in ``seconds`` after a warm-up, at least two."""
+def matmul_gflops(dtype: torch.dtype, threads: int, max_size: int = 2048, seconds: float = 1.0) -> float:
+    """Return GFLOP/s of square matmuls in ``dtype`` on ``threads`` threads: the size doubles
+    from 256 until one matmul takes 50 ms (or reaches ``max_size``), so that a dtype without
+    hardware support (bf16 on a processor without AVX-512 BF16 or AMX: under 1 GFLOP/s) costs
+    seconds, not minutes; then as many as fit in ``seconds``, at least two."""
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(size, size, generator=g).to(dtype) for _ in range(2))
-    a @ b  # warm-up: thread pool, kernel selection
+    size = 256
+    while True:
+        a, b = (torch.randn(size, size, generator=g).to(dtype) for _ in range(2))
+        start = time.perf_counter()
+        a @ b  # also the warm-up: thread pool, kernel selection
+        if time.perf_counter() - start > 0.05 or size >= max_size:
+            break
+        size *= 2
     count, start = 0, time.perf_counter()
     while count < 2 or time.perf_counter() - start < seconds:
         a @ b
