@@ -88,8 +88,8 @@ def test_bench_e2e_split_placement_overlaps_on_two_devices(ray_local, capfd):
     assert result["profile"]["call_bytes_per_step"] > 0 and 0 < result["engine_s"]["update_s"]
     # each side of the split has one of the two threads: its fractions are of the one-thread peak
     assert result["worker_threads"] == 1 and result["matmul_peak_gflops_per_worker"]["fp32"] > 1.0
-    assert result["update_peak_fraction"] == round(
-        result["update_gflops"] / result["matmul_peak_gflops_per_worker"]["fp32"], 3)
+    peak = result["matmul_peak_gflops_per_worker"]["fp32"]  # update_gflops is rounded to 0.1
+    assert abs(result["update_peak_fraction"] - result["update_gflops"] / peak) <= 0.05 / peak + 5e-4
     assert result["telemetry_sessions"] == 1 and "telemetry_overhead_pct" not in result  # one session of ours
     # two rollouts in flight ahead, overlapping the updates: steps 0, 1 and 2 updates stale
     assert result["rollout_staleness"] == 2 and result["max_staleness"] == 2

@@ -63,6 +63,7 @@ def test_overrides_parse_values_as_yaml():
     (["warm_start.target_accuracy=0"], ["warm_start.target_accuracy", "must be in (0, 1]"]),
     (["critic.micro_batch_tokens=-1"], ["critic.micro_batch_tokens", "-1"]),
     (["trainer.max_staleness=0"], ["trainer.max_staleness", "must be at least 1, got 0"]),
+    (["rollout.backend=hf", "rollout.prefix_caching=true"], ["rollout.prefix_caching", "needs rollout.backend=vllm"]),
     (["algorithm.rollout_correction.rollout_rs=seq_mean_k4", "algorithm.rollout_correction.rollout_rs_threshold=1"],
      ["algorithm.rollout_correction.rollout_rs", "'seq_mean_k4'", "seq_mean_k1", "token_k3"]),
     (["algorithm.rollout_correction.rollout_rs=token_k2"], ["rollout_rs_threshold is required"]),

@@ -113,6 +113,7 @@ def test_device_cores_deal_the_nodes_cores_out_in_blocks():
     assert device_cores([4, 5, 6, 7], 4, [1, 3]) == [5, 7]
     assert device_cores([0, 1], 4, [2]) == [0] and device_cores([0, 1], 4, [3]) == [1]  # more devices than cores
     assert device_cores([0, 1], 2, []) == [0, 1]
+    assert device_cores([0, 1, 2, 3], 2, [3]) == [2, 3]  # a node whose ids do not start at 0
 
 
 @pytest.fixture(scope="module")

@@ -111,7 +111,8 @@ def test_text_prompts_stop_tokens_and_sleep(rollout, trained_dir, prompts):
 def test_prefix_caching_shares_prefill_but_never_reuses_kv_of_older_weights(ray_local, tiny_dir, trained_dir,
                                                                             prompts):
     """rollout.prefix_caching: the same prompts before and after a weight load must not meet the
-    old weights' cached KV (generate empties the cache); a prompt twice in a batch shares it."""
+    old weights' cached KV (generate empties the cache; without that this test fails), also
+    with each prompt twice in the batch."""
     mapping = DeviceMapping.from_dict({"pools": {"q": {"devices": 1}}, "roles": {"rollout": {"pool": "q"}}})
     roles = {"rollout": RoleClass(RolloutWorker, kwargs=dict(model_dir=str(tiny_dir), max_model_len=64,
                                                              prefix_caching=True))}

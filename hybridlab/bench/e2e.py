@@ -140,7 +140,8 @@ def ours(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: 
             rl.shutdown()
     return {"seconds": seconds, "tokens": tokens, "lengths": lengths, "last_step_stages_s": stage_s,
             "device_busy": busy, "staleness": max(stale, default=0), "padded": padded, "layout_padded": layout,
-            "profile": profile, "engine_s": engines, "real_tokens": statistics.median(real)}
+            "profile": profile, "engine_s": engines, "real_tokens": statistics.median(real),
+            "worker_threads": rl.environment["worker_threads"]}
 
 
 def trl(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: int, threads: int,
@@ -294,11 +295,6 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
            "precision": precision, "processor": processor(), "workload": work.name, "placement": placement,
            "packing": packing, "max_staleness": max_staleness if placement == "split" else 0,
            "bind_threads": bind_threads, "prefix_caching": prefix_caching, "matmul_peak_gflops": matmul_peaks(threads)}
-    # split: the rollout and the actor have a device and so a share of the threads each
-    worker_threads = max(1, threads // 2) if placement == "split" else threads
-    out["worker_threads"] = worker_threads
-    out["matmul_peak_gflops_per_worker"] = (out["matmul_peak_gflops"] if worker_threads == threads
-                                            else matmul_peaks(worker_threads))
     import ray
 
     attached = ray.is_initialized()  # a caller's cluster stays up; one we start is stopped
@@ -314,6 +310,11 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
                padded_token_share=round(statistics.mean(p for r in measured for p in r["padded"]), 3),
                padded_token_share_of_layout=round(statistics.mean(p for r in measured for p in r["layout_padded"]), 3))
     first = measured[0]
+    # split: the rollout and the actor have a device and so a share of the threads each; their
+    # peak is measured now, with the workers gone
+    out["worker_threads"] = first["worker_threads"]
+    out["matmul_peak_gflops_per_worker"] = (out["matmul_peak_gflops"] if first["worker_threads"] == threads
+                                            else matmul_peaks(first["worker_threads"]))
     out.update(profile=first["profile"], engine_s={k: round(v, 3) for k, v in first["engine_s"].items()},
                **peak_fractions(out["params"], first["real_tokens"], first["engine_s"]["rollout_s"],
                                 first["engine_s"]["update_s"], out["matmul_peak_gflops_per_worker"][precision]))

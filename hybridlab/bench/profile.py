@@ -97,5 +97,5 @@ def peak_fractions(params: int, tokens: float, rollout_s: float, update_s: float
     rollout = 2 * params * tokens / rollout_s / 1e9 if rollout_s else 0.0
     update = 6 * params * tokens / update_s / 1e9 if update_s else 0.0
     return {"rollout_gflops": round(rollout, 1), "update_gflops": round(update, 1),
-            "rollout_peak_fraction": round(rollout / peak_gflops, 3),
-            "update_peak_fraction": round(update / peak_gflops, 3)}
+            "rollout_peak_fraction": round(rollout / peak_gflops, 3) if peak_gflops else None,
+            "update_peak_fraction": round(update / peak_gflops, 3) if peak_gflops else None}

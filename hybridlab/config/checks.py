@@ -88,6 +88,8 @@ def validate_config(cfg: RunConfig) -> None:
     _choice(p, "rollout.dtype", r.dtype, ("float32", "bfloat16"))
     _choice(p, "actor.precision", cfg.actor.precision, ("fp32", "bf16"))
     _choice(p, "critic.precision", cfg.critic.precision, ("fp32", "bf16"))
+    if r.prefix_caching and r.backend != "vllm":
+        p.append(f"rollout.prefix_caching: needs rollout.backend=vllm (the {r.backend} backend has no prefix cache)")
     _at_least(p, "rollout.n", r.n, 1)
     _at_least(p, "rollout.max_new_tokens", r.max_new_tokens, 1)
     _at_least(p, "rollout.temperature", r.temperature, 0.0)

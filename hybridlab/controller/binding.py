@@ -11,31 +11,39 @@ its multiprocess executor, not to the in-process engine our rollout worker runs.
 from __future__ import annotations
 
 import os
+import sys
 
 BIND_ENV = "HYBRIDLAB_BIND_THREADS"
 
 
 def device_cores(allowed: list[int], devices_on_node: int, device_ids: list[int]) -> list[int]:
     """Return the cores of ``device_ids`` when the node's ``allowed`` cores are dealt out in
-    equal consecutive blocks, block g to device g (more devices than cores: device g gets core
-    ``g mod cores``). No devices: all allowed cores."""
+    equal consecutive blocks, block g to device g (ids taken modulo ``devices_on_node``, for
+    nodes whose ids do not start at 0; more devices than cores: device g gets core ``g mod
+    cores``). No devices: all allowed cores."""
     cores = sorted(allowed)
     if devices_on_node <= 0 or not device_ids or not cores:
         return cores
+    slots = {g % devices_on_node for g in device_ids}
     block = len(cores) // devices_on_node
     if block == 0:
-        return sorted({cores[g % len(cores)] for g in device_ids})
-    return sorted(c for g in device_ids for c in cores[g * block:(g + 1) * block])
+        return sorted({cores[g % len(cores)] for g in slots})
+    return sorted(c for g in slots for c in cores[g * block:(g + 1) * block])
 
 
 def pin_process(cores: list[int]) -> list[int]:
-    """Pin every thread of this process (and so the threads they start later) to ``cores``;
-    returns the cores this thread now runs on."""
+    """Pin every thread of this process (and so the threads they start later) to ``cores`` and
+    cap its OpenMP/torch threads at their number; returns the cores this thread now runs on."""
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), cores)
         except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
             pass
+    threads = int(os.environ.get("OMP_NUM_THREADS") or len(cores))
+    if threads > len(cores):  # more threads than pinned cores would always contend
+        os.environ["OMP_NUM_THREADS"] = str(len(cores))
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(len(cores))
     return sorted(os.sched_getaffinity(0))
 
 
@@ -50,4 +58,7 @@ def bind_to_devices(device_ids: list[str]) -> list[int] | None:
     node = ray.get_runtime_context().get_node_id()
     devices = next((int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["NodeID"] == node), 0)
     cores = device_cores(sorted(os.sched_getaffinity(0)), devices, [int(g) for g in device_ids])
-    return pin_process(cores)
+    try:
+        return pin_process(cores)
+    except OSError:  # cores this process may not use (a cgroup changed under it): stay unpinned
+        return None

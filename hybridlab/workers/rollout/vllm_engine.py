@@ -22,8 +22,8 @@ def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: 
     With ``prefix_caching`` the n samples of a prompt share its prefill (vLLM fans ``n`` out
     into n requests, each prefilling the prompt again otherwise); ``generate`` empties the
     cache first, so no KV computed under earlier weights is ever reused. Only whole KV blocks
-    are shared, so the engine then takes the CPU backend's smallest block, 32 tokens (its
-    default, 128, is longer than most RL prompts).
+    are shared, so on the CPU the engine then takes 32-token blocks (the CPU attention kernels
+    prefer multiples of 32; the default, 128, is longer than most RL prompts).
 
     With ``tp > 1`` this process is one tensor-parallel rank of the engine (vLLM's
     "external launcher" mode, as verl runs it): the worker group's torch.distributed world must
@@ -37,12 +37,16 @@ def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: 
 
     _quiet_partial_reload_warnings()
     gc.freeze()  # objects from imports are never collected; freezing them speeds up engine start
-    parallel = {}
+    from vllm.platforms import current_platform
+
+    extra = {}
+    if prefix_caching and current_platform.is_cpu():
+        extra["block_size"] = 32
     if tp > 1:
-        parallel = dict(tensor_parallel_size=tp, distributed_executor_backend=_external_launcher())
+        extra.update(tensor_parallel_size=tp, distributed_executor_backend=_external_launcher())
     return LLM(model=model_dir, dtype=dtype, max_model_len=context, kv_cache_memory_bytes=kv_cache_mb << 20,
                enforce_eager=True, seed=seed, logprobs_mode="processed_logprobs",
-               enable_prefix_caching=prefix_caching, **({"block_size": 32} if prefix_caching else {}), **parallel)
+               enable_prefix_caching=prefix_caching, **extra)
 
 
 def _external_launcher() -> type:
@@ -112,8 +116,9 @@ def generate(llm, prompts: list[list[int]], cfg: SamplingConfig, eos_id: int | N
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
-        llm.reset_prefix_cache()  # the weights may have changed since the last call
+    if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching and not llm.reset_prefix_cache():
+        # the weights may have changed since the last call: their KV must not be reused
+        raise RuntimeError("vLLM could not empty its prefix cache (blocks still held by unfinished requests)")
     params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0,
                             max_tokens=cfg.max_tokens, stop_token_ids=cfg.stop_token_ids, seed=cfg.seed,
                             logprobs=0, detokenize=False, ignore_eos=cfg.ignore_eos)
