@@ -108,7 +108,7 @@ def test_bench_e2e_refuses_levers_that_would_be_ignored(capfd):
 
 
 def test_step_profile_splits_stage_time_between_workers_and_controller():
-    from hybridlab.bench.profile import engine_seconds, peak_fractions, step_profile
+    from hybridlab.bench.profile import peak_fractions, step_profile
     from hybridlab.telemetry.timeline import Span
 
     windows = [(100.0, 110.0), (110.0, 120.0)]
@@ -125,7 +125,6 @@ def test_step_profile_splits_stage_time_between_workers_and_controller():
     # step 1: (4 - 3) + (5 - 4.5) = 1.5; step 2: (2 - 1.8) + (7 - 6) = 1.2
     assert profile["calls_overhead_s"] == 1.35 and profile["outside_stages_s"] == 0.5
     assert profile["call_bytes_per_step"] == 45
-    assert engine_seconds(spans, windows, "actor", "update_actor") == 5.25
     fractions = peak_fractions(params=1_000_000, tokens=1000, rollout_s=0.5, update_s=2.0, peak_gflops=10.0)
     assert fractions == {"rollout_gflops": 4.0, "update_gflops": 3.0, "rollout_peak_fraction": 0.4,
                          "update_peak_fraction": 0.3}

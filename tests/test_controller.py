@@ -33,7 +33,8 @@ class Probe(Worker):
         # the cores any thread of the process may run on
         cores = sorted({c for tid in os.listdir("/proc/self/task") for c in os.sched_getaffinity(int(tid))})
         return {"rank": self.rank, "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()],
-                "master": (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]), "cores": cores}
+                "master": (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]), "cores": cores,
+                "threads": torch.get_num_threads()}
 
     @register(Dispatch.ALL)
     def devices(self):
@@ -165,14 +166,17 @@ def test_bind_threads_pins_each_process_to_its_devices_cores(ray_local):
     mapping = DeviceMapping.from_dict({"pools": {"a": {"devices": 1}, "b": {"devices": 1}},
                                        "roles": {"actor": {"pool": "a"}, "critic": {"pool": "b"}}})
     allowed = sorted(os.sched_getaffinity(0))
-    with Session(mapping, {"actor": Probe, "critic": Probe}, timeout=60, env={BIND_ENV: "1"}) as bound:
+    two = {"OMP_NUM_THREADS": "2"}
+    with Session(mapping, {"actor": Probe, "critic": Probe}, timeout=60, env={**two, BIND_ENV: "1"}) as bound:
         placed = [w for r in ("actor", "critic") for w in bound.groups[r].where()]
-    with Session(mapping, {"actor": Probe, "critic": Probe}, timeout=60) as free:
+    with Session(mapping, {"actor": Probe, "critic": Probe}, timeout=60, env=two) as free:
         unbound = [w for r in ("actor", "critic") for w in free.groups[r].where()]
     for w in placed:  # the four devices of ray_local deal out this machine's cores
         assert w["cores"] == device_cores(allowed, 4, [int(w["gpus"][0])])
         assert 0 < len(w["cores"]) < len(allowed)
+        assert w["threads"] == len(w["cores"])  # no more threads than pinned cores
     assert [w["cores"] for w in unbound] == [allowed, allowed]
+    assert [w["threads"] for w in unbound] == [2, 2]
 
 
 def test_placement_colocation_and_rendezvous(session):

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from hybridlab.bench.profile import engine_seconds, matmul_peaks, peak_fractions, step_profile
+from hybridlab.bench.profile import matmul_peaks, peak_fractions, step_profile
 from hybridlab.errors import UserError
 
 
@@ -122,20 +122,22 @@ def ours(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: 
                     seconds.append(time.perf_counter() - start)
                     windows.append((wall, time.time()))
                     metrics.append(result.metrics)
-                    real.append(int(result.batch["attention_mask"].sum()))
+                    attention = result.batch["attention_mask"]
+                    real.append(int(attention.sum()))
                     mask = result.batch["response_mask"]
                     tokens.append(int(mask.sum()))
                     lengths += mask.sum(-1).tolist()
                     busy.append(result.metrics.get("perf/device_busy", float("nan")))
                     stale.append(result.metrics.get("rollout/staleness", 0))
                     padded.append(result.metrics["actor/padded_token_share"])
-                    attention = result.batch["attention_mask"]
-                    layout.append(1 - float(attention.sum()) / attention.numel())
+                    layout.append(1 - real[-1] / attention.numel())
             stage_s = {k.split("/")[1][:-2]: round(v, 3) for k, v in result.metrics.items() if k.startswith("timing/")}
             spans = rl.session.timeline.spans(since=windows[0][0])
             profile = step_profile(spans, windows, metrics)
-            engines = {"rollout_s": engine_seconds(spans, windows, "rollout", "generate"),
-                       "update_s": engine_seconds(spans, windows, "actor", "update_actor")}
+            # the engines' own seconds: the generate stage's calls are the rollout's, the
+            # update stage's the actor's
+            engines = {"rollout_s": profile["stages"]["generate"]["workers_s"],
+                       "update_s": profile["stages"]["update_actor"]["workers_s"]}
         finally:
             rl.shutdown()
     return {"seconds": seconds, "tokens": tokens, "lengths": lengths, "last_step_stages_s": stage_s,

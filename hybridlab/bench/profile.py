@@ -55,8 +55,8 @@ def _windowed(spans: list[Span], window: tuple[float, float]) -> list[Span]:
 
 def step_profile(spans: list[Span], windows: list[tuple[float, float]], metrics: list[dict]) -> dict:
     """Return the median per step of each stage's controller and worker seconds, their
-    difference (``overhead_s``), the controller's seconds outside the stages and the bytes the
-    calls moved. ``windows`` are the steps' wall-clock (start, end); ``metrics`` their metrics.
+    difference summed over the stages (``calls_overhead_s``), the controller's seconds outside
+    the stages and the bytes the calls moved. ``windows`` are the steps' wall-clock (start, end); ``metrics`` their metrics.
     Under off-policy generation the rollout's calls run ahead, during other stages: that stage's
     worker seconds exceed its controller seconds, and its overhead is counted as 0."""
     stages = [k[len("timing/"):-2] for k in metrics[0] if k.startswith("timing/") and k != "timing/step_s"]
@@ -81,13 +81,6 @@ def step_profile(spans: list[Span], windows: list[tuple[float, float]], metrics:
                outside_stages_s=round(statistics.median(outside), 4),
                call_bytes_per_step=int(statistics.median(moved)))
     return out
-
-
-def engine_seconds(spans: list[Span], windows: list[tuple[float, float]], role: str, method: str) -> float:
-    """Return the median per step of the seconds ``role``'s ``method`` calls ran (the union over
-    its ranks) among the calls started in each window."""
-    return statistics.median(union_seconds((s.start, s.end) for s in _windowed(spans, w)
-                                           if s.role == role and s.method == method) for w in windows)
 
 
 def peak_fractions(params: int, tokens: float, rollout_s: float, update_s: float, peak_gflops: float) -> dict:

@@ -31,6 +31,14 @@ def device_cores(allowed: list[int], devices_on_node: int, device_ids: list[int]
     return sorted(c for g in slots for c in cores[g * block:(g + 1) * block])
 
 
+def set_threads(threads: int) -> None:
+    """Make this process run ``threads`` OpenMP/torch threads: the variable for what starts
+    later, and torch's pool if torch is loaded already."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+
+
 def pin_process(cores: list[int]) -> list[int]:
     """Pin every thread of this process (and so the threads they start later) to ``cores`` and
     cap its OpenMP/torch threads at their number; returns the cores this thread now runs on."""
@@ -39,11 +47,8 @@ def pin_process(cores: list[int]) -> list[int]:
             os.sched_setaffinity(int(tid), cores)
         except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
             pass
-    threads = int(os.environ.get("OMP_NUM_THREADS") or len(cores))
-    if threads > len(cores):  # more threads than pinned cores would always contend
-        os.environ["OMP_NUM_THREADS"] = str(len(cores))
-        if "torch" in sys.modules:
-            sys.modules["torch"].set_num_threads(len(cores))
+    if int(os.environ.get("OMP_NUM_THREADS") or len(cores)) > len(cores):  # they would always contend
+        set_threads(len(cores))
     return sorted(os.sched_getaffinity(0))
 
 

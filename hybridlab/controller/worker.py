@@ -168,14 +168,12 @@ class WorkerHost:
         """Take a bundle's devices (``spares.bundle_devices``): their ids and the device variables
         Ray sets there (``CUDA_VISIBLE_DEVICES``), before anything touches a device, and the
         thread count a new process there would have; returns ``placement()`` with them."""
-        import sys
+        from hybridlab.controller.binding import set_threads
 
         self.gpu_ids = list(lease["gpu_ids"])
         os.environ.update(lease["env"])
         if threads is not None:
-            os.environ["OMP_NUM_THREADS"] = str(threads)
-            if "torch" in sys.modules:
-                sys.modules["torch"].set_num_threads(threads)
+            set_threads(threads)
         return self.placement()
 
     def free_port(self) -> int:

@@ -258,8 +258,8 @@ class RLSession:
 
         Everything is validated first. Settings the running workers take (learning rate,
         clipping, micro-batch size, temperature...) are applied to them; settings built into a
-        role (rollout.kv_cache_mb, rollout.dtype, rollout.prefix_caching, reward.*) re-create that role, and a new mapping remaps, both
-        with the trainers' state carried in memory. Only what would make it another run (the
+        role (rollout.kv_cache_mb, rollout.dtype, rollout.prefix_caching, reward.*) re-create that
+        role, and a new mapping remaps, both with the trainers' state carried in memory. Only what would make it another run (the
         model, the data, the warm start, the seed) is refused, with the reason. Applied between
         steps: during a background run, at the next step boundary (this call waits for it).
         ``trainer.steps`` applies to the next ``train()``; ``max_minutes`` and ``eval_every``
