@@ -5,9 +5,11 @@
 prints prompts and samples per step, optimizer steps and mini-batches per update, sequences and
 micro-batches per data-parallel rank, tokens per step, and an estimate of the resident memory of
 every worker process. Inconsistent sizes are refused with the arithmetic that fails (the same
-checks a run makes). The memory estimate is a runtime base measured on our machines plus what
-the model and the layout add (weights, gradients, AdamW moments, logits, KV cache); see
-``MEMORY`` for the constants and ``tests/test_explain.py`` for the factor it is held to.
+checks a run makes). The memory estimate is a runtime base calibrated on real runs on our
+machines plus what the model and the layout add (weights, gradients, AdamW moments, logits, KV
+cache; activations are not counted); see ``MEMORY`` for where each constant comes from.
+``tests/test_dashboard.py`` holds the whole estimate within a factor of 1.5 of a real tiny
+run's resident memory, ``tests/test_explain.py`` the model terms on the mid preset.
 """
 from __future__ import annotations
 
@@ -18,11 +20,28 @@ from pathlib import Path
 from hybridlab.config import RunConfig, dataflow_names, default_mapping, validate_config
 from hybridlab.controller.mapping import DeviceMapping, rank_label
 
-# Resident memory of a worker process beyond what the model adds, calibrated on our CPU machines
-# (AMD EPYC; float32) from the device samples of real runs: every worker process (Python, torch,
-# Ray's worker), plus what each kind of role loads once per process: Megatron-core with gloo
-# (actor, critic, ref), a vLLM engine (PLATFORM.md's ~650 MiB fixed cost of an engine process
-# includes the process itself), a reward scorer.
+# Where each constant comes from.
+# - The runtime bases (``*_mb``): resident memory of a worker process beyond what the model adds:
+#   every worker process (Python, torch, Ray's worker), plus what each kind of role loads once per
+#   process: Megatron-core with gloo (actor, critic, ref), a vLLM engine, a reward scorer. They
+#   are round numbers calibrated, by hand and by no script in the repository, against the
+#   resident memory (``rss_mb``) in the device samples (``telemetry.jsonl``) of the worker
+#   processes of real runs on our CPU machines (AMD EPYC; float32). They were not measured one by
+#   one and no command separates them. process_mb + vllm_mb = 650 MB is the fixed cost of a vLLM
+#   engine process measured when the stack was set up (docs/install.md). The command that
+#   measures their sum again, on a real tiny run with every role in one process, is
+#   ``pytest tests/test_dashboard.py -k memory_estimate`` (held within a factor of 1.5).
+# - The per-parameter bytes are arithmetic, not measurements: fp32 is 4 bytes; a trainer keeps
+#   weights, gradients and two AdamW moments (16), a frozen copy weights only (4). The command
+#   ``python tests/test_explain.py [PRESET [ROWS SEQ]]`` measures the resident memory they stand
+#   for (a transformers model of a zoo preset, default mid, stepped with AdamW on ROWS x SEQ
+#   tokens, default 2 x 32) and prints it beside the estimate; the test holds it within 0.85-1.2.
+# - logit_copies is a count of tensors (logits, their log-softmax and its gradient), not measured.
+# Activations saved for the backward pass are not counted, so the estimate is of the memory held
+# between steps with small micro-batches. On mid, 8 x 40 tokens leave about 60 MB more resident
+# than 2 x 32 (the command above), and ``hybridlab bench train --json``'s peak RSS of an actor
+# worker (8 x 128-token micro-batches; README: 1.07 GB small, 1.79 GB mid) is 1.8 to 2.1 times
+# this estimate of that process.
 MEMORY = {"process_mb": 350.0, "megatron_mb": 150.0, "vllm_mb": 300.0, "reward_mb": 30.0,
           "train_bytes_per_param": 16.0,   # fp32 weights + gradients + two AdamW moments
           "frozen_bytes_per_param": 4.0,   # ref model, rollout engine: fp32 weights only
@@ -152,7 +171,7 @@ def explain(cfg: RunConfig, model_dir: str | Path | None = None) -> Explanation:
     lines += ["device mapping:", *draw_mapping(mapping)]
     seq_len = max_prompt + new
     memory = estimate_memory(cfg, mapping, params, spec.vocab_size, seq_len)
-    lines.append("estimated resident memory per process (runtime base + model state; measured bases, see"
-                 " hybridlab.explain.MEMORY):")
+    lines.append("estimated resident memory per process (runtime base + model state, activations not"
+                 " counted; see hybridlab.explain.MEMORY):")
     lines += [f"  {name}: {mb:.0f} MB" for name, mb in memory.items()]
     return Explanation(sizes, lines, memory)

@@ -20,10 +20,30 @@ def test_defaults_are_the_grpo_preset():
                                       "sync_weights"]
 
 
-@pytest.mark.parametrize("preset", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
-def test_every_preset_loads_and_its_dataflow_is_the_default_for_its_settings(preset):
+_ON_POLICY = ["generate", "reward", "rollout_as_old_logprob", "advantages", "update_actor", "sync_weights"]
+PRESET_STAGES = {  # preset -> the stage list it resolves to (its `dataflow` key, or the default for its settings)
+    "cispo": _ON_POLICY, "clip_cov": _ON_POLICY, "gmpo": _ON_POLICY, "gpg": _ON_POLICY, "grpo": _ON_POLICY,
+    "gspo": _ON_POLICY, "kl_cov": _ON_POLICY, "sapo": _ON_POLICY,
+    "dapo": ["generate", "reward", "filter_groups", "old_logprob", "advantages", "update_actor", "sync_weights"],
+    "ppo": ["generate", "reward", "old_logprob", "ref_logprob", "values", "kl_reward", "advantages", "update_critic",
+            "update_actor", "sync_weights"],
+    "reinforce_plus_plus": ["generate", "reward", "old_logprob", "ref_logprob", "kl_reward", "advantages",
+                            "update_actor", "sync_weights"],
+    "remax": ["generate", "reward", "remax_baseline", "old_logprob", "ref_logprob", "advantages", "update_actor",
+              "sync_weights"],
+    "rloo": ["generate", "reward", "old_logprob", "ref_logprob", "advantages", "update_actor", "sync_weights"],
+}
+
+
+def test_the_preset_table_lists_every_preset():
+    assert sorted(PRESET_STAGES) == sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", sorted(PRESET_STAGES))
+def test_every_preset_resolves_to_its_stages_and_a_written_dataflow_is_the_default(preset):
     cfg = load_config(preset)
-    assert cfg.dataflow is None or cfg.dataflow == default_dataflow(cfg)
+    assert dataflow_names(cfg) == PRESET_STAGES[preset]
+    assert default_dataflow(cfg) == PRESET_STAGES[preset]  # a written `dataflow` key only restates the default
 
 
 def test_presets_cover_the_algorithms():
@@ -160,8 +180,12 @@ def test_dataflow_missing_input_and_absent_role_are_named():
     ppo = load_config("ppo")
     with pytest.raises(DataflowError, match="values: runs on role 'critic', which the device mapping does not have"):
         Dataflow(ppo.dataflow).validate(ppo, ["actor", "rollout", "ref", "reward"], PROMPT_FIELDS)
-    with pytest.raises(ConfigError, match="unknown key mapping|mapping"):
+    with pytest.raises(ConfigError) as err:
         load_config("ppo", ["mapping={pools: {main: {devices: 1}}, roles: {actor: {pool: main}}}"])
+    assert str(err.value) == "config is invalid:\n" + "\n".join(
+        f"  - dataflow[{i}] {stage}: runs on role '{role}', which the device mapping does not have (roles: actor)"
+        for i, stage, role in [(0, "generate", "rollout"), (1, "reward", "reward"), (3, "ref_logprob", "ref"),
+                               (4, "values", "critic"), (7, "update_critic", "critic"), (9, "sync_weights", "rollout")])
 
 
 def test_stage_dependencies_let_independent_passes_overlap():
@@ -205,3 +229,26 @@ def test_parameter_counts_of_presets_and_checkpoints_agree(tiny_dir):
     from hybridlab.models.zoo import count_parameters
 
     assert count_parameters("tiny") == count_parameters(tiny_dir) > 500_000
+
+
+def test_the_readme_zoo_table_matches_the_presets():
+    """The README's model-zoo table: each Qwen2 preset's width, layers, heads and parameter count
+    (to the digits written), and the Llama row's parameter counts."""
+    import re
+    from pathlib import Path
+
+    from hybridlab.models.zoo import PRESETS, count_parameters
+
+    def close(written: str, name: str) -> bool:  # the count rounded to the decimals written, in millions
+        return abs(count_parameters(name) / 1e6 - float(written)) <= 0.5 * 10 ** -len(written.partition(".")[2])
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| Qwen2[^|]*\| (\d+) x (\d+) \| (\d+) / (\d+) \| ([\d.]+)M \|$", text, re.M)
+    assert [r[0] for r in rows] == list(PRESETS)
+    for name, hidden, layers, heads, kv_heads, written in rows:
+        p = PRESETS[name]
+        assert (int(hidden), int(layers), int(heads), int(kv_heads)) == (p.hidden, p.layers, p.heads, p.kv_heads)
+        assert close(written, name), (name, written, count_parameters(name))
+    llama = re.search(r"^\| `tiny-llama`, `small-llama`, `mid-llama` \|.*\| ([\d.]+)M / ([\d.]+)M / ([\d.]+)M \|$",
+                      text, re.M)
+    assert llama and all(close(w, f"{n}-llama") for w, n in zip(llama.groups(), PRESETS)), llama
