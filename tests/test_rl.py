@@ -189,12 +189,91 @@ def test_a_failing_stage_is_named(rl):
         rl.dataflow = flow
 
 
+def transformers_greedy_accuracy(rl) -> float:
+    """Greedy accuracy of the actor's current weights on the session's test samples, computed apart
+    from the engines: the weights loaded into a transformers model, its ``generate`` on each prompt
+    alone (no padding) for rollout.max_new_tokens, the answer decoded and scored by the task."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hybridlab.tasks.base import task_for_source
+    from hybridlab.workers.train.checkpoint import merge_state
+
+    weights = merge_state(rl.session.groups["actor"].checkpoint_state())["model"]
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(rl.model_dir), dtype=torch.float32).eval()
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    tok = rl.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    right = 0
+    with torch.no_grad():
+        for sample in rl.test_samples:
+            ids = torch.tensor([tok(sample.prompt, add_special_tokens=False).input_ids])
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=rl.cfg.rollout.max_new_tokens, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=pad)
+            answer = tok.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+            right += task_for_source(sample.data_source).check(answer, sample.ground_truth)[0]
+    return right / len(rl.test_samples)
+
+
+def test_a_policy_gradient_step_raises_positive_advantage_samples_and_lowers_the_others(rl):
+    """One update of the actor on a fixed batch, two of its own greedy answers with advantages +1
+    and -1: the first one's mean log-prob over its response tokens rises, the other's falls.
+
+    The two answers share no digit. Answers that share tokens pull those tokens' log-probs both
+    ways, and in a larger batch of such answers the pulls of the others can outweigh a sample's
+    own (a transformers replica of this step on GRPO batches of 8 x 4 moved about a third of the
+    samples with a non-zero advantage against it). The AdamW moments are zeroed first, so the step
+    follows this batch's gradient, not the momentum of earlier steps; the actor's whole state is
+    restored after."""
+    import ray
+
+    from hybridlab.algos.objectives import actor_loss
+    from hybridlab.dataflow.context import StepContext
+    from hybridlab.dataflow.prompts import prompt_batch
+    from hybridlab.dataflow.stages import SEQUENCE_FIELDS, actor_loss_settings
+    from hybridlab.protocol import Batch
+    from hybridlab.workers.train.checkpoint import merge_state
+
+    samples = rl.test_samples[:16]
+    greedy = rl.session.groups["rollout"].generate(prompt_batch(samples, rl.tokenizer, list(range(len(samples)))),
+                                                   StepContext(rl).sampling(n=1, temperature=0.0))
+    eos = rl.tokenizer.eos_token_id
+    digits = [set(r[m.bool()].tolist()) - {eos} for r, m in zip(greedy["responses"], greedy["response_mask"])]
+    pair = next(((i, j) for i in range(len(digits)) for j in range(i + 1, len(digits))
+                 if digits[i] and digits[j] and not digits[i] & digits[j]), None)
+    assert pair is not None, "no two greedy answers without a common digit"
+    batch = greedy.take(list(pair)).select(SEQUENCE_FIELDS, meta=False)
+    mask = batch["response_mask"].float()
+    actor = rl.session.groups["actor"]
+    saved = actor.checkpoint_state()  # weights, AdamW moments, step and RNG
+    settings = [f"actor.lr={rl.cfg.actor.lr}", f"actor.warmup_steps={rl.cfg.actor.warmup_steps}"]
+    try:
+        rl.update("actor.lr=1e-5", "actor.warmup_steps=0")  # a small step: first-order effects rule
+        zeros = {name: torch.zeros_like(t) for name, t in merge_state(saved)["model"].items()}
+        actor.load_optimizer_state({"exp_avg": zeros, "exp_avg_sq": zeros}, next(p for p in saved if p)["step"], 0.0)
+        before = actor.compute_log_prob(batch)["old_log_probs"]
+        loss = actor_loss({**actor_loss_settings(rl.cfg), "policy_loss": "vanilla", "loss_agg_mode": "token-mean",
+                           "entropy_coeff": 0.0, "use_kl_loss": False})
+        advantages = torch.tensor([[1.0], [-1.0]]) * mask
+        metrics = actor.update_actor(Batch({**batch.tensors, "old_log_probs": before, "advantages": advantages}),
+                                     loss)
+        after = actor.compute_log_prob(batch)["old_log_probs"]
+    finally:
+        actor.load_state([ray.put(saved)])  # the rollout still holds these weights: nothing to sync
+        rl.update(*settings)
+    assert all(m["skipped"] == 0 and m["lr"] == pytest.approx(1e-5) and m["grad_norm"] > 0 for m in metrics)
+    change = ((after - before) * mask).sum(-1) / mask.sum(-1)
+    assert change[0] > 0 > change[1], change
+
+
 def test_evaluate_reports_greedy_accuracy(rl):
     import time
 
+    expected = transformers_greedy_accuracy(rl)  # before `since`: its worker call is no evaluate span
     since = time.time()
     ev = rl.evaluate()
-    assert ev["n"] == 32 and 0.0 <= ev["accuracy"] <= 1.0
+    assert ev["n"] == 32 and ev["accuracy"] == pytest.approx(expected, abs=1e-9)
     # the dashboard shows these calls as the evaluate stage, not as a bare method name
     spans = rl.session.timeline.spans(since=since)
     assert {s.method for s in spans} >= {"generate", "compute_reward"}
@@ -220,9 +299,15 @@ def test_remax_and_dapo_dataflows(rl):
         groups = {}
         for uid, score in zip(b["uid"], b["token_level_scores"].sum(-1).tolist()):
             groups.setdefault(uid, []).append(score)
-        assert len(groups) <= rl.cfg.data.prompts_per_step and m["filter_groups/generation_rounds"] >= 1
-        if m["filter_groups/kept_prompts"]:  # every kept group teaches something
-            assert all(max(s) > min(s) and len(s) == rl.cfg.rollout.n for s in groups.values())
+        # The step's samples are seeded (trainer.seed + the step count), and they hold both kinds of
+        # group: some whose rewards all drew equal, dropped, and some that differ, kept. kept_fraction
+        # is the kept prompts over every prompt generated (8 a round); it is below 1 only when a group
+        # was dropped, since a first round whose 8 groups all differ fills the step at once.
+        rounds, kept = m["filter_groups/generation_rounds"], m["filter_groups/kept_prompts"]
+        assert 0 < kept == len(groups) <= rl.cfg.data.prompts_per_step and rounds >= 1
+        assert m["filter_groups/kept_fraction"] == pytest.approx(kept / (rl.cfg.data.prompts_per_step * rounds))
+        assert m["filter_groups/kept_fraction"] < 1
+        assert all(max(s) > min(s) and len(s) == rl.cfg.rollout.n for s in groups.values())  # each teaches
     finally:
         rl.update("algorithm.filter_groups.enable=false", *saved)
 
@@ -289,7 +374,8 @@ def test_every_policy_loss_preset_steps_through_update_with_finite_loss_and_grad
 def test_rollout_correction_and_the_other_verl_estimators_run_live(rl, tmp_path):
     """Decoupled rollout correction (token IS weights, k3 rejection), then bypass mode with
     IS-weighted REINFORCE, then every estimator added for verl parity, on one live session:
-    the metrics are present, the losses finite, no worker re-created."""
+    the metrics are present, the losses finite, each step's advantages are its estimator's on the
+    step's own fields, no worker re-created."""
     rc = "algorithm.rollout_correction"
     saved = [f"algorithm.adv_estimator={rl.cfg.algorithm.adv_estimator}", f"dataflow={json.dumps(rl.dataflow.names)}",
              f"actor.use_kl_loss={str(rl.cfg.actor.use_kl_loss).lower()}", f"{rc}.rollout_is=null",
@@ -320,18 +406,32 @@ def test_rollout_correction_and_the_other_verl_estimators_run_live(rl, tmp_path)
             assert math.isfinite(m[key]), key  # measured inside the loss, against the evolving policy
         rl.update(f"{rc}.bypass_mode=false", f"{rc}.rollout_is=null", "dataflow=null")
 
+        norm = {"norm_adv_by_std_in_grpo": rl.cfg.algorithm.norm_adv_by_std_in_grpo}
+        grouped = {  # each estimator on a step's rewards, mask and groups (gdpo without components: GRPO, whitened)
+            "grpo_vectorized": lambda rewards, mask, uid: A.compute_grpo_vectorized_outcome_advantage(
+                rewards, mask, uid, **norm),
+            "grpo_passk": lambda rewards, mask, uid: A.compute_grpo_passk_outcome_advantage(rewards, mask, uid,
+                                                                                            config=norm),
+            "rloo_vectorized": A.compute_rloo_vectorized_outcome_advantage, "opo": A.compute_opo_outcome_advantage,
+            "gpg": A.compute_gpg_outcome_advantage,
+            "gdpo": A.compute_gdpo_outcome_advantage}
+        taught = []
         for estimator in ("grpo_vectorized", "grpo_passk", "rloo_vectorized", "opo", "gpg", "gdpo",
                           "optimal_token_baseline", "tir_optimal_token_baseline"):
             rl.update(f"algorithm.adv_estimator={estimator}")
             result = rl.step()
             b, m = result.batch, result.metrics
-            assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] >= 0, estimator
+            assert math.isfinite(m["actor/pg_loss"]) and math.isfinite(m["actor/grad_norm"]), estimator
+            mask = b["response_mask"].float()
             if "optimal_token_baseline" in estimator:  # the actor's sum of p^2 feeds the baseline
-                mask = b["response_mask"].float()
                 assert ((b["sum_pi_squared"] > 0) & (b["sum_pi_squared"] <= 1 + 1e-6))[mask.bool()].all()
                 expected, _ = A.get_adv_estimator_fn(estimator)(b["token_level_rewards"], mask, b["uid"],
                                                                 b["old_log_probs"], b["sum_pi_squared"])
-                assert torch.allclose(b["advantages"], expected, atol=1e-6)
+            else:
+                expected, _ = grouped[estimator](b["token_level_rewards"], mask, b["uid"])
+                taught.append(bool(expected.abs().sum() > 0))
+            assert torch.allclose(b["advantages"], expected, atol=1e-6), estimator
+        assert any(taught)  # seeded steps: some drew a reward difference, so the checks above tell estimators apart
         assert pids(rl) == before
 
         module = tmp_path / "parts.py"  # GDPO's reward components, from a reward function's dict answer
