@@ -3,6 +3,7 @@ watched in headless Chromium while the run progresses."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import time
@@ -31,10 +32,83 @@ def rl(ray_local, trained_dir, tmp_path_factory):
 
 
 def _chromium() -> str:
+    """Debian's chromium for the browser tests: without it they are skipped, except under CI
+    (CI=true), where a missing browser fails them with the command that installs it."""
     path = shutil.which("chromium")
     if path is None:
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium; scripts/install.sh does it as root)")
+        message = ("Debian's chromium is not installed: run `apt-get install -y chromium` as root"
+                   " (`make install` or `make test` does it when run as root)")
+        if os.environ.get("CI", "").lower() in ("true", "1"):
+            pytest.fail(f"CI is set and {message}")
+        pytest.skip(message)
     return path
+
+
+def _finished(rl) -> list[int]:
+    """End the module's session (its hub writes the telemetry file out; a test run alone first
+    runs a step); returns the steps the telemetry file holds."""
+    if rl.session is not None:
+        if rl.step_count == 0:
+            rl.step()
+        rl.shutdown()
+    records = [json.loads(line) for line in (rl.run_dir / "telemetry.jsonl").read_text().splitlines()]
+    return [r["step"] for r in records if r["kind"] == "metrics"]
+
+
+def _pull(url: str, monkeypatch, cookie: str | None = None) -> dict:
+    """What a client of the page at ``url`` receives: the Bokeh document of its session, pulled
+    over the page's websocket as a browser gets it (with ``cookie``: e.g. Panel's login). Returns
+    its button labels, its panes' text and the row count of each data source (keyed by its
+    sorted column names). A refused session raises OSError."""
+    import bokeh.client.connection
+    from bokeh.client import pull_session
+    from bokeh.models import Button, ColumnDataSource
+    from tornado.httpclient import HTTPRequest
+
+    with monkeypatch.context() as patch:
+        if cookie:  # bokeh's client sends no cookies of its own
+            patch.setattr(bokeh.client.connection, "HTTPRequest",
+                          lambda ws_url, **kw: HTTPRequest(ws_url, headers={"Cookie": cookie}, **kw))
+        session = pull_session(url=url)
+    try:
+        models = list(session.document.models)
+    finally:
+        session.close()
+    sizes: dict[str, int] = {}
+    for model in models:
+        if isinstance(model, ColumnDataSource) and model.data:
+            keys = sorted(model.data)
+            sizes[",".join(keys)] = max(sizes.get(",".join(keys), 0), len(model.data[keys[0]]))
+    return {"buttons": [m.label for m in models if isinstance(m, Button)],
+            "text": "\n".join(m.text for m in models if isinstance(getattr(m, "text", None), str)), "sizes": sizes}
+
+
+def _as_another_machine(monkeypatch) -> None:
+    """Make the served pages take 127.0.0.1, the only address these tests connect from, for
+    another machine's: a page's control actions then show only for a logged-in user."""
+    from hybridlab.telemetry import serving
+
+    loopback = serving.is_loopback
+    monkeypatch.setattr(serving, "is_loopback", lambda address: address != "127.0.0.1" and loopback(address))
+
+
+def _wait_for_page(url: str):
+    """Return the response to the first GET of ``url`` that the starting server answers."""
+    import urllib.request
+
+    for _ in range(120):
+        try:
+            return urllib.request.urlopen(url, timeout=5)
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"no page at {url}")
+
+
+def _assert_shows_the_run(served: dict, rl, steps: list[int]) -> None:
+    """The page is this run's dashboard: its status line and its reward curve, one row per step."""
+    shown = re.search(rf"run {re.escape(rl.cfg.name)} · RL step (\d+) · mean reward", served["text"])
+    assert shown and int(shown.group(1)) == steps[-1], served["text"][:2000]
+    assert served["sizes"].get("accuracy,reward,step") == len(steps) == steps[-1]
 
 
 def _status_step(page) -> int:
@@ -170,26 +244,23 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("how", ["cli", "panel serve"])
-def test_the_same_app_is_served_by_the_cli_and_by_panel_serve(rl, how):
+def test_the_same_app_is_served_by_the_cli_and_by_panel_serve(rl, how, monkeypatch):
+    """Each serves this run's dashboard, with the stack-dump button for a browser on this machine."""
     import subprocess
     import sys
-    import urllib.request
 
+    steps = _finished(rl)
     port = _free_port()
     app = Path(__file__).resolve().parent.parent / "dashboards" / "live.py"
     cmd = ([sys.executable, "-m", "hybridlab.cli", "dashboard", str(rl.run_dir), "--port", str(port)] if how == "cli"
            else [sys.executable, "-m", "panel", "serve", str(app), "--port", str(port), "--args", str(rl.run_dir)])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://localhost:{port}/" + ("" if how == "cli" else "live")
+    url = f"http://127.0.0.1:{port}/" + ("" if how == "cli" else "live")
     try:
-        body = ""
-        for _ in range(60):
-            try:
-                body = urllib.request.urlopen(url, timeout=5).read().decode()
-                break
-            except OSError:
-                time.sleep(0.5)
-        assert "bokeh" in body.lower(), f"{how}: no page at {url}"
+        assert "bokeh" in _wait_for_page(url).read().decode().lower(), f"{how}: no page at {url}"
+        served = _pull(url, monkeypatch)
+        _assert_shows_the_run(served, rl, steps)
+        assert served["buttons"] == ["Write every worker's stacks"]  # a loopback client may ask for stacks
     finally:
         proc.terminate()
         proc.wait(10)
@@ -218,33 +289,94 @@ def test_status_line_names_the_phase_from_warm_start_to_evaluation(tmp_path):
     hub.close()
 
 
-def test_a_page_served_off_localhost_shows_nothing_without_login(rl, tmp_path):
-    """Bound to 0.0.0.0 (reached here through 127.0.0.1 only), the page needs Panel's login."""
+def test_a_page_served_off_localhost_shows_nothing_without_login(rl, tmp_path, monkeypatch):
+    """Bound to 0.0.0.0 (reached here through 127.0.0.1 only), the page needs Panel's login: a
+    client without it gets the login form, no page and no session, so no control action; a
+    logged-in client gets the page with the stack-dump button. 127.0.0.1 counts as another
+    machine here, so the button shows because of the login, not because the client is local."""
+    import http.cookiejar
+    import urllib.parse
     import urllib.request
-
-    from playwright.sync_api import sync_playwright
 
     from hybridlab.errors import UserError
     from hybridlab.telemetry.serving import free_port, serve
 
+    steps = _finished(rl)
     with pytest.raises(UserError, match="give --basic-auth PASSWORD_FILE"):
         serve(rl.run_dir, address="0.0.0.0", threaded=True)
+    _as_another_machine(monkeypatch)
+    users = tmp_path / "users.json"
+    users.write_text(json.dumps({"ann": "s3cret-pass"}))
+    port = free_port("0.0.0.0")
+    server, port = serve(rl.run_dir, port=port, address="0.0.0.0", threaded=True, basic_auth=str(users))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        response = _wait_for_page(f"{base}/")
+        body = response.read().decode()
+        assert response.url.startswith(f"{base}/login")  # sent to the login form
+        assert 'name="password"' in body and "docs_json" not in body and rl.run_dir.name not in body
+        with pytest.raises(OSError, match="HTTP-Error. Disconnected with error code: 403"):
+            _pull(f"{base}/", monkeypatch)  # the page's websocket, where button clicks travel, is refused
+
+        jar = http.cookiejar.CookieJar()
+        client = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+
+        def log_in(password: str):
+            form = urllib.parse.urlencode({"username": "ann", "password": password}).encode()
+            return client.open(f"{base}/login", data=form, timeout=60)
+
+        wrong = log_in("wrong")
+        assert wrong.url.startswith(f"{base}/login?error=") and "user" not in {c.name for c in jar}
+        right = log_in("s3cret-pass")
+        assert right.url == f"{base}/" and "docs_json" in right.read().decode()
+        cookie = "; ".join(f"{c.name}={c.value}" for c in jar)
+        served = _pull(f"{base}/", monkeypatch, cookie=cookie)
+        _assert_shows_the_run(served, rl, steps)
+        assert served["buttons"] == ["Write every worker's stacks"]  # logged in: the control action
+    finally:
+        server.stop()
+
+
+def test_control_actions_show_on_this_machine_and_not_to_another_without_login(rl, monkeypatch):
+    """Served without login (on localhost), a browser on this machine gets the stack-dump button;
+    a client from another machine (127.0.0.1 counted as one) gets the same page without it."""
+    from hybridlab.telemetry.serving import serve
+
+    steps = _finished(rl)
+    server, port = serve(rl.run_dir, threaded=True)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        _wait_for_page(url).read()
+        local = _pull(url, monkeypatch)
+        _assert_shows_the_run(local, rl, steps)
+        assert local["buttons"] == ["Write every worker's stacks"]
+        _as_another_machine(monkeypatch)
+        remote = _pull(url, monkeypatch)
+        _assert_shows_the_run(remote, rl, steps)
+        assert remote["buttons"] == []  # no control action: it has no button to click
+    finally:
+        server.stop()
+
+
+def test_the_login_form_works_in_the_browser(rl, tmp_path, monkeypatch):
+    """Panel's login page in headless Chromium: a wrong password stays on it with nothing shown,
+    the right one opens the dashboard with its control action (127.0.0.1 counted as another
+    machine, so the button shows because of the login)."""
+    from playwright.sync_api import sync_playwright
+
+    from hybridlab.telemetry.serving import free_port, serve
+
+    chromium = _chromium()
+    _finished(rl)
+    _as_another_machine(monkeypatch)
     users = tmp_path / "users.json"
     users.write_text(json.dumps({"ann": "s3cret-pass"}))
     port = free_port("0.0.0.0")
     server, port = serve(rl.run_dir, port=port, address="0.0.0.0", threaded=True, basic_auth=str(users))
     try:
-        for _ in range(60):
-            try:
-                response = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5)
-                break
-            except OSError:
-                time.sleep(0.5)
-        body = response.read().decode()
-        assert response.url.startswith(f"http://127.0.0.1:{port}/login")  # sent to the login form
-        assert 'name="password"' in body and "docs_json" not in body and rl.run_dir.name not in body
+        _wait_for_page(f"http://127.0.0.1:{port}/").read()
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=_chromium(), headless=True,
+            browser = p.chromium.launch(executable_path=chromium, headless=True,
                                         args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                                               "--disable-component-update", "--no-first-run"])
             page = browser.new_page()

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import ray
 import torch
 
 from hybridlab.config import ConfigError
+from hybridlab.dataflow.remap import parse_mapping
 from hybridlab.dataflow.session import RLSession
 from hybridlab.workers.train.checkpoint import merge_state
 
@@ -57,6 +59,13 @@ def actor_state(rl) -> dict:
     return out
 
 
+def on_layout(rl, mapping) -> None:
+    """Remap ``rl`` to ``mapping`` unless it runs on it already. Each test starts from the layout
+    it needs: the one the test before it leaves (no remap then), or, run alone, this remap."""
+    if rl.mapping != parse_mapping(mapping):
+        rl.remap(mapping)
+
+
 def assert_equal_state(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for key in a:
@@ -85,6 +94,7 @@ def rl(ray_local, trained_dir, tmp_path_factory):
 
 
 def test_same_layout_remap_keeps_state_and_the_run_bit_for_bit(rl, reference):
+    assert rl.step_count == 0 and rl.cfg.mapping is None  # the module's session as started: first in the module
     steps = [rl.step().metrics for _ in range(2)]
     before = actor_state(rl)
     pids = {p["pid"] for p in rl.session.groups["actor"].placements}
@@ -122,7 +132,11 @@ def fixed_batch(rl):
 
 
 def test_actor_tp_1_to_2_keeps_log_probs_and_the_next_loss_within_1e5(rl, reference):
-    assert rl.step_count == 3
+    if rl.step_count == 0:  # run alone: where the test above leaves the seeded run (3 steps, actor | rollout)
+        on_layout(rl, SEPARATE)  # a remap keeps the run bit for bit (the test above)
+        for _ in range(3):
+            rl.step()
+    assert rl.step_count == 3 and rl.mapping == parse_mapping(SEPARATE)
     batch = fixed_batch(rl)
     log_probs = rl.session.groups["actor"].compute_log_prob(batch)["old_log_probs"]
     mask = batch["response_mask"].bool()
@@ -141,6 +155,7 @@ def test_actor_tp_1_to_2_keeps_log_probs_and_the_next_loss_within_1e5(rl, refere
 
 
 def test_rollout_dp_1_to_2_fed_by_two_trainer_dp_ranks_on_resized_pools(rl):
+    on_layout(rl, ACTOR_TP2)
     before = actor_state(rl)
     report = rl.remap(ROLLOUT_DP2)  # actor TP 2 -> DP 2, rollout 1 -> 2 replicas, gen pool 1 -> 2 devices
     assert report.roles_recreated == ["actor", "reward", "rollout"]
@@ -164,6 +179,9 @@ def test_rollout_dp_1_to_2_fed_by_two_trainer_dp_ranks_on_resized_pools(rl):
     ("trainer.devices=2", "trainer.devices sizes the default mapping, but this session has an explicit one"),
 ])
 def test_what_would_make_another_run_is_refused_with_the_reason(rl, pair, reason):
+    if rl.cfg.mapping is None:  # run alone: the same placement written out makes the mapping explicit
+        rl.update(f"mapping={json.dumps(rl.mapping.to_dict())}")
+    assert rl.cfg.mapping is not None
     with pytest.raises(ConfigError, match=reason):
         rl.update(pair)
 
@@ -220,6 +238,9 @@ def test_the_number_of_spares_changes_live_and_a_bad_one_is_refused_by_name(rl):
 
 
 def test_a_setting_built_into_the_rollout_re_creates_only_its_processes(rl):
+    if rl.session.groups["actor"].hostset is rl.session.groups["rollout"].hostset:
+        on_layout(rl, SEPARATE)  # run alone: the actor in processes of its own
+    assert rl.cfg.rollout.kv_cache_mb != 32
     actor_pids = {p["pid"] for p in rl.session.groups["actor"].placements}
     before = actor_state(rl)
     rl.update("rollout.kv_cache_mb=32")
@@ -245,7 +266,19 @@ def engine_files(rl) -> set[str]:
     return {path for paths in rl.session.groups["rollout"].engine_files() for path in paths}
 
 
+def shm_mapped_by(role_pids) -> set[str]:
+    """The files in /dev/shm that the processes ``role_pids`` hold mapped now (unlinked ones left out)."""
+    found = set()
+    for pid in role_pids:
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/") and not fields[5].endswith(" (deleted)"):
+                found.add(fields[5])
+    return found
+
+
 def test_rollout_tp_1_to_2_samples_what_tp_1_samples_separate_and_colocated(rl):
+    on_layout(rl, ROLLOUT_DP2)  # run alone: two rollout replicas of tp 1 beside an actor of dp 2
     greedy = {"n": 1, "temperature": 0.0, "max_tokens": 6}
     from hybridlab.dataflow.prompts import prompt_batch
 
@@ -254,6 +287,7 @@ def test_rollout_tp_1_to_2_samples_what_tp_1_samples_separate_and_colocated(rl):
     tp1_files = engine_files(rl)
     assert len(tp1_files) == 2 and all(os.path.exists(p) for p in tp1_files)  # two replicas' rendezvous files
     before = actor_state(rl)
+    shm_before = {os.path.join("/dev/shm", name) for name in os.listdir("/dev/shm")}
     report = rl.remap(ROLLOUT_TP2)  # 2 rollout replicas of tp 1 -> one engine of tp 2 on the same devices
     assert report.roles_recreated == ["reward", "rollout"] and rl.session.groups["rollout"].dp_layout() == [
         (0, 1, True), (0, 1, False)]
@@ -271,6 +305,12 @@ def test_rollout_tp_1_to_2_samples_what_tp_1_samples_separate_and_colocated(rl):
     # build (processors without AVX-512) talks over torch.distributed and makes no segments.
     segments = 2 if vllm_has_shm_communicator() else 0
     assert len(tp2_files) == segments and all(p.startswith("/dev/shm/") and os.path.exists(p) for p in tp2_files)
+    # What the TP=2 engine's two processes made in /dev/shm since the remap began, read from what
+    # they hold mapped: in every build vLLM's TP broadcast ring buffer (multiprocessing's psm_*),
+    # and in AVX-512 builds the communicator's segments, which the engine names itself (tp2_files).
+    tp2_pids = [p["pid"] for p in rl.session.groups["rollout"].placements]
+    created = shm_mapped_by(tp2_pids) - shm_before
+    assert created and tp2_files <= created, (created, tp2_files)
     rl.step()
     batch = fixed_batch(rl)  # sampled after the step's sync: the engine holds the updated weights
     actor = rl.session.groups["actor"].compute_log_prob(batch)["old_log_probs"]
@@ -279,7 +319,8 @@ def test_rollout_tp_1_to_2_samples_what_tp_1_samples_separate_and_colocated(rl):
 
     report = rl.remap(HYBRID_TP2)  # the hybrid engine: actor tp 2 and rollout tp 2 in the same processes
     assert rl.session.groups["actor"].hostset is rl.session.groups["rollout"].hostset
-    assert not any(os.path.exists(p) for p in tp2_files)  # the stopped engine removed its /dev/shm segments
+    assert not set(tp2_pids) & {p["pid"] for s in rl.session._sets for p in s.placements}  # that engine stopped
+    assert sorted(p for p in created if os.path.exists(p)) == []  # and every file it made in /dev/shm is gone
     batch = fixed_batch(rl)
     actor = rl.session.groups["actor"].compute_log_prob(batch)["old_log_probs"]
     mask = batch["response_mask"].bool()
@@ -288,6 +329,8 @@ def test_rollout_tp_1_to_2_samples_what_tp_1_samples_separate_and_colocated(rl):
 
 
 def test_a_remap_during_a_background_run_lands_at_a_step_boundary(rl):
+    if rl.mapping == parse_mapping(COLOCATED):
+        on_layout(rl, SEPARATE)  # run alone: start from another layout, so the remap below moves roles
     start = rl.step_count
     run = rl.start_background(4)
     try:
@@ -302,6 +345,7 @@ def test_a_remap_during_a_background_run_lands_at_a_step_boundary(rl):
 
 
 def test_adding_the_critic_then_moving_it_to_another_pool_carries_its_state(rl):
+    assert "critic" not in rl.mapping.roles and rl.cfg.algorithm.adv_estimator != "gae"
     mapping = rl.mapping.to_dict()
     mapping["pools"]["c1"] = {"devices": 1}
     mapping["roles"]["critic"] = {"pool": "c1"}

@@ -1,7 +1,8 @@
 """Dead and stuck workers on the real engines (tiny model; actor, rollout and reward in their own
-processes): a worker killed with SIGKILL from outside is re-created on its placement and the step
-runs again with the numbers it would have had; a hanging reward function is reported as stuck
-with its stack written, re-created, and the run goes on; `trainer.max_restarts` stops it."""
+processes): a worker killed with SIGKILL from outside (actor, rollout, ref, critic) is re-created
+on its placement and the step runs again with the numbers it would have had; a hanging reward
+function is reported as stuck with its stack written, re-created, and the run goes on;
+`trainer.max_restarts` stops it."""
 from __future__ import annotations
 
 import json
@@ -131,12 +132,21 @@ def test_a_killed_ref_is_recreated_and_a_killed_critic_rolls_back(rl):
     rl.save_checkpoint()
     step, critic, actor = rl.step_count, pids(rl, "critic"), pids(rl, "actor")
     kill(rl, "ref")
-    rl.step()  # ref_logprob fails before any update: the step runs again, nothing rolled back
+    retried = rl.step()  # ref_logprob fails before any update: the step runs again, nothing rolled back
+    prompts_after = rl.prompts.state()
     assert (rl.restarts[-1]["role"], rl.restarts[-1]["rolled_back_to"]) == ("ref", None) and rl.step_count == step + 1
+    assert retried.step == step + 1 and {"critic/values_mean", "critic/vf_loss", "actor/reward_kl_penalty"} <= set(
+        retried.metrics)  # the ref's and the critic's numbers are among those compared below
     kill(rl, "critic")
-    rl.step()  # the critic's state is lost: back to the checkpoint, the step since run again
+    again = rl.step()  # the critic's state is lost: back to the checkpoint, the step since run again
     assert (rl.restarts[-1]["role"], rl.restarts[-1]["rolled_back_to"]) == ("critic", step)
     assert rl.step_count == step + 1 and pids(rl, "critic") != critic and pids(rl, "actor") == actor
+    # the same step twice: once retried after the ref's death, once re-run from the checkpoint with the
+    # critic's saved state; the seeded run gives the same numbers (values, KL reward, critic and actor losses)
+    assert again.step == step + 1
+    assert again.metrics["faults/worker_restarts"] == retried.metrics["faults/worker_restarts"] + 1
+    assert repeatable(again.metrics) == repeatable(retried.metrics)
+    assert rl.prompts.state() == prompts_after  # each took the step's prompts once
 
 
 def test_max_restarts_stops_the_run_naming_the_worker_with_a_checkpoint(rl, monkeypatch):
