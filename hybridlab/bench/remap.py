@@ -75,17 +75,24 @@ def restart(rl, new_mapping: dict, workdir: Path):
     return fresh, time.perf_counter() - start
 
 
-def run(model: str = "small", steps: int = 3) -> dict:
+def run(model: str = "small", steps: int = 3, transitions: str = "all") -> dict:
     """Return per transition ``remap_s``, ``restart_s``, ``speedup``, ``bytes_moved``,
-    ``roles_recreated`` and ``exact``, with the processor."""
+    ``roles_recreated`` and ``exact``, with the processor. ``transitions``: ``all`` or names of
+    TRANSITIONS separated by commas."""
     from hybridlab.dataflow.session import RLSession
     from hybridlab.environment import processor
+    from hybridlab.errors import UserError
     from hybridlab.models.zoo import resolve_model
 
+    names = [t[0] for t in TRANSITIONS]
+    chosen = names if transitions == "all" else [t.strip() for t in str(transitions).split(",")]
+    if not chosen or set(chosen) - set(names):
+        raise UserError(f"benchmark remap: transitions must be 'all' or names from {', '.join(names)} separated"
+                        f" by commas; got {transitions!r}")
     model_dir = resolve_model(model)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, before, after in TRANSITIONS:
+        for name, before, after in (t for t in TRANSITIONS if t[0] in chosen):
             work = Path(tmp) / name
             rl = RLSession(None, _settings(model_dir, work / "run") + [f"mapping={before}"]).start()
             try:
@@ -107,7 +114,8 @@ def run(model: str = "small", steps: int = 3) -> dict:
                 fresh.shutdown()
             finally:
                 rl.shutdown()
-            results.append({"transition": name, "remap_s": report.seconds["total"], "restart_s": round(restart_s, 3),
+            restart_s = round(restart_s, 3)
+            results.append({"transition": name, "remap_s": report.seconds["total"], "restart_s": restart_s,
                             "speedup": round(restart_s / report.seconds["total"], 2),
                             "remap_fresh_s": no_spares.seconds["total"],
                             "speedup_fresh": round(restart_s / no_spares.seconds["total"], 2),

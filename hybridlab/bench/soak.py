@@ -18,7 +18,6 @@ from pathlib import Path
 from hybridlab.telemetry.memory import LEAK_PCT_PER_100_STEPS as GOAL_PCT_PER_100_STEPS, slope_per_100
 
 
-
 def _rss_mb(pid: int) -> float:
     """Return the resident memory of process ``pid`` in MB (from /proc)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -79,18 +78,26 @@ def run(model: str = "small", steps: int = 300, save_every: int = 50, warmup: in
             restarts = rl.worker_restarts
         finally:
             rl.shutdown()
-    xs = list(range(warmup + 1, steps + 1))
-    per_process = {}
-    for name, values in rss.items():
-        slope = slope_per_100(xs, values[warmup:])
-        mean = statistics.fmean(values[warmup:])
-        per_process[name] = {"rss_mb_start": round(values[0], 1), "rss_mb_end": round(values[-1], 1),
-                             "slope_mb_per_100_steps": round(slope, 3),
-                             "slope_pct_per_100_steps": round(100 * slope / mean, 3),
-                             "fds_start": fds_start[name], "fds_end": fds_end[name]}
+    per_process = {name: {**rss_figures(values, warmup), "fds_start": fds_start[name], "fds_end": fds_end[name]}
+                   for name, values in rss.items()}
     return {"benchmark": "soak", "model": model, "processor": processor(), "steps": steps, "warmup_steps": warmup,
             "save_every": save_every, "median_step_s": round(statistics.median(step_s), 3),
             "processes": per_process, "telemetry_bytes_per_step": round(telemetry_bytes / steps),
             "checkpoint_s": checkpoint_s, "worker_restarts": restarts,
-            "goal_pct_per_100_steps": GOAL_PCT_PER_100_STEPS,
-            "goal_met": all(p["slope_pct_per_100_steps"] <= GOAL_PCT_PER_100_STEPS for p in per_process.values())}
+            "goal_pct_per_100_steps": GOAL_PCT_PER_100_STEPS, "goal_met": goal_met(per_process)}
+
+
+def rss_figures(values: list[float], warmup: int) -> dict:
+    """Return one process's RSS figures from its per-step samples (MB; step k's sample at index
+    k - 1): first and last sample, and the least-squares slope over the steps after ``warmup``,
+    in MB and as a percentage of the mean RSS over those steps, per 100 steps."""
+    after = values[warmup:]
+    slope = slope_per_100(list(range(warmup + 1, warmup + 1 + len(after))), after)
+    return {"rss_mb_start": round(values[0], 1), "rss_mb_end": round(values[-1], 1),
+            "slope_mb_per_100_steps": round(slope, 3),
+            "slope_pct_per_100_steps": round(100 * slope / statistics.fmean(after), 3)}
+
+
+def goal_met(per_process: dict[str, dict]) -> bool:
+    """Return whether every process's RSS slope is at most the goal's share of its RSS per 100 steps."""
+    return all(p["slope_pct_per_100_steps"] <= GOAL_PCT_PER_100_STEPS for p in per_process.values())
