@@ -7,22 +7,29 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 RUN_DIR ?=
 
-.PHONY: install run test lab clean-venv
+.PHONY: install run test lab clean-venv chromium
 
-install: $(STAMP)
+install: $(STAMP) chromium
 
 # Re-installs only when the pinned requirements or the package metadata change.
 $(STAMP): requirements.txt pyproject.toml scripts/install.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/install.sh
 	touch $(STAMP)
 
+# Debian's chromium for the browser tests, checked on every `make install` and `make test` (the
+# step above runs only when its inputs change): installed when missing, as root with apt.
+chromium:
+	@bash scripts/install.sh --chromium
+
 # The main job: the embedded default run (GRPO on arith with the tiny zoo model after a short
 # supervised warm start). It prints the run directory; summary.json there has the accuracies.
 run: $(STAMP)
 	$(VENV)/bin/hybridlab train $(if $(RUN_DIR),trainer.run_dir=$(RUN_DIR))
 
-test: $(STAMP)
-	$(PY) -m pytest -q tests
+# Two pytest-xdist workers: most of a test's time is process start-up and waiting on workers, so
+# two at once use the two cores (tests/conftest.py says how the suite is split).
+test: $(STAMP) chromium
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # JupyterLab for the notebooks, with this environment as the kernel, on localhost only; it prints
 # the URL with its token (open it in a browser on this machine, or through an SSH tunnel).

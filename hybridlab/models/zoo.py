@@ -12,6 +12,8 @@ import dataclasses
 import os
 from pathlib import Path
 
+from filelock import FileLock
+
 from hybridlab.atomic import atomic_model_dir
 from hybridlab.errors import UserError
 
@@ -137,7 +139,10 @@ def resolve_model(spec: str | os.PathLike, seed: int = 0) -> Path:
     preset, arch = parse_preset(spec)
     cached = home() / "zoo" / f"{preset}-{arch}-seed{seed}"
     if not (cached / "config.json").is_file():
-        build(spec, cached, seed=seed)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(cached.parent / f".{cached.name}.lock"):  # processes resolving it at once build it once
+            if not (cached / "config.json").is_file():
+                build(spec, cached, seed=seed)
     return cached
 
 
