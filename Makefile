@@ -26,10 +26,8 @@ chromium:
 run: $(STAMP)
 	$(VENV)/bin/hybridlab train $(if $(RUN_DIR),trainer.run_dir=$(RUN_DIR))
 
-# Two pytest-xdist workers: most of a test's time is process start-up and waiting on workers, so
-# two at once use the two cores (tests/conftest.py says how the suite is split).
 test: $(STAMP) chromium
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(PY) -m pytest -q tests
 
 # JupyterLab for the notebooks, with this environment as the kernel, on localhost only; it prints
 # the URL with its token (open it in a browser on this machine, or through an SSH tunnel).

@@ -1,11 +1,6 @@
-"""Shared fixtures: a private hybridlab cache per test run, zoo models and the trained fixture
-built once per run (also across pytest-xdist workers), and the order the suite runs in.
-
-`make test` runs the suite on two pytest-xdist workers with ``--dist loadfile``: each test module
-is one unit of work, so its module-scoped Ray cluster and sessions stay on one worker. Modules go
-out longest first (``LONGEST``), so the two workers finish close together; a stale order costs
-balance, never correctness.
-"""
+"""Shared fixtures: a private hybridlab cache per test run, and the zoo models and the trained
+fixture built once per run (also across pytest-xdist workers, should a run use them: each
+build holds a file lock, so concurrent workers build once and share it)."""
 from __future__ import annotations
 
 import os
@@ -16,19 +11,6 @@ from filelock import FileLock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-# Modules, longest first (from `pytest --durations=0` on the 2-core AMD EPYC without AVX-512);
-# the others follow in file order.
-LONGEST = ["test_resume.py", "test_bench.py", "test_bench_e2e.py", "test_remap.py", "test_rl.py",
-           "test_worker_faults.py", "test_notebook.py", "test_controller.py", "test_train_cli.py", "test_widgets.py",
-           "test_dashboard.py", "test_bad_updates.py", "test_train.py", "test_lab_browser.py", "test_sync.py",
-           "test_docs.py", "test_rollout.py", "test_multinode.py"]
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST)}
-    module = {item: item.nodeid.split("::")[0].rsplit("/", 1)[-1] for item in items}
-    items.sort(key=lambda item: rank.get(module[item], len(rank)))  # stable: a module's tests keep their order
 
 
 def _shared_dir(tmp_path_factory, name: str) -> Path:
