@@ -3,13 +3,13 @@ watched in headless Chromium while the run progresses."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import time
 from pathlib import Path
 
 import pytest
+
+from browser import chromium
 
 from hybridlab.dataflow.session import RLSession
 from hybridlab.telemetry.dashboard import Dashboard
@@ -29,19 +29,6 @@ def rl(ray_local, trained_dir, tmp_path_factory):
     session.start()
     yield session
     session.shutdown()
-
-
-def _chromium() -> str:
-    """Debian's chromium for the browser tests: without it they are skipped, except under CI
-    (CI=true), where a missing browser fails them with the command that installs it."""
-    path = shutil.which("chromium")
-    if path is None:
-        message = ("Debian's chromium is not installed: run `apt-get install -y chromium` as root"
-                   " (`make install` or `make test` does it when run as root)")
-        if os.environ.get("CI", "").lower() in ("true", "1"):
-            pytest.fail(f"CI is set and {message}")
-        pytest.skip(message)
-    return path
 
 
 def _finished(rl) -> list[int]:
@@ -150,13 +137,13 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
 
     from hybridlab.telemetry.serving import serve
 
-    chromium = _chromium()
+    browser_path = chromium()
     rl.step()  # something to show at once
     server, port = serve(rl.run_dir, port=0, threaded=True)
     run = rl.start_background(40)
     try:
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=chromium, headless=True,
+            browser = p.chromium.launch(executable_path=browser_path, headless=True,
                                         args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                                               "--disable-component-update", "--no-first-run"])
             page = browser.new_page(viewport={"width": 1400, "height": 1100})
@@ -366,7 +353,7 @@ def test_the_login_form_works_in_the_browser(rl, tmp_path, monkeypatch):
 
     from hybridlab.telemetry.serving import free_port, serve
 
-    chromium = _chromium()
+    browser_path = chromium()
     _finished(rl)
     _as_another_machine(monkeypatch)
     users = tmp_path / "users.json"
@@ -376,7 +363,7 @@ def test_the_login_form_works_in_the_browser(rl, tmp_path, monkeypatch):
     try:
         _wait_for_page(f"http://127.0.0.1:{port}/").read()
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=chromium, headless=True,
+            browser = p.chromium.launch(executable_path=browser_path, headless=True,
                                         args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                                               "--disable-component-update", "--no-first-run"])
             page = browser.new_page()
@@ -423,7 +410,7 @@ def test_the_runs_page_lists_the_run_in_the_browser(rl):
     steps = [json.loads(line)["step"] for line in (rl.run_dir / "metrics.jsonl").read_text().splitlines()]
     try:
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=_chromium(), headless=True,
+            browser = p.chromium.launch(executable_path=chromium(), headless=True,
                                         args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                                               "--disable-component-update", "--no-first-run"])
             page = browser.new_page()

@@ -17,21 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from browser import chromium
+
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
-
-
-def _chromium() -> str:
-    """Debian's chromium: without it the test is skipped, except under CI (CI=true), where a
-    missing browser fails it with the command that installs it."""
-    path = shutil.which("chromium")
-    if path is None:
-        message = ("Debian's chromium is not installed: run `apt-get install -y chromium` as root"
-                   " (`make install` or `make test` does it when run as root)")
-        if os.environ.get("CI", "").lower() in ("true", "1"):
-            pytest.fail(f"CI is set and {message}")
-        pytest.skip(message)
-    return path
 
 
 def _free_port() -> int:
@@ -44,7 +33,7 @@ def _free_port() -> int:
 def lab(trained_dir, tmp_path):
     """JupyterLab on 127.0.0.1 with a token, serving a copy of the notebook; yields its URL base
     and token."""
-    _chromium()  # before starting JupyterLab
+    chromium()  # before starting JupyterLab
     shutil.copy(ROOT / "notebooks" / "03_device_mapping.ipynb", tmp_path)
     port, token = _free_port(), secrets.token_hex(16)
     ray_tmp = Path("/tmp") / f"hlray-lab-{os.getpid()}"
@@ -86,10 +75,10 @@ def lab(trained_dir, tmp_path):
 def test_mapping_editor_in_jupyterlab_applies_a_change_clicked_in_the_browser(lab):
     from playwright.sync_api import sync_playwright
 
-    chromium = _chromium()
+    browser_path = chromium()
     base, token = lab
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, headless=True,
+        browser = p.chromium.launch(executable_path=browser_path, headless=True,
                                     args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                                           "--disable-background-networking", "--disable-component-update",
                                           "--no-first-run"])
