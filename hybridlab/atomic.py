@@ -6,7 +6,9 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
+
+from filelock import FileLock
 
 from hybridlab.errors import UserError
 
@@ -40,6 +42,18 @@ def check_model_dir_target(out: str | os.PathLike) -> Path:
     out = Path(out)
     if out.exists() and not (out / "config.json").is_file():
         raise UserError(f"{out} exists and is not a model directory; choose a new path")
+    return out
+
+
+def built_once(out: Path, build: Callable[[], object]) -> Path:
+    """Return the cached model directory ``out``, calling ``build()`` to write it (atomically)
+    when it has no config.json yet; processes that ask at once wait on a file lock beside it, so
+    it is built once."""
+    if not (out / "config.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(out.parent / f".{out.name}.lock"):
+            if not (out / "config.json").is_file():
+                build()
     return out
 
 

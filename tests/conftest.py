@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -56,17 +55,18 @@ def trained_dir(tiny_dir, hybridlab_home):
     """tiny after a short SFT on addition (about 10 s, once per run): peaked distributions, so
     greedy decoding is a sharp check of weights."""
     from hybridlab import sft
+    from hybridlab.atomic import built_once
     from hybridlab.evaluate import load_hf
     from hybridlab.tasks import get_task
 
     out = hybridlab_home / "fixtures" / "tiny-arith"
-    out.parent.mkdir(exist_ok=True)
-    with FileLock(out.parent / ".tiny-arith.lock"):
-        if not (out / "config.json").is_file():
-            model, tok = load_hf(tiny_dir)
-            sft.train(model, tok, get_task("arith"), sft.SFTConfig(steps=300, warmup_steps=20), progress=False)
-            sft.save_checkpoint(model, tok, out)
-    return out
+
+    def train() -> None:
+        model, tok = load_hf(tiny_dir)
+        sft.train(model, tok, get_task("arith"), sft.SFTConfig(steps=300, warmup_steps=20), progress=False)
+        sft.save_checkpoint(model, tok, out)
+
+    return built_once(out, train)
 
 
 @pytest.fixture(scope="module")

@@ -100,3 +100,33 @@ def test_vllm_loads_zoo_checkpoints_unchanged(request, fixture, monkeypatch):
         llm.llm_engine.engine_core.shutdown()
         del llm
     assert vllm_lp == pytest.approx(_hf_prompt_logprobs(path, ids), abs=1e-4)
+
+
+def _build_counted(out: str) -> None:
+    """In a child process: ask for ``out`` with a build that counts itself and takes a while."""
+    import time
+    from pathlib import Path
+
+    from hybridlab.atomic import built_once
+
+    def build() -> None:
+        with open(Path(out).parent / "builds", "a") as f:
+            f.write("x")
+        time.sleep(0.5)  # the others ask while this one builds
+        Path(out).mkdir()
+        (Path(out) / "config.json").write_text("{}")
+
+    built_once(Path(out), build)
+
+
+def test_a_cached_model_directory_asked_for_by_processes_at_once_is_built_once(tmp_path):
+    import multiprocessing
+
+    out = tmp_path / "cache" / "model"
+    procs = [multiprocessing.get_context("fork").Process(target=_build_counted, args=(str(out),)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert (tmp_path / "cache" / "builds").read_text() == "x" and (out / "config.json").is_file()

@@ -62,18 +62,21 @@ def warm_model(model: str, task: str, options: dict, steps: int) -> str:
     (cached under hybridlab's home, so the cost is paid once per machine): enough for it to end
     its answers with end-of-sequence, as RL users' models do."""
     from hybridlab import sft
+    from hybridlab.atomic import built_once
     from hybridlab.evaluate import load_hf
     from hybridlab.models.zoo import home, resolve_model
     from hybridlab.tasks import get_task
 
     tag = "-".join(f"{k}{v}" for k, v in sorted(options.items()))
     out = home() / "warm" / f"{model}-{task}-{tag}-{steps}steps"
-    if not (out / "config.json").is_file():
+
+    def train() -> None:
         hf_model, tokenizer = load_hf(resolve_model(model))
         sft.train(hf_model, tokenizer, get_task(task, **options),
                   sft.SFTConfig(steps=steps, max_seconds=float("inf"), batch_size=32), progress=False)
         sft.save_checkpoint(hf_model, tokenizer, out)
-    return str(out)
+
+    return str(built_once(out, train))
 
 
 def _config(work: Workload, prompts_per_step: int, group: int, steps: int, run_dir: str, telemetry: bool = True,

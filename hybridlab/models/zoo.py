@@ -12,9 +12,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from filelock import FileLock
-
-from hybridlab.atomic import atomic_model_dir
+from hybridlab.atomic import atomic_model_dir, built_once
 from hybridlab.errors import UserError
 
 ARCHS = ("qwen2", "llama")
@@ -138,12 +136,7 @@ def resolve_model(spec: str | os.PathLike, seed: int = 0) -> Path:
         raise UserError(f"model path {spec} does not exist")
     preset, arch = parse_preset(spec)
     cached = home() / "zoo" / f"{preset}-{arch}-seed{seed}"
-    if not (cached / "config.json").is_file():
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(cached.parent / f".{cached.name}.lock"):  # processes resolving it at once build it once
-            if not (cached / "config.json").is_file():
-                build(spec, cached, seed=seed)
-    return cached
+    return built_once(cached, lambda: build(spec, cached, seed=seed))
 
 
 def count_parameters(name: str | os.PathLike) -> int:
