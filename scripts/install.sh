@@ -42,6 +42,12 @@ echo "installing pinned requirements (first time: several minutes, about 4.5 GB)
 # break `import transformers.models.qwen2.modeling_qwen2` ("operator torchvision::nms does not
 # exist"). hybridlab is text-only, so remove them (tests/test_install.py guards this).
 "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+# jsonschema imports rfc3987-syntax when it is installed (JupyterLab's jupyter-events asks for
+# jsonschema[format-nongpl]), and that import compiles about 35 Lark grammars: 2.1 s of CPU in
+# every process that imports ray (each Ray helper and worker process, every driver), which was
+# most of a Ray start here. Without it jsonschema only skips checking the "iri" string formats,
+# which no schema of ours or Jupyter's uses (tests/test_install.py guards the import time).
+"$VENV/bin/python" -m pip uninstall --quiet --yes rfc3987-syntax 2>/dev/null || true
 "$VENV/bin/python" -m pip install --quiet --no-deps -e .
 install_chromium
 "$VENV/bin/python" -c "import transformers.models.qwen2.modeling_qwen2, vllm, megatron.core, ray, panel; print('hybridlab environment ready')"

@@ -189,8 +189,10 @@ def test_sigterm_stops_at_a_step_boundary_saves_and_says_how_to_resume_and_a_sec
         path = run_dir / "metrics.jsonl"
         return sum(1 for line in path.read_text().splitlines() if "reward/mean" in line) if path.is_file() else 0
 
-    def start_and_wait_for(steps: int) -> subprocess.Popen:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    err_file = tmp_path / "stderr.txt"
+
+    def start_and_wait_for(steps: int, stderr=subprocess.PIPE) -> subprocess.Popen:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True,
                                 start_new_session=True, env={**os.environ, "HYBRIDLAB_FAULT": ""})
         deadline = time.time() + 300
         while steps_logged() < steps and time.time() < deadline and proc.poll() is None:
@@ -211,11 +213,18 @@ def test_sigterm_stops_at_a_step_boundary_saves_and_says_how_to_resume_and_a_sec
     args[args.index(f"trainer.run_dir={run_dir}")] = f"trainer.run_dir={tmp_path / 'second'}"
     args[args.index("trainer.save_every=0")] = "trainer.save_every=1"  # a checkpoint after every step
     run_dir = tmp_path / "second"
-    proc = start_and_wait_for(2)
+    proc = start_and_wait_for(2, stderr=err_file.open("w"))
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.5)  # two deliveries, not one merged signal
+    # two deliveries, not one merged signal: the second goes once the first was handled (on a
+    # loaded machine a fixed pause can end before the driver ran its handler)
+    err = ""
+    deadline = time.time() + 120
+    while "SIGINT: stopping after this step" not in err and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+        err = err_file.read_text()
     proc.send_signal(signal.SIGINT)  # the second one: at once
-    out, err = proc.communicate(timeout=300)
+    proc.communicate(timeout=300)
+    err = err_file.read_text()
     assert proc.returncode == 130, err[-3000:]
     kept = checkpoint_dirs(run_dir)
     assert kept and all((p / "session.json").is_file() and (p / "actor" / "model.safetensors").is_file()
