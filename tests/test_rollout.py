@@ -152,3 +152,25 @@ def test_prefix_caching_shares_prefill_but_never_reuses_kv_of_older_weights(ray_
     assert torch.equal(after["responses"][:16], expected["responses"])
     assert torch.equal(after["responses"][16:], expected["responses"])
     assert (after["rollout_log_probs"][16:] - expected["rollout_log_probs"]).abs().max() < 1e-4
+
+
+def test_compiled_helpers_run_eagerly_in_a_cpu_engine_process():
+    """start_llm on CPU turns Dynamo off in its process: vLLM's torch.compile'd helpers then run
+    as plain Python instead of being traced (and built with a C++ compiler) on first call."""
+    import torch._dynamo
+
+    from hybridlab.workers.rollout.vllm_engine import run_compiled_helpers_eagerly
+
+    @torch.compile(dynamic=True)
+    def count_at_least(logits, chosen):  # the shape of vLLM's rank count
+        return (logits >= chosen.unsqueeze(-1)).sum(-1)
+
+    logits = torch.tensor([[0.1, 0.5, 0.3], [0.9, 0.2, 0.4]])
+    before = torch._dynamo.config.disable
+    torch._dynamo.utils.counters.clear()
+    try:
+        run_compiled_helpers_eagerly()
+        assert count_at_least(logits, torch.tensor([0.3, 0.2])).tolist() == [2, 3]
+    finally:
+        torch._dynamo.config.disable = before
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0

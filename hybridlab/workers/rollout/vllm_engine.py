@@ -39,6 +39,8 @@ def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: 
     gc.freeze()  # objects from imports are never collected; freezing them speeds up engine start
     from vllm.platforms import current_platform
 
+    if current_platform.is_cpu():
+        run_compiled_helpers_eagerly()
     extra = {}
     if prefix_caching and current_platform.is_cpu():
         extra["block_size"] = 32
@@ -47,6 +49,20 @@ def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: 
     return LLM(model=model_dir, dtype=dtype, max_model_len=context, kv_cache_memory_bytes=kv_cache_mb << 20,
                enforce_eager=True, seed=seed, logprobs_mode="processed_logprobs",
                enable_prefix_caching=prefix_caching, **extra)
+
+
+def run_compiled_helpers_eagerly() -> None:
+    """Make this process run ``torch.compile``'d functions as plain Python (Dynamo off).
+
+    On CPU the engine runs eagerly (``enforce_eager``), yet vLLM still compiles two helpers on
+    their first call: the rank count of the sampled tokens' log-probs and the vocab-parallel
+    embedding mask. Tracing them costs about 2 s per engine process on our 2-core machines, and
+    inductor's C++ build minutes more on a fresh one; eager they compute the same integers.
+    Megatron's fused helpers (``jit_fuser``) in a colocated process run eagerly too.
+    """
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
 
 
 def _external_launcher() -> type:
