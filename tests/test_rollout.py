@@ -167,6 +167,7 @@ def test_compiled_helpers_run_eagerly_in_a_cpu_engine_process():
 
     logits = torch.tensor([[0.1, 0.5, 0.3], [0.9, 0.2, 0.4]])
     before = torch._dynamo.config.disable
+    torch._dynamo.config.disable = False  # as in a fresh process (an engine started here earlier turned it off)
     torch._dynamo.utils.counters.clear()
     try:
         run_compiled_helpers_eagerly()
