@@ -213,7 +213,8 @@ def test_sigterm_stops_at_a_step_boundary_saves_and_says_how_to_resume_and_a_sec
     args[args.index(f"trainer.run_dir={run_dir}")] = f"trainer.run_dir={tmp_path / 'second'}"
     args[args.index("trainer.save_every=0")] = "trainer.save_every=1"  # a checkpoint after every step
     run_dir = tmp_path / "second"
-    proc = start_and_wait_for(2, stderr=err_file.open("w"))
+    stderr = err_file.open("w")
+    proc = start_and_wait_for(2, stderr=stderr)
     proc.send_signal(signal.SIGINT)
     # two deliveries, not one merged signal: the second goes once the first was handled (on a
     # loaded machine a fixed pause can end before the driver ran its handler)
@@ -224,6 +225,7 @@ def test_sigterm_stops_at_a_step_boundary_saves_and_says_how_to_resume_and_a_sec
         err = err_file.read_text()
     proc.send_signal(signal.SIGINT)  # the second one: at once
     proc.communicate(timeout=300)
+    stderr.close()
     err = err_file.read_text()
     assert proc.returncode == 130, err[-3000:]
     kept = checkpoint_dirs(run_dir)

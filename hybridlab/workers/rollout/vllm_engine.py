@@ -39,11 +39,11 @@ def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: 
     gc.freeze()  # objects from imports are never collected; freezing them speeds up engine start
     from vllm.platforms import current_platform
 
+    extra = {}
     if current_platform.is_cpu():
         run_compiled_helpers_eagerly()
-    extra = {}
-    if prefix_caching and current_platform.is_cpu():
-        extra["block_size"] = 32
+        if prefix_caching:
+            extra["block_size"] = 32
     if tp > 1:
         extra.update(tensor_parallel_size=tp, distributed_executor_backend=_external_launcher())
     return LLM(model=model_dir, dtype=dtype, max_model_len=context, kv_cache_memory_bytes=kv_cache_mb << 20,
