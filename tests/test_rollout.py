@@ -154,24 +154,22 @@ def test_prefix_caching_shares_prefill_but_never_reuses_kv_of_older_weights(ray_
     assert (after["rollout_log_probs"][16:] - expected["rollout_log_probs"]).abs().max() < 1e-4
 
 
-def test_compiled_helpers_run_eagerly_in_a_cpu_engine_process():
-    """start_llm on CPU turns Dynamo off in its process: vLLM's torch.compile'd helpers then run
-    as plain Python instead of being traced (and built with a C++ compiler) on first call."""
+def test_a_cpu_engine_traces_none_of_vllms_compiled_helpers(tiny_dir):
+    """start_llm on CPU turns Dynamo off in its process: vLLM's torch.compile'd helpers (the
+    rank count of the sampled tokens' log-probs among them) run as plain Python instead of being
+    traced, and built with a C++ compiler, on the first generate."""
     import torch._dynamo
 
-    from hybridlab.workers.rollout.vllm_engine import run_compiled_helpers_eagerly
+    from hybridlab.workers.rollout import vllm_engine
 
-    @torch.compile(dynamic=True)
-    def count_at_least(logits, chosen):  # the shape of vLLM's rank count
-        return (logits >= chosen.unsqueeze(-1)).sum(-1)
-
-    logits = torch.tensor([[0.1, 0.5, 0.3], [0.9, 0.2, 0.4]])
     before = torch._dynamo.config.disable
     torch._dynamo.config.disable = False  # as in a fresh process (an engine started here earlier turned it off)
     torch._dynamo.utils.counters.clear()
+    llm = vllm_engine.start_llm(str(tiny_dir), 64, 32, "float32", 0)
     try:
-        run_compiled_helpers_eagerly()
-        assert count_at_least(logits, torch.tensor([0.3, 0.2])).tolist() == [2, 3]
+        responses, logprobs = vllm_engine.generate(llm, [[5, 6, 7]], SamplingConfig(max_tokens=4, n=2), None)
     finally:
+        vllm_engine.close_llm(llm)
         torch._dynamo.config.disable = before
+    assert [len(r) for r in responses] == [4, 4] and all(len(lp) == 4 for lp in logprobs)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
