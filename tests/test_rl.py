@@ -339,6 +339,17 @@ LOSS_KEYS = ("policy_loss", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "
              "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")
 
 
+def step_with_a_reward_difference(rl, what: str):
+    """Return the first of up to four steps whose advantages are not all zero. A batch whose
+    groups all drew equal rewards has zero advantages, and then no gradient whatever the loss;
+    which seeded step first draws a difference depends on the processor's arithmetic."""
+    for _ in range(4):
+        result = rl.step()
+        if result.batch["advantages"].abs().sum() > 0:
+            return result
+    raise AssertionError(f"{what}: four steps without a reward difference")
+
+
 def test_every_policy_loss_preset_steps_through_update_with_finite_loss_and_gradient(rl):
     """The presets of verl's policy losses, switched live on one session (DP 2); each step's
     policy loss and gradient norm are finite and the loss is the preset's."""
@@ -355,14 +366,7 @@ def test_every_policy_loss_preset_steps_through_update_with_finite_loss_and_grad
             cfg = load_config(preset)
             rl.update(*[f"actor.{k}={json.dumps(getattr(cfg.actor, k))}" for k in LOSS_KEYS],
                       f"algorithm.norm_adv_by_std_in_grpo={str(cfg.algorithm.norm_adv_by_std_in_grpo).lower()}")
-            # A batch whose groups all drew equal rewards has zero advantages, and then no gradient
-            # whatever the loss: step until one has a reward difference (the tiny model soon does).
-            for _ in range(4):
-                result = rl.step()
-                if result.batch["advantages"].abs().sum() > 0:
-                    break
-            m = result.metrics
-            assert result.batch["advantages"].abs().sum() > 0, (preset, "four steps without a reward difference")
+            m = step_with_a_reward_difference(rl, preset).metrics
             assert rl.cfg.actor.policy_loss == cfg.actor.policy_loss
             assert torch.isfinite(torch.tensor([m["actor/pg_loss"], m["actor/grad_norm"]])).all(), (preset, m)
             assert m["actor/grad_norm"] > 0, preset
@@ -400,7 +404,7 @@ def test_rollout_correction_and_the_other_verl_estimators_run_live(rl, tmp_path)
         rl.update(f"{rc}.bypass_mode=true", f"{rc}.loss_type=reinforce", f"{rc}.rollout_is=sequence",
                   f"{rc}.rollout_rs=null", f"{rc}.rollout_rs_threshold=null")
         assert "rollout_as_old_logprob" in rl.dataflow.names and "rollout_correction" not in rl.dataflow.names
-        m = rl.step().metrics
+        m = step_with_a_reward_difference(rl, "bypass mode").metrics
         assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
         for key in ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_eff_sample_size", "rollout_corr/kl"):
             assert math.isfinite(m[key]), key  # measured inside the loss, against the evolving policy
