@@ -10,6 +10,14 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite's traffic stays on loopback. Ray's single-machine mode: every Ray cluster the tests
+# start (their own, the subprocesses', the simulated nodes of test_multinode) binds and connects
+# on 127.0.0.1 instead of this machine's network address (read when Ray is imported); gloo's
+# connections (Megatron, vLLM's TP groups) and vLLM's own address on the loopback interface.
+# The processes the tests start inherit these.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+os.environ["VLLM_HOST_IP"] = "127.0.0.1"
 
 
 def _shared_dir(tmp_path_factory, name: str) -> Path:

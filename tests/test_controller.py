@@ -187,6 +187,8 @@ def test_placement_colocation_and_rendezvous(session):
     assert [w["gpus"] for w in actor] == [w["gpus"] for w in critic]    # ... on the same devices
     assert len({tuple(w["gpus"]) for w in actor}) == 4
     assert len({w["master"] for w in actor}) == 1
+    # the tests' Ray clusters stay on loopback (conftest.py), the group's rendezvous with them
+    assert {w["master"][0] for w in actor + critic} == {"127.0.0.1"}
     assert session.groups["critic"].all_reduce_ranks() == [6.0] * 4
 
 
