@@ -1,4 +1,5 @@
 """The controller on a real local Ray cluster: dispatch, placement, colocation, faults, remap."""
+import gc
 import os
 import sys
 import time
@@ -34,7 +35,7 @@ class Probe(Worker):
         cores = sorted({c for tid in os.listdir("/proc/self/task") for c in os.sched_getaffinity(int(tid))})
         return {"rank": self.rank, "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()],
                 "master": (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]), "cores": cores,
-                "threads": torch.get_num_threads()}
+                "threads": torch.get_num_threads(), "collector": (gc.isenabled(), gc.get_freeze_count())}
 
     @register(Dispatch.ALL)
     def devices(self):
@@ -189,6 +190,8 @@ def test_placement_colocation_and_rendezvous(session):
     assert len({w["master"] for w in actor}) == 1
     # the tests' Ray clusters stay on loopback (conftest.py), the group's rendezvous with them
     assert {w["master"][0] for w in actor + critic} == {"127.0.0.1"}
+    # each process built its workers with the collector paused, then froze what the build made
+    assert all(w["collector"][0] and w["collector"][1] > 1000 for w in actor + critic)
     assert session.groups["critic"].all_reduce_ranks() == [6.0] * 4
 
 

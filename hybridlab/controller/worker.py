@@ -7,13 +7,15 @@ their methods, timing each call as a span.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
+import gc
 import os
 import socket
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import ray
 
@@ -97,6 +99,27 @@ def _nbytes(value: Any) -> int:
     return nbytes if isinstance(nbytes, int) else 0
 
 
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Run the block with Python's cyclic garbage collector off, then freeze what exists.
+
+    For a worker process's start: importing torch, megatron-core and vLLM creates millions of
+    objects, and the collector scanning them again and again cost about a quarter of the
+    imports' CPU time on our 2-core machines (8.0 s against 6.2 s, measured). Reference
+    counting frees objects as usual throughout; the cycles left behind are collected once at
+    the end (about 0.3 s). What remains lives as long as the process, so it is frozen: later
+    collections, during the steps, skip it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.collect()
+        if enabled:
+            gc.enable()
+        gc.freeze()
+
+
 class RemoteError(Exception):
     """Raised inside a host when a worker method fails; carries the formatted traceback."""
 
@@ -136,17 +159,16 @@ class WorkerHost:
         """Import ``modules`` (the engines' heavy imports) so that a role built here later starts
         without them; returns ``placement()`` and the modules that failed to import (the role
         that needs one raises the real error when it is built). Used by spare processes."""
-        import gc
         import importlib
         import sys
 
         failed = []
-        for name in modules:
-            try:
-                importlib.import_module(name)
-            except (Exception, SystemExit):
-                failed.append(name)
-        gc.freeze()  # imported objects live as long as the process; the collector need not scan them
+        with collector_paused():
+            for name in modules:
+                try:
+                    importlib.import_module(name)
+                except (Exception, SystemExit):
+                    failed.append(name)
         # A process whose imports loaded the CUDA driver (``torch.cuda.is_available()`` does) has
         # fixed the devices it sees and cannot take one bundle's.
         try:
@@ -191,15 +213,16 @@ class WorkerHost:
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
                            "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])})
         bind_to_devices(self._gpu_ids())
-        for role, (cls, args, kwargs) in roles.items():
-            try:
-                obj = cls.__new__(cls)
-                obj.rank, obj.world_size, obj.role = rank, world_size, role
-                obj.peers = self.workers  # colocated roles reach each other in memory
-                obj.__init__(*args, **kwargs)
-            except BaseException:
-                raise RemoteError(role, rank, "__init__", traceback.format_exc()) from None
-            self.workers[role] = obj
+        with collector_paused():  # building imports the engines (megatron-core, vLLM) and the models
+            for role, (cls, args, kwargs) in roles.items():
+                try:
+                    obj = cls.__new__(cls)
+                    obj.rank, obj.world_size, obj.role = rank, world_size, role
+                    obj.peers = self.workers  # colocated roles reach each other in memory
+                    obj.__init__(*args, **kwargs)
+                except BaseException:
+                    raise RemoteError(role, rank, "__init__", traceback.format_exc()) from None
+                self.workers[role] = obj
         self._start_sampler(",".join(roles))
 
     def _start_sampler(self, roles: str) -> None:
