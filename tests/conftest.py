@@ -77,20 +77,75 @@ def trained_dir(tiny_dir, hybridlab_home):
     return built_once(out, train)
 
 
+class SharedCluster:
+    """The run's local Ray cluster (4 logical GPUs, 8 CPUs, a short temp dir of its own): started
+    by the first module that asks for it and kept for the next ones, started again after a
+    module that stopped it (test_multinode runs its own), stopped when the run ends."""
+
+    def __init__(self):
+        self.address: str | None = None
+        self.temp_dirs: list[str] = []
+
+    def up(self) -> dict:
+        """Connect this process to the shared cluster (starting it if needed); returns its resources."""
+        import tempfile
+
+        import ray
+
+        from hybridlab.controller.resources import connect
+
+        if ray.is_initialized() and ray.get_runtime_context().gcs_address != self.address:
+            ray.shutdown()  # a cluster a test started by itself: not the shared one
+        if not ray.is_initialized():
+            self.temp_dirs.append(tempfile.mkdtemp(prefix="hlray-", dir="/tmp"))  # short: socket paths are limited
+            connect(num_gpus=4, num_cpus=8, temp_dir=self.temp_dirs[-1])
+            self.address = ray.get_runtime_context().gcs_address
+        return ray.cluster_resources()
+
+    def release_leftovers(self) -> None:
+        """Remove the placement groups a module left reserved, so the next module finds every
+        device free (a module's sessions release theirs; a failed test may not)."""
+        import ray
+        from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+        if not ray.is_initialized() or ray.get_runtime_context().gcs_address != self.address:
+            return
+        for pg_id, info in placement_group_table().items():
+            if info["state"] != "REMOVED":
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+
+    def down(self) -> None:
+        import shutil
+
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        for path in self.temp_dirs:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def shared_cluster():
+    """The run's SharedCluster (stopped at the end of the run)."""
+    cluster = SharedCluster()
+    yield cluster
+    cluster.down()
+
+
 @pytest.fixture(scope="module")
-def ray_local(tmp_path_factory):
-    """A local Ray cluster with 4 logical GPUs and its own temp dir, shared by one test module."""
-    import shutil
-    import tempfile
+def ray_local(shared_cluster):
+    """This process connected to the run's shared local Ray cluster; returns its resources.
+    Modules share it: each leaves it as it found it (its sessions shut down, their devices free)."""
+    yield shared_cluster.up()
+    shared_cluster.release_leftovers()
 
-    import ray
 
-    from hybridlab.controller.resources import connect
-
-    if ray.is_initialized():
-        ray.shutdown()
-    temp_dir = tempfile.mkdtemp(prefix="hlray-", dir="/tmp")  # short: Ray's socket paths are limited
-    resources = connect(num_gpus=4, num_cpus=8, temp_dir=temp_dir)
-    yield resources
-    ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
+@pytest.fixture(scope="module")
+def ray_address(ray_local, shared_cluster):
+    """The shared cluster's address, set as RAY_ADDRESS for the processes this module's tests
+    start: `hybridlab train`, notebook kernels and the README's examples attach to it (as they
+    would to a user's cluster) instead of each starting and stopping one of their own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_ADDRESS", shared_cluster.address)
+        yield shared_cluster.address

@@ -304,3 +304,15 @@ def test_remap_recreates_only_changed_roles_and_validates_first(session):
     assert not set(after["critic"]) & set(before["critic"])
     session._hooks.clear()
 
+
+
+def test_a_process_with_ray_address_set_attaches_to_that_cluster(ray_local, ray_address):
+    """As any Ray program: with RAY_ADDRESS set, connect() joins that cluster (here the run's
+    shared one) instead of starting a local one."""
+    import subprocess
+
+    code = ("import ray; from hybridlab.controller.resources import connect; connect(num_gpus=1);"
+            " print(ray.get_runtime_context().gcs_address, ray.cluster_resources()['GPU'])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == [ray_address, "4.0"]  # the shared cluster's 4, not a new one's 1

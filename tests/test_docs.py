@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.usefixtures("ray_address")  # the examples attach to the run's shared Ray cluster
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 SESSION = 'RLSession("ppo", ["trainer.devices=2"])'
 

@@ -19,6 +19,8 @@ import pytest
 
 from browser import chromium
 
+pytestmark = pytest.mark.usefixtures("ray_address")  # the notebook's kernel attaches to the run's shared Ray cluster
+
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.usefixtures("ray_address")  # the kernels attach to the run's shared Ray cluster
+
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 

@@ -39,7 +39,7 @@ def _repeatable(line: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_runs(tmp_path_factory):
+def two_runs(ray_address, tmp_path_factory):
     """The same short seeded run twice, one after the other, on this machine: the first as a user
     types it, the second through `hybridlab bench learn` (which runs that command per seed);
     returns both run directories, the first's process and the benchmark's JSON."""
@@ -113,7 +113,7 @@ def test_bench_learn_reports_the_run_it_made(two_runs):
     assert run["gain"] < 20 and result["goal_met"] is False
 
 
-def test_a_warm_start_that_misses_its_target_stops_the_run_with_the_keys_named(tmp_path):
+def test_a_warm_start_that_misses_its_target_stops_the_run_with_the_keys_named(ray_address, tmp_path):
     run_dir = tmp_path / "run"
     out = _train(run_dir, "warm_start.target_accuracy=0.9", "warm_start.max_steps=50",
                  "warm_start.eval_every=25", "warm_start.eval_samples=50")
