@@ -29,6 +29,14 @@ def _cpuinfo() -> dict[str, str]:
     return fields
 
 
+def usable_cores() -> int:
+    """Return how many cores this process may run on: its affinity mask (what ``taskset``, a
+    cgroup cpuset, Slurm or a container leaves it), not the machine's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def processor() -> str:
     """Return the processor's model name with the features that matter, e.g.
     ``"AMD EPYC (avx512_bf16, no AMX)"`` or ``"AMD EPYC (no AVX-512, no AMX)"``: the label every
@@ -47,7 +55,7 @@ def processor() -> str:
 
 def describe(seed: int | None = None) -> dict:
     """Return the environment of this process as plain data: processor (model, vendor, the
-    flags in FLAGS), cores, thread counts, package versions and the seed."""
+    flags in FLAGS), cores (the machine's and those this process may use), thread counts, package versions and the seed."""
     import torch
 
     info = _cpuinfo()
@@ -65,6 +73,7 @@ def describe(seed: int | None = None) -> dict:
         "cpu_flags": {flag: flag in flags for flag in FLAGS},
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cores": os.cpu_count(),
+        "usable_cores": usable_cores(),
         "threads": {"torch": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
                     "torch_interop": torch.get_num_interop_threads()},
         "python": platform.python_version(),

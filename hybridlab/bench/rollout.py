@@ -6,7 +6,6 @@ the controller into a RolloutWorker on its own worker process.
 """
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -14,6 +13,7 @@ import torch
 from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.controller.session import Session
+from hybridlab.environment import usable_cores
 from hybridlab.protocol import Batch
 from hybridlab.workers.rollout.sampling import SamplingConfig
 from hybridlab.workers.rollout.worker import RolloutWorker
@@ -28,7 +28,7 @@ def run(model: str = "mid", prompts: int = 64, max_new_tokens: int = 128, prompt
     from hybridlab.models.zoo import resolve_model
     from hybridlab.workers.rollout import hf_engine, vllm_engine
 
-    threads = max(1, min(2, os.cpu_count() or 1))
+    threads = min(2, usable_cores())
     model_dir = str(resolve_model(model))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 300, (prompts, prompt_len), generator=g).tolist()

@@ -7,7 +7,6 @@ TP2; transformers runs in this process with the same thread count.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 
@@ -18,6 +17,7 @@ from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.controller.session import Session
 from hybridlab.controller.worker import Dispatch, register
+from hybridlab.environment import usable_cores
 from hybridlab.workers.train.workers import ActorWorker
 
 WARMUP = 2  # steps not timed on either side: allocator and kernel warm-up
@@ -97,7 +97,7 @@ def run(models: str = "small,mid", steps: int = 5, batch_size: int = 16, prompt_
     from hybridlab.controller.resources import connect
     from hybridlab.models.zoo import resolve_model
 
-    threads = max(1, min(2, os.cpu_count() or 1))
+    threads = min(2, usable_cores())
     connect(num_gpus=2)
     out: dict = {"batch_size": batch_size, "seq_len": prompt_len + response_len, "steps": steps,
                  "threads": threads, "tokens_per_s": {}, "hf_tokens_per_s": {}, "peak_rss_mb": {},

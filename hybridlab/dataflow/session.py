@@ -106,14 +106,14 @@ class RLSession:
         from transformers import AutoTokenizer
 
         from hybridlab.controller.session import Session
-        from hybridlab.environment import describe
+        from hybridlab.environment import describe, usable_cores
         from hybridlab.models.zoo import resolve_model
         from hybridlab.workers.train.convert import ModelSpec
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
         processes = sum(1 for _ in self.mapping.process_sets())
-        env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // processes))}
+        env = {"OMP_NUM_THREADS": str(max(1, usable_cores() // processes))}
         if self.cfg.trainer.bind_threads:
             env[BIND_ENV] = "1"
         self.environment = {**describe(self.cfg.trainer.seed), "worker_threads": int(env["OMP_NUM_THREADS"]),
