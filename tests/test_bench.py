@@ -54,7 +54,7 @@ def test_bench_sync_json(ray_local, capfd):
 
 def test_bench_precision_json_runs_bf16_on_both_sides(ray_local, capfd):
     result = run_bench(["precision", "--model", "tiny", "--prompts", "4", "--max-new-tokens", "8", "--rounds", "1",
-                     "--steps", "1", "--batch-size", "4", "--response-len", "16"], capfd)
+                     "--steps", "1", "--batch-size", "4", "--response-len", "16", "--session-rounds", "1"], capfd)
     assert {"processor", "rollout_fp32_tokens_per_s", "rollout_bf16_tokens_per_s", "rollout_bf16_speedup",
             "train_fp32_tokens_per_s", "train_bf16_tokens_per_s", "train_bf16_speedup",
             "bf16_rollout_vs_fp32_actor", "bf16_actor_vs_fp32_actor_max_abs_logprob_gap"} <= set(result)
@@ -64,6 +64,18 @@ def test_bench_precision_json_runs_bf16_on_both_sides(ray_local, capfd):
     assert_ratio(result["rollout_bf16_speedup"], result["rollout_bf16_tokens_per_s"],
                  result["rollout_fp32_tokens_per_s"], 3)
     assert_ratio(result["train_bf16_speedup"], result["train_bf16_tokens_per_s"], result["train_fp32_tokens_per_s"], 3)
+
+
+def test_settings_are_measured_in_alternating_sessions(capfd):
+    """Two settings' sessions alternate, so each sees early and late sessions alike; the
+    benchmarks' default is two rounds, the tests' one."""
+    from hybridlab.bench import alternating
+
+    assert alternating("fp32", "bf16", 2) == ("fp32", "bf16", "bf16", "fp32")
+    assert alternating("fp32", "bf16", 1) == ("fp32", "bf16")
+    assert alternating(True, False, 3) == (True, False, False, True, True, False)
+    assert main(["bench", "precision", "--session-rounds", "0", "--json"]) == 2
+    assert "session_rounds must be an integer of at least 1, got 0" in capfd.readouterr().err
 
 
 def test_bench_learn_refuses_bad_seeds_before_any_run(capfd):

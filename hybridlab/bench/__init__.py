@@ -19,6 +19,15 @@ BENCHES = {
 }
 
 
+def alternating(first, second, rounds: int) -> tuple:
+    """Return the order in which two settings' sessions run: ``first, second, second, first, ...``
+    for ``rounds`` pairs, so that each setting sees early and late sessions alike (1 round: one
+    session of each, the smallest comparison; 2: the benchmarks' default)."""
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be an integer of at least 1, got {rounds!r}")
+    return tuple((first, second, second, first)[i % 4] for i in range(2 * rounds))
+
+
 def run(name: str, **options) -> dict:
     """Run benchmark ``name`` and return its result dict."""
     if name not in BENCHES:

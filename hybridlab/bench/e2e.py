@@ -28,7 +28,9 @@ import time
 
 import torch
 
+from hybridlab.bench import alternating
 from hybridlab.bench.profile import matmul_peaks, peak_fractions, step_profile
+from hybridlab.environment import usable_cores
 from hybridlab.errors import UserError
 
 
@@ -234,8 +236,11 @@ def trl(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: i
             "lengths": [n for b in batches for n in b]}
 
 
-# Telemetry on, off, off, on: each setting sees early and late sessions alike.
-TELEMETRY_ORDER = (True, False, False, True)
+def telemetry_order(check: str, rounds: int) -> tuple[bool, ...]:
+    """Return our sessions' telemetry settings in order: one session (on) without the check;
+    with it telemetry on and off alternating (``bench.alternating``): 1 round gives on, off; 2
+    (the default) on, off, off, on."""
+    return (True,) if check == "off" else alternating(True, False, rounds)
 
 
 def _in_child(fn, *args, **kwargs):
@@ -278,14 +283,16 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
         warmup: int = 1, peer: str = "trl", precision: str = "fp32", placement: str = "colocated",
         packing: str = "off", workload: str = "both", warm_steps: int = 200,
         trl_gradient_checkpointing: str = "off", telemetry_check: str = "on", max_staleness: int = 1,
-        trl_vllm: str = "off", bind_threads: str = "off", prefix_caching: str = "off") -> dict:
+        trl_vllm: str = "off", bind_threads: str = "off", prefix_caching: str = "off",
+        telemetry_rounds: int = 2) -> dict:
     """Return hybridlab's and TRL's median step time, completion tokens/s and their ratio, for
     one workload, or for both (``{"workload": "both", "runs": [fixed, variable]}``).
     ``max_new_tokens`` 0 takes the workload's own (64 fixed, 256 variable); ``warm_steps`` is the
     variable workload's supervised warm start. TRL runs without gradient checkpointing unless
     ``trl_gradient_checkpointing`` says on (or both: measure both, the faster is the peer).
     ``telemetry_check`` off runs one session of ours (telemetry on) instead of four, without
-    the telemetry overhead figure: for comparing levers in a quarter of the time.
+    the telemetry overhead figure: for comparing levers in a quarter of the time;
+    ``telemetry_rounds`` 1 checks the overhead on two sessions (on, off) instead of four.
     ``max_staleness`` (split placement) keeps that many rollouts in flight ahead. ``trl_vllm`` on
     also measures TRL generating with vLLM (colocate mode, fp32; the second goal's peer).
     ``bind_threads`` on pins each of our worker processes to its devices' cores
@@ -295,6 +302,8 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
     and update, and the step profile (``hybridlab.bench.profile``)."""
     _check(precision, peer, placement, packing, workload, trl_gradient_checkpointing, telemetry_check, trl_vllm,
            bind_threads, prefix_caching)
+    if not isinstance(telemetry_rounds, int) or telemetry_rounds < 1:
+        raise UserError(f"benchmark e2e: telemetry_rounds must be an integer of at least 1, got {telemetry_rounds!r}")
     if not isinstance(max_staleness, int) or max_staleness < 1:
         raise UserError(f"benchmark e2e: max_staleness must be an integer of at least 1, got {max_staleness!r}")
     if max_staleness != 1 and placement != "split":
@@ -305,7 +314,7 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
     if workload == "both":
         runs = [run(model, prompts_per_step, group, max_new_tokens, steps, warmup, peer, precision, placement,
                     packing, kind, warm_steps, trl_gradient_checkpointing, telemetry_check, max_staleness, trl_vllm,
-                    bind_threads, prefix_caching)
+                    bind_threads, prefix_caching, telemetry_rounds)
                 for kind in ("fixed", "variable")]
         return {"workload": "both", "processor": runs[0]["processor"], "runs": runs,
                 "speedup_vs_trl": {r["workload"]: r.get("speedup_vs_trl") for r in runs},
@@ -314,7 +323,7 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
     from hybridlab.environment import processor
     from hybridlab.models.zoo import count_parameters, resolve_model
 
-    threads = max(1, min(2, os.cpu_count() or 1))
+    threads = min(2, usable_cores())
     if workload == "fixed":
         work = Workload("fixed_length", "arith", {}, str(resolve_model(model)), max_new_tokens or 64, True)
     else:
@@ -330,7 +339,7 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
     attached = ray.is_initialized()  # a caller's cluster stays up; one we start is stopped
     connect(num_gpus=2 if placement == "split" else 1)
     runs: dict[bool, list[dict]] = {True: [], False: []}
-    for telemetry in TELEMETRY_ORDER if telemetry_check == "on" else (True,):
+    for telemetry in telemetry_order(telemetry_check, telemetry_rounds):
         runs[telemetry].append(ours(work, prompts_per_step, group, steps, warmup, telemetry, precision, placement,
                                     packing == "on", max_staleness, bind_threads == "on", prefix_caching == "on"))
     measured = runs[True]

@@ -10,17 +10,19 @@ or neither): the JSON names it.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
 import torch
 
+from hybridlab.bench import alternating
 from hybridlab.bench.train import make_batch
 from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.controller.session import Session
 from hybridlab.controller.worker import Dispatch, Worker, register
+from hybridlab.environment import usable_cores
+from hybridlab.errors import UserError
 from hybridlab.protocol import Batch
 from hybridlab.workers.rollout.sampling import SamplingConfig
 from hybridlab.workers.rollout.worker import RolloutWorker
@@ -29,7 +31,6 @@ from hybridlab.workers.train.workers import ActorWorker
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
-ORDER = ("fp32", "bf16", "bf16", "fp32")  # each setting sees early and late sessions alike
 
 
 def _session(roles: dict, threads: int) -> Session:
@@ -39,15 +40,16 @@ def _session(roles: dict, threads: int) -> Session:
 
 
 def rollout_side(model_dir: str, prompts: list[list[int]], max_new_tokens: int, rounds: int,
-                 threads: int) -> dict:
-    """Return tokens/s of fp32 and bf16 rollout engines (sessions in the order ``ORDER``) and
-    the log-prob gap of the bf16 engine's samples under the fp32 actor."""
+                 threads: int, session_rounds: int = 2) -> dict:
+    """Return tokens/s of fp32 and bf16 rollout engines (one session each per round of
+    ``session_rounds``, alternating: fp32, bf16, bf16, fp32 for 2) and the log-prob gap of the
+    bf16 engine's samples under the fp32 actor."""
     from hybridlab.algos.rollout_correction import mismatch_metrics
 
     cfg = SamplingConfig(temperature=1.0, max_tokens=max_new_tokens, ignore_eos=True, seed=0)
     batch = Batch(objects={"prompt_ids": prompts})
     seconds: dict[str, list[float]] = {p: [] for p in DTYPES}
-    for precision in ORDER:
+    for precision in alternating("fp32", "bf16", session_rounds):
         roles = {"rollout": RoleClass(RolloutWorker, kwargs=dict(model_dir=model_dir, kv_cache_mb=256,
                                                                  dtype=DTYPES[precision])),
                  "actor": RoleClass(ActorWorker, kwargs=dict(model_dir=model_dir, micro_batch_size=16))}
@@ -120,15 +122,20 @@ def train_side(model_dir: str, batch, steps: int, threads: int, micro_batch_size
 
 
 def run(model: str = "small", prompts: int = 32, max_new_tokens: int = 64, rounds: int = 3, steps: int = 5,
-        batch_size: int = 16, prompt_len: int = 32, response_len: int = 96, micro_batch_size: int = 8) -> dict:
-    """Return bf16-vs-fp32 tokens/s ratios of the rollout and of training, with the log-prob gaps."""
+        batch_size: int = 16, prompt_len: int = 32, response_len: int = 96, micro_batch_size: int = 8,
+        session_rounds: int = 2) -> dict:
+    """Return bf16-vs-fp32 tokens/s ratios of the rollout and of training, with the log-prob gaps.
+    ``rounds``: timed generations per rollout session; ``session_rounds``: pairs of rollout
+    sessions (fp32, bf16, bf16, fp32 for 2; 1: one of each)."""
+    if not isinstance(session_rounds, int) or session_rounds < 1:
+        raise UserError(f"benchmark precision: session_rounds must be an integer of at least 1, got {session_rounds!r}")
     import json
 
     from hybridlab.controller.resources import connect
     from hybridlab.environment import processor
     from hybridlab.models.zoo import resolve_model
 
-    threads = max(1, min(2, os.cpu_count() or 1))
+    threads = min(2, usable_cores())
     model_dir = str(resolve_model(model))
     vocab = json.loads((resolve_model(model) / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)
@@ -136,7 +143,7 @@ def run(model: str = "small", prompts: int = 32, max_new_tokens: int = 64, round
     out = {"model": model, "processor": processor(), "threads": threads, "prompts": prompts,
            "max_new_tokens": max_new_tokens, "train_batch": [batch_size, prompt_len + response_len]}
     connect(num_gpus=1)
-    out.update(rollout_side(model_dir, prompt_ids, max_new_tokens, rounds, threads))
+    out.update(rollout_side(model_dir, prompt_ids, max_new_tokens, rounds, threads, session_rounds))
     out.update(train_side(model_dir, make_batch(batch_size, prompt_len, response_len, vocab), steps, threads,
                           micro_batch_size))
     return out

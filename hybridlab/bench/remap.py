@@ -101,9 +101,9 @@ def run(model: str = "small", steps: int = 3, transitions: str = "all") -> dict:
                 state = _actor_state(rl)
                 rl.session.spares.wait_ready()  # what a session that has run a while has
                 report = rl.remap(after)
+                rl.update("trainer.spare_processes=0")  # the paths below run without: no refill to warm
                 exact = _equal(state, _actor_state(rl))
                 rl.step()  # the remapped session trains
-                rl.update("trainer.spare_processes=0")
                 rl.remap(before)  # back, untimed: the other paths start from the same mapping
                 state = _actor_state(rl)
                 no_spares = rl.remap(after)
