@@ -1,7 +1,8 @@
 """Checkpoint and resume on the real engines: a `hybridlab train` driver killed with SIGKILL at
 named points (mid-update, mid-checkpoint-write, mid-rollout), each time resumed with
-`--resume`, ends with per-step metrics identical to the run that was never killed, and leaves
-no Ray or vLLM process and no /dev/shm segment behind."""
+`--resume`, then a worker killed mid-step and re-created, ends with per-step metrics identical
+to the run that was never killed, and leaves no Ray or vLLM process and no /dev/shm segment
+behind."""
 from __future__ import annotations
 
 import json
@@ -87,7 +88,11 @@ def reference(trained_dir, tmp_path_factory) -> tuple[Path, Path]:
     return reference_dir, ray_tmp
 
 
-def test_killed_three_times_and_resumed_the_run_repeats_the_uninterrupted_one(trained_dir, reference, tmp_path):
+def test_killed_three_times_resumed_and_a_worker_killed_the_run_repeats_the_uninterrupted_one(
+        trained_dir, reference, tmp_path):
+    """The driver SIGKILLed mid-update, mid-checkpoint-write and mid-rollout, resumed each time;
+    in the last resumed run a worker process is killed mid-step, re-created, and the run rolls
+    back to its checkpoint. Every step's metrics equal the uninterrupted run's."""
     shm_before = {os.path.join("/dev/shm", name) for name in os.listdir("/dev/shm")}
     base = [f"model={trained_dir}", *SETTINGS]
     (reference_dir, tmp0), run_dir = reference, tmp_path / "killed"
@@ -112,47 +117,39 @@ def test_killed_three_times_and_resumed_the_run_repeats_the_uninterrupted_one(tr
     assert [p.name for p in checkpoint_dirs(run_dir)] == ["step-000002", "step-000004"]
     assert not list((run_dir / "checkpoints").glob(".step-*"))  # the unfinished write was cleared
 
-    done, t = train(["--resume", str(run_dir)])
-    tmps.append(t)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert [p.name for p in checkpoint_dirs(run_dir)] == ["step-000004", "step-000006"]  # keep_checkpoints=2
-
-    assert metrics(run_dir) == metrics(reference_dir)  # every step once, every non-timing key equal
-    summary, reference = (json.loads((d / "summary.json").read_text()) for d in (run_dir, reference_dir))
-    assert (summary["steps"], summary["accuracy_before"], summary["accuracy_after"]) == \
-        (reference["steps"], reference["accuracy_before"], reference["accuracy_after"]) and summary["steps"] == STEPS
-    telemetry = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in telemetry if r["kind"] == "metrics"]
-    assert steps == list(range(1, STEPS + 1))  # the telemetry file too: no step twice, none missing
-    # the second resume's own marker was cut with the steps it logged after checkpoint 2
-    assert [r["step"] for r in telemetry if r["kind"] == "resume"] == [2, 4]
-
-    assert leftovers(tmps) == []
-    assert leaked_shm(shm_before) == []
-
-
-def test_a_worker_killed_mid_step_is_recreated_and_the_run_repeats_the_uninterrupted_one(
-        trained_dir, reference, tmp_path):
-    reference_dir, _ = reference
-    run_dir = tmp_path / "run"
     # one process holds every role here: the kill takes the actor too, so the run goes back to
-    # the checkpoint of step 2 and runs steps 3 and 4 again (step 3 was logged before the kill)
-    done, ray_tmp = train([f"model={trained_dir}", *SETTINGS, f"trainer.run_dir={run_dir}"],
-                          fault="kill:rollout:reward@4")
+    # its checkpoint of step 4 and runs steps 5 and 6 again (step 5 was logged before the kill)
+    done, t = train(["--resume", str(run_dir)], fault="kill:rollout:reward@6")
+    tmps.append(t)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "fault injected: kill rollout" in done.stderr
     assert re.search(r"worker \w+ rank 0 died in \w+; re-creating [\w, ]+ \(restart 1 of at most 3\)", done.stderr), \
         done.stderr[-3000:]
+    assert [p.name for p in checkpoint_dirs(run_dir)] == ["step-000004", "step-000006"]  # keep_checkpoints=2
+
     ours = metrics(run_dir)
-    assert [m.pop("faults/worker_restarts") for m in ours if "faults/worker_restarts" in m] == [0, 0, 1, 1, 1, 1]
+    restarts = [m.pop("faults/worker_restarts") for m in ours if "faults/worker_restarts" in m]  # step lines
+    assert restarts == [0, 0, 0, 0, 1, 1]  # counted from the restart on
+    # every step once, every other non-timing key equal
     assert ours == [{k: v for k, v in m.items() if k != "faults/worker_restarts"} for m in metrics(reference_dir)]
+    summary, reference = (json.loads((d / "summary.json").read_text()) for d in (run_dir, reference_dir))
+    assert (summary["steps"], summary["accuracy_before"], summary["accuracy_after"]) == \
+        (reference["steps"], reference["accuracy_before"], reference["accuracy_after"]) and summary["steps"] == STEPS
+    assert summary["worker_restarts"] == 1 and summary["failed"] is False
     telemetry = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+    events = [(r["kind"], r["step"]) for r in telemetry if r["kind"] in ("metrics", "restart")]
+    # a resume cuts the file back to its checkpoint (no step twice across the kills); the
+    # telemetry of a running session is appended to, so the step the restart rolled back and ran
+    # again is in it twice, either side of the restart record
+    assert events == [*(("metrics", s) for s in range(1, 6)), ("restart", 4), ("metrics", 5), ("metrics", 6)]
+    # the second resume's own marker was cut with the steps it logged after checkpoint 2
+    assert [r["step"] for r in telemetry if r["kind"] == "resume"] == [2, 4]
     (restart,) = [r for r in telemetry if r["kind"] == "restart"]
-    assert (restart["step"], restart["rolled_back_to"], restart["failure"]) == (2, 2, "died")
+    assert (restart["rolled_back_to"], restart["failure"]) == (4, "died")
     assert {"actor", "reward", "rollout"} <= set(restart["recreated"])  # every role: one process
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["worker_restarts"] == 1 and summary["failed"] is False and summary["steps"] == STEPS
-    assert leftovers([ray_tmp]) == []
+
+    assert leftovers(tmps) == []
+    assert leaked_shm(shm_before) == []
 
 
 def test_resume_refuses_a_folder_without_a_checkpoint(tmp_path, capsys):
