@@ -140,7 +140,7 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
     browser_path = chromium()
     rl.step()  # something to show at once
     server, port = serve(rl.run_dir, port=0, threaded=True)
-    run = rl.start_background(40)
+    run = rl.start_background(10_000)  # runs until the test stops it: never done before the page looks
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=browser_path, headless=True,
