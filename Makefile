@@ -26,8 +26,10 @@ chromium:
 run: $(STAMP)
 	$(VENV)/bin/hybridlab train $(if $(RUN_DIR),trainer.run_dir=$(RUN_DIR))
 
+# Two pytest-xdist workers, each pinned to its own core (tests/conftest.py), a test module per unit
+# of work, the longest first.
 test: $(STAMP) chromium
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # JupyterLab for the notebooks, with this environment as the kernel, on localhost only; it prints
 # the URL with its token (open it in a browser on this machine, or through an SSH tunnel).

@@ -1,6 +1,10 @@
-"""Shared fixtures: a private hybridlab cache per test run, and the zoo models and the trained
-fixture built once per run (also across pytest-xdist workers, should a run use them: each
-build holds a file lock, so concurrent workers build once and share it)."""
+"""Shared fixtures and how the suite runs.
+
+`make test` runs it on two pytest-xdist workers, each pinned to its own core (``pytest_configure``)
+and handed whole modules, longest first (``LONGEST``). Shared: a private hybridlab cache per run,
+the zoo models and the trained fixture built once per run (across workers too: each build holds
+a file lock), one local Ray cluster per worker (``ray_local``), which the processes a test starts
+attach to (``ray_address``). Every cluster and server the suite starts stays on loopback."""
 from __future__ import annotations
 
 import os
@@ -18,6 +22,66 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 os.environ["VLLM_HOST_IP"] = "127.0.0.1"
+
+
+# Modules, longest first (`pytest --durations=0` on one core, AMD EPYC with AVX-512): with two
+# pytest-xdist workers and ``--dist loadfile`` each module is one unit of work, handed to whichever
+# worker is free, so the long ones go out first and the workers finish close together. The others
+# follow in file order; a stale list costs balance, never correctness.
+LONGEST = ["test_remap.py", "test_bench.py", "test_resume.py", "test_train.py", "test_bench_e2e.py",
+           "test_controller.py", "test_rl.py", "test_worker_faults.py", "test_notebook.py", "test_lab_browser.py",
+           "test_dashboard.py", "test_docs.py", "test_sync.py", "test_train_cli.py", "test_widgets.py",
+           "test_sft.py", "test_multinode.py", "test_bad_updates.py", "test_rollout.py", "test_zoo.py",
+           "test_binding.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST)}
+    module = {item: item.nodeid.split("::")[0].rsplit("/", 1)[-1] for item in items}
+    items.sort(key=lambda item: rank.get(module[item], len(rank)))  # stable: a module's tests keep their order
+
+
+ALL_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, pin each worker (and so every process its tests start: Ray, engines,
+    subprocess runs) to its own share of the cores, threads sized to that share: the workers
+    then never contend for a core, and each test runs as on a machine of that many cores."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    from hybridlab.controller.binding import pin_process, set_threads
+
+    share = ALL_CORES[int(worker.removeprefix("gw")) % count::count] or ALL_CORES
+    pin_process(share)
+    set_threads(len(share))
+
+
+@pytest.fixture
+def every_core(shared_cluster):
+    """Every core the suite started with, for a test whose point needs several (thread binding):
+    the test worker's pin is lifted and the shared cluster started again under it; afterwards
+    both go back (the next module starts the cluster again, pinned)."""
+    import ray
+
+    from hybridlab.controller.binding import pin_process, set_threads
+
+    pinned = sorted(os.sched_getaffinity(0))
+    if pinned == ALL_CORES:
+        yield ALL_CORES
+        return
+    if ray.is_initialized():
+        ray.shutdown()
+    pin_process(ALL_CORES)
+    set_threads(len(ALL_CORES))
+    try:
+        yield ALL_CORES
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        pin_process(pinned)
+        set_threads(len(pinned))
 
 
 def _shared_dir(tmp_path_factory, name: str) -> Path:

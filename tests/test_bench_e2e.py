@@ -8,7 +8,7 @@ def test_bench_e2e_variable_lengths_against_trl(ray_local, capfd):
     """The variable-length workload: a model warm-started on reverse ends its answers by itself on
     every side (lengths counted from what each generated), packing leaves no padded token."""
     result = run_bench(["e2e", "--model", "tiny", "--prompts-per-step", "2", "--group", "4", "--steps", "1",
-                     "--warmup", "0", "--precision", "bf16", "--workload", "variable", "--warm-steps", "100",
+                     "--warmup", "0", "--precision", "bf16", "--workload", "variable", "--warm-steps", "40",
                      "--packing", "on", "--trl-vllm", "on", "--telemetry-rounds", "1"], capfd)
     assert {"median_step_s", "completion_tokens_per_s", "params", "prompts_per_step", "group", "max_new_tokens",
             "trl_completion_tokens_per_s", "speedup_vs_trl", "median_step_s_telemetry_off",

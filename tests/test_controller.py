@@ -8,7 +8,6 @@ import pytest
 import ray
 import torch
 
-from hybridlab.controller.binding import BIND_ENV, device_cores
 from hybridlab.controller.group import RoleClass, WorkerError
 from hybridlab.controller.mapping import DeviceMapping, MappingError
 from hybridlab.controller.session import Session
@@ -110,14 +109,6 @@ MAPPING = DeviceMapping.from_dict({
 })
 
 
-def test_device_cores_deal_the_nodes_cores_out_in_blocks():
-    assert device_cores([0, 1, 2, 3], 2, [0]) == [0, 1] and device_cores([0, 1, 2, 3], 2, [1]) == [2, 3]
-    assert device_cores([4, 5, 6, 7], 4, [1, 3]) == [5, 7]
-    assert device_cores([0, 1], 4, [2]) == [0] and device_cores([0, 1], 4, [3]) == [1]  # more devices than cores
-    assert device_cores([0, 1], 2, []) == [0, 1]
-    assert device_cores([0, 1, 2, 3], 2, [3]) == [2, 3]  # a node whose ids do not start at 0
-
-
 @pytest.fixture(scope="module")
 def session(ray_local):
     s = Session(MAPPING, {"actor": RoleClass(Probe, kwargs={"tp": 2}), "reward": RoleClass(Probe, kwargs={"scale": 10}),
@@ -160,24 +151,6 @@ def test_a_re_created_group_starts_in_warmed_spares_on_its_own_devices(ray_local
     finally:
         s.shutdown()
     assert s.spares.spares == []
-
-
-def test_bind_threads_pins_each_process_to_its_devices_cores(ray_local):
-    # Before the shared session below (it takes all four devices): a process on a device each.
-    mapping = DeviceMapping.from_dict({"pools": {"a": {"devices": 1}, "b": {"devices": 1}},
-                                       "roles": {"actor": {"pool": "a"}, "critic": {"pool": "b"}}})
-    allowed = sorted(os.sched_getaffinity(0))
-    two = {"OMP_NUM_THREADS": "2"}
-    with Session(mapping, {"actor": Probe, "critic": Probe}, timeout=60, env={**two, BIND_ENV: "1"}) as bound:
-        placed = [w for r in ("actor", "critic") for w in bound.groups[r].where()]
-    with Session(mapping, {"actor": Probe, "critic": Probe}, timeout=60, env=two) as free:
-        unbound = [w for r in ("actor", "critic") for w in free.groups[r].where()]
-    for w in placed:  # the four devices of ray_local deal out this machine's cores
-        assert w["cores"] == device_cores(allowed, 4, [int(w["gpus"][0])])
-        assert 0 < len(w["cores"]) < len(allowed)
-        assert w["threads"] == len(w["cores"])  # no more threads than pinned cores
-    assert [w["cores"] for w in unbound] == [allowed, allowed]
-    assert [w["threads"] for w in unbound] == [2, 2]
 
 
 def test_placement_colocation_and_rendezvous(session):

@@ -140,7 +140,7 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
     browser_path = chromium()
     rl.step()  # something to show at once
     server, port = serve(rl.run_dir, port=0, threaded=True)
-    run = rl.start_background(10_000)  # runs until the test stops it: never done before the page looks
+    run = None
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=browser_path, headless=True,
@@ -149,7 +149,9 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
             page = browser.new_page(viewport={"width": 1400, "height": 1100})
             page.goto(f"http://localhost:{port}/", timeout=60_000)
             first = _status_step(page)
-            deadline = time.time() + 60
+            assert first == rl.step_count
+            run = rl.start_background(10_000)  # until the test stops it: the page follows a run that goes on
+            deadline = time.time() + 120
             later = first
             while later <= first and time.time() < deadline:
                 time.sleep(1.0)
@@ -169,8 +171,9 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
             page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
             browser.close()
     finally:
-        run.stop()
-        run.wait(600)
+        if run is not None:
+            run.stop()
+            run.wait(600)
         server.stop()
     assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
 
