@@ -29,7 +29,7 @@ run: $(STAMP)
 # Two pytest-xdist workers, each pinned to its own core (tests/conftest.py), a test module per unit
 # of work, the longest first.
 test: $(STAMP) chromium
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # JupyterLab for the notebooks, with this environment as the kernel, on localhost only; it prints
 # the URL with its token (open it in a browser on this machine, or through an SSH tunnel).

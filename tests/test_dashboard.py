@@ -99,7 +99,10 @@ def _assert_shows_the_run(served: dict, rl, steps: list[int]) -> None:
 
 
 def _status_step(page) -> int:
-    status = page.get_by_text(re.compile(r"RL step \d+ · mean reward")).first
+    """The RL step the page's status line names: "RL step N · mean reward ...", or "evaluating
+    after RL step N" while the run evaluates (the page may show that for a while when the server
+    thread, in the training process, gets little of its one core)."""
+    status = page.get_by_text(re.compile(r"run \S+ · (evaluating after )?RL step \d+")).first
     status.wait_for(timeout=30_000)
     text = status.text_content()
     found = re.search(r"step\s+(\d+)", text)
