@@ -83,48 +83,13 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 def generate(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Sample rollout.n responses per prompt on the rollout engines. With trainer.off_policy,
     take the responses generated ahead (at most trainer.max_staleness updates stale) and submit
-    this step's prompts ahead (RolloutAhead)."""
+    this step's prompts ahead (dataflow/ahead.py)."""
     if ctx.cfg.trainer.off_policy and not ctx.rerunning:
         out, staleness = ctx.rl.ahead.take(ctx, batch)
     else:
         out, staleness = ctx.group("rollout").generate(batch, ctx.sampling()), 0
     fault_point("generate", ctx.rl.step_count + 1)
     return out, {**generation_metrics(ctx.cfg, out), "rollout/staleness": staleness}
-
-
-class RolloutAhead:
-    """Off-policy generation: the rollouts of the next ``trainer.max_staleness`` steps are
-    submitted ahead, before this step's update and sync reach the (serially executing) workers,
-    so generation overlaps training. A batch submitted during step k samples from weights at
-    least as new as step k's, so it is at most ``max_staleness`` updates stale when used."""
-
-    def __init__(self):
-        self.pending: list = []   # (GroupFuture, step it was submitted at), oldest first
-
-    def take(self, ctx: "StepContext", batch: Batch) -> tuple[Batch, int]:
-        """Return (the responses for this step, their staleness in updates: steps since their
-        submission) and top up the rollouts ahead with this step's prompts (``batch``) and, on
-        the first step, further draws."""
-        step, depth = ctx.rl.step_count, ctx.cfg.trainer.max_staleness
-        rollout, seed = ctx.group("rollout"), ctx.sampling()["seed"]
-        if not self.pending:  # nothing ahead yet: this step's prompts now, the next ones ahead
-            self.pending.append((rollout.generate.submit(batch, ctx.sampling()), step))
-            batch = ctx.rl.prompts.next()
-        future, submitted = self.pending.pop(0)
-        out = future.result()
-        while len(self.pending) < depth:
-            ahead = len(self.pending) + 1
-            self.pending.append((rollout.generate.submit(batch, ctx.sampling(seed=seed + ahead)), step))
-            if len(self.pending) < depth:
-                batch = ctx.rl.prompts.next()
-        return out, step - submitted
-
-    def drop(self) -> None:
-        """Let the pending rollouts finish and forget them (settings or workers change): their
-        prompts, up to ``max_staleness`` batches, are not trained on."""
-        for future, _ in self.pending:
-            future.result()
-        self.pending = []
 
 
 def generation_metrics(cfg, out: Batch) -> dict:
