@@ -232,8 +232,8 @@ def test_parameter_counts_of_presets_and_checkpoints_agree(tiny_dir):
 
 
 def test_the_readme_zoo_table_matches_the_presets():
-    """The README's model-zoo table: each Qwen2 preset's width, layers, heads and parameter count
-    (to the digits written), and the Llama row's parameter counts."""
+    """The model-zoo table (docs/models.md): each Qwen2 preset's width, layers, heads and parameter
+    count (to the digits written), and the Llama row's parameter counts."""
     import re
     from pathlib import Path
 
@@ -242,7 +242,7 @@ def test_the_readme_zoo_table_matches_the_presets():
     def close(written: str, name: str) -> bool:  # the count rounded to the decimals written, in millions
         return abs(count_parameters(name) / 1e6 - float(written)) <= 0.5 * 10 ** -len(written.partition(".")[2])
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
     rows = re.findall(r"^\| `(\w+)` \| Qwen2[^|]*\| (\d+) x (\d+) \| (\d+) / (\d+) \| ([\d.]+)M \|$", text, re.M)
     assert [r[0] for r in rows] == list(PRESETS)
     for name, hidden, layers, heads, kv_heads, written in rows:
