@@ -20,6 +20,7 @@ from hybridlab.algos.functional import masked_mean
 from hybridlab.algos.kl import apply_kl_penalty
 from hybridlab.algos.objectives import actor_loss, critic_loss
 from hybridlab.algos.rollout_correction import compute_rollout_correction_and_rejection_mask, mismatch_metrics
+from hybridlab.config.schema import ActorConfig, config_fields
 from hybridlab.batching import PROMPT_WIDTH, concat_sequences, on_last_token
 from hybridlab.errors import unknown
 from hybridlab.faults import fault_point
@@ -345,10 +346,9 @@ def _actor_fields(cfg) -> tuple[str, ...]:
             *(("rollout_is_weights",) if weights else ()))
 
 
-ACTOR_LOSS_SETTINGS = ("policy_loss", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
-                       "loss_agg_mode", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type",
-                       "loss_scale_factor", "tau_pos", "tau_neg", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
-                       "kl_cov_ratio", "ppo_kl_coef", "dro_beta")
+# The actor settings its policy loss reads, as the schema declares them (``setting(loss=True)``).
+ACTOR_LOSS_SETTINGS = tuple(key.removeprefix("actor.") for key, f in config_fields(ActorConfig, "actor.")
+                            if f.metadata.get("loss"))
 
 
 def actor_loss_settings(cfg) -> dict:
