@@ -75,3 +75,26 @@ def test_the_configuration_reference_names_every_key():
     missing = sorted(key for key in keys if f"`{key}`" not in text)
     print("keys missing from docs/configuration.md:", missing)
     assert not missing, f"docs/configuration.md does not name {missing}"
+
+
+def test_the_configuration_reference_says_how_each_change_applies_as_the_schema_declares():
+    """Each leaf key's row says what the schema declares (``setting``): step, live or recreate
+    with the roles, remap, or fixed (also every key of a fixed section)."""
+    import re
+
+    from hybridlab.config.schema import config_fields
+
+    fields = dict(config_fields())
+
+    def declared(key: str) -> str:
+        parents = [".".join(key.split(".")[:i]) for i in range(1, key.count(".") + 1)]
+        if any(fields[p].metadata.get("change") == "fixed" for p in parents):
+            return "fixed"
+        meta = fields[key].metadata
+        change = meta.get("change", "step")
+        return f"{change}: {', '.join(meta['workers'])}" if change in ("live", "recreate") else change
+
+    rows = dict(re.findall(r"^\| `([\w.]+)` \| [^|]* \| ([^|]+?) \|", REFERENCE.read_text(), re.M))
+    leaves = [k for k in fields if not any(other.startswith(k + ".") for other in fields)]
+    assert {k: rows.get(k) for k in leaves} == {k: declared(k) for k in leaves}
+    assert rows["actor.lr"] == "live: actor" and rows["rollout.kv_cache_mb"] == "recreate: rollout"
