@@ -239,11 +239,8 @@ def _add_task_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="task option, e.g. digits=3 or ops=+-* (repeatable)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the argument parser of the ``hybridlab`` command."""
-    parser = argparse.ArgumentParser(prog="hybridlab", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-
+def _add_zoo(sub) -> None:
+    """The ``hybridlab zoo`` command."""
     zoo = sub.add_parser("zoo", help="build or list local zoo models")
     zsub = zoo.add_subparsers(dest="zoo_cmd", required=True, metavar="ACTION")
     zb = zsub.add_parser("build", help="build a zoo preset into a checkpoint directory")
@@ -253,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     zsub.add_parser("list", help="list presets with their parameter counts")
     zoo.set_defaults(func=cmd_zoo)
 
+
+def _add_sft(sub) -> None:
+    """The ``hybridlab sft`` command."""
     s = sub.add_parser("sft", help="supervised warm start on a task's worked examples")
     _add_task_args(s)
     s.add_argument("--model", default="tiny", help="zoo preset or local checkpoint directory")
@@ -270,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="greedy accuracy on N test prompts afterwards (0: skip)")
     s.set_defaults(func=cmd_sft)
 
+
+def _add_eval(sub) -> None:
+    """The ``hybridlab eval`` command."""
     e = sub.add_parser("eval", help="greedy accuracy of a model on a task or a verl dataset")
     _add_task_args(e, required=False)
     e.add_argument("--data", help="a verl-format parquet or JSONL file instead of --task")
@@ -280,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(func=cmd_eval)
 
+
+def _add_data(sub) -> None:
+    """The ``hybridlab data`` command."""
     d = sub.add_parser("data", help="write a task split as a verl-format parquet or JSONL file")
     _add_task_args(d)
     d.add_argument("--split", default="train", choices=["train", "test"])
@@ -288,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", required=True, help="file ending in .parquet or .jsonl")
     d.set_defaults(func=cmd_data)
 
+
+def _add_train(sub) -> None:
+    """The ``hybridlab train`` command."""
     t = sub.add_parser("train", help="RL training from a config or preset (default: GRPO on arith, tiny model)")
     t.add_argument("config", nargs="?", default=None,
                    help="YAML file or preset name in configs/ (grpo, ppo, rloo, ...); omit for the default run")
@@ -298,12 +307,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue this run from its latest complete checkpoint (its config, plus overrides)")
     t.set_defaults(func=cmd_train)
 
+
+def _add_explain(sub) -> None:
+    """The ``hybridlab explain`` command."""
     e = sub.add_parser("explain", help="print what a config implies: sizes per step, update, rank; the mapping;"
                                        " memory per worker")
     e.add_argument("config", nargs="?", default=None, help="YAML file or preset name (omit for the default run)")
     e.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     e.set_defaults(func=cmd_explain)
 
+
+def _add_dashboard(sub) -> None:
+    """The ``hybridlab dashboard`` command."""
     dash = sub.add_parser("dashboard", help="serve a run's live dashboard (replays finished runs), or the runs page"
                                             " of a folder of runs")
     dash.add_argument("run_dir", help="the run directory hybridlab train printed, or a folder of run directories")
@@ -316,12 +331,23 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Panel's OAuth login (github, google, ...; PANEL_OAUTH_KEY and PANEL_OAUTH_SECRET set)")
     dash.set_defaults(func=cmd_dashboard)
 
+
+def _add_bench(sub) -> None:
+    """The ``hybridlab bench`` command."""
     b = sub.add_parser("bench", help="run a benchmark (prints JSON: ratios against a baseline in one run)")
     b.add_argument("name", help="benchmark name, e.g. dispatch")
     b.add_argument("--json", action="store_true", help="print one JSON object on one line")
     b.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                    help="benchmark option (also accepted as --key VALUE, e.g. --model small --steps 3)")
     b.set_defaults(func=cmd_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser of the ``hybridlab`` command."""
+    parser = argparse.ArgumentParser(prog="hybridlab", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    for add in (_add_zoo, _add_sft, _add_eval, _add_data, _add_train, _add_explain, _add_dashboard, _add_bench):
+        add(sub)
     return parser
 
 

@@ -40,7 +40,7 @@ from hybridlab.controller.mapping import DeviceMapping, rank_label
 # Activations saved for the backward pass are not counted, so the estimate is of the memory held
 # between steps with small micro-batches. On mid, 8 x 40 tokens leave about 60 MB more resident
 # than 2 x 32 (the command above), and ``hybridlab bench train --json``'s peak RSS of an actor
-# worker (8 x 128-token micro-batches; README: 1.07 GB small, 1.79 GB mid) is 1.8 to 2.1 times
+# worker (8 x 128-token micro-batches; docs/benchmarks.md: 1.07 GB small, 1.79 GB mid) is 1.8 to 2.1 times
 # this estimate of that process.
 MEMORY = {"process_mb": 350.0, "megatron_mb": 150.0, "vllm_mb": 300.0, "reward_mb": 30.0,
           "train_bytes_per_param": 16.0,   # fp32 weights + gradients + two AdamW moments

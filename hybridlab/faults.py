@@ -57,3 +57,14 @@ def fault_point(name: str, step: int) -> None:
     if os.environ.get(ENV) and armed().get(name) == step:
         print(f"fault injected: {name} at step {step}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_processes(pids: list[int], what: str) -> None:
+    """Send SIGKILL to the worker processes ``pids`` on this node (a ``kill:`` fault); ``what``
+    says whose they are and when, for the log."""
+    print(f"fault injected: kill {what} (pids {', '.join(map(str, pids))})", file=sys.stderr, flush=True)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

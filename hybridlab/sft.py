@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from tqdm.auto import tqdm
 
 from hybridlab.atomic import atomic_model_dir
 from hybridlab.errors import UserError
@@ -100,14 +101,37 @@ def collate(examples: list[tuple[list[int], int]], pad_id: int) -> dict[str, tor
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
+def optimizer(model, cfg: SFTConfig) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """Return AdamW over ``model`` and its schedule: linear warm-up, then cosine down to 10% of the
+    learning rate over the planned steps."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+
+
+def optimizer_step(model, opt: torch.optim.Optimizer, sched, batch: dict) -> float:
+    """One step on ``batch`` (gradient norm clipped at 1); returns the loss."""
+    loss = model(**batch).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss.item()
+
+
 def train(model, tokenizer, task: Task, cfg: SFTConfig, progress: bool = True,
           on_check: Optional[Callable[[int, float], None]] = None) -> dict:
     """Train ``model`` in place on ``task``'s train split; returns a summary with the loss curve
     and, with a target, the held-out accuracy curve (``checks``) and ``held_out_accuracy``.
     ``on_check(step, accuracy)`` is called after each held-out check. Raises WarmStartError
     when the step or time budget runs out before the target is reached."""
-    from tqdm.auto import tqdm
-
     cfg.validate()
     torch.manual_seed(cfg.seed)
     train_samples, held_out = held_out_split(task, cfg)
@@ -122,15 +146,7 @@ def train(model, tokenizer, task: Task, cfg: SFTConfig, progress: bool = True,
             on_check(step, acc)
         return acc
 
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
-
-    def lr_at(step: int) -> float:  # linear warm-up then cosine to 10% over the planned steps
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    opt, sched = optimizer(model, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     model.train()
     losses: list[float] = []
@@ -140,13 +156,7 @@ def train(model, tokenizer, task: Task, cfg: SFTConfig, progress: bool = True,
     while step < cfg.steps and time.perf_counter() - start < cfg.max_seconds:
         idx = torch.randint(len(examples), (cfg.batch_size,), generator=gen).tolist()
         batch = collate([examples[i] for i in idx], tokenizer.pad_token_id)
-        loss = model(**batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(optimizer_step(model, opt, sched, batch))
         step += 1
         bar.update(1)
         if step % 10 == 0:

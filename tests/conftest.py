@@ -208,7 +208,7 @@ def ray_local(shared_cluster):
 @pytest.fixture(scope="module")
 def ray_address(ray_local, shared_cluster):
     """The shared cluster's address, set as RAY_ADDRESS for the processes this module's tests
-    start: `hybridlab train`, notebook kernels and the README's examples attach to it (as they
+    start: `hybridlab train`, notebook kernels and the docs' examples attach to it (as they
     would to a user's cluster) instead of each starting and stopping one of their own."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RAY_ADDRESS", shared_cluster.address)

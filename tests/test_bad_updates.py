@@ -39,7 +39,7 @@ def rl(ray_local, trained_dir, tmp_path_factory):
 
 
 def weights(rl) -> dict[str, torch.Tensor]:
-    return merge_state(rl.session.groups["actor"].checkpoint_state())["model"]
+    return merge_state(rl.workers.groups["actor"].checkpoint_state())["model"]
 
 
 def test_a_nan_update_is_skipped_counted_and_not_synced(rl):

@@ -9,7 +9,7 @@ import torch
 
 from hybridlab.controller.binding import BIND_ENV, device_cores
 from hybridlab.controller.mapping import DeviceMapping
-from hybridlab.controller.session import Session
+from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.controller.worker import Dispatch, Worker, register
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -36,9 +36,9 @@ def test_bind_threads_pins_each_process_to_its_devices_cores(every_core):
     allowed = sorted(os.sched_getaffinity(0))
     assert len(allowed) >= 2, "binding needs a machine of two cores or more to show a difference"
     two = {"OMP_NUM_THREADS": "2"}
-    with Session(mapping, {"actor": Probe, "critic": Probe}, timeout=60, env={**two, BIND_ENV: "1"}) as bound:
+    with WorkerSet(mapping, {"actor": Probe, "critic": Probe}, timeout=60, env={**two, BIND_ENV: "1"}) as bound:
         placed = [w for r in ("actor", "critic") for w in bound.groups[r].where()]
-    with Session(mapping, {"actor": Probe, "critic": Probe}, timeout=60, env=two) as free:
+    with WorkerSet(mapping, {"actor": Probe, "critic": Probe}, timeout=60, env=two) as free:
         unbound = [w for r in ("actor", "critic") for w in free.groups[r].where()]
     for w in placed:  # the local cluster's four devices deal out this machine's cores
         assert w["cores"] == device_cores(allowed, 4, [int(w["gpus"][0])])

@@ -232,8 +232,8 @@ def test_parameter_counts_of_presets_and_checkpoints_agree(tiny_dir):
 
 
 def test_the_readme_zoo_table_matches_the_presets():
-    """The README's model-zoo table: each Qwen2 preset's width, layers, heads and parameter count
-    (to the digits written), and the Llama row's parameter counts."""
+    """The model-zoo table (docs/models.md): each Qwen2 preset's width, layers, heads and parameter
+    count (to the digits written), and the Llama row's parameter counts."""
     import re
     from pathlib import Path
 
@@ -242,7 +242,7 @@ def test_the_readme_zoo_table_matches_the_presets():
     def close(written: str, name: str) -> bool:  # the count rounded to the decimals written, in millions
         return abs(count_parameters(name) / 1e6 - float(written)) <= 0.5 * 10 ** -len(written.partition(".")[2])
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
     rows = re.findall(r"^\| `(\w+)` \| Qwen2[^|]*\| (\d+) x (\d+) \| (\d+) / (\d+) \| ([\d.]+)M \|$", text, re.M)
     assert [r[0] for r in rows] == list(PRESETS)
     for name, hidden, layers, heads, kv_heads, written in rows:
@@ -252,3 +252,59 @@ def test_the_readme_zoo_table_matches_the_presets():
     llama = re.search(r"^\| `tiny-llama`, `small-llama`, `mid-llama` \|.*\| ([\d.]+)M / ([\d.]+)M / ([\d.]+)M \|$",
                       text, re.M)
     assert llama and all(close(w, f"{n}-llama") for w, n in zip(llama.groups(), PRESETS)), llama
+
+
+def _another(value):
+    """A value of the same kind that differs from ``value``."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value * 2 + 1
+    return "mymodule:score" if value is None else f"{value}-x"
+
+
+def _replaced(cfg, key: str, value):
+    """``cfg`` with the dotted ``key`` set to ``value`` (sections copied, never changed)."""
+    import dataclasses
+
+    head, _, rest = key.partition(".")
+    if not rest:
+        return dataclasses.replace(cfg, **{head: value})
+    return dataclasses.replace(cfg, **{head: _replaced(getattr(cfg, head), rest, value)})
+
+
+def test_every_setting_is_declared_and_read_where_the_schema_says():
+    """Each schema field says how a change applies (``setting``): a field the workers of a role
+    take reaches their construction arguments (a changed value changes them); a field the
+    controller reads is read somewhere in hybridlab; a fixed one says why."""
+    import ast
+    import functools
+    from pathlib import Path
+
+    from hybridlab.config.schema import config_fields
+    from hybridlab.dataflow.roles import ROLE_SPECS
+
+    package = Path(__file__).resolve().parents[1] / "hybridlab"
+    names = set()  # attribute names and strings in hybridlab's code, outside the schema
+    for path in package.rglob("*.py"):
+        if path.name != "schema.py":
+            for node in ast.walk(ast.parse(path.read_text())):
+                names |= {node.attr} if isinstance(node, ast.Attribute) else \
+                    {node.value} if isinstance(node, ast.Constant) and isinstance(node.value, str) else set()
+    base, problems, fields = RunConfig(), [], config_fields()
+    for key, f in fields:
+        change, section = f.metadata.get("change", "step"), any(k.startswith(key + ".") for k, _ in fields)
+        if change in ("live", "recreate"):
+            value = functools.reduce(getattr, key.split("."), base)
+            for role in f.metadata["workers"]:
+                spec = ROLE_SPECS[role]
+                if spec.settings(_replaced(base, key, _another(value))) == spec.settings(base):
+                    problems.append(f"{key}: declared {change} for {role}, but {role}'s workers never get it")
+        elif change == "fixed" and not f.metadata["why"]:
+            problems.append(f"{key}: fixed without a reason")
+        elif change == "step" and not section and f.name not in names:
+            problems.append(f"{key}: read nowhere in hybridlab")
+    assert problems == []
+    # the check can fail: a worker setting its role does not take, a field nothing reads
+    assert ROLE_SPECS["rollout"].settings(_replaced(base, "rollout.n", 99)) == ROLE_SPECS["rollout"].settings(base)
+    assert "no_such_setting" not in names

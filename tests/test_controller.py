@@ -10,7 +10,7 @@ import torch
 
 from hybridlab.controller.group import RoleClass, WorkerError
 from hybridlab.controller.mapping import DeviceMapping, MappingError
-from hybridlab.controller.session import Session
+from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.protocol import Batch
 
@@ -111,7 +111,7 @@ MAPPING = DeviceMapping.from_dict({
 
 @pytest.fixture(scope="module")
 def session(ray_local):
-    s = Session(MAPPING, {"actor": RoleClass(Probe, kwargs={"tp": 2}), "reward": RoleClass(Probe, kwargs={"scale": 10}),
+    s = WorkerSet(MAPPING, {"actor": RoleClass(Probe, kwargs={"tp": 2}), "reward": RoleClass(Probe, kwargs={"scale": 10}),
                           "critic": Probe}, timeout=60).start()
     yield s
     s.shutdown()
@@ -120,7 +120,7 @@ def session(ray_local):
 def test_a_re_created_group_starts_in_warmed_spares_on_its_own_devices(ray_local):
     # First in the module: the shared session below takes all four devices once it starts.
     mapping = DeviceMapping.from_dict({"pools": {"p": {"devices": 2}}, "roles": {"critic": {"pool": "p", "dp": 2}}})
-    s = Session(mapping, {"critic": Probe}, timeout=60, spares=2).start()
+    s = WorkerSet(mapping, {"critic": Probe}, timeout=60, spares=2).start()
     try:
         fresh = s.groups["critic"].devices()
         assert s.spares.wait_ready(timeout=300) == 2

@@ -34,7 +34,7 @@ def rl(ray_local, trained_dir, tmp_path_factory):
 def _finished(rl) -> list[int]:
     """End the module's session (its hub writes the telemetry file out; a test run alone first
     runs a step); returns the steps the telemetry file holds."""
-    if rl.session is not None:
+    if rl.workers is not None:
         if rl.step_count == 0:
             rl.step()
         rl.shutdown()
@@ -187,7 +187,7 @@ def test_a_setting_that_needs_a_role_adds_it_to_the_default_mapping_and_the_dash
     explicit = json.dumps(rl.mapping.to_dict())  # the same placement, written out: no ref role
     with pytest.raises(ConfigError, match="ref_logprob: runs on role 'ref', which the device mapping does not have"):
         rl.update("actor.use_kl_loss=true", f"mapping={explicit}")
-    assert rl.cfg.actor.use_kl_loss is False and "ref" not in rl.session.groups
+    assert rl.cfg.actor.use_kl_loss is False and "ref" not in rl.workers.groups
     rl.update("actor.use_kl_loss=true")  # the default mapping gains the reference model
     report = rl.remaps[-1]
     assert report.roles_added == ["ref"] and report.reason == "update"

@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from hybridlab.controller.mapping import DeviceMapping
-from hybridlab.controller.session import Session
+from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.controller.worker import Dispatch, Worker, register
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -50,7 +50,7 @@ MAPPING = DeviceMapping.from_dict({"pools": {"wide": {"devices": 4, "strategy": 
 
 
 def test_spread_lands_on_both_nodes_and_ranks_map_stably(cluster):
-    session = Session(MAPPING, {"actor": Where}, address=cluster.address, timeout=120).start()
+    session = WorkerSet(MAPPING, {"actor": Where}, address=cluster.address, timeout=120).start()
     try:
         first = session.groups["actor"].where()
         assert len({node for node, _ in first}) == 2
@@ -58,7 +58,7 @@ def test_spread_lands_on_both_nodes_and_ranks_map_stably(cluster):
         assert session.recreate("actor").where() == first
     finally:
         session.shutdown()
-    again = Session(MAPPING, {"actor": Where}, address=cluster.address, timeout=120).start()
+    again = WorkerSet(MAPPING, {"actor": Where}, address=cluster.address, timeout=120).start()
     try:
         assert again.groups["actor"].where() == first   # a fresh pool on the same devices: same ranks
     finally:
@@ -68,4 +68,4 @@ def test_spread_lands_on_both_nodes_and_ranks_map_stably(cluster):
 def test_too_few_devices_is_refused_before_anything_starts(cluster):
     big = DeviceMapping.from_dict({"pools": {"p": {"devices": 6}}, "roles": {"actor": {"pool": "p", "dp": 6}}})
     with pytest.raises(Exception, match="too few devices: the pools need 6 devices, the cluster has 4 GPUs"):
-        Session(big, {"actor": Where}, address=cluster.address).start()
+        WorkerSet(big, {"actor": Where}, address=cluster.address).start()

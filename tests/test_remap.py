@@ -53,7 +53,7 @@ def repeatable(metrics: dict) -> dict:
 
 def actor_state(rl) -> dict:
     """The actor's weights and AdamW moments in HF layout, merged over pipeline stages."""
-    parts = rl.session.groups["actor"].checkpoint_state()
+    parts = rl.workers.groups["actor"].checkpoint_state()
     out = {f"{key}/{name}": t for key, named in merge_state(parts).items() for name, t in named.items()}
     out["step"] = torch.tensor(next(p for p in parts if p)["step"])
     return out
@@ -97,21 +97,21 @@ def test_same_layout_remap_keeps_state_and_the_run_bit_for_bit(rl, reference):
     assert rl.step_count == 0 and rl.cfg.mapping is None  # the module's session as started: first in the module
     steps = [rl.step().metrics for _ in range(2)]
     before = actor_state(rl)
-    pids = {p["pid"] for p in rl.session.groups["actor"].placements}
-    assert rl.session.spares.wait_ready(timeout=300) == 2
-    spare_pids = {ray.get(s.warmed)["pid"] for s in rl.session.spares.spares}
+    pids = {p["pid"] for p in rl.workers.groups["actor"].placements}
+    assert rl.workers.spares.wait_ready(timeout=300) == 2
+    spare_pids = {ray.get(s.warmed)["pid"] for s in rl.workers.spares.spares}
     report = rl.remap(SEPARATE)  # YAML text; colocated on one device -> actor | rollout + reward
     assert_equal_state(before, actor_state(rl))
     assert report.roles_recreated == ["actor", "reward", "rollout"]
     assert (report.processes_started, report.processes_stopped, report.spares_used) == (2, 1, 2)
-    placed = {g: rl.session.groups[g].placements[0] for g in ("actor", "rollout")}
+    placed = {g: rl.workers.groups[g].placements[0] for g in ("actor", "rollout")}
     assert {p["pid"] for p in placed.values()} == spare_pids  # the new workers are the spares
     assert placed["actor"]["gpu_ids"] != placed["rollout"]["gpu_ids"]  # each took its pool's device
-    assert len(rl.session.spares.spares) == 2 and not spare_pids & {
-        ray.get(s.warmed)["pid"] for s in rl.session.spares.spares}  # used ones replaced by new ones
+    assert len(rl.workers.spares.spares) == 2 and not spare_pids & {
+        ray.get(s.warmed)["pid"] for s in rl.workers.spares.spares}  # used ones replaced by new ones
     assert report.step == 2 and report.bytes_moved > 3 * 4 * 600_000  # weights + two moments, fp32
-    assert not pids & {p["pid"] for p in rl.session.groups["actor"].placements}
-    assert rl.session.groups["actor"].hostset is not rl.session.groups["rollout"].hostset
+    assert not pids & {p["pid"] for p in rl.workers.groups["actor"].placements}
+    assert rl.workers.groups["actor"].hostset is not rl.workers.groups["rollout"].hostset
     steps += [rl.step().metrics for _ in range(1)]
     assert [repeatable(m) for m in steps] == [repeatable(m) for m in reference[:3]]
     logged = [json.loads(line) for line in (rl.run_dir / "remaps.jsonl").read_text().splitlines()]
@@ -127,7 +127,7 @@ def fixed_batch(rl):
     from hybridlab.dataflow.prompts import prompt_batch
 
     prompts = prompt_batch(rl.test_samples[:8], rl.tokenizer, list(range(8)))
-    return rl.session.groups["rollout"].generate(prompts, {"n": 2, "temperature": rl.cfg.rollout.temperature,
+    return rl.workers.groups["rollout"].generate(prompts, {"n": 2, "temperature": rl.cfg.rollout.temperature,
                                                            "max_tokens": 6, "seed": 123})
 
 
@@ -138,14 +138,14 @@ def test_actor_tp_1_to_2_keeps_log_probs_and_the_next_loss_within_1e5(rl, refere
             rl.step()
     assert rl.step_count == 3 and rl.mapping == parse_mapping(SEPARATE)
     batch = fixed_batch(rl)
-    log_probs = rl.session.groups["actor"].compute_log_prob(batch)["old_log_probs"]
+    log_probs = rl.workers.groups["actor"].compute_log_prob(batch)["old_log_probs"]
     mask = batch["response_mask"].bool()
     assert (log_probs - batch["rollout_log_probs"])[mask].abs().max() < 1e-4  # the remap's sync landed
     before = actor_state(rl)
     report = rl.remap(ACTOR_TP2)
     assert report.roles_recreated == ["actor"]  # the rollout's processes stay
     assert_equal_state(before, actor_state(rl))  # resharded exactly, gathered back exactly
-    after = rl.session.groups["actor"].compute_log_prob(batch)["old_log_probs"]
+    after = rl.workers.groups["actor"].compute_log_prob(batch)["old_log_probs"]
     assert (after - log_probs)[mask].abs().max() <= 1e-5
     step4 = rl.step().metrics
     same = {k for k in repeatable(reference[3]) if k.startswith(("reward/", "response_length/"))}
@@ -160,9 +160,9 @@ def test_rollout_dp_1_to_2_fed_by_two_trainer_dp_ranks_on_resized_pools(rl):
     report = rl.remap(ROLLOUT_DP2)  # actor TP 2 -> DP 2, rollout 1 -> 2 replicas, gen pool 1 -> 2 devices
     assert report.roles_recreated == ["actor", "reward", "rollout"]
     assert_equal_state(before, actor_state(rl))
-    assert rl.session.groups["rollout"].world_size == 2
+    assert rl.workers.groups["rollout"].world_size == 2
     batch = fixed_batch(rl)  # split over the two replicas
-    actor = rl.session.groups["actor"].compute_log_prob(batch)["old_log_probs"]
+    actor = rl.workers.groups["actor"].compute_log_prob(batch)["old_log_probs"]
     mask = batch["response_mask"].bool()
     assert mask.sum() > 16 and (actor - batch["rollout_log_probs"])[mask].abs().max() < 1e-4
     sync = rl.sync_weights()
@@ -188,7 +188,7 @@ def test_what_would_make_another_run_is_refused_with_the_reason(rl, pair, reason
 
 def test_bad_remaps_are_refused_naming_the_role_and_nothing_changes(rl):
     mapping = rl.mapping
-    pids = sorted(p["pid"] for s in rl.session._sets for p in s.placements)
+    pids = sorted(p["pid"] for s in rl.workers._sets for p in s.placements)
     bad = [
         ({"pools": {"main": {"devices": 3}}, "roles": {r: {"pool": "main", "tp": 3 if r == "actor" else 1,
                                                            "dp": 1 if r == "actor" else 3}
@@ -209,20 +209,20 @@ def test_bad_remaps_are_refused_naming_the_role_and_nothing_changes(rl):
             rl.remap(new)
         assert message in str(err.value), str(err.value)
     assert rl.mapping == mapping
-    assert sorted(p["pid"] for s in rl.session._sets for p in s.placements) == pids
+    assert sorted(p["pid"] for s in rl.workers._sets for p in s.placements) == pids
     assert "reward/mean" in rl.step().metrics  # still training on the old mapping
 
 
 def test_live_settings_apply_to_running_workers_without_restarts(rl):
-    pids = sorted(p["pid"] for s in rl.session._sets for p in s.placements)
+    pids = sorted(p["pid"] for s in rl.workers._sets for p in s.placements)
     remaps = len(rl.remaps)
     rl.update("actor.lr=5e-5", "actor.warmup_steps=0", "actor.grad_clip=0.5", "actor.micro_batch_size=16",
               "rollout.temperature=0.9")
-    for settings in rl.session.groups["actor"].settings():
+    for settings in rl.workers.groups["actor"].settings():
         assert settings["micro_batch_size"] == 16 and settings["temperature"] == 0.9
         assert settings["optim"]["lr"] == 5e-5 and settings["optim"]["grad_clip"] == 0.5
         assert settings["optim"]["warmup_steps"] == 0
-    assert sorted(p["pid"] for s in rl.session._sets for p in s.placements) == pids and len(rl.remaps) == remaps
+    assert sorted(p["pid"] for s in rl.workers._sets for p in s.placements) == pids and len(rl.remaps) == remaps
     metrics = rl.step().metrics
     assert metrics["actor/lr"] == pytest.approx(5e-5)
 
@@ -230,23 +230,23 @@ def test_live_settings_apply_to_running_workers_without_restarts(rl):
 def test_the_number_of_spares_changes_live_and_a_bad_one_is_refused_by_name(rl):
     with pytest.raises(ConfigError, match=r"trainer.spare_processes: must be at least 0, got -1"):
         rl.update("trainer.spare_processes=-1")
-    assert len(rl.session.spares.spares) == 2 and rl.cfg.trainer.spare_processes == 2
+    assert len(rl.workers.spares.spares) == 2 and rl.cfg.trainer.spare_processes == 2
     rl.update("trainer.spare_processes=1")
-    assert len(rl.session.spares.spares) == 1
+    assert len(rl.workers.spares.spares) == 1
     rl.update("trainer.spare_processes=2")
-    assert len(rl.session.spares.spares) == 2
+    assert len(rl.workers.spares.spares) == 2
 
 
 def test_a_setting_built_into_the_rollout_re_creates_only_its_processes(rl):
-    if rl.session.groups["actor"].hostset is rl.session.groups["rollout"].hostset:
+    if rl.workers.groups["actor"].hostset is rl.workers.groups["rollout"].hostset:
         on_layout(rl, SEPARATE)  # run alone: the actor in processes of its own
     assert rl.cfg.rollout.kv_cache_mb != 32
-    actor_pids = {p["pid"] for p in rl.session.groups["actor"].placements}
+    actor_pids = {p["pid"] for p in rl.workers.groups["actor"].placements}
     before = actor_state(rl)
     rl.update("rollout.kv_cache_mb=32")
     report = rl.remaps[-1]
     assert report.reason == "update" and report.roles_recreated == ["reward", "rollout"]
-    assert {p["pid"] for p in rl.session.groups["actor"].placements} == actor_pids
+    assert {p["pid"] for p in rl.workers.groups["actor"].placements} == actor_pids
     assert_equal_state(before, actor_state(rl))
     assert "reward/mean" in rl.step().metrics
 
@@ -263,7 +263,7 @@ def vllm_has_shm_communicator() -> bool:
 
 def engine_files(rl) -> set[str]:
     """The files the rollout engines say they keep outside their processes."""
-    return {path for paths in rl.session.groups["rollout"].engine_files() for path in paths}
+    return {path for paths in rl.workers.groups["rollout"].engine_files() for path in paths}
 
 
 def shm_mapped_by(role_pids) -> set[str]:
@@ -283,17 +283,17 @@ def test_rollout_tp_1_to_2_samples_what_tp_1_samples_separate_and_colocated(rl):
     from hybridlab.dataflow.prompts import prompt_batch
 
     prompts = prompt_batch(rl.test_samples[:8], rl.tokenizer, list(range(8)))
-    tp1 = rl.session.groups["rollout"].generate(prompts, greedy)
+    tp1 = rl.workers.groups["rollout"].generate(prompts, greedy)
     tp1_files = engine_files(rl)
     assert len(tp1_files) == 2 and all(os.path.exists(p) for p in tp1_files)  # two replicas' rendezvous files
     before = actor_state(rl)
     shm_before = {os.path.join("/dev/shm", name) for name in os.listdir("/dev/shm")}
     report = rl.remap(ROLLOUT_TP2)  # 2 rollout replicas of tp 1 -> one engine of tp 2 on the same devices
-    assert report.roles_recreated == ["reward", "rollout"] and rl.session.groups["rollout"].dp_layout() == [
+    assert report.roles_recreated == ["reward", "rollout"] and rl.workers.groups["rollout"].dp_layout() == [
         (0, 1, True), (0, 1, False)]
     assert_equal_state(before, actor_state(rl))
     assert not any(os.path.exists(p) for p in tp1_files)  # the stopped engines removed theirs
-    tp2 = rl.session.groups["rollout"].generate(prompts, greedy)
+    tp2 = rl.workers.groups["rollout"].generate(prompts, greedy)
     assert torch.equal(tp2["responses"], tp1["responses"])  # greedy: the same tokens
     assert (tp2["rollout_log_probs"] - tp1["rollout_log_probs"]).abs().max() <= 1e-5
     sync = rl.sync_weights()  # whole tensors to both ranks of the engine, from trainer DP rank 0
@@ -308,21 +308,21 @@ def test_rollout_tp_1_to_2_samples_what_tp_1_samples_separate_and_colocated(rl):
     # What the TP=2 engine's two processes made in /dev/shm since the remap began, read from what
     # they hold mapped: in every build vLLM's TP broadcast ring buffer (multiprocessing's psm_*),
     # and in AVX-512 builds the communicator's segments, which the engine names itself (tp2_files).
-    tp2_pids = [p["pid"] for p in rl.session.groups["rollout"].placements]
+    tp2_pids = [p["pid"] for p in rl.workers.groups["rollout"].placements]
     created = shm_mapped_by(tp2_pids) - shm_before
     assert created and tp2_files <= created, (created, tp2_files)
     rl.step()
     batch = fixed_batch(rl)  # sampled after the step's sync: the engine holds the updated weights
-    actor = rl.session.groups["actor"].compute_log_prob(batch)["old_log_probs"]
+    actor = rl.workers.groups["actor"].compute_log_prob(batch)["old_log_probs"]
     mask = batch["response_mask"].bool()
     assert (actor - batch["rollout_log_probs"])[mask].abs().max() < 1e-4
 
     report = rl.remap(HYBRID_TP2)  # the hybrid engine: actor tp 2 and rollout tp 2 in the same processes
-    assert rl.session.groups["actor"].hostset is rl.session.groups["rollout"].hostset
-    assert not set(tp2_pids) & {p["pid"] for s in rl.session._sets for p in s.placements}  # that engine stopped
+    assert rl.workers.groups["actor"].hostset is rl.workers.groups["rollout"].hostset
+    assert not set(tp2_pids) & {p["pid"] for s in rl.workers._sets for p in s.placements}  # that engine stopped
     assert sorted(p for p in created if os.path.exists(p)) == []  # and every file it made in /dev/shm is gone
     batch = fixed_batch(rl)
-    actor = rl.session.groups["actor"].compute_log_prob(batch)["old_log_probs"]
+    actor = rl.workers.groups["actor"].compute_log_prob(batch)["old_log_probs"]
     mask = batch["response_mask"].bool()
     assert (actor - batch["rollout_log_probs"])[mask].abs().max() < 1e-4
     assert rl.sync_weights().mode == "colocated" and "reward/mean" in rl.step().metrics
@@ -338,7 +338,7 @@ def test_a_remap_during_a_background_run_lands_at_a_step_boundary(rl):
     finally:
         summary = run.wait(600)
     assert start <= report.step <= start + 4
-    assert summary["steps"] == start + 4 and rl.session.groups["actor"].hostset is rl.session.groups["rollout"].hostset
+    assert summary["steps"] == start + 4 and rl.workers.groups["actor"].hostset is rl.workers.groups["rollout"].hostset
     lines = [json.loads(line) for line in (rl.run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [line["step"] for line in lines if "reward/mean" in line]
     assert steps == list(range(1, start + 5))  # no step lost or repeated around the remap
@@ -353,12 +353,12 @@ def test_adding_the_critic_then_moving_it_to_another_pool_carries_its_state(rl):
     report = rl.remaps[-1]
     assert report.roles_added == ["critic"] and report.roles_recreated == []  # nothing else restarted
     assert "values" in rl.dataflow.names and "critic/vf_loss" in rl.step().metrics
-    parts = [p for p in rl.session.groups["critic"].checkpoint_state() if p]
+    parts = [p for p in rl.workers.groups["critic"].checkpoint_state() if p]
     mapping["pools"]["c2"] = mapping["pools"].pop("c1")
     mapping["roles"]["critic"] = {"pool": "c2"}
     report = rl.remap(mapping)
     assert report.roles_recreated == ["critic"] and rl.mapping.roles["critic"].pool == "c2"
-    after = [p for p in rl.session.groups["critic"].checkpoint_state() if p]
+    after = [p for p in rl.workers.groups["critic"].checkpoint_state() if p]
     for key in ("model", "exp_avg", "exp_avg_sq"):
         for name, tensor in parts[0][key].items():
             assert torch.equal(tensor, after[0][key][name]), f"critic {key}/{name} changed"

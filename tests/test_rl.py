@@ -31,7 +31,7 @@ def rl(ray_local, trained_dir, tmp_path_factory):
 
 
 def pids(rl):
-    return sorted(p["pid"] for p in rl.session.groups["actor"].placements)
+    return sorted(p["pid"] for p in rl.workers.groups["actor"].placements)
 
 
 def assert_rollout_matches_actor(batch):
@@ -146,7 +146,7 @@ def test_one_step_off_policy_records_staleness(rl):
     assert deeper == [0, 1, 2, 2] and rl.ahead.pending == []
     assert "advantages" in second.batch and second.metrics["sync/bytes"] > 0
     # rollouts submitted ahead (collected by the next step's thread) still count as generate
-    generated = [s for s in rl.session.timeline.spans(since=since) if s.method == "generate"]
+    generated = [s for s in rl.workers.timeline.spans(since=since) if s.method == "generate"]
     assert generated and {s.stage for s in generated} == {"generate"}
 
 
@@ -198,7 +198,7 @@ def transformers_greedy_accuracy(rl) -> float:
     from hybridlab.tasks.base import task_for_source
     from hybridlab.workers.train.checkpoint import merge_state
 
-    weights = merge_state(rl.session.groups["actor"].checkpoint_state())["model"]
+    weights = merge_state(rl.workers.groups["actor"].checkpoint_state())["model"]
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(rl.model_dir), dtype=torch.float32).eval()
     missing, unexpected = model.load_state_dict(weights, strict=False)
     assert not unexpected and set(missing) <= ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
@@ -236,7 +236,7 @@ def test_a_policy_gradient_step_raises_positive_advantage_samples_and_lowers_the
     from hybridlab.workers.train.checkpoint import merge_state
 
     samples = rl.test_samples[:16]
-    greedy = rl.session.groups["rollout"].generate(prompt_batch(samples, rl.tokenizer, list(range(len(samples)))),
+    greedy = rl.workers.groups["rollout"].generate(prompt_batch(samples, rl.tokenizer, list(range(len(samples)))),
                                                    StepContext(rl).sampling(n=1, temperature=0.0))
     eos = rl.tokenizer.eos_token_id
     digits = [set(r[m.bool()].tolist()) - {eos} for r, m in zip(greedy["responses"], greedy["response_mask"])]
@@ -245,7 +245,7 @@ def test_a_policy_gradient_step_raises_positive_advantage_samples_and_lowers_the
     assert pair is not None, "no two greedy answers without a common digit"
     batch = greedy.take(list(pair)).select(SEQUENCE_FIELDS, meta=False)
     mask = batch["response_mask"].float()
-    actor = rl.session.groups["actor"]
+    actor = rl.workers.groups["actor"]
     saved = actor.checkpoint_state()  # weights, AdamW moments, step and RNG
     settings = [f"actor.lr={rl.cfg.actor.lr}", f"actor.warmup_steps={rl.cfg.actor.warmup_steps}"]
     try:
@@ -275,7 +275,7 @@ def test_evaluate_reports_greedy_accuracy(rl):
     ev = rl.evaluate()
     assert ev["n"] == 32 and ev["accuracy"] == pytest.approx(expected, abs=1e-9)
     # the dashboard shows these calls as the evaluate stage, not as a bare method name
-    spans = rl.session.timeline.spans(since=since)
+    spans = rl.workers.timeline.spans(since=since)
     assert {s.method for s in spans} >= {"generate", "compute_reward"}
     assert {s.stage for s in spans} == {"evaluate"}
 

@@ -4,7 +4,7 @@ import torch
 
 from hybridlab.controller.group import RoleClass, WorkerError
 from hybridlab.controller.mapping import DeviceMapping
-from hybridlab.controller.session import Session
+from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.evaluate import load_hf
 from hybridlab.protocol import Batch
 from hybridlab.tasks import get_task
@@ -28,7 +28,7 @@ def rollout(ray_local, tiny_dir):
     """One vLLM engine, started from the *untrained* tiny model (tests load weights into it)."""
     mapping = DeviceMapping.from_dict({"pools": {"p": {"devices": 1}}, "roles": {"rollout": {"pool": "p"}}})
     roles = {"rollout": RoleClass(RolloutWorker, kwargs=dict(model_dir=str(tiny_dir), max_model_len=64))}
-    with Session(mapping, roles, timeout=300) as session:
+    with WorkerSet(mapping, roles, timeout=300) as session:
         yield session.groups["rollout"]
 
 
@@ -144,7 +144,7 @@ def test_prefix_caching_shares_prefill_but_never_reuses_kv_of_older_weights(ray_
     long = Batch(objects={"prompt_ids": [(ids * 40)[:40] for ids in prompts["prompt_ids"]]})
     expected = RolloutWorker(str(trained_dir), backend="hf", max_model_len=64).generate(long, GREEDY)
     twice = Batch(objects={"prompt_ids": long["prompt_ids"] * 2})
-    with Session(mapping, roles, timeout=300) as session:
+    with WorkerSet(mapping, roles, timeout=300) as session:
         cached = session.groups["rollout"]
         cached.generate(twice, GREEDY)  # fills the cache under the untrained weights
         cached.load_weights(sorted(load_hf_state(trained_dir).items()))

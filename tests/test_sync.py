@@ -4,7 +4,7 @@ import torch
 
 from hybridlab.controller.group import RoleClass, WorkerError
 from hybridlab.controller.mapping import DeviceMapping
-from hybridlab.controller.session import Session
+from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.evaluate import load_hf
 from hybridlab.protocol import Batch
 from hybridlab.reshard.plan import RolloutLayout, TrainerLayout, buckets
@@ -43,7 +43,7 @@ def test_colocated_sync_after_a_step_matches_transformers(ray_local, trained_dir
     roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=str(trained_dir), optim={"lr": 3e-3})),
              "rollout": RoleClass(RolloutWorker, kwargs=dict(model_dir=str(trained_dir), max_model_len=64))}
     spec = ModelSpec.from_hf(trained_dir)
-    with Session(mapping, roles, timeout=300) as s:
+    with WorkerSet(mapping, roles, timeout=300) as s:
         actor, rollout = s.groups["actor"], s.groups["rollout"]
         before = rollout.generate(prompts, GREEDY)["responses"]
         for _ in range(3):
@@ -65,7 +65,7 @@ def test_separate_sync_survives_a_trainer_layout_change(ray_local, trained_dir, 
     roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=str(trained_dir), tp=2, optim={"lr": 3e-3})),
              "rollout": RoleClass(RolloutWorker, kwargs=dict(model_dir=str(trained_dir), max_model_len=64))}
     spec = ModelSpec.from_hf(trained_dir)
-    with Session(DeviceMapping.from_dict(layout), roles, timeout=300) as s:
+    with WorkerSet(DeviceMapping.from_dict(layout), roles, timeout=300) as s:
         for _ in range(3):
             s.groups["actor"].sft_step(train_batch)
         report = sync_weights(s.groups["actor"], s.groups["rollout"], spec, TrainerLayout(tp=2), RolloutLayout())
@@ -77,7 +77,7 @@ def test_separate_sync_survives_a_trainer_layout_change(ray_local, trained_dir, 
         assert report.bytes_per_pair == report.plan["bytes_per_pair"] and set(report.bytes_per_pair) == {"0->0", "1->0"}
 
         # Same weights, new trainer layout (TP1 x DP2): only the actor is re-created.
-        s.workers["actor"] = RoleClass(ActorWorker, kwargs=dict(model_dir=str(saved), optim={"lr": 3e-3}))
+        s.role_classes["actor"] = RoleClass(ActorWorker, kwargs=dict(model_dir=str(saved), optim={"lr": 3e-3}))
         layout["roles"]["actor"] = {"pool": "train", "dp": 2}
         assert s.remap(DeviceMapping.from_dict(layout)) == {"actor"}
         s.groups["rollout"].load_weights(sorted(checkpoint_state_of(trained_dir).items()))   # scramble back

@@ -156,4 +156,4 @@ def test_a_session_refuses_bad_prompts_before_ray_starts(tmp_path, tiny_dir, mon
                           f"trainer.run_dir={tmp_path / 'run'}"])
     with pytest.raises(UserError, match=r"train.jsonl: row 3: the prompt is empty"):
         rl.start()
-    assert rl.session is None
+    assert rl.workers is None

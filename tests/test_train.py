@@ -5,7 +5,7 @@ import torch
 from hybridlab.batching import sequences_batch
 from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
-from hybridlab.controller.session import Session
+from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.errors import UserError
 from hybridlab.models.zoo import resolve_model
 from hybridlab.workers.train import checkpoint
@@ -45,7 +45,7 @@ def session_for(roles: dict, tp=1, pp=1, dp=1, colocate=True):
     mapping = DeviceMapping.from_dict({"pools": {"p": {"devices": tp * pp * dp}},
                                        "roles": {r: {**layout, **({"colocate": "e"} if colocate else {})}
                                                  for r in roles}})
-    return Session(mapping, roles, timeout=300).start()
+    return WorkerSet(mapping, roles, timeout=300).start()
 
 
 def gathered(group) -> dict:

@@ -25,7 +25,7 @@ def rl(ray_local, trained_dir, tmp_path_factory):
 
 
 def pids(rl) -> list[int]:
-    return sorted(p["pid"] for s in rl.session._sets for p in s.placements)
+    return sorted(p["pid"] for s in rl.workers._sets for p in s.placements)
 
 
 def test_run_stage_by_hand_and_inspect_what_each_stage_added(rl):
@@ -83,7 +83,7 @@ def test_a_valid_mapping_applies_and_shows_its_report(rl):
     editor.apply_button.click()
     assert "Applied after step" in editor.status.value and "re-created actor, reward, rollout" in editor.status.value
     assert rl.mapping.roles["rollout"].pool == "gen" and rl.mapping.roles["actor"].pool == "main"
-    assert rl.session.groups["actor"].hostset is not rl.session.groups["rollout"].hostset
+    assert rl.workers.groups["actor"].hostset is not rl.workers.groups["rollout"].hostset
     assert "reward/mean" in rl.step().metrics
 
 

@@ -31,7 +31,7 @@ def rl(ray_local, trained_dir, tmp_path_factory):
 
 
 def pids(rl, role: str) -> list[int]:
-    return [p["pid"] for p in rl.session.groups[role].placements]
+    return [p["pid"] for p in rl.workers.groups[role].placements]
 
 
 def kill(rl, role: str) -> None:

@@ -9,7 +9,7 @@ import ray
 import torch
 
 from hybridlab.controller.mapping import DeviceMapping
-from hybridlab.controller.session import Session
+from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.protocol import Batch
 
@@ -67,7 +67,7 @@ def run(workers: int = 4, iters: int = 200, batch_mb: int = 64) -> dict:
                                        "roles": {"actor": {"pool": "bench", "dp": workers}}})
     bare = [BareActor.remote() for _ in range(workers)]
     ray.get([a.noop.remote() for a in bare])
-    with Session(mapping, {"actor": NoopWorker}) as session:
+    with WorkerSet(mapping, {"actor": NoopWorker}) as session:
         group = session.groups["actor"]
         tiny = Batch({"x": torch.zeros(workers, 4)})
         bare_ms = _median_ms(lambda: ray.get([a.noop.remote() for a in bare]), iters)

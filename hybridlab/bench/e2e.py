@@ -21,17 +21,27 @@ without padding, cut by a token budget; ``trl_vllm=on`` also runs TRL generating
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import statistics
 import tempfile
 import time
+import warnings
 
+import ray
 import torch
 
+from hybridlab import sft
+from hybridlab.atomic import built_once
 from hybridlab.bench import alternating
 from hybridlab.bench.profile import matmul_peaks, peak_fractions, step_profile
-from hybridlab.environment import usable_cores
+from hybridlab.controller.resources import connect
+from hybridlab.dataflow.session import RLSession
+from hybridlab.environment import processor, usable_cores
 from hybridlab.errors import UserError
+from hybridlab.evaluate import load_hf
+from hybridlab.models.zoo import count_parameters, home, resolve_model
+from hybridlab.tasks import get_task
 
 
 # split: the rollout on one device, the actor (with the reward: beside the rollout it would wait
@@ -50,7 +60,6 @@ VARIABLE_TASK = {"min_len": 3, "max_len": 48}
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """What both sides run: the task, its options, the model and the lengths rule."""
-
     name: str              # as reported: fixed_length or variable_length
     task: str
     task_options: dict
@@ -63,12 +72,6 @@ def warm_model(model: str, task: str, options: dict, steps: int) -> str:
     """Return a checkpoint of zoo ``model`` trained ``steps`` supervised steps on ``task``
     (cached under hybridlab's home, so the cost is paid once per machine): enough for it to end
     its answers with end-of-sequence, as RL users' models do."""
-    from hybridlab import sft
-    from hybridlab.atomic import built_once
-    from hybridlab.evaluate import load_hf
-    from hybridlab.models.zoo import home, resolve_model
-    from hybridlab.tasks import get_task
-
     tag = "-".join(f"{k}{v}" for k, v in sorted(options.items()))
     out = home() / "warm" / f"{model}-{task}-{tag}-{steps}steps"
 
@@ -111,8 +114,6 @@ def ours(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: 
     """Return per-step seconds, completion tokens and lengths of hybridlab's GRPO steps, with the
     padded share of the actor's tokens and of the padded layout, the step profile and the
     rollout's and update's engine seconds."""
-    from hybridlab.dataflow.session import RLSession
-
     with tempfile.TemporaryDirectory() as tmp:
         rl = RLSession(None, _config(work, prompts_per_step, group, steps, f"{tmp}/run", telemetry, precision,
                                      placement, packing, max_staleness, bind, prefix_caching))
@@ -137,7 +138,7 @@ def ours(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: 
                     padded.append(result.metrics["actor/padded_token_share"])
                     layout.append(1 - real[-1] / attention.numel())
             stage_s = {k.split("/")[1][:-2]: round(v, 3) for k, v in result.metrics.items() if k.startswith("timing/")}
-            spans = rl.session.timeline.spans(since=windows[0][0])
+            spans = rl.workers.timeline.spans(since=windows[0][0])
             profile = step_profile(spans, windows, metrics)
             # the engines' own seconds: the generate stage's calls are the rollout's, the
             # update stage's the actor's
@@ -179,14 +180,11 @@ def trl(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: i
         bf16: bool = False, gradient_checkpointing: bool = False, use_vllm: bool = False) -> dict:
     """Return per-step seconds, completion tokens and lengths of TRL's GRPOTrainer on the same work,
     generating with transformers or (``use_vllm``) with vLLM colocated in this process."""
-    import warnings
-
     warnings.filterwarnings("ignore")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from hybridlab.tasks import get_task
 
     torch.set_num_threads(threads)
     task = get_task(work.task, **work.task_options)
@@ -246,8 +244,6 @@ def telemetry_order(check: str, rounds: int) -> tuple[bool, ...]:
 def _in_child(fn, *args, **kwargs):
     """Return ``fn(*args, **kwargs)`` run in a fresh Python process: TRL's colocated vLLM
     initialises torch.distributed and vLLM's global state, which must not outlive it here."""
-    import multiprocessing
-
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(fn, args, kwargs)
 
@@ -266,7 +262,10 @@ def _summary(result: dict) -> dict:
 
 
 def _check(precision: str, peer: str, placement: str, packing: str, workload: str, trl_gradient_checkpointing: str,
-           telemetry_check: str, trl_vllm: str, bind_threads: str, prefix_caching: str):
+           telemetry_check: str, trl_vllm: str, bind_threads: str, prefix_caching: str, telemetry_rounds: int,
+           max_staleness: int) -> None:
+    """Raise UserError naming the first setting that is not allowed, or a combination that
+    would ignore a lever."""
     for name, value, allowed in (("precision", precision, ("fp32", "bf16")), ("peer", peer, ("trl", "none")),
                                  ("bind_threads", bind_threads, ("on", "off")),
                                  ("prefix_caching", prefix_caching, ("on", "off")),
@@ -277,6 +276,66 @@ def _check(precision: str, peer: str, placement: str, packing: str, workload: st
                                  ("trl_gradient_checkpointing", trl_gradient_checkpointing, ("off", "on", "both"))):
         if value not in allowed:
             raise UserError(f"benchmark e2e: {name} must be one of {', '.join(allowed)}, got {value!r}")
+    if not isinstance(telemetry_rounds, int) or telemetry_rounds < 1:
+        raise UserError(f"benchmark e2e: telemetry_rounds must be an integer of at least 1, got {telemetry_rounds!r}")
+    if not isinstance(max_staleness, int) or max_staleness < 1:
+        raise UserError(f"benchmark e2e: max_staleness must be an integer of at least 1, got {max_staleness!r}")
+    if max_staleness != 1 and placement != "split":
+        raise UserError(f"benchmark e2e: max_staleness={max_staleness} needs placement=split"
+                        " (rollouts ahead overlap the update)")
+    if trl_vllm == "on" and peer != "trl":
+        raise UserError("benchmark e2e: trl_vllm=on needs peer=trl")
+
+
+def _our_figures(runs: dict[bool, list[dict]], out: dict, threads: int, precision: str) -> dict:
+    """Return the figures of our sessions (``runs``: telemetry on, off) to add to ``out``."""
+    fig: dict = {}
+    measured = runs[True]
+    fig.update(_summary(_pooled(measured)), stages_s=measured[0]["last_step_stages_s"],
+               device_busy=round(statistics.median(b for r in measured for b in r["device_busy"]), 3),
+               rollout_staleness=max(r["staleness"] for r in measured),
+               padded_token_share=round(statistics.mean(p for r in measured for p in r["padded"]), 3),
+               padded_token_share_of_layout=round(statistics.mean(p for r in measured for p in r["layout_padded"]), 3))
+    first = measured[0]
+    # split: the rollout and the actor have a device and so a share of the threads each; their
+    # peak is measured now, with the workers gone
+    fig["worker_threads"] = first["worker_threads"]
+    fig["matmul_peak_gflops_per_worker"] = (out["matmul_peak_gflops"] if first["worker_threads"] == threads
+                                            else matmul_peaks(first["worker_threads"]))
+    fig.update(profile=first["profile"], engine_s={k: round(v, 3) for k, v in first["engine_s"].items()},
+               **peak_fractions(out["params"], first["real_tokens"], first["engine_s"]["rollout_s"],
+                                first["engine_s"]["update_s"], fig["matmul_peak_gflops_per_worker"][precision]))
+    fig["telemetry_sessions"] = len(measured)
+    if runs[False]:
+        quiet = _summary(_pooled(runs[False]))
+        fig.update(median_step_s_telemetry_off=quiet["median_step_s"],
+                   telemetry_overhead_pct=round(100 * (fig["median_step_s"] / quiet["median_step_s"] - 1), 1))
+    return fig
+
+
+def _trl_figures(work: Workload, ours_tokens_per_s: float, prompts_per_step: int, group: int, steps: int, warmup: int,
+                 threads: int, precision: str, gradient_checkpointing: str, with_vllm: bool) -> dict:
+    """Return TRL's figures on the same work: its faster setting, and with ``with_vllm`` its
+    vLLM-generating run (in a child process); each ratio is ours over theirs."""
+    fig: dict = {}
+    checkpointing = {"off": (False,), "on": (True,), "both": (False, True)}[gradient_checkpointing]
+    settings = [(bf16, gc) for bf16 in ((False, True) if precision == "bf16" else (False,)) for gc in checkpointing]
+    peers = {s: _summary(trl(work, prompts_per_step, group, steps, warmup, threads, *s)) for s in settings}
+    best = max(peers, key=lambda k: peers[k]["completion_tokens_per_s"])
+    theirs = peers[best]
+    fig.update(trl_median_step_s=theirs["median_step_s"],
+               trl_completion_tokens_per_s=theirs["completion_tokens_per_s"], trl_bf16=best[0],
+               trl_gradient_checkpointing=best[1], trl_response_length=theirs["response_length"],
+               trl_tokens_per_s_by_setting={f"{'bf16' if b else 'fp32'}{'+gc' if g else ''}":
+                                            v["completion_tokens_per_s"] for (b, g), v in peers.items()},
+               speedup_vs_trl=round(ours_tokens_per_s / theirs["completion_tokens_per_s"], 2))
+    if with_vllm:
+        fast = _summary(_in_child(trl, work, prompts_per_step, group, steps, warmup, threads, use_vllm=True))
+        fig.update(trl_vllm_median_step_s=fast["median_step_s"],
+                   trl_vllm_completion_tokens_per_s=fast["completion_tokens_per_s"],
+                   trl_vllm_response_length=fast["response_length"],
+                   speedup_vs_trl_vllm=round(ours_tokens_per_s / fast["completion_tokens_per_s"], 2))
+    return fig
 
 
 def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new_tokens: int = 0, steps: int = 10,
@@ -301,16 +360,7 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
     (measured first, before any worker starts), the GFLOP/s and peak fractions of our rollout
     and update, and the step profile (``hybridlab.bench.profile``)."""
     _check(precision, peer, placement, packing, workload, trl_gradient_checkpointing, telemetry_check, trl_vllm,
-           bind_threads, prefix_caching)
-    if not isinstance(telemetry_rounds, int) or telemetry_rounds < 1:
-        raise UserError(f"benchmark e2e: telemetry_rounds must be an integer of at least 1, got {telemetry_rounds!r}")
-    if not isinstance(max_staleness, int) or max_staleness < 1:
-        raise UserError(f"benchmark e2e: max_staleness must be an integer of at least 1, got {max_staleness!r}")
-    if max_staleness != 1 and placement != "split":
-        raise UserError(f"benchmark e2e: max_staleness={max_staleness} needs placement=split"
-                        " (rollouts ahead overlap the update)")
-    if trl_vllm == "on" and peer != "trl":
-        raise UserError("benchmark e2e: trl_vllm=on needs peer=trl")
+           bind_threads, prefix_caching, telemetry_rounds, max_staleness)
     if workload == "both":
         runs = [run(model, prompts_per_step, group, max_new_tokens, steps, warmup, peer, precision, placement,
                     packing, kind, warm_steps, trl_gradient_checkpointing, telemetry_check, max_staleness, trl_vllm,
@@ -319,10 +369,6 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
         return {"workload": "both", "processor": runs[0]["processor"], "runs": runs,
                 "speedup_vs_trl": {r["workload"]: r.get("speedup_vs_trl") for r in runs},
                 "speedup_vs_trl_vllm": {r["workload"]: r.get("speedup_vs_trl_vllm") for r in runs}}
-    from hybridlab.controller.resources import connect
-    from hybridlab.environment import processor
-    from hybridlab.models.zoo import count_parameters, resolve_model
-
     threads = min(2, usable_cores())
     if workload == "fixed":
         work = Workload("fixed_length", "arith", {}, str(resolve_model(model)), max_new_tokens or 64, True)
@@ -334,52 +380,16 @@ def run(model: str = "small", prompts_per_step: int = 8, group: int = 8, max_new
            "precision": precision, "processor": processor(), "workload": work.name, "placement": placement,
            "packing": packing, "max_staleness": max_staleness if placement == "split" else 0,
            "bind_threads": bind_threads, "prefix_caching": prefix_caching, "matmul_peak_gflops": matmul_peaks(threads)}
-    import ray
-
     attached = ray.is_initialized()  # a caller's cluster stays up; one we start is stopped
     connect(num_gpus=2 if placement == "split" else 1)
     runs: dict[bool, list[dict]] = {True: [], False: []}
     for telemetry in telemetry_order(telemetry_check, telemetry_rounds):
         runs[telemetry].append(ours(work, prompts_per_step, group, steps, warmup, telemetry, precision, placement,
                                     packing == "on", max_staleness, bind_threads == "on", prefix_caching == "on"))
-    measured = runs[True]
-    out.update(_summary(_pooled(measured)), stages_s=measured[0]["last_step_stages_s"],
-               device_busy=round(statistics.median(b for r in measured for b in r["device_busy"]), 3),
-               rollout_staleness=max(r["staleness"] for r in measured),
-               padded_token_share=round(statistics.mean(p for r in measured for p in r["padded"]), 3),
-               padded_token_share_of_layout=round(statistics.mean(p for r in measured for p in r["layout_padded"]), 3))
-    first = measured[0]
-    # split: the rollout and the actor have a device and so a share of the threads each; their
-    # peak is measured now, with the workers gone
-    out["worker_threads"] = first["worker_threads"]
-    out["matmul_peak_gflops_per_worker"] = (out["matmul_peak_gflops"] if first["worker_threads"] == threads
-                                            else matmul_peaks(first["worker_threads"]))
-    out.update(profile=first["profile"], engine_s={k: round(v, 3) for k, v in first["engine_s"].items()},
-               **peak_fractions(out["params"], first["real_tokens"], first["engine_s"]["rollout_s"],
-                                first["engine_s"]["update_s"], out["matmul_peak_gflops_per_worker"][precision]))
-    out["telemetry_sessions"] = len(measured)
-    if runs[False]:
-        quiet = _summary(_pooled(runs[False]))
-        out.update(median_step_s_telemetry_off=quiet["median_step_s"],
-                   telemetry_overhead_pct=round(100 * (out["median_step_s"] / quiet["median_step_s"] - 1), 1))
+    out.update(_our_figures(runs, out, threads, precision))
     if not attached:
         ray.shutdown()  # free the cores for the peer
     if peer == "trl":
-        checkpointing = {"off": (False,), "on": (True,), "both": (False, True)}[trl_gradient_checkpointing]
-        settings = [(bf16, gc) for bf16 in ((False, True) if precision == "bf16" else (False,)) for gc in checkpointing]
-        peers = {s: _summary(trl(work, prompts_per_step, group, steps, warmup, threads, *s)) for s in settings}
-        best = max(peers, key=lambda k: peers[k]["completion_tokens_per_s"])
-        theirs = peers[best]
-        out.update(trl_median_step_s=theirs["median_step_s"],
-                   trl_completion_tokens_per_s=theirs["completion_tokens_per_s"], trl_bf16=best[0],
-                   trl_gradient_checkpointing=best[1], trl_response_length=theirs["response_length"],
-                   trl_tokens_per_s_by_setting={f"{'bf16' if b else 'fp32'}{'+gc' if g else ''}":
-                                                v["completion_tokens_per_s"] for (b, g), v in peers.items()},
-                   speedup_vs_trl=round(out["completion_tokens_per_s"] / theirs["completion_tokens_per_s"], 2))
-        if trl_vllm == "on":
-            fast = _summary(_in_child(trl, work, prompts_per_step, group, steps, warmup, threads, use_vllm=True))
-            out.update(trl_vllm_median_step_s=fast["median_step_s"],
-                       trl_vllm_completion_tokens_per_s=fast["completion_tokens_per_s"],
-                       trl_vllm_response_length=fast["response_length"],
-                       speedup_vs_trl_vllm=round(out["completion_tokens_per_s"] / fast["completion_tokens_per_s"], 2))
+        out.update(_trl_figures(work, out["completion_tokens_per_s"], prompts_per_step, group, steps, warmup, threads,
+                                precision, trl_gradient_checkpointing, trl_vllm == "on"))
     return out

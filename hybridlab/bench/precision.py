@@ -19,7 +19,7 @@ from hybridlab.bench import alternating
 from hybridlab.bench.train import make_batch
 from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
-from hybridlab.controller.session import Session
+from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.environment import usable_cores
 from hybridlab.errors import UserError
@@ -33,10 +33,10 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 
-def _session(roles: dict, threads: int) -> Session:
+def _session(roles: dict, threads: int) -> WorkerSet:
     mapping = DeviceMapping.from_dict({"pools": {"p": {"devices": 1, "cpus_per_device": threads}},
                                        "roles": {r: {"pool": "p", "colocate": "e"} for r in roles}})
-    return Session(mapping, roles, env={"OMP_NUM_THREADS": str(threads)})
+    return WorkerSet(mapping, roles, env={"OMP_NUM_THREADS": str(threads)})
 
 
 def rollout_side(model_dir: str, prompts: list[list[int]], max_new_tokens: int, rounds: int,

@@ -47,7 +47,7 @@ def _settings(model: str, run_dir: Path) -> list[str]:
 def _actor_state(rl) -> dict[str, torch.Tensor]:
     from hybridlab.workers.train.checkpoint import merge_state
 
-    parts = rl.session.groups["actor"].checkpoint_state()
+    parts = rl.workers.groups["actor"].checkpoint_state()
     out = {f"{key}/{name}": t for key, named in merge_state(parts).items() for name, t in named.items()}
     out["step"] = torch.tensor(next(p for p in parts if p)["step"])
     return out
@@ -63,14 +63,14 @@ def restart(rl, new_mapping: dict, workdir: Path):
     from hybridlab.workers.train import checkpoint
 
     start = time.perf_counter()
-    ckpt = checkpoint.save_checkpoint(rl.session.groups["actor"], rl.model_dir, workdir / "ckpt")
+    ckpt = checkpoint.save_checkpoint(rl.workers.groups["actor"], rl.model_dir, workdir / "ckpt")
     rl.shutdown()
     # No spares here: a new session's spares would warm up against its own start.
     cfg = dataclasses.replace(rl.cfg, model=str(ckpt), mapping=new_mapping,
                               trainer=dataclasses.replace(rl.cfg.trainer, run_dir=str(workdir / "restarted"),
                                                           spare_processes=0))
     fresh = RLSession(cfg).start()
-    checkpoint.load_optimizer(fresh.session.groups["actor"], ckpt)
+    checkpoint.load_optimizer(fresh.workers.groups["actor"], ckpt)
     fresh.sync_weights()
     return fresh, time.perf_counter() - start
 
@@ -99,7 +99,7 @@ def run(model: str = "small", steps: int = 3, transitions: str = "all") -> dict:
                 for _ in range(steps):
                     rl.step()
                 state = _actor_state(rl)
-                rl.session.spares.wait_ready()  # what a session that has run a while has
+                rl.workers.spares.wait_ready()  # what a session that has run a while has
                 report = rl.remap(after)
                 rl.update("trainer.spare_processes=0")  # the paths below run without: no refill to warm
                 exact = _equal(state, _actor_state(rl))

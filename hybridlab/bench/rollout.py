@@ -12,7 +12,7 @@ import torch
 
 from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
-from hybridlab.controller.session import Session
+from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.environment import usable_cores
 from hybridlab.protocol import Batch
 from hybridlab.workers.rollout.sampling import SamplingConfig
@@ -40,7 +40,7 @@ def run(model: str = "mid", prompts: int = 64, max_new_tokens: int = 128, prompt
     mapping = DeviceMapping.from_dict({"pools": {"gen": {"devices": 1, "cpus_per_device": threads}},
                                        "roles": {"rollout": {"pool": "gen"}}})
     roles = {"rollout": RoleClass(RolloutWorker, kwargs=dict(model_dir=model_dir, kv_cache_mb=kv_cache_mb))}
-    with Session(mapping, roles, env={"OMP_NUM_THREADS": str(threads)}) as session:
+    with WorkerSet(mapping, roles, env={"OMP_NUM_THREADS": str(threads)}) as session:
         rollout = session.groups["rollout"]
         batch = Batch(objects={"prompt_ids": ids})
         rollout.generate(batch, SamplingConfig(max_tokens=4))   # warm-up

@@ -53,7 +53,7 @@ def run(model: str = "small", steps: int = 300, save_every: int = 50, warmup: in
         rl = RLSession(None, _settings(str(resolve_model(model)), f"{tmp}/run"))
         try:
             rl.start()
-            processes = {",".join(g.hostset.roles): p["pid"] for g in rl.session.groups.values()
+            processes = {",".join(g.hostset.roles): p["pid"] for g in rl.workers.groups.values()
                          for p in g.placements}
             processes["controller"] = os.getpid()
             rss: dict[str, list[float]] = {name: [] for name in processes}

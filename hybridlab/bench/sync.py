@@ -12,7 +12,7 @@ import torch
 
 from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
-from hybridlab.controller.session import Session
+from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.protocol import Batch
 from hybridlab.reshard.plan import RolloutLayout, TrainerLayout
 from hybridlab.reshard.transfer import sync_weights
@@ -53,7 +53,7 @@ def run(model: str = "mid", bucket_mb: float = 64.0, warm_steps: int = 10, rollo
                                                  "rollout": {"pool": "p", "colocate": "hybrid"}}})
     roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=model_dir, optim={"lr": 3e-3})),
              "rollout": RoleClass(RolloutWorker, kwargs=dict(model_dir=model_dir, max_model_len=128))}
-    with Session(mapping, roles, env={"OMP_NUM_THREADS": "2"}) as session, \
+    with WorkerSet(mapping, roles, env={"OMP_NUM_THREADS": "2"}) as session, \
             tempfile.TemporaryDirectory() as tmp:
         actor, rollout = session.groups["actor"], session.groups["rollout"]
         for _ in range(warm_steps):  # peaked distributions, so greedy decoding is a sharp check
@@ -66,7 +66,7 @@ def run(model: str = "mid", bucket_mb: float = 64.0, warm_steps: int = 10, rollo
         naive_map = DeviceMapping.from_dict({"pools": {"q": {"devices": 1, "cpus_per_device": 2}},
                                              "roles": {"rollout": {"pool": "q"}}})
         naive_roles = {"rollout": RoleClass(RolloutWorker, kwargs=dict(model_dir=str(exported), max_model_len=128))}
-        with Session(naive_map, naive_roles, env={"OMP_NUM_THREADS": "2"}) as fresh:
+        with WorkerSet(naive_map, naive_roles, env={"OMP_NUM_THREADS": "2"}) as fresh:
             naive_s = time.perf_counter() - start
             naive_out = fresh.groups["rollout"].generate(prompts, GREEDY)["responses"]
         reference = RolloutWorker(str(exported), backend="hf", max_model_len=128).generate(prompts, GREEDY)
@@ -92,7 +92,7 @@ def _tp_sync(model_dir: str, spec: ModelSpec, train: Batch, prompts: Batch, buck
                                        "roles": {"actor": {"pool": "t"}, "rollout": {"pool": "g", "tp": tp}}})
     roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=model_dir, optim={"lr": 3e-3})),
              "rollout": RoleClass(RolloutWorker, kwargs=dict(model_dir=model_dir, max_model_len=128, tp=tp))}
-    with Session(mapping, roles, env={"OMP_NUM_THREADS": "1"}) as session, tempfile.TemporaryDirectory() as tmp:
+    with WorkerSet(mapping, roles, env={"OMP_NUM_THREADS": "1"}) as session, tempfile.TemporaryDirectory() as tmp:
         actor, rollout = session.groups["actor"], session.groups["rollout"]
         for _ in range(warm_steps):
             actor.sft_step(train)

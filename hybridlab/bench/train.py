@@ -15,7 +15,7 @@ import torch
 from hybridlab.batching import sequences_batch
 from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
-from hybridlab.controller.session import Session
+from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.controller.worker import Dispatch, register
 from hybridlab.environment import usable_cores
 from hybridlab.workers.train.workers import ActorWorker
@@ -78,7 +78,7 @@ def megatron_run(model_dir, batch, tp: int, steps: int, threads: int, micro_batc
     roles = {"actor": RoleClass(BenchActor, kwargs=dict(model_dir=str(model_dir), tp=tp, optim={"lr": 1e-5},
                                                         micro_batch_size=micro_batch_size))}
     env = {"OMP_NUM_THREADS": str(max(1, threads // tp))}
-    with Session(mapping, roles, env=env) as session:
+    with WorkerSet(mapping, roles, env=env) as session:
         actor = session.groups["actor"]
         logprobs = actor.compute_log_prob(batch)["old_log_probs"].double()
         times = []

@@ -3,11 +3,22 @@
 reads the stage, algorithm and mapping registries, none of which imports the config."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from hybridlab.algos import ADV_ESTIMATORS, AGG_MODES, KL_PENALTIES, POLICY_LOSSES
+from hybridlab.algos.advantages import ADV_INPUTS
+from hybridlab.algos.rollout_correction import IS_LEVELS, parse_is_threshold, parse_rs
 from hybridlab.config.schema import ConfigError, RunConfig
-from hybridlab.errors import UserError
+from hybridlab.controller.mapping import ROLES, DeviceMapping
+from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.prompts import PROMPT_FIELDS
+from hybridlab.dataflow.stages import STAGES, get_stage, rollout_log_probs_inexact, wants_sum_pi_squared
+from hybridlab.errors import UserError
+from hybridlab.models.zoo import parse_preset
+from hybridlab.tasks import get_task
+from hybridlab.workers.reward.scoring import load_function
+from hybridlab.workers.rollout.worker import BACKENDS
 
 def default_dataflow(cfg: RunConfig) -> list[str]:
     """Return the stage names of the standard step for the config's algorithm and reward."""
@@ -17,8 +28,6 @@ def default_dataflow(cfg: RunConfig) -> list[str]:
         stages.append("filter_groups")
     if est == "remax":
         stages.append("remax_baseline")
-    from hybridlab.dataflow.stages import rollout_log_probs_inexact, wants_sum_pi_squared
-
     correction = algo.rollout_correction
     exact = cfg.actor.use_rollout_log_probs and not rollout_log_probs_inexact(cfg)
     recompute = (correction.enabled and not correction.bypass_mode) or wants_sum_pi_squared(cfg)
@@ -44,9 +53,6 @@ def dataflow_names(cfg: RunConfig) -> list[str]:
 
 def roles_needed(names: list[str]) -> list[str]:
     """Return the roles the stages run on, in the canonical role order."""
-    from hybridlab.controller.mapping import ROLES
-    from hybridlab.dataflow.stages import get_stage
-
     used = {r for n in names for s in [get_stage(n)] for r in (s.role, *s.needs) if r}
     return [r for r in ROLES if r in used]
 
@@ -55,8 +61,6 @@ def default_mapping(cfg: RunConfig, names: list[str], keep: tuple[str, ...] = ()
     """Return the hybrid-engine mapping: every needed role (and the roles in ``keep``, which a
     running session already has) in one set of processes on ``trainer.devices`` devices, data
     parallel over them."""
-    from hybridlab.controller.mapping import ROLES
-
     devices = cfg.trainer.devices
     needed = roles_needed(names)
     roles = [r for r in ROLES if r in needed or r in keep]
@@ -76,18 +80,19 @@ def _at_least(problems: list[str], key: str, value, low) -> None:
 
 def validate_config(cfg: RunConfig) -> None:
     """Raise ConfigError listing every problem of ``cfg``, each naming its key."""
-    from hybridlab.algos import ADV_ESTIMATORS, AGG_MODES, KL_PENALTIES, POLICY_LOSSES
-    from hybridlab.controller.mapping import DeviceMapping
-    from hybridlab.dataflow.graph import Dataflow
-    from hybridlab.dataflow.stages import STAGES
-    from hybridlab.workers.rollout.worker import BACKENDS
+    p = [*_rollout_problems(cfg), *_algorithm_problems(cfg), *_actor_problems(cfg), *_correction_problems(cfg),
+         *_size_problems(cfg), *_warm_start_problems(cfg), *_trainer_problems(cfg), *_reward_problems(cfg)]
+    _check_data_and_model(cfg, p)
+    p += _dataflow_and_mapping_problems(cfg)
+    if p:
+        raise ConfigError("config is invalid:\n  - " + "\n  - ".join(p))
 
+
+def _rollout_problems(cfg: RunConfig) -> list[str]:
     p: list[str] = []
-    r, a, algo, data = cfg.rollout, cfg.actor, cfg.algorithm, cfg.data
+    r = cfg.rollout
     _choice(p, "rollout.backend", r.backend, BACKENDS)
     _choice(p, "rollout.dtype", r.dtype, ("float32", "bfloat16"))
-    _choice(p, "actor.precision", cfg.actor.precision, ("fp32", "bf16"))
-    _choice(p, "critic.precision", cfg.critic.precision, ("fp32", "bf16"))
     if r.prefix_caching and r.backend != "vllm":
         p.append(f"rollout.prefix_caching: needs rollout.backend=vllm (the {r.backend} backend has no prefix cache)")
     _at_least(p, "rollout.n", r.n, 1)
@@ -96,14 +101,35 @@ def validate_config(cfg: RunConfig) -> None:
     _at_least(p, "rollout.top_k", r.top_k, 0)
     if not 0 < r.top_p <= 1:
         p.append(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
-    _choice(p, "algorithm.adv_estimator", algo.adv_estimator, sorted(ADV_ESTIMATORS))
-    from hybridlab.algos.advantages import ADV_INPUTS
+    return p
 
+
+def _algorithm_problems(cfg: RunConfig) -> list[str]:
+    p: list[str] = []
+    algo, r = cfg.algorithm, cfg.rollout
+    _choice(p, "algorithm.adv_estimator", algo.adv_estimator, sorted(ADV_ESTIMATORS))
     if "uid" in ADV_INPUTS.get(algo.adv_estimator, ()) and r.n < 2:  # it compares samples within a group
         p.append(f"rollout.n: {algo.adv_estimator} compares samples within a group, so the group size must be at"
                  f" least 2, got {r.n}")
     _choice(p, "algorithm.kl_penalty", algo.kl_penalty, KL_PENALTIES)
     _choice(p, "algorithm.kl_ctrl.type", algo.kl_ctrl.type, ("fixed", "adaptive"))
+    keys, weights = algo.gdpo_reward_keys, algo.gdpo_reward_weights
+    if keys is not None and (not keys or not all(isinstance(k, str) for k in keys)):
+        p.append(f"algorithm.gdpo_reward_keys: a list of reward component names, got {keys!r}")
+    if weights is not None and (keys is None or len(weights) != len(keys)):
+        p.append(f"algorithm.gdpo_reward_weights: one weight per algorithm.gdpo_reward_keys entry ({keys!r}),"
+                 f" got {weights!r}")
+    if algo.overlong_buffer.enable and not 0 < algo.overlong_buffer.len <= r.max_new_tokens:
+        p.append(f"algorithm.overlong_buffer.len: must be in 1..rollout.max_new_tokens ({r.max_new_tokens}),"
+                 f" got {algo.overlong_buffer.len}")
+    return p
+
+
+def _actor_problems(cfg: RunConfig) -> list[str]:
+    p: list[str] = []
+    a = cfg.actor
+    _choice(p, "actor.precision", a.precision, ("fp32", "bf16"))
+    _choice(p, "critic.precision", cfg.critic.precision, ("fp32", "bf16"))
     _choice(p, "actor.kl_loss_type", a.kl_loss_type, KL_PENALTIES)
     _choice(p, "actor.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
     _choice(p, "critic.loss_agg_mode", cfg.critic.loss_agg_mode, AGG_MODES)
@@ -116,29 +142,35 @@ def validate_config(cfg: RunConfig) -> None:
         p.append(f"actor.loss_scale_factor: must be a positive number (or null: the padded response length),"
                  f" got {a.loss_scale_factor}")
     _choice(p, "actor.policy_loss", a.policy_loss, sorted(POLICY_LOSSES))
-    p += _correction_problems(cfg)
-    keys, weights = algo.gdpo_reward_keys, algo.gdpo_reward_weights
-    if keys is not None and (not keys or not all(isinstance(k, str) for k in keys)):
-        p.append(f"algorithm.gdpo_reward_keys: a list of reward component names, got {keys!r}")
-    if weights is not None and (keys is None or len(weights) != len(keys)):
-        p.append(f"algorithm.gdpo_reward_weights: one weight per algorithm.gdpo_reward_keys entry ({keys!r}),"
-                 f" got {weights!r}")
     if a.clip_ratio_c <= 1:
         p.append(f"actor.clip_ratio_c: the dual-clip bound must be greater than 1, got {a.clip_ratio_c}")
-    if algo.overlong_buffer.enable and not 0 < algo.overlong_buffer.len <= r.max_new_tokens:
-        p.append(f"algorithm.overlong_buffer.len: must be in 1..rollout.max_new_tokens ({r.max_new_tokens}),"
-                 f" got {algo.overlong_buffer.len}")
+    return p
+
+
+def _size_problems(cfg: RunConfig) -> list[str]:
+    p: list[str] = []
+    a, c, data = cfg.actor, cfg.critic, cfg.data
     for key, value in (("data.prompts_per_step", data.prompts_per_step), ("data.train_samples", data.train_samples),
                        ("data.test_samples", data.test_samples), ("trainer.steps", cfg.trainer.steps),
                        ("trainer.devices", cfg.trainer.devices), ("actor.ppo_epochs", a.ppo_epochs),
-                       ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size), ("actor.micro_batch_size",
-                                                                              a.micro_batch_size),
-                       ("critic.ppo_mini_batch_size", cfg.critic.ppo_mini_batch_size),
-                       ("critic.micro_batch_size", cfg.critic.micro_batch_size)):
+                       ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
+                       ("actor.micro_batch_size", a.micro_batch_size),
+                       ("critic.ppo_mini_batch_size", c.ppo_mini_batch_size),
+                       ("critic.micro_batch_size", c.micro_batch_size)):
         _at_least(p, key, value, 1)
-    _at_least(p, "trainer.max_staleness", cfg.trainer.max_staleness, 1)
     _at_least(p, "actor.micro_batch_tokens", a.micro_batch_tokens, 0)
-    _at_least(p, "critic.micro_batch_tokens", cfg.critic.micro_batch_tokens, 0)
+    _at_least(p, "critic.micro_batch_tokens", c.micro_batch_tokens, 0)
+    uses_critic = any(n in ("values", "update_critic") for n in dataflow_names(cfg))
+    for section in ("actor", "critic") if uses_critic else ("actor",):
+        mini = getattr(cfg, section).ppo_mini_batch_size
+        if mini >= 1 and data.prompts_per_step % mini:
+            p.append(f"{section}.ppo_mini_batch_size: {mini} prompts does not divide data.prompts_per_step"
+                     f" ({data.prompts_per_step})")
+    return p
+
+
+def _warm_start_problems(cfg: RunConfig) -> list[str]:
+    p: list[str] = []
     ws = cfg.warm_start
     _at_least(p, "warm_start.max_steps", ws.max_steps, 0)
     for key, value in (("warm_start.eval_every", ws.eval_every), ("warm_start.eval_samples", ws.eval_samples),
@@ -149,68 +181,68 @@ def validate_config(cfg: RunConfig) -> None:
         p.append(f"warm_start.target_accuracy: must be in (0, 1], got {ws.target_accuracy}")
     if ws.lr <= 0:
         p.append(f"warm_start.lr: must be positive, got {ws.lr}")
-    _at_least(p, "trainer.eval_every", cfg.trainer.eval_every, 0)
-    _at_least(p, "trainer.save_every", cfg.trainer.save_every, 0)
-    _at_least(p, "trainer.keep_checkpoints", cfg.trainer.keep_checkpoints, 1)
-    _at_least(p, "trainer.max_bad_updates", cfg.trainer.max_bad_updates, 1)
-    _at_least(p, "trainer.max_restarts", cfg.trainer.max_restarts, 0)
-    _at_least(p, "trainer.spare_processes", cfg.trainer.spare_processes, 0)
-    _at_least(p, "trainer.call_deadline_s", cfg.trainer.call_deadline_s, 0)
-    if cfg.trainer.call_deadline_floor_s <= 0:
-        p.append(f"trainer.call_deadline_floor_s: must be positive, got {cfg.trainer.call_deadline_floor_s}")
-    if cfg.trainer.max_minutes <= 0:
-        p.append(f"trainer.max_minutes: must be positive, got {cfg.trainer.max_minutes}")
-    uses_critic = any(n in ("values", "update_critic") for n in dataflow_names(cfg))
-    for section in ("actor", "critic") if uses_critic else ("actor",):
-        mini = getattr(cfg, section).ppo_mini_batch_size
-        if mini >= 1 and data.prompts_per_step % mini:
-            p.append(f"{section}.ppo_mini_batch_size: {mini} prompts does not divide data.prompts_per_step"
-                     f" ({data.prompts_per_step})")
-    _choice(p, "reward.kind", cfg.reward.kind, ("rule", "function", "model"))
-    if cfg.reward.timeout_s < 0:
-        p.append(f"reward.timeout_s: must be 0 (no limit) or a positive number of seconds, got {cfg.reward.timeout_s}")
-    if cfg.reward.kind == "function" and not cfg.reward.function:
-        p.append("reward.function: reward.kind is 'function', so give an import path like mypkg.rewards:score")
-    elif cfg.reward.kind == "function":  # import it now: a bad path or signature fails before any worker starts
-        from hybridlab.workers.reward.scoring import load_function
+    return p
 
+
+def _trainer_problems(cfg: RunConfig) -> list[str]:
+    p: list[str] = []
+    t = cfg.trainer
+    _at_least(p, "trainer.max_staleness", t.max_staleness, 1)
+    for key in ("eval_every", "save_every", "max_restarts", "spare_processes", "call_deadline_s"):
+        _at_least(p, f"trainer.{key}", getattr(t, key), 0)
+    _at_least(p, "trainer.keep_checkpoints", t.keep_checkpoints, 1)
+    _at_least(p, "trainer.max_bad_updates", t.max_bad_updates, 1)
+    if t.call_deadline_floor_s <= 0:
+        p.append(f"trainer.call_deadline_floor_s: must be positive, got {t.call_deadline_floor_s}")
+    if t.max_minutes <= 0:
+        p.append(f"trainer.max_minutes: must be positive, got {t.max_minutes}")
+    return p
+
+
+def _reward_problems(cfg: RunConfig) -> list[str]:
+    p: list[str] = []
+    reward = cfg.reward
+    _choice(p, "reward.kind", reward.kind, ("rule", "function", "model"))
+    if reward.timeout_s < 0:
+        p.append(f"reward.timeout_s: must be 0 (no limit) or a positive number of seconds, got {reward.timeout_s}")
+    if reward.kind == "function" and not reward.function:
+        p.append("reward.function: reward.kind is 'function', so give an import path like mypkg.rewards:score")
+    elif reward.kind == "function":  # import it now: a bad path or signature fails before any worker starts
         try:
-            load_function(cfg.reward.function)
+            load_function(reward.function)
         except UserError as exc:
             p.append(str(exc))
-    if cfg.reward.kind == "model" and not cfg.reward.model:
+    if reward.kind == "model" and not reward.model:
         p.append("reward.model: reward.kind is 'model', so give a reward-model checkpoint directory")
-    _check_data_and_model(cfg, p)
+    return p
 
+
+def _dataflow_and_mapping_problems(cfg: RunConfig) -> list[str]:
+    p: list[str] = []
     names = dataflow_names(cfg)
     bad = [n for n in names if n not in STAGES]
     if bad:
-        p.append(f"dataflow: unknown stage(s) {', '.join(map(str, bad))}; stages are: {', '.join(sorted(STAGES))}")
-    else:
-        mapping_data = cfg.mapping or default_mapping(cfg, names)
-        try:
-            mapping = DeviceMapping.from_dict(mapping_data)
-            p += [f"mapping.{x}" if not x.startswith(("too few", "colocate")) else f"mapping: {x}"
-                  for x in mapping.problems(_model_config(cfg))]
-            p += Dataflow(names).problems(cfg, mapping.roles, PROMPT_FIELDS)
-            p += _dp_problems(cfg, mapping)
-            rollout = mapping.roles.get("rollout")
-            if rollout is not None and rollout.tp > 1 and cfg.rollout.backend != "vllm":
-                p.append(f"mapping.roles.rollout.tp: tp={rollout.tp} needs rollout.backend=vllm (the"
-                         f" {cfg.rollout.backend!r} backend runs a whole model per device); use dp for replicas")
-        except ConfigError:
-            raise
-        except Exception as exc:  # MappingError: malformed mapping
-            p.append(f"mapping: {exc}")
-        if cfg.trainer.off_policy and names[0] != "generate":
-            p.append("trainer.off_policy: the dataflow must start with 'generate' to overlap the next rollout")
-    if p:
-        raise ConfigError("config is invalid:\n  - " + "\n  - ".join(p))
+        return [f"dataflow: unknown stage(s) {', '.join(map(str, bad))}; stages are: {', '.join(sorted(STAGES))}"]
+    try:
+        mapping = DeviceMapping.from_dict(cfg.mapping or default_mapping(cfg, names))
+        p += [f"mapping.{x}" if not x.startswith(("too few", "colocate")) else f"mapping: {x}"
+              for x in mapping.problems(_model_config(cfg))]
+        p += Dataflow(names).problems(cfg, mapping.roles, PROMPT_FIELDS)
+        p += _dp_problems(cfg, mapping)
+        rollout = mapping.roles.get("rollout")
+        if rollout is not None and rollout.tp > 1 and cfg.rollout.backend != "vllm":
+            p.append(f"mapping.roles.rollout.tp: tp={rollout.tp} needs rollout.backend=vllm (the"
+                     f" {cfg.rollout.backend!r} backend runs a whole model per device); use dp for replicas")
+    except ConfigError:
+        raise
+    except Exception as exc:  # MappingError: malformed mapping
+        p.append(f"mapping: {exc}")
+    if cfg.trainer.off_policy and names[0] != "generate":
+        p.append("trainer.off_policy: the dataflow must start with 'generate' to overlap the next rollout")
+    return p
 
 
 def _correction_problems(cfg: RunConfig) -> list[str]:
-    from hybridlab.algos.rollout_correction import IS_LEVELS, parse_is_threshold, parse_rs
-
     c, out, where = cfg.algorithm.rollout_correction, [], "algorithm.rollout_correction"
     if c.rollout_is is not None and c.rollout_is not in IS_LEVELS:
         out.append(f"{where}.rollout_is: {c.rollout_is!r} is not one of {', '.join(IS_LEVELS)} (or null: off)")
@@ -250,8 +282,6 @@ def _dp_problems(cfg: RunConfig, mapping) -> list[str]:
 
 
 def _check_data_and_model(cfg: RunConfig, p: list[str]) -> None:
-    from hybridlab.models.zoo import parse_preset
-
     if not Path(cfg.model).is_dir():
         try:
             parse_preset(cfg.model)
@@ -264,8 +294,6 @@ def _check_data_and_model(cfg: RunConfig, p: list[str]) -> None:
         if path and not Path(path).is_file():
             p.append(f"data.{key}: no file {path!r}")
     if not cfg.data.train_files:
-        from hybridlab.tasks import get_task
-
         try:
             get_task(cfg.data.task, **cfg.data.task_options)
         except UserError as exc:
@@ -277,7 +305,5 @@ def _check_data_and_model(cfg: RunConfig, p: list[str]) -> None:
 
 def _model_config(cfg: RunConfig) -> dict | None:
     """The model's config.json when it is a directory (zoo presets pass the head checks by design)."""
-    import json
-
     path = Path(cfg.model) / "config.json"
     return json.loads(path.read_text()) if path.is_file() else None

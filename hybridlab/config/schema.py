@@ -22,12 +22,35 @@ class ConfigError(UserError):
     """A configuration that cannot run; the message names the key."""
 
 
+CHANGES = ("step", "live", "recreate", "remap", "fixed")
+
+
+def setting(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, change: str = "step",
+            workers: tuple[str, ...] = (), why: str = "", loss: bool = False) -> Any:
+    """Return a config field that says how a change of it applies to a running session:
+
+    - ``step`` (the default): the controller reads it as each step runs, so a change applies from
+      the next step on;
+    - ``live``: the running workers of the roles ``workers`` take it (``configure``), keeping
+      their state;
+    - ``recreate``: it is built into the workers of ``workers``, so a change re-creates them (with
+      the trainers' state carried in memory);
+    - ``remap``: it changes the device mapping (a remap);
+    - ``fixed``: it cannot change once the session runs; ``why`` says why.
+
+    ``loss``: one of the settings the actor's policy loss reads (sent with every update)."""
+    if change not in CHANGES or (change in ("live", "recreate")) != bool(workers) or (change == "fixed") != bool(why):
+        raise ValueError(f"setting: change={change!r} with workers={workers!r}, why={why!r}")
+    meta = {"change": change, "workers": workers, "why": why, "loss": loss}
+    return dataclasses.field(default=default, default_factory=factory, metadata=meta)
+
+
 @dataclasses.dataclass
 class WarmStartConfig:
     """Supervised warm start before RL: trains until greedy accuracy on held-out training
     prompts reaches ``target_accuracy`` (never the test prompts that report the result), at
     most ``max_steps`` steps; short of the target the run stops with a message. 0 max_steps:
-    start RL from the model as is. Why a target and not a step count: README, "The default run"."""
+    start RL from the model as is. Why a target and not a step count: docs/benchmarks.md, "The default run"."""
     max_steps: int = 4000               # the tiny model on arith reaches 50% after ~1,000 (about 30 s)
     target_accuracy: float = 0.5        # leaves RL room to add 20 points, with reward dense enough to learn
     eval_every: int = 25                # steps between held-out checks (200 prompts: about 0.3 s)
@@ -54,16 +77,18 @@ class DataConfig:
 @dataclasses.dataclass
 class RolloutConfig:
     """Sampling on the rollout engines."""
-    backend: str = "vllm"
+    backend: str = setting("vllm", change="recreate", workers=("rollout",))
     n: int = 8
-    temperature: float = 1.0
+    temperature: float = setting(1.0, change="live", workers=("actor", "ref"))
     top_p: float = 1.0
     top_k: int = 0                      # 0: no top-k cut
     max_new_tokens: int = 8
     ignore_eos: bool = False            # generate exactly max_new_tokens (benchmarks)
-    kv_cache_mb: int = 64
-    dtype: str = "float32"              # or "bfloat16": the engine's weights and compute (verl's rollout.dtype)
-    prefix_caching: bool = False        # vLLM: prefill a prompt once for its n samples (cache emptied every call)
+    kv_cache_mb: int = setting(64, change="recreate", workers=("rollout",))
+    # or "bfloat16": the engine's weights and compute (verl's rollout.dtype)
+    dtype: str = setting("float32", change="recreate", workers=("rollout",))
+    # vLLM: prefill a prompt once for its n samples (cache emptied every call)
+    prefix_caching: bool = setting(False, change="recreate", workers=("rollout",))
 
 
 @dataclasses.dataclass
@@ -131,52 +156,58 @@ class AlgorithmConfig:
 @dataclasses.dataclass
 class ActorConfig:
     """The policy's optimizer and PPO objective."""
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    warmup_steps: int = 10              # Adam's first steps move every weight by ~lr: ramp up
+    lr: float = setting(1e-4, change="live", workers=("actor",))
+    weight_decay: float = setting(0.0, change="live", workers=("actor",))
+    grad_clip: float = setting(1.0, change="live", workers=("actor",))
+    # Adam's first steps move every weight by ~lr: ramp up
+    warmup_steps: int = setting(10, change="live", workers=("actor",))
     ppo_mini_batch_size: int = 16       # prompts per optimizer step (x rollout.n sequences)
     ppo_epochs: int = 1
-    micro_batch_size: int = 64          # sequences per forward/backward
-    micro_batch_tokens: int = 0         # >0: micro-batches by this token budget instead (verl's use_dynamic_bsz)
-    remove_padding: bool = False        # pack each micro-batch's sequences end to end (verl's use_remove_padding)
-    precision: str = "fp32"             # or "bf16": matmuls in bf16 (autocast); weights, grads, AdamW stay fp32
-    policy_loss: str = "vanilla"         # a name in hybridlab.algos.POLICY_LOSSES (verl's policy_loss.loss_mode
-                                        # and its section are accepted too); its settings below
-    tau_pos: float = 1.0                # sapo: the gate's temperature for positive advantages
-    tau_neg: float = 1.05               # sapo: ... for the others
-    clip_cov_ratio: float = 0.0002      # clip_cov: share of tokens whose gradient is cut
-    clip_cov_lb: float = 1.0            # clip_cov: the covariance band the tokens are drawn from
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 0.0002        # kl_cov: share of tokens with the |log-ratio| penalty
-    ppo_kl_coef: float = 0.1            # kl_cov: the penalty's coefficient
-    dro_beta: Optional[float] = None    # dro: the squared log-ratio penalty (required for dro)
-    clip_ratio: float = 0.2
-    clip_ratio_low: Optional[float] = None
-    clip_ratio_high: Optional[float] = None
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
-    loss_scale_factor: Optional[float] = None  # seq-mean-token-sum-norm's divisor (None: the padded response length)
-    entropy_coeff: float = 0.0
+    micro_batch_size: int = setting(64, change="live", workers=("actor", "ref"))  # sequences per forward/backward
+    # >0: micro-batches by this token budget instead (verl's use_dynamic_bsz)
+    micro_batch_tokens: int = setting(0, change="live", workers=("actor", "ref"))
+    # pack each micro-batch's sequences end to end (verl's use_remove_padding)
+    remove_padding: bool = setting(False, change="live", workers=("actor", "ref"))
+    # or "bf16": matmuls in bf16 (autocast); weights, grads, AdamW stay fp32
+    precision: str = setting("fp32", change="live", workers=("actor", "ref"))
+    # a name in hybridlab.algos.POLICY_LOSSES (verl's policy_loss.loss_mode and its section are
+    # accepted too); its settings below
+    policy_loss: str = setting("vanilla", loss=True)
+    tau_pos: float = setting(1.0, loss=True)  # sapo: the gate's temperature for positive advantages
+    tau_neg: float = setting(1.05, loss=True)  # sapo: ... for the others
+    clip_cov_ratio: float = setting(0.0002, loss=True)  # clip_cov: share of tokens whose gradient is cut
+    clip_cov_lb: float = setting(1.0, loss=True)  # clip_cov: the covariance band the tokens are drawn from
+    clip_cov_ub: float = setting(5.0, loss=True)
+    kl_cov_ratio: float = setting(0.0002, loss=True)  # kl_cov: share of tokens with the |log-ratio| penalty
+    ppo_kl_coef: float = setting(0.1, loss=True)  # kl_cov: the penalty's coefficient
+    dro_beta: Optional[float] = setting(None, loss=True)  # dro: the squared log-ratio penalty (required for dro)
+    clip_ratio: float = setting(0.2, loss=True)
+    clip_ratio_low: Optional[float] = setting(None, loss=True)
+    clip_ratio_high: Optional[float] = setting(None, loss=True)
+    clip_ratio_c: float = setting(3.0, loss=True)
+    loss_agg_mode: str = setting("token-mean", loss=True)
+    # seq-mean-token-sum-norm's divisor (None: the padded response length)
+    loss_scale_factor: Optional[float] = setting(None, loss=True)
+    entropy_coeff: float = setting(0.0, loss=True)
     use_rollout_log_probs: bool = True  # default dataflow: old log-probs = the rollout's where exact
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+    use_kl_loss: bool = setting(False, loss=True)
+    kl_loss_coef: float = setting(0.001, loss=True)
+    kl_loss_type: str = setting("low_var_kl", loss=True)
 
 
 @dataclasses.dataclass
 class CriticConfig:
     """The value model's optimizer and clipped loss (used by GAE)."""
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
+    lr: float = setting(1e-3, change="live", workers=("critic",))
+    weight_decay: float = setting(0.0, change="live", workers=("critic",))
+    grad_clip: float = setting(1.0, change="live", workers=("critic",))
+    warmup_steps: int = setting(0, change="live", workers=("critic",))
     ppo_mini_batch_size: int = 16
     ppo_epochs: int = 1
-    micro_batch_size: int = 64
-    micro_batch_tokens: int = 0         # as actor.micro_batch_tokens
-    remove_padding: bool = False        # as actor.remove_padding
-    precision: str = "fp32"             # or "bf16", as actor.precision
+    micro_batch_size: int = setting(64, change="live", workers=("critic",))
+    micro_batch_tokens: int = setting(0, change="live", workers=("critic",))  # as actor.micro_batch_tokens
+    remove_padding: bool = setting(False, change="live", workers=("critic",))  # as actor.remove_padding
+    precision: str = setting("fp32", change="live", workers=("critic",))  # or "bf16", as actor.precision
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
 
@@ -185,12 +216,13 @@ class CriticConfig:
 class RewardConfig:
     """How responses are scored: ``rule`` (the task's scorer), ``function`` (an import path
     ``module:fn`` or ``file.py:fn`` with verl's compute_score signature) or ``model``."""
-    kind: str = "rule"
-    function: Optional[str] = None
+    kind: str = setting("rule", change="recreate", workers=("reward",))
+    function: Optional[str] = setting(None, change="recreate", workers=("reward",))
     model: Optional[str] = None
-    format_score: float = 0.0
-    error_score: float = 0.0
-    timeout_s: float = 0.0              # >0: score each batch in a child process, cut off after this long
+    format_score: float = setting(0.0, change="recreate", workers=("reward",))
+    error_score: float = setting(0.0, change="recreate", workers=("reward",))
+    # >0: score each batch in a child process, cut off after this long
+    timeout_s: float = setting(0.0, change="recreate", workers=("reward",))
 
 
 @dataclasses.dataclass
@@ -199,13 +231,14 @@ class TrainerConfig:
     steps: int = 1000
     max_minutes: float = 8.5            # RL loop budget (a guard: the default run's 1,000 steps take ~7 min)
     eval_every: int = 50
-    run_dir: Optional[str] = None
-    seed: int = 0
+    run_dir: Optional[str] = setting(None, change="fixed", why="the run's records are being written there")
+    seed: int = setting(0, change="fixed", why="the run's random streams were seeded from it when the workers started")
     off_policy: bool = False
     max_staleness: int = 1              # off-policy: rollouts generated ahead (each at most this many updates stale)
-    tensorboard: bool = True
-    telemetry: bool = True              # the hub: spans, metrics, device samples -> telemetry.jsonl
-    devices: int = 1
+    tensorboard: bool = setting(True, change="fixed", why="the TensorBoard writer is opened (or not) with the session")
+    # the hub: spans, metrics, device samples -> telemetry.jsonl
+    telemetry: bool = setting(True, change="fixed", why="the telemetry hub is started (or not) with the session")
+    devices: int = setting(1, change="remap")
     progress: bool = True
     save_every: int = 100               # checkpoint every N steps (0: only at the end and on a stop)
     keep_checkpoints: int = 2           # the newest N complete checkpoints stay on disk
@@ -214,16 +247,22 @@ class TrainerConfig:
     call_deadline_s: float = 0.0        # a worker call with no answer by then is stuck (0: derived, below)
     call_deadline_floor_s: float = 120.0  # derived deadline: 5x the longest recent call of its stage, at least this
     spare_processes: int = 0            # warmed-up worker processes kept for remaps and re-created roles
-    bind_threads: bool = False          # CPU nodes: pin each worker process to its devices' share of the cores
+    # CPU nodes: pin each worker process to its devices' share of the cores
+    bind_threads: bool = setting(False, change="fixed",
+                                 why="worker processes are pinned to their cores (or not) when the session starts them")
 
 
 @dataclasses.dataclass
 class RunConfig:
     """One RL run."""
-    name: str = "grpo"
-    model: str = "tiny"
-    warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    name: str = setting("grpo", change="fixed", why="the run directory and its records carry it")
+    model: str = setting("tiny", change="fixed",
+                         why="every role's weights start from it (start a new session for another model)")
+    warm_start: WarmStartConfig = setting(factory=WarmStartConfig, change="fixed",
+                                          why="the warm start ran before the workers started from its checkpoint")
+    data: DataConfig = setting(factory=DataConfig, change="fixed",
+                               why="the prompt stream and the test set are built from it; changing it would make a"
+                                   " different run")
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     actor: ActorConfig = dataclasses.field(default_factory=ActorConfig)
@@ -231,11 +270,31 @@ class RunConfig:
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     dataflow: Optional[list] = None     # stage names; None: follow the settings (validate.default_dataflow)
-    mapping: Optional[dict] = None      # a DeviceMapping dict; None: all roles colocated
+    mapping: Optional[dict] = setting(None, change="remap")  # a DeviceMapping dict; None: all roles colocated
 
     def to_dict(self) -> dict:
         """Return the config as plain data (what ``config.yaml`` in the run directory holds)."""
         return dataclasses.asdict(self)
+
+
+def config_fields(cls: type = None, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:
+    """Return every field of the config (default: RunConfig) by dotted key, sections first and
+    then their fields, in declaration order."""
+    out = []
+    for f in dataclasses.fields(cls or RunConfig):
+        key = f"{prefix}{f.name}"
+        out.append((key, f))
+        hint = typing.get_type_hints(cls or RunConfig)[f.name]
+        if dataclasses.is_dataclass(hint):
+            out += config_fields(hint, key + ".")
+    return out
+
+
+def setting_keys(change: str, role: str | None = None) -> tuple[str, ...]:
+    """Return the dotted keys declared with ``change`` (see ``setting``), those the workers of
+    ``role`` take when a role is given."""
+    return tuple(key for key, f in config_fields() if f.metadata.get("change") == change
+                 and (role is None or role in f.metadata["workers"]))
 
 
 # ------------------------------------------------------------------ building

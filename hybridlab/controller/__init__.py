@@ -1,1 +1,1 @@
-"""The single controller: resource pools, device mappings, workers, dispatch and the Session."""
+"""The single controller: resource pools, device mappings, workers, dispatch and the WorkerSet."""

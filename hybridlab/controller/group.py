@@ -10,18 +10,17 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from hybridlab.controller.spares import SparePool, bundle_devices
 from hybridlab.controller.watch import CallWatch, dump_stacks
 from hybridlab.controller.worker import Dispatch, RemoteError, host_actor_class, registered_methods
 from hybridlab.protocol import Batch
 from hybridlab.telemetry.timeline import Span, Timeline
-
-if TYPE_CHECKING:
-    from hybridlab.controller.spares import SparePool
 
 DEFAULT_TIMEOUT_S = 600.0
 INLINE_BYTES = 100 * 1024  # Ray's limit for passing an argument inline rather than via the store
@@ -92,14 +91,29 @@ def _raise_for(exc: BaseException, role: str, rank: int, method: str) -> None:
     raise exc
 
 
+def _spare_offers(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass], spares: "SparePool | None",
+                  cpus: float, gpus: float, timeout: float) -> list[dict | None]:
+    """Return, per bundle, its node and devices where a spare process could take it (else None)."""
+    offers: list = [None] * len(bundles)
+    classes = {name: rc.cls for name, rc in roles.items()}
+    usable = sum(s.can_host(classes) for s in spares.spares) if spares is not None else 0
+    if usable:
+        asked = [bundle_devices.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=i)).remote() for pg, i in bundles[:usable]]
+        try:
+            offers[:usable] = ray.get(asked, timeout=timeout)
+        except GetTimeoutError:
+            raise WorkerError(",".join(roles), 0, "start", f"the pool's devices were not free within {timeout:.0f} s",
+                              kind="timed out") from None
+    return offers
+
+
 def spawn_hosts(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass], *, gpus: float = 1.0,
                 cpus: float = 1.0, env: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S,
                 spares: "SparePool | None" = None) -> HostSet:
     """Place one worker process per (placement group, bundle index) and construct ``roles`` in
     each; returns the set. A process comes from ``spares`` (warmed up, adopting the bundle's
     devices) where one is on the bundle's node, else it is started here."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     env = {k: str(v) for k, v in (env or {}).items()}
     classes = {name: rc.cls for name, rc in roles.items()}
     # An empty runtime_env still forces fresh processes; pass one only when there is an env to set.
@@ -112,18 +126,7 @@ def spawn_hosts(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass],
         return actor_class.options(num_cpus=cpus, num_gpus=gpus, runtime_env={"env_vars": env} if env else None,
                                    scheduling_strategy=placed(pg, i)).remote(env)
 
-    offers: list = [None] * len(bundles)  # per bundle: its node and devices, where a spare may take it
-    usable = sum(s.can_host(classes) for s in spares.spares) if spares is not None else 0
-    if usable:
-        from hybridlab.controller.spares import bundle_devices
-
-        asked = [bundle_devices.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=placed(pg, i)).remote()
-                 for pg, i in bundles[:usable]]
-        try:
-            offers[:usable] = ray.get(asked, timeout=timeout)
-        except GetTimeoutError:
-            raise WorkerError(",".join(roles), 0, "start", f"the pool's devices were not free within {timeout:.0f} s",
-                              kind="timed out") from None
+    offers = _spare_offers(bundles, roles, spares, cpus, gpus, timeout)
     # What a new process would get from Ray (the session's env usually sets it for all).
     threads = int(env.get("OMP_NUM_THREADS") or max(1, int(cpus)))
     hosts, placements = [], []

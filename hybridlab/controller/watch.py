@@ -1,6 +1,6 @@
 """CallWatch: every worker call in flight, its deadline, and the stacks of a stuck one.
 
-    watch = CallWatch(floor_s=120)         # one per Session; every WorkerGroup reports to it
+    watch = CallWatch(floor_s=120)         # one per WorkerSet; every WorkerGroup reports to it
     watch.running()                        # [{role, rank, method, stage, elapsed_s, deadline_s, late}]
     watch.deadline("rollout", "generate", "generate")
 

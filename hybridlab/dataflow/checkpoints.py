@@ -69,8 +69,8 @@ def save(rl: "RLSession", train_state: dict) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
     try:
         for role in STATEFUL_ROLES:
-            if role in rl.session.groups:
-                save_checkpoint(rl.session.groups[role], rl.model_dir, tmp / role)
+            if role in rl.workers.groups:
+                save_checkpoint(rl.workers.groups[role], rl.model_dir, tmp / role)
         fault_point("checkpoint_write", rl.step_count)
         torch.save({"python": random.getstate(), "numpy": _numpy_state(), "torch": torch.get_rng_state()},
                    tmp / "driver_rng.pt")
@@ -119,8 +119,8 @@ def restore(rl: "RLSession", checkpoint: Path, record: dict) -> None:
 
     for role in STATEFUL_ROLES:
         folder = checkpoint / role
-        if role in rl.session.groups and folder.is_dir():
-            rl.session.groups[role].load_state([ray.put([read_role(folder)])])
+        if role in rl.workers.groups and folder.is_dir():
+            rl.workers.groups[role].load_state([ray.put([read_role(folder)])])
     rl.step_count = record["step"]
     rl.history = record["history"]
     rl.prompts.set_state(record["prompts"])
@@ -132,7 +132,7 @@ def restore(rl: "RLSession", checkpoint: Path, record: dict) -> None:
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
-    if "actor" in rl.session.groups and "rollout" in rl.session.groups:
+    if "actor" in rl.workers.groups and "rollout" in rl.workers.groups:
         rl.sync_weights(reason="resume")
 
 

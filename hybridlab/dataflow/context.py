@@ -5,6 +5,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from hybridlab.dataflow.graph import Dataflow
+from hybridlab.faults import kill_processes, worker_kill
 from hybridlab.protocol import Batch
 
 if TYPE_CHECKING:
@@ -25,23 +26,20 @@ class StepContext:
 
     def stage_starting(self, stage) -> None:
         """Called as each stage starts: records it, and kills workers where HYBRIDLAB_FAULT says."""
-        from hybridlab.faults import worker_kill
-
         self.started.append(stage)
         step = self.rl.step_count + 1
         for role in worker_kill(stage.name, step):
-            from hybridlab.dataflow.recovery import kill_role
-
-            kill_role(self.rl, role, f"as stage {stage.name} of step {step} starts")
+            kill_processes([p["pid"] for p in self.group(role).placements],
+                           f"{role} as stage {stage.name} of step {step} starts")
 
     @property
     def timeline(self):
         """The session's Timeline (stages stamp their worker calls on it)."""
-        return self.rl.session.timeline
+        return self.rl.workers.timeline
 
     def group(self, role: str):
         """Return the WorkerGroup of ``role``."""
-        return self.rl.session.groups[role]
+        return self.rl.workers.groups[role]
 
     def sampling(self, **overrides) -> dict:
         """Return the rollout sampling settings (with ``overrides``) as a dict."""

@@ -19,9 +19,7 @@ Any other failure (a bug, a bad setting) is raised as before.
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-import signal
 import sys
 import time
 from typing import TYPE_CHECKING, Callable, TypeVar
@@ -32,7 +30,7 @@ from hybridlab.controller.group import WorkerError
 
 if TYPE_CHECKING:
     from hybridlab.dataflow.context import StepContext
-    from hybridlab.dataflow.session import RLSession, StepResult
+    from hybridlab.dataflow.session import RLSession
 
 T = TypeVar("T")
 STATEFUL = ("actor", "critic")
@@ -86,11 +84,6 @@ def worker_failure(exc: BaseException) -> WorkerError | None:
     return None
 
 
-def run_step(rl: "RLSession") -> "StepResult":
-    """Run one step of ``rl``, recovering from dead or stuck workers; returns the StepResult."""
-    return with_recovery(rl, rl._step)
-
-
 def with_recovery(rl: "RLSession", attempt: Callable[["StepContext"], T]) -> T:
     """Return ``attempt(ctx)`` (a step, an evaluation) with a fresh StepContext, re-creating
     dead or stuck workers and trying again as the module docstring says."""
@@ -115,7 +108,7 @@ def lost_roles(rl: "RLSession", err: WorkerError) -> set[str]:
     """Return the roles whose processes are gone or stuck, with their colocated roles. A method
     that raised counts only if its own processes no longer answer (a peer rank died under it);
     after a death, the other process sets are asked too (a node may have gone)."""
-    session = rl.session
+    session = rl.workers
     own = set(session.colocated(err.role))
     if err.kind not in ("died", "stuck"):
         return own if session.dead_roles(only=own) else set()
@@ -144,8 +137,8 @@ def recover(rl: "RLSession", err: WorkerError, dead: set[str], ctx: "StepContext
     print(f"{what}; re-creating {', '.join(sorted(dead))} (restart {rl.worker_restarts} of at most"
           f" {rl.cfg.trainer.max_restarts})", file=sys.stderr, flush=True)
     rl.ahead.pending = []  # its workers may be gone; the look-ahead is submitted again
-    for pool_roles in {rl.session.colocated(r) for r in dead}:
-        rl.session.recreate(pool_roles[0], close_timeout=2.0)
+    for pool_roles in {rl.workers.colocated(r) for r in dead}:
+        rl.workers.recreate(pool_roles[0], close_timeout=2.0)
     if rollback:
         rl.log.close()
         record = checkpoints.prepare_logs(rl.run_dir, ckpt, telemetry=False)
@@ -157,22 +150,10 @@ def recover(rl: "RLSession", err: WorkerError, dead: set[str], ctx: "StepContext
         rl.worker_restarts = restarts
     else:
         _back_to(rl, start)
-        if "rollout" in dead and "actor" in rl.session.groups:
+        if "rollout" in dead and "actor" in rl.workers.groups:
             rl.sync_weights(reason="restart")
     event = {"step": rl.step_count, "role": err.role, "rank": err.rank, "method": err.method, "failure": err.kind,
              "recreated": sorted(dead), "rolled_back_to": rl.step_count if rollback else None,
              "restarts": rl.worker_restarts, "seconds": round(time.perf_counter() - t0, 3)}
     rl.restarts.append(event)
     rl._emit("restart", event)
-
-
-def kill_role(rl: "RLSession", role: str, why: str) -> None:
-    """Send SIGKILL to every process of ``role`` on this node (fault injection)."""
-    pids = [p["pid"] for p in rl.session.groups[role].placements]
-    print(f"fault injected: kill {role} (pids {', '.join(map(str, pids))}) {why}", file=sys.stderr, flush=True)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-

@@ -119,7 +119,7 @@ def prepare_update(rl: "RLSession", overrides: tuple[str, ...]) -> Change:
     # critic costs nothing; dropping it would re-create every process it shares).
     mapping = DeviceMapping.from_dict(new.mapping or default_mapping(new, names, keep=tuple(rl.mapping.roles)))
     plan = plan_update(rl.cfg, new, mapping.roles)
-    remap = rl.session is not None and (plan.remap or bool(plan.recreate) or mapping != rl.mapping)
+    remap = rl.workers is not None and (plan.remap or bool(plan.recreate) or mapping != rl.mapping)
     if remap:
         check(rl, new, mapping)
     flow = Dataflow(names).validate(new, mapping.roles, PROMPT_FIELDS)
@@ -148,7 +148,7 @@ def apply_change(rl: "RLSession", change: Change) -> RemapReport | None:
     """Apply a prepared Change between steps; returns the RemapReport when workers were
     re-created or moved, else None. A remap that fails after the old workers stopped leaves
     the session marked broken (``rl.broken`` says why; ``step()`` raises it)."""
-    if rl.session is None:  # not started: the workers will be built from the new config
+    if rl.workers is None:  # not started: the workers will be built from the new config
         rl._set_config(change.cfg, change.flow, {})
         rl.mapping = change.mapping
         return None
@@ -175,7 +175,7 @@ def apply(rl: "RLSession", cfg: RunConfig, mapping: DeviceMapping, recreate: set
     between steps with everything already validated."""
     from hybridlab.dataflow.roles import role_classes
 
-    session = rl.session
+    session = rl.workers
     t0 = time.perf_counter()
     mapping_before = rl.mapping.to_dict()
     pids_before = {p["pid"] for s in session._sets for p in s.placements}

@@ -15,21 +15,12 @@ import dataclasses
 from typing import Callable
 
 from hybridlab.config import ConfigError, RunConfig
+from hybridlab.config.schema import config_fields, setting_keys
 
-# Settings that cannot change once the session exists, and why: the run would not be the same run.
-FIXED = {
-    "name": "the run directory and its records carry it",
-    "model": "every role's weights start from it (start a new session for another model)",
-    "warm_start": "the warm start ran before the workers started from its checkpoint",
-    "data": "the prompt stream and the test set are built from it; changing it would make a different run",
-    "trainer.run_dir": "the run's records are being written there",
-    "trainer.seed": "the run's random streams were seeded from it when the workers started",
-    "trainer.telemetry": "the telemetry hub is started (or not) with the session",
-    "trainer.tensorboard": "the TensorBoard writer is opened (or not) with the session",
-    "trainer.bind_threads": "worker processes are pinned to their cores (or not) when the session starts them",
-}
+# Settings that cannot change once the session exists, and why (declared in the schema).
+FIXED = {key: f.metadata["why"] for key, f in config_fields() if f.metadata.get("change") == "fixed"}
 # Settings that change the device mapping: applied by a remap.
-MAPPING_KEYS = ("mapping", "trainer.devices")
+MAPPING_KEYS = setting_keys("remap")
 
 
 def _train_settings(section: str, with_optim: bool = True) -> Callable[[RunConfig], dict]:
@@ -55,6 +46,7 @@ class RoleSpec:
     settings: Callable[[RunConfig], dict]         # the worker's keyword arguments from the config
     live: tuple[str, ...] = ()                    # config keys the running worker takes (``configure``)
     recreate: tuple[str, ...] = ()                # config keys that re-create the role
+    # (both as the schema declares them: ``hybridlab.config.schema.setting``)
     stateful: bool = False                        # weights and optimizer carried across re-creation
     layout: tuple[str, ...] = ()                  # what it takes from the mapping's role: "tp", "pp"
 
@@ -73,27 +65,23 @@ class RoleSpec:
         return RoleClass(self.worker_class(), (model_dir,), kwargs)
 
 
-_BATCHING = ("micro_batch_size", "micro_batch_tokens", "remove_padding", "precision")
-_OPTIM = ("lr", "weight_decay", "grad_clip", "warmup_steps", *_BATCHING)
 ROLE_SPECS: dict[str, RoleSpec] = {spec.name: spec for spec in (
     RoleSpec("actor", "hybridlab.workers.train.workers:ActorWorker", _train_settings("actor"),
-             live=tuple(f"actor.{k}" for k in _OPTIM) + ("rollout.temperature",), stateful=True, layout=("tp", "pp")),
+             live=setting_keys("live", "actor"), stateful=True, layout=("tp", "pp")),
     RoleSpec("ref", "hybridlab.workers.train.workers:RefWorker", _train_settings("actor", with_optim=False),
-             live=tuple(f"actor.{k}" for k in _BATCHING) + ("rollout.temperature",), layout=("tp", "pp")),
+             live=setting_keys("live", "ref"), layout=("tp", "pp")),
     RoleSpec("critic", "hybridlab.workers.train.workers:CriticWorker", _train_settings("critic"),
-             live=tuple(f"critic.{k}" for k in _OPTIM), stateful=True, layout=("tp", "pp")),
+             live=setting_keys("live", "critic"), stateful=True, layout=("tp", "pp")),
     RoleSpec("rollout", "hybridlab.workers.rollout.worker:RolloutWorker",
              lambda cfg: {"backend": cfg.rollout.backend, "kv_cache_mb": cfg.rollout.kv_cache_mb,
                           "seed": cfg.trainer.seed, "truncate_prompts": cfg.data.truncate_prompts,
                           "dtype": cfg.rollout.dtype, "prefix_caching": cfg.rollout.prefix_caching},
-             recreate=("rollout.backend", "rollout.kv_cache_mb", "rollout.dtype", "rollout.prefix_caching"),
-             layout=("tp",)),
+             recreate=setting_keys("recreate", "rollout"), layout=("tp",)),
     RoleSpec("reward", "hybridlab.workers.reward.worker:RewardWorker",
              lambda cfg: {"kind": "rule" if cfg.reward.kind == "model" else cfg.reward.kind,
                           "function": cfg.reward.function, "format_score": cfg.reward.format_score,
                           "error_score": cfg.reward.error_score, "timeout_s": cfg.reward.timeout_s},
-             recreate=("reward.kind", "reward.function", "reward.format_score", "reward.error_score",
-                       "reward.timeout_s")),
+             recreate=setting_keys("recreate", "reward")),
 )}
 
 

@@ -8,7 +8,7 @@ from hybridlab.dataflow.prompts import PROMPT_FIELDS
 from hybridlab.protocol import Batch
 
 if TYPE_CHECKING:
-    from hybridlab.dataflow.session import StepResult
+    from hybridlab.dataflow.step import StepResult
 
 # table column -> the Batch field it summarizes (reward: summed; the rest: mean over response tokens)
 COLUMNS = {

@@ -20,6 +20,7 @@ from hybridlab.algos.functional import masked_mean
 from hybridlab.algos.kl import apply_kl_penalty
 from hybridlab.algos.objectives import actor_loss, critic_loss
 from hybridlab.algos.rollout_correction import compute_rollout_correction_and_rejection_mask, mismatch_metrics
+from hybridlab.config.schema import ActorConfig, config_fields
 from hybridlab.batching import PROMPT_WIDTH, concat_sequences, on_last_token
 from hybridlab.errors import unknown
 from hybridlab.faults import fault_point
@@ -83,48 +84,13 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 def generate(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Sample rollout.n responses per prompt on the rollout engines. With trainer.off_policy,
     take the responses generated ahead (at most trainer.max_staleness updates stale) and submit
-    this step's prompts ahead (RolloutAhead)."""
+    this step's prompts ahead (dataflow/ahead.py)."""
     if ctx.cfg.trainer.off_policy and not ctx.rerunning:
         out, staleness = ctx.rl.ahead.take(ctx, batch)
     else:
         out, staleness = ctx.group("rollout").generate(batch, ctx.sampling()), 0
     fault_point("generate", ctx.rl.step_count + 1)
     return out, {**generation_metrics(ctx.cfg, out), "rollout/staleness": staleness}
-
-
-class RolloutAhead:
-    """Off-policy generation: the rollouts of the next ``trainer.max_staleness`` steps are
-    submitted ahead, before this step's update and sync reach the (serially executing) workers,
-    so generation overlaps training. A batch submitted during step k samples from weights at
-    least as new as step k's, so it is at most ``max_staleness`` updates stale when used."""
-
-    def __init__(self):
-        self.pending: list = []   # (GroupFuture, step it was submitted at), oldest first
-
-    def take(self, ctx: "StepContext", batch: Batch) -> tuple[Batch, int]:
-        """Return (the responses for this step, their staleness in updates: steps since their
-        submission) and top up the rollouts ahead with this step's prompts (``batch``) and, on
-        the first step, further draws."""
-        step, depth = ctx.rl.step_count, ctx.cfg.trainer.max_staleness
-        rollout, seed = ctx.group("rollout"), ctx.sampling()["seed"]
-        if not self.pending:  # nothing ahead yet: this step's prompts now, the next ones ahead
-            self.pending.append((rollout.generate.submit(batch, ctx.sampling()), step))
-            batch = ctx.rl.prompts.next()
-        future, submitted = self.pending.pop(0)
-        out = future.result()
-        while len(self.pending) < depth:
-            ahead = len(self.pending) + 1
-            self.pending.append((rollout.generate.submit(batch, ctx.sampling(seed=seed + ahead)), step))
-            if len(self.pending) < depth:
-                batch = ctx.rl.prompts.next()
-        return out, step - submitted
-
-    def drop(self) -> None:
-        """Let the pending rollouts finish and forget them (settings or workers change): their
-        prompts, up to ``max_staleness`` batches, are not trained on."""
-        for future, _ in self.pending:
-            future.result()
-        self.pending = []
 
 
 def generation_metrics(cfg, out: Batch) -> dict:
@@ -380,10 +346,9 @@ def _actor_fields(cfg) -> tuple[str, ...]:
             *(("rollout_is_weights",) if weights else ()))
 
 
-ACTOR_LOSS_SETTINGS = ("policy_loss", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
-                       "loss_agg_mode", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type",
-                       "loss_scale_factor", "tau_pos", "tau_neg", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
-                       "kl_cov_ratio", "ppo_kl_coef", "dro_beta")
+# The actor settings its policy loss reads, as the schema declares them (``setting(loss=True)``).
+ACTOR_LOSS_SETTINGS = tuple(key.removeprefix("actor.") for key, f in config_fields(ActorConfig, "actor.")
+                            if f.metadata.get("loss"))
 
 
 def actor_loss_settings(cfg) -> dict:

@@ -13,16 +13,18 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from tqdm.auto import tqdm
+
 from hybridlab.atomic import write_json
+from hybridlab.dataflow import checkpoints
+from hybridlab.dataflow.recovery import WorkerLost
 
 if TYPE_CHECKING:
     from hybridlab.dataflow.session import RLSession
 
 
-def train(rl: "RLSession", steps: int | None = None) -> dict:
+def run_training(rl: "RLSession", steps: int | None = None) -> dict:
     """Run the loop on a started session; returns the summary (also written to summary.json)."""
-    from tqdm.auto import tqdm
-
     resumed, rl._train_state = rl._train_state, None
     if resumed:  # go on from the checkpoint's evaluations and run time
         steps = steps or max(0, rl.cfg.trainer.steps - rl.step_count)
@@ -32,9 +34,6 @@ def train(rl: "RLSession", steps: int | None = None) -> dict:
         steps = steps or rl.cfg.trainer.steps
         started, curve = time.perf_counter(), []
         before = last = record_eval(rl, curve, 0.0)
-    from hybridlab.dataflow import checkpoints
-    from hybridlab.dataflow.recovery import WorkerLost
-
     saved = rl.step_count if resumed else -1
     if rl.cfg.trainer.max_restarts and not checkpoints.checkpoint_dirs(rl.run_dir):
         saved = checkpoint(rl, before, last, curve, started)  # what a dead trainer goes back to
@@ -42,16 +41,10 @@ def train(rl: "RLSession", steps: int | None = None) -> dict:
     first, target = rl.step_count, rl.step_count + steps
     bar = tqdm(total=steps, desc=f"{rl.cfg.name} rl", disable=not rl.cfg.trainer.progress, dynamic_ncols=True)
     while rl.step_count < target:
-        if rl._edits.paused:  # pause() holds the loop here, between steps; paused time is not run time
-            bar.set_description(f"{rl.cfg.name} rl (paused)")
-            started += rl._edits.wait_while_paused()
-            bar.set_description(f"{rl.cfg.name} rl")
+        started += wait_while_paused(rl, bar)  # paused time is not run time
         t = rl.cfg.trainer  # read each step: update() may change the time limit and evaluations
-        if time.perf_counter() > started + t.max_minutes * 60:
-            stopped = f"time limit ({t.max_minutes:g} min)"
-            break
-        if rl._stop_requested:
-            stopped = "stop requested"
+        if reason := stop_reason(rl, started):
+            stopped = reason
             break
         try:
             result = rl.step()
@@ -86,6 +79,24 @@ def train(rl: "RLSession", steps: int | None = None) -> dict:
     if saved != rl.step_count:  # always a checkpoint at the end and on a stop
         checkpoint(rl, before, after, curve, started)
     return write_summary(rl, before, after, curve, time.perf_counter() - started, stopped)
+
+
+def wait_while_paused(rl: "RLSession", bar) -> float:
+    """Hold the loop here, between steps, while ``pause()`` says so; returns the seconds held."""
+    if not rl._edits.paused:
+        return 0.0
+    bar.set_description(f"{rl.cfg.name} rl (paused)")
+    held = rl._edits.wait_while_paused()
+    bar.set_description(f"{rl.cfg.name} rl")
+    return held
+
+
+def stop_reason(rl: "RLSession", started: float) -> str | None:
+    """Return why the loop must stop before another step (time limit, a stop asked for), or None."""
+    t = rl.cfg.trainer
+    if time.perf_counter() > started + t.max_minutes * 60:
+        return f"time limit ({t.max_minutes:g} min)"
+    return "stop requested" if rl._stop_requested else None
 
 
 def checkpoint(rl: "RLSession", before: dict, last: dict, curve: list, started: float) -> int:

@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING
 import ipywidgets as widgets
 
 from hybridlab.dataflow.rows import batch_rows, fields_after
+from hybridlab.dataflow.step import StepResult
 from hybridlab.protocol import Batch
 
 if TYPE_CHECKING:
-    from hybridlab.dataflow.session import RLSession, StepResult
+    from hybridlab.dataflow.session import RLSession
+
 
 class BatchTable(widgets.VBox):
     """A sortable table of ``batch_rows``: pick the column to sort by and the direction."""
@@ -48,8 +50,6 @@ class BatchTable(widgets.VBox):
 def inspect(rl: "RLSession", result: "StepResult | Batch", stage: str | None = None, limit: int = 64) -> BatchTable:
     """Return a BatchTable of the first ``limit`` samples (the title says how many of how many)
     of a step's batch as it was after ``stage`` (default: after the whole step), or of a Batch."""
-    from hybridlab.dataflow.session import StepResult
-
     if isinstance(result, StepResult):
         batch, fields = result.batch, fields_after(result, stage)
         title = f"step {result.step}" + (f", after stage {stage!r}" if stage else "")

@@ -11,7 +11,8 @@ import ipywidgets as widgets
 from hybridlab.notebook.apply import FOREGROUND_NOTE, ok, problem_list, problems_of, running_in_background
 
 if TYPE_CHECKING:
-    from hybridlab.dataflow.session import RLSession, StepResult
+    from hybridlab.dataflow.session import RLSession
+    from hybridlab.dataflow.step import StepResult
 
 SHOWN = ("reward/mean", "accuracy", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean",
          "timing/step_s")

@@ -42,7 +42,7 @@ def sync_weights(actor, rollout, spec: ModelSpec, trainer: TrainerLayout, rollou
     The placement is read from the groups: colocated when both roles live in the same processes.
     """
     # vLLM's loader takes whole tensors and cuts each rank's shard itself: every rank of an
-    # engine receives whole tensors (the README's "Rollout (vLLM) and weight sync" has the measurement).
+    # engine receives whole tensors (docs/engine.md has the measurement).
     plan = plan_reshard(spec, trainer, rollout_layout, whole=True)
     groups = buckets(spec, int(bucket_mb * 2**20))
     sizes = _bucket_bytes(spec, groups)

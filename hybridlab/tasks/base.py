@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import random
 from typing import Any, Callable
 
@@ -82,6 +83,8 @@ def _parity(text: str) -> int:
     return zlib.crc32(text.encode()) & 1
 
 
+# Filled as the package loads: importing any hybridlab.tasks module runs tasks/__init__.py first,
+# which imports the built-in tasks, so no function here needs to import them.
 TASKS: dict[str, Callable[..., Task]] = {}
 
 
@@ -93,9 +96,6 @@ def register_task(cls):
 
 def get_task(name: str, **options) -> Task:
     """Return the task ``name`` built with ``options``; errors list the tasks and options allowed."""
-    import inspect
-    from hybridlab import tasks as _  # noqa: F401  (registers the built-in tasks)
-
     if name not in TASKS:
         raise unknown("task", name, TASKS)
     cls = TASKS[name]
@@ -129,8 +129,6 @@ def _coerce(value: str) -> Any:
 
 def task_for_source(data_source: str) -> Task:
     """Return the built-in task whose scorer serves ``data_source`` (``arith``, ``x/arith``...)."""
-    from hybridlab import tasks as _  # noqa: F401
-
     name = data_source.rsplit("/", 1)[-1]
     if name not in TASKS:
         raise UserError(f"no built-in scorer for data_source {data_source!r}; built-in scorers are:"

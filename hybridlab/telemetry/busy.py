@@ -51,7 +51,7 @@ def busy_metrics(fractions: dict[str, float], devices: list[str]) -> dict[str, f
 
 
 def session_busy(session, start: float, end: float) -> dict[str, float]:
-    """Return the ``busy_metrics`` of a controller Session's devices over ``[start, end]``
+    """Return the ``busy_metrics`` of a controller WorkerSet's devices over ``[start, end]``
     (wall clock), from its timeline's spans and its workers' placements."""
     placed: dict[tuple[str, int], list[str]] = {}
     for role, group in session.groups.items():

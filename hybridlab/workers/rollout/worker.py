@@ -13,6 +13,7 @@ import os
 import torch
 
 from hybridlab.batching import PROMPT_WIDTH, sequences_batch
+from hybridlab.config.schema import RolloutConfig
 from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.protocol import Batch
 from hybridlab.workers.rollout.sampling import SamplingConfig, fit_prompts
@@ -28,8 +29,8 @@ class RolloutWorker(Worker):
     """
 
     def __init__(self, model_dir: str, backend: str = "vllm", max_model_len: int | None = None,
-                 kv_cache_mb: int = 256, dtype: str = "float32", truncate_prompts: bool = False, seed: int = 0,
-                 tp: int = 1, prefix_caching: bool = False):
+                 kv_cache_mb: int = RolloutConfig.kv_cache_mb, dtype: str = "float32", truncate_prompts: bool = False,
+                 seed: int = 0, tp: int = 1, prefix_caching: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"unknown rollout backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
         if tp < 1 or self.world_size % tp:

@@ -5,6 +5,7 @@ import dataclasses
 
 import torch
 
+from hybridlab.config.schema import ActorConfig
 from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.protocol import Batch
 from hybridlab.workers.train.engine import LossFn, MegatronEngine, OptimConfig
@@ -25,8 +26,8 @@ class TrainWorker(Worker):
     frozen = False
 
     def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, optim: OptimConfig | dict | None = None,
-                 seed: int = 0, temperature: float = 1.0, micro_batch_size: int = 8, precision: str = "fp32",
-                 micro_batch_tokens: int = 0, remove_padding: bool = False):
+                 seed: int = 0, temperature: float = 1.0, micro_batch_size: int = ActorConfig.micro_batch_size,
+                 precision: str = "fp32", micro_batch_tokens: int = 0, remove_padding: bool = False):
         if isinstance(optim, dict):
             optim = OptimConfig(**optim)
         if optim is None and not self.frozen:

@@ -1,4 +1,4 @@
-"""Session: the controller a notebook kernel holds for as long as it lives.
+"""WorkerSet: the controller a notebook kernel holds for as long as it lives.
 
 It owns the Ray connection, the device mapping, one resource pool per mapping pool and one
 WorkerGroup per role. ``remap`` changes the mapping between steps, re-creating only the
@@ -23,7 +23,7 @@ SaveHook = Callable[[str, WorkerGroup], Any]          # (role, old group) -> sta
 LoadHook = Callable[[str, WorkerGroup, Any], None]    # (role, new group, state)
 
 
-class Session:
+class WorkerSet:
     """Holds the cluster connection, pools and worker groups of one device mapping."""
 
     def __init__(self, mapping: DeviceMapping, workers: dict[str, RoleClass | type], *,
@@ -31,7 +31,7 @@ class Session:
                  env: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S, ray_temp_dir: str | None = None,
                  spares: int = 0):
         self.mapping = mapping
-        self.workers = {r: w if isinstance(w, RoleClass) else RoleClass(w) for r, w in workers.items()}
+        self.role_classes = {r: w if isinstance(w, RoleClass) else RoleClass(w) for r, w in workers.items()}
         self.model, self.env, self.timeout = model, dict(env or {}), timeout
         self._connect_args = dict(address=address, num_gpus=num_gpus, temp_dir=ray_temp_dir)
         self.timeline = Timeline()
@@ -47,15 +47,15 @@ class Session:
 
     # ------------------------------------------------------------ lifecycle
     def _check(self, mapping: DeviceMapping, cluster_gpus: float | None = None) -> None:
-        have = ", ".join(self.workers) or "none"
+        have = ", ".join(self.role_classes) or "none"
         mapping.validate(self.model, cluster_gpus, extra=[
             f"roles.{r}: no worker class was given for this role (have: {have})"
-            for r in mapping.roles if r not in self.workers])
+            for r in mapping.roles if r not in self.role_classes])
 
-    def start(self) -> "Session":
+    def start(self) -> "WorkerSet":
         """Connect to Ray, reserve the pools and start every role's workers; returns self.
 
-        Calling it on a started session does nothing (``with Session(...).start()`` is fine).
+        Calling it on a started session does nothing (``with WorkerSet(...).start()`` is fine).
         """
         if self._sets:
             return self
@@ -81,12 +81,12 @@ class Session:
         if not self._sets:  # not started: start() keeps them
             return
         if self.spares is None and n:
-            self.spares = SparePool({r: w.cls for r, w in self.workers.items()}, self.env)
+            self.spares = SparePool({r: w.cls for r, w in self.role_classes.items()}, self.env)
             self._learn_modules(self._sets)
         if self.spares is not None:
             self.spares.resize(n)
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> "WorkerSet":
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -110,7 +110,7 @@ class Session:
             for pool_name, members in sets:
                 pool = self._pool(mapping, pool_name)
                 sharing = sum(1 for p, _ in mapping.process_sets() if p == pool_name)
-                done.append(spawn_hosts(pool.bundles(), {m: self.workers[m] for m in members},
+                done.append(spawn_hosts(pool.bundles(), {m: self.role_classes[m] for m in members},
                                         gpus=1.0 / sharing, cpus=pool.cpus_per_device / sharing, env=self.env,
                                         timeout=self.timeout, spares=self.spares))
         except BaseException:
@@ -120,7 +120,7 @@ class Session:
         for hostset in done:
             self._sets.append(hostset)
             for m in hostset.roles:
-                self.groups[m] = WorkerGroup(m, self.workers[m].cls, hostset, self.timeline, self.timeout, self.watch)
+                self.groups[m] = WorkerGroup(m, self.role_classes[m].cls, hostset, self.timeline, self.timeout, self.watch)
         self._learn_modules(done)  # a role new to the spares (a critic added later) is warmed from now on
 
     def _teardown(self, roles: set[str], close_timeout: float = 15.0) -> None:
@@ -160,7 +160,7 @@ class Session:
 
         Everything is validated first: on an error nothing is touched.
         """
-        merged = {**self.workers, **{r: w if isinstance(w, RoleClass) else RoleClass(w)
+        merged = {**self.role_classes, **{r: w if isinstance(w, RoleClass) else RoleClass(w)
                                      for r, w in (workers or {}).items()}}
         have = ", ".join(merged) or "none"
         new.validate(self.model, ray.cluster_resources().get("GPU", 0), extra=[
@@ -172,7 +172,7 @@ class Session:
                     changed |= set(members)
         states = self._save(changed)
         self._teardown(changed)
-        self.workers = {r: w for r, w in merged.items() if r in new.roles}
+        self.role_classes = {r: w for r, w in merged.items() if r in new.roles}
         used = {r.pool for r in new.roles.values()}
         live = {self.mapping.roles[r].pool for s in self._sets for r in s.roles}
         for name in list(self.pools):  # release pools that changed shape or lost all their roles
@@ -180,7 +180,7 @@ class Session:
                 self.pools.pop(name).remove()
         self.mapping = new
         if self.spares is not None:  # a spare can host a role added by this remap, too
-            self.spares.add_roles({r: w.cls for r, w in self.workers.items()})
+            self.spares.add_roles({r: w.cls for r, w in self.role_classes.items()})
         self._spawn(new, [(pool, members) for pool, members in new.process_sets() if set(members) & changed])
         self._load(changed, states)
         if refill:
@@ -243,4 +243,4 @@ class Session:
 
     def __repr__(self) -> str:
         groups = ", ".join(f"{r} x{g.world_size}" for r, g in self.groups.items())
-        return f"Session(pools={list(self.pools)}, groups=[{groups}])"
+        return f"WorkerSet(pools={list(self.pools)}, groups=[{groups}])"

@@ -1,0 +1,143 @@
+"""Live edits of a running session, as part of RLSession (a mixin; the state they use is set
+up in session.py): a new dataflow, ``update`` (settings), ``remap`` (device mapping), and the
+step boundary they wait for, which ``pause`` also holds a training run at.
+
+Every edit is validated first, then applied between steps (dataflow/edits.py: during a
+background run at the next step boundary; the caller waits for it); what it changes is worked
+out and applied in dataflow/remap.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from hybridlab.algos.kl import get_kl_controller
+from hybridlab.config import ConfigError, RunConfig
+from hybridlab.controller.mapping import DeviceMapping
+from hybridlab.dataflow import remap as changes  # what an edit changes, and applying it
+from hybridlab.dataflow.context import run_stage
+from hybridlab.dataflow.graph import Dataflow
+from hybridlab.dataflow.prompts import PROMPT_FIELDS
+from hybridlab.protocol import Batch
+
+
+class LiveEdits:
+    """RLSession's edits between steps and its pause / stop controls."""
+
+    @property
+    def dataflow(self) -> Dataflow:
+        """The stages each step runs; assign a new Dataflow (or list of names) between steps."""
+        return self._dataflow
+
+    @dataflow.setter
+    def dataflow(self, value: Dataflow | list) -> None:
+        flow = value if isinstance(value, Dataflow) else Dataflow(value)
+        flow.validate(self.cfg, self.mapping.roles, PROMPT_FIELDS)
+
+        def assign() -> None:
+            flow.validate(self.cfg, self.mapping.roles, PROMPT_FIELDS)  # against the config it now meets
+            self._dataflow = flow
+            self.cfg = dataclasses.replace(self.cfg, dataflow=flow.names)
+            self._drop_pending()
+
+        self._edits.run(assign)
+
+    def update(self, *overrides: str) -> RunConfig:
+        """Change settings with ``key=value`` overrides (e.g. ``"algorithm.adv_estimator=rloo"``,
+        ``"actor.lr=5e-5"``, ``"mapping={...}"``); returns the new config once applied.
+
+        Everything is validated first. Settings the running workers take (learning rate,
+        clipping, micro-batch size, temperature...) are applied to them; settings built into a
+        role (rollout.kv_cache_mb, rollout.dtype, rollout.prefix_caching, reward.*) re-create that
+        role, and a new mapping remaps, both with the trainers' state carried in memory. Only what would make it another run (the
+        model, the data, the warm start, the seed) is refused, with the reason. Applied between
+        steps: during a background run, at the next step boundary (this call waits for it).
+        ``trainer.steps`` applies to the next ``train()``; ``max_minutes`` and ``eval_every``
+        also to a running one."""
+        change = changes.prepare_update(self, overrides)  # every error now, before waiting for a boundary
+        if self.workers is None:  # not started: nothing runs yet
+            changes.apply_change(self, change)
+        else:  # prepared again at the boundary, on the config as it is then
+            self._edits.run(lambda: changes.apply_change(self, changes.prepare_update(self, overrides)))
+        return self.cfg
+
+    def remap(self, mapping: DeviceMapping | dict | str):
+        """Move the running session onto ``mapping`` (a DeviceMapping, a dict or YAML text):
+        re-creates only the roles whose placement changed, carries the trainers' weights, AdamW
+        moments, schedule position and RNG in memory, and resyncs the rollout. Refused before
+        anything is torn down if the mapping cannot run (the session keeps its old one).
+        Applied between steps (during a background run at the next step boundary; this call
+        waits for it); returns the RemapReport."""
+        new_mapping = changes.parse_mapping(mapping)
+        if self.workers is None:
+            raise ConfigError("remap needs a started session (call start() first, or give the mapping in the"
+                              " config: mapping=...)")
+        changes.prepare_remap(self, new_mapping)
+        return self._edits.run(lambda: changes.apply_change(self, changes.prepare_remap(self, new_mapping)))
+
+    def _set_config(self, new: RunConfig, flow: Dataflow, configure: dict[str, dict]) -> None:
+        """Apply a validated config between steps: live worker settings, KL controller, dataflow."""
+        for role, settings in configure.items():
+            self.workers.groups[role].configure(**settings)
+        if new.algorithm.kl_ctrl != self.cfg.algorithm.kl_ctrl:
+            self.kl_ctrl = get_kl_controller(new.algorithm.kl_ctrl)
+        if (new.trainer.off_policy, new.trainer.max_staleness, new.rollout) != \
+                (self.cfg.trainer.off_policy, self.cfg.trainer.max_staleness, self.cfg.rollout):
+            self._drop_pending()
+        if self.workers is not None and new.trainer.spare_processes != self.cfg.trainer.spare_processes:
+            self.workers.set_spares(new.trainer.spare_processes)
+        self.cfg, self._dataflow = new, flow
+
+    def _drop_pending(self) -> None:
+        self.ahead.drop()  # let it finish; its samples are not used
+
+    def next_prompts(self) -> Batch:
+        """Return the next step's prompts from the prompt stream (the stream moves on)."""
+        self._refuse_while_stepping("next_prompts")
+        with self._edits.lock:
+            return self.prompts.next()
+
+    def run_stage(self, name: str, batch: Batch) -> Batch:
+        """Run one registered stage by hand between steps; returns ``batch`` with what the stage
+        added, its metrics in ``meta["metrics"]``. Refused while a background run is stepping."""
+        self._refuse_while_stepping("run_stage")
+        with self._edits.step():
+            return run_stage(self, name, batch)
+
+    def _refuse_while_stepping(self, what: str) -> None:
+        if self._training and not self.held:
+            raise RuntimeError(f"{what} runs between steps, but a training run is stepping: pause() it (and wait"
+                               " until it is held) or stop it first")
+
+    def request_stop(self) -> None:
+        """Ask the running (or the next) ``train()`` to stop after its current step (a paused
+        one at once); it still evaluates and writes its summary."""
+        self._stop_requested = True
+        self._edits.resume()
+
+    def pause(self) -> None:
+        """Hold the running ``train()`` (a background run) at its next step boundary (the step
+        under way finishes); ``update``, ``remap``, ``step`` and ``run_stage`` work while it is
+        held; ``unpause()`` goes on. Raises RuntimeError when no training loop runs."""
+        if not self._training:
+            raise RuntimeError("no run to pause: pause() holds a running train() or start_background() run"
+                               " at its next step boundary")
+        self._edits.pause()
+
+    def unpause(self) -> None:
+        """Let a paused run go on (``RLSession.resume`` is another thing: a run from a checkpoint)."""
+        self._edits.resume()
+
+    @property
+    def paused(self) -> bool:
+        """True between ``pause()`` and ``unpause()``."""
+        return self._edits.paused
+
+    @property
+    def held(self) -> bool:
+        """True while a paused run waits at a step boundary (its step has finished)."""
+        return self._edits.held.is_set()
+
+    def wait_until_held(self, timeout: float | None = None) -> bool:
+        """After ``pause()``: wait until the running loop has finished its step and waits at the
+        boundary; returns True once it does (False after ``timeout`` seconds)."""
+        return self._edits.held.wait(timeout)

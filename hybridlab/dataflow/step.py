@@ -1,0 +1,142 @@
+"""The step, and what runs steps: ``step``, ``train``, ``start_background``, ``evaluate`` and the
+weight sync, as part of RLSession (a mixin; the state they use is set up in session.py).
+
+    rl.step():
+        at a step boundary: edits queued meanwhile (update, remap, a new dataflow) apply first
+        with recovery: a dead or stuck worker is re-created, state restored, the step run again
+            batch = the next prompts
+            batch, metrics = the dataflow's stages on it, e.g. GRPO's
+                generate -> reward -> old_logprob, ref_logprob -> advantages -> update_actor
+                -> sync_weights                      (dataflow/graph.py runs dataflow/stages.py)
+            the step's records: skipped updates, timing, device busy -> metrics.jsonl, telemetry
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from typing import Any
+
+from hybridlab.dataflow.context import BackgroundRun, StepContext
+from hybridlab.dataflow.prompts import prompt_batch
+from hybridlab.dataflow.recovery import with_recovery
+from hybridlab.dataflow.rows import batch_rows
+from hybridlab.dataflow.stages import REWARD_FIELDS
+from hybridlab.dataflow.train_loop import run_training
+from hybridlab.protocol import Batch
+from hybridlab.reshard.transfer import sync_mapped
+from hybridlab.telemetry.busy import session_busy
+
+HISTORY_STEPS = 1000  # the newest steps' metrics kept in memory (and in checkpoints)
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one RL step produced: the final Batch (every field the stages wrote), metrics, and
+    ``stages``: each stage with the fields it added, in the order the stages finished."""
+
+    step: int
+    batch: Batch
+    metrics: dict[str, Any]
+    stages: list[tuple[str, list[str]]] = dataclasses.field(default_factory=list)
+
+
+class Stepping:
+    """RLSession's steps and the loops over them."""
+
+    def step(self) -> StepResult:
+        """Run one RL step through the dataflow; returns its Batch and metrics (also logged)."""
+        if self.workers is None:
+            self.start()
+        if self.broken:
+            raise RuntimeError(self.broken)
+        with self._edits.step():  # edits queued during the previous step apply before this one
+            return with_recovery(self, self._step)  # a dead or stuck worker: re-created, the step run again
+
+    def _step(self, ctx: StepContext) -> StepResult:
+        """The step itself: the next prompts through the dataflow, then the step's records."""
+        t = self.cfg.trainer
+        self.workers.watch.configure(t.call_deadline_floor_s, t.call_deadline_s)
+        start, wall = time.perf_counter(), time.time()
+        trace: list[tuple[str, list[str]]] = []
+        batch, metrics = self._dataflow.run(ctx, self.prompts.next(), trace=trace)
+        seconds = time.perf_counter() - start
+        tokens = int(batch["response_mask"].sum()) if "response_mask" in batch else 0
+        bad = int(metrics.get("actor/skipped", 0) + metrics.get("critic/skipped", 0))
+        self.bad_updates += bad
+        self.bad_steps_in_a_row = self.bad_steps_in_a_row + 1 if bad else 0
+        if bad:
+            ctx.warn(f"step {self.step_count + 1}: {bad} update(s) skipped for a NaN or inf loss or gradient norm;"
+                     " the weights stay as they were")
+        metrics["faults/bad_updates"] = self.bad_updates
+        metrics["faults/worker_restarts"] = self.worker_restarts
+        metrics.setdefault("rollout/staleness", 0)
+        metrics.update({"timing/step_s": seconds, "perf/tokens_per_s": tokens / seconds if seconds else 0.0,
+                        "warnings": len(ctx.warnings)})
+        metrics.update(session_busy(self.workers, wall, time.time()))
+        self.step_count += 1
+        self.history.append({"step": self.step_count, **metrics})
+        del self.history[:-HISTORY_STEPS]  # bounded: metrics.jsonl keeps every step
+        self.log.write(self.step_count, metrics)
+        self._emit("metrics", {"step": self.step_count, **metrics})
+        result = StepResult(self.step_count, batch, metrics, trace)
+        for callback in list(self.step_callbacks):
+            try:
+                callback(result)
+            except Exception as exc:  # a display hook must never stop training
+                warnings.warn(f"step callback {callback!r} failed: {exc!r}", RuntimeWarning)
+        return result
+
+    def sync_weights(self, reason: str = "step"):
+        """Copy the actor's weights into the rollout engines now; returns the SyncReport (the
+        dataflow's sync_weights stage calls this, and a remap with ``reason="remap"``)."""
+        report = sync_mapped(self.workers.groups, self.mapping, self.spec)
+        self._emit("sync", {"step": self.step_count + (reason == "step"), "bytes": report.bytes_moved,
+                            "buckets": report.buckets, "seconds": report.seconds, "mode": report.mode,
+                            "reason": reason, "bytes_per_pair": report.plan.get("bytes_per_pair", {})})
+        return report
+
+    def evaluate(self, samples: list | None = None) -> dict:
+        """Return greedy accuracy of the current rollout weights on the test prompts:
+        ``{"accuracy", "n", "reward_mean"}``."""
+        samples = samples if samples is not None else self.test_samples
+        if not samples:
+            return {"accuracy": float("nan"), "n": 0, "reward_mean": float("nan")}
+        prompts = prompt_batch(samples, self.tokenizer, list(range(len(samples))), self._prompt_fit())
+        # under the step lock: a remap or an edit waits for the evaluation as for a step
+        with self._edits.lock, self.workers.timeline.staged("evaluate"):  # the dashboard labels calls by stage
+            scored = with_recovery(self, lambda ctx: self.workers.groups["reward"].compute_reward(
+                self.workers.groups["rollout"].generate(prompts, ctx.sampling(n=1, temperature=0.0))
+                .select(REWARD_FIELDS)))
+        return {"accuracy": float(scored["acc"].nanmean()), "n": len(samples),
+                "reward_mean": float(scored["token_level_scores"].sum(-1).mean())}
+
+    def decoded(self, batch: Batch, limit: int = 16) -> list[dict]:
+        """Return the first ``limit`` rows of a step's batch as readable dicts (prompt, response,
+        length, reward, log-prob means, advantage) for a notebook table."""
+        return [{k: v for k, v in row.items() if k != "#"} for row in batch_rows(batch[:limit], self.tokenizer)]
+
+    def train(self, steps: int | None = None) -> dict:
+        """Run ``steps`` steps (default trainer.steps; after ``resume``, the remaining ones)
+        within trainer.max_minutes, evaluating greedy accuracy before, every
+        trainer.eval_every steps and after, checkpointing every trainer.save_every steps, at
+        the end and on a stop; writes and returns the summary (``summary.json``)."""
+        if self.workers is None:
+            self.start()
+        self._training = True
+        try:
+            return run_training(self, steps)
+        finally:  # a pause or stop asked for after the last step must not hold the next run
+            self._training = False
+            self._stop_requested = False
+            self._edits.resume()
+
+    def start_background(self, steps: int | None = None) -> "BackgroundRun":
+        """Run ``train(steps)`` in a background thread so the notebook kernel stays responsive;
+        returns a handle with ``done()``, ``stop()`` and ``wait()``."""
+        if self.workers is None:
+            self.start()
+        if self.background is not None and not self.background.done():
+            raise RuntimeError("a background run is going: stop() or wait() for it before starting another")
+        self.background = BackgroundRun(self, steps)
+        return self.background

@@ -1,0 +1,151 @@
+"""The code stays readable as it grows: no import cycle among hybridlab's modules, no module over
+400 lines, no function over 60 (docs/architecture.md, "Limits"). Static: nothing is imported."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hybridlab"
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, tuple[Path, ast.Module]]:
+    """Return every hybridlab module by dotted name, with its file and syntax tree."""
+    return {module_name(p): (p, ast.parse(p.read_text(), str(p))) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _type_checking_only(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of a module, at any depth, outside ``if TYPE_CHECKING:`` blocks."""
+    found, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if _type_checking_only(node):
+            todo += node.orelse
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        todo += list(ast.iter_child_nodes(node))
+    return found
+
+
+def import_graph(mods: dict[str, tuple[Path, ast.Module]]) -> dict[str, set[str]]:
+    """Return, per hybridlab module, the hybridlab modules it imports (anywhere in its code). A
+    name imported from a package that re-exports it from one of its submodules counts as an
+    import of that submodule; a package's own re-exports of its submodules are not edges."""
+    def package_of(name: str) -> str:
+        return name if mods[name][0].name == "__init__.py" else name.rpartition(".")[0]
+
+    reexports: dict[str, dict[str, str]] = {}  # package -> name -> its submodule that defines it
+    for name, (path, tree) in mods.items():
+        if path.name == "__init__.py":
+            reexports[name] = {a.asname or a.name: _absolute(n, name, name) for n in tree.body
+                               if isinstance(n, ast.ImportFrom) for a in n.names}
+
+    graph: dict[str, set[str]] = {}
+    for name, (path, tree) in mods.items():
+        edges = set()
+        for node in _imports(tree):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in mods}
+                continue
+            base = _absolute(node, name, package_of(name))
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                if target in mods:
+                    edges.add(target)
+                elif base in mods:
+                    edges.add(reexports.get(base, {}).get(alias.name, base) if base != name else base)
+        if path.name == "__init__.py":  # re-exports of its own submodules' names are not edges
+            edges -= {mod for mod in reexports[name].values() if mod.startswith(name + ".") and mod in mods}
+            edges |= {f"{name}.{a.name}" for node in _imports(tree) if isinstance(node, ast.ImportFrom)
+                      and _absolute(node, name, name) == name for a in node.names if f"{name}.{a.name}" in mods}
+        graph[name] = {e for e in edges if e in mods and e != name}
+    return graph
+
+
+def _absolute(node: ast.ImportFrom, module: str, package: str) -> str:
+    if not node.level:
+        return node.module or ""
+    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+    return f"{base}.{node.module}" if node.module else base
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Return the strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle():
+    found = cycles(import_graph(modules()))
+    assert found == [], "hybridlab modules import each other in a circle:\n" + "\n".join(
+        " <-> ".join(c) for c in found)
+
+
+def test_the_cycle_check_sees_imports_inside_functions_and_through_packages(tmp_path):
+    tree = ast.parse("import os\nif TYPE_CHECKING:\n    from p.b import B\ndef f():\n    from p import a_name\n")
+    assert [ast.unparse(n) for n in _imports(tree)][::-1] == ["import os", "from p import a_name"]
+    mods = {"p": (Path("p/__init__.py"), ast.parse("from p.a import a_name\n")),
+            "p.a": (Path("p/a.py"), ast.parse("def a_name():\n    from p.b import g\n")),
+            "p.b": (Path("p/b.py"), ast.parse("def g():\n    from p import a_name\n"))}
+    graph = import_graph(mods)
+    assert graph == {"p": set(), "p.a": {"p.b"}, "p.b": {"p.a"}}
+    assert cycles(graph) == [["p.a", "p.b"]]
+    # a registry: the package imports a submodule to register it, which imports the package's API,
+    # which imports the package to have the built-ins registered
+    mods = {"q": (Path("q/__init__.py"), ast.parse("from q.api import get\nfrom q import builtin\n")),
+            "q.api": (Path("q/api.py"), ast.parse("def get():\n    import q\n")),
+            "q.builtin": (Path("q/builtin.py"), ast.parse("from q.api import get\n"))}
+    assert cycles(import_graph(mods)) == [["q", "q.api", "q.builtin"]]
+
+
+def test_no_module_over_400_lines():
+    long = {name: n for name, (path, _) in modules().items()
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}, f"modules over {MAX_MODULE_LINES} lines (split them by concept): {long}"
+
+
+def test_no_function_over_60_lines():
+    long = {}
+    for name, (_, tree) in modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long[f"{name}.{node.name}"] = lines
+    assert long == {}, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
