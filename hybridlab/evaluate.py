@@ -5,6 +5,8 @@ import time
 from typing import Sequence
 
 from hybridlab.tasks import Sample, Task
+from hybridlab.workers.rollout.hf_engine import generate_ids
+from hybridlab.workers.rollout.sampling import SamplingConfig
 
 
 def load_hf(model_dir):
@@ -19,9 +21,6 @@ def load_hf(model_dir):
 
 def greedy_texts(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int = 256) -> list[str]:
     """Return each prompt's greedy response, decoded up to end-of-sequence without special tokens."""
-    from hybridlab.workers.rollout.hf_engine import generate_ids
-    from hybridlab.workers.rollout.sampling import SamplingConfig
-
     model.eval()
     cfg = SamplingConfig(temperature=0, max_tokens=max_new_tokens)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -19,6 +19,9 @@ from pathlib import Path
 
 from hybridlab.config import RunConfig, dataflow_names, default_mapping, validate_config
 from hybridlab.controller.mapping import DeviceMapping, rank_label
+from hybridlab.dataflow.prompts import load_samples
+from hybridlab.models.zoo import resolve_model
+from hybridlab.workers.train.convert import ModelSpec
 
 # Where each constant comes from.
 # - The runtime bases (``*_mb``): resident memory of a worker process beyond what the model adds:
@@ -131,10 +134,6 @@ def explain(cfg: RunConfig, model_dir: str | Path | None = None) -> Explanation:
     """Return the Explanation of a valid ``cfg`` (``validate_config`` refuses an invalid one
     first, naming the sizes that do not fit); ``model_dir`` defaults to the config's model."""
     from transformers import AutoTokenizer
-
-    from hybridlab.dataflow.prompts import load_samples
-    from hybridlab.models.zoo import resolve_model
-    from hybridlab.workers.train.convert import ModelSpec
 
     validate_config(cfg)
     model_dir = Path(model_dir or resolve_model(cfg.model))

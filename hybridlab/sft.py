@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from hybridlab.atomic import atomic_model_dir
 from hybridlab.errors import UserError
+from hybridlab.evaluate import accuracy
 from hybridlab.tasks import Sample, Task
 
 
@@ -70,8 +71,6 @@ def held_out_split(task: Task, cfg: SFTConfig) -> tuple[list[Sample], list[Sampl
 def held_out_accuracy(model, tokenizer, task: Task, held_out: list[Sample]) -> float:
     """Return greedy accuracy on ``held_out``, generating one token more than the longest answer
     (enough to score, and the check stays cheap)."""
-    from hybridlab.evaluate import accuracy
-
     longest = max(len(tokenizer(s.answer, add_special_tokens=False).input_ids) for s in held_out)
     return accuracy(model, tokenizer, task, held_out, max_new_tokens=longest + 1)["accuracy"]
 

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from hybridlab.algos.functional import masked_mean
-from hybridlab.algos.losses import _get, agg_loss, agg_settings, register_policy_loss
+from hybridlab.algos.losses import _get, agg_loss, agg_settings, compute_policy_loss_vanilla, register_policy_loss
+from hybridlab.algos.rollout_correction import compute_rollout_correction_and_rejection_mask
 
 POLICY_LOSS_DEFAULTS = {"clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.0002,
                         "ppo_kl_coef": 0.1, "dro_beta": None, "rollout_correction": None}
@@ -282,9 +283,6 @@ def compute_policy_loss_bypass_mode(old_log_prob, log_prob, advantages, response
     ``rollout_correction``); ``loss_type`` "ppo_clip" (default) runs PPO's loss on the kept tokens
     without the weights (its ratio already is one), "reinforce" the IS-weighted policy gradient.
     Passed-in ``rollout_is_weights`` are ignored. Returns (loss, metrics incl. rollout_corr/*)."""
-    from hybridlab.algos.losses import compute_policy_loss_vanilla
-    from hybridlab.algos.rollout_correction import compute_rollout_correction_and_rejection_mask
-
     settings = loss_setting(config, "rollout_correction")
     if settings is None:
         raise ValueError("the bypass_mode policy loss needs rollout_correction settings (loss_type, rollout_is, "

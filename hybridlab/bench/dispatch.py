@@ -9,8 +9,9 @@ import ray
 import torch
 
 from hybridlab.controller.mapping import DeviceMapping
-from hybridlab.controller.worker_set import WorkerSet
+from hybridlab.controller.resources import connect
 from hybridlab.controller.worker import Dispatch, Worker, register
+from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.protocol import Batch
 
 
@@ -60,8 +61,6 @@ def _median_ms(fn, iters: int, warmup: int = 10) -> float:
 
 def run(workers: int = 4, iters: int = 200, batch_mb: int = 64) -> dict:
     """Return median no-op latencies (ms) per dispatch mode beside bare Ray, and Batch MB/s."""
-    from hybridlab.controller.resources import connect
-
     connect(num_gpus=workers)
     mapping = DeviceMapping.from_dict({"pools": {"bench": {"devices": workers}},
                                        "roles": {"actor": {"pool": "bench", "dp": workers}}})

@@ -42,7 +42,7 @@ from hybridlab.errors import UserError
 from hybridlab.evaluate import load_hf
 from hybridlab.models.zoo import count_parameters, home, resolve_model
 from hybridlab.tasks import get_task
-
+from hybridlab.workers.rollout.vllm_engine import reload_weights
 
 # split: the rollout on one device, the actor (with the reward: beside the rollout it would wait
 # behind the next step's generation) on the other, one thread each, generation of step k+1
@@ -164,8 +164,6 @@ def _sync_trl_through_reload() -> None:
     other step of its trainer are unchanged. Call only in the process that runs TRL's vLLM."""
     from trl.generation.vllm_generation import VLLMGeneration
 
-    from hybridlab.workers.rollout.vllm_engine import reload_weights
-
     def sync_weights(self) -> None:
         if self.mode != "colocate":
             raise RuntimeError("the benchmark runs TRL's vLLM in colocate mode only")
@@ -184,7 +182,6 @@ def trl(work: Workload, prompts_per_step: int, group: int, steps: int, warmup: i
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
 
     torch.set_num_threads(threads)
     task = get_task(work.task, **work.task_options)

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hybridlab.environment import usable_cores
+from hybridlab.environment import describe, usable_cores
 from hybridlab.errors import UserError
 
 GOAL_POINTS = 20.0
@@ -67,8 +67,6 @@ def run(seeds="0,1,2", out: str | None = None, overrides: str = "") -> dict:
     """Return ``{"processor", "runs": [per seed], "gain_min", "seconds_max", "goal_met"}``;
     ``out`` keeps the run directories (default: a temporary folder), ``overrides`` adds
     ``key=value`` settings separated by spaces (e.g. to try another recipe)."""
-    from hybridlab.environment import describe
-
     seed_list = _seeds(seeds)
     extra = overrides.split() if overrides else []
     workdir = Path(out) if out else Path(tempfile.mkdtemp(prefix="hybridlab-learn-"))

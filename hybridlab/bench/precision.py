@@ -15,18 +15,22 @@ import time
 
 import torch
 
+from hybridlab.algos.rollout_correction import mismatch_metrics
 from hybridlab.bench import alternating
 from hybridlab.bench.train import make_batch
 from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
-from hybridlab.controller.worker_set import WorkerSet
+from hybridlab.controller.resources import connect
 from hybridlab.controller.worker import Dispatch, Worker, register
-from hybridlab.environment import usable_cores
+from hybridlab.controller.worker_set import WorkerSet
+from hybridlab.environment import processor, usable_cores
 from hybridlab.errors import UserError
+from hybridlab.models.zoo import resolve_model
 from hybridlab.protocol import Batch
 from hybridlab.workers.rollout.sampling import SamplingConfig
 from hybridlab.workers.rollout.worker import RolloutWorker
-from hybridlab.workers.train.workers import ActorWorker
+from hybridlab.workers.train.engine import MegatronEngine, OptimConfig
+from hybridlab.workers.train.workers import ActorWorker, sft_loss
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -44,8 +48,6 @@ def rollout_side(model_dir: str, prompts: list[list[int]], max_new_tokens: int, 
     """Return tokens/s of fp32 and bf16 rollout engines (one session each per round of
     ``session_rounds``, alternating: fp32, bf16, bf16, fp32 for 2) and the log-prob gap of the
     bf16 engine's samples under the fp32 actor."""
-    from hybridlab.algos.rollout_correction import mismatch_metrics
-
     cfg = SamplingConfig(temperature=1.0, max_tokens=max_new_tokens, ignore_eos=True, seed=0)
     batch = Batch(objects={"prompt_ids": prompts})
     seconds: dict[str, list[float]] = {p: [] for p in DTYPES}
@@ -80,8 +82,6 @@ class DualActor(Worker):
     """Two actors of one model in one process, fp32 and bf16, stepped in turn."""
 
     def __init__(self, model_dir: str, micro_batch_size: int):
-        from hybridlab.workers.train.engine import MegatronEngine, OptimConfig
-
         self.micro_batch_size = micro_batch_size
         self.engines = {p: MegatronEngine(model_dir, optim=OptimConfig(lr=1e-5), precision=p) for p in DTYPES}
 
@@ -93,8 +93,6 @@ class DualActor(Worker):
     @register(Dispatch.ALL)
     def timed_steps(self, batch, steps: int) -> dict:
         """Return {precision: [seconds of each supervised step after the first]}, alternating."""
-        from hybridlab.workers.train.workers import sft_loss
-
         seconds: dict[str, list[float]] = {p: [] for p in self.engines}
         for i in range(steps + 1):
             for p, engine in self.engines.items():
@@ -130,10 +128,6 @@ def run(model: str = "small", prompts: int = 32, max_new_tokens: int = 64, round
     if not isinstance(session_rounds, int) or session_rounds < 1:
         raise UserError(f"benchmark precision: session_rounds must be an integer of at least 1, got {session_rounds!r}")
     import json
-
-    from hybridlab.controller.resources import connect
-    from hybridlab.environment import processor
-    from hybridlab.models.zoo import resolve_model
 
     threads = min(2, usable_cores())
     model_dir = str(resolve_model(model))

@@ -25,6 +25,13 @@ from pathlib import Path
 
 import torch
 
+from hybridlab.dataflow.session import RLSession
+from hybridlab.environment import processor
+from hybridlab.errors import UserError
+from hybridlab.models.zoo import resolve_model
+from hybridlab.workers.train import checkpoint
+from hybridlab.workers.train.checkpoint import merge_state
+
 COLOCATED = {"pools": {"main": {"devices": 1}},
              "roles": {r: {"pool": "main", "colocate": "engine"} for r in ("actor", "rollout", "reward")}}
 SEPARATE = {"pools": {"train": {"devices": 1}, "gen": {"devices": 1}},
@@ -45,8 +52,6 @@ def _settings(model: str, run_dir: Path) -> list[str]:
 
 
 def _actor_state(rl) -> dict[str, torch.Tensor]:
-    from hybridlab.workers.train.checkpoint import merge_state
-
     parts = rl.workers.groups["actor"].checkpoint_state()
     out = {f"{key}/{name}": t for key, named in merge_state(parts).items() for name, t in named.items()}
     out["step"] = torch.tensor(next(p for p in parts if p)["step"])
@@ -59,9 +64,6 @@ def _equal(a: dict, b: dict) -> bool:
 
 def restart(rl, new_mapping: dict, workdir: Path):
     """The restart path onto ``new_mapping``; returns (the new session, seconds it took)."""
-    from hybridlab.dataflow.session import RLSession
-    from hybridlab.workers.train import checkpoint
-
     start = time.perf_counter()
     ckpt = checkpoint.save_checkpoint(rl.workers.groups["actor"], rl.model_dir, workdir / "ckpt")
     rl.shutdown()
@@ -79,11 +81,6 @@ def run(model: str = "small", steps: int = 3, transitions: str = "all") -> dict:
     """Return per transition ``remap_s``, ``restart_s``, ``speedup``, ``bytes_moved``,
     ``roles_recreated`` and ``exact``, with the processor. ``transitions``: ``all`` or names of
     TRANSITIONS separated by commas."""
-    from hybridlab.dataflow.session import RLSession
-    from hybridlab.environment import processor
-    from hybridlab.errors import UserError
-    from hybridlab.models.zoo import resolve_model
-
     names = [t[0] for t in TRANSITIONS]
     chosen = names if transitions == "all" else [t.strip() for t in str(transitions).split(",")]
     if not chosen or set(chosen) - set(names):

@@ -12,9 +12,12 @@ import torch
 
 from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
+from hybridlab.controller.resources import connect
 from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.environment import usable_cores
+from hybridlab.models.zoo import resolve_model
 from hybridlab.protocol import Batch
+from hybridlab.workers.rollout import hf_engine, vllm_engine
 from hybridlab.workers.rollout.sampling import SamplingConfig
 from hybridlab.workers.rollout.worker import RolloutWorker
 
@@ -24,10 +27,6 @@ def run(model: str = "mid", prompts: int = 64, max_new_tokens: int = 128, prompt
     """Return tokens/s of ours, raw vLLM and transformers (each side's own generated tokens over
     its seconds; ``generated_tokens`` has the counts, which ``ignore_eos`` makes ``prompts`` x
     ``max_new_tokens`` on every side) and the ratios of the reported figures."""
-    from hybridlab.controller.resources import connect
-    from hybridlab.models.zoo import resolve_model
-    from hybridlab.workers.rollout import hf_engine, vllm_engine
-
     threads = min(2, usable_cores())
     model_dir = str(resolve_model(model))
     g = torch.Generator().manual_seed(0)

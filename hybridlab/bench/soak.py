@@ -15,7 +15,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from hybridlab.telemetry.memory import LEAK_PCT_PER_100_STEPS as GOAL_PCT_PER_100_STEPS, slope_per_100
+from hybridlab.dataflow.session import RLSession
+from hybridlab.environment import processor
+from hybridlab.errors import UserError
+from hybridlab.models.zoo import resolve_model
+from hybridlab.telemetry.hub import TELEMETRY_FILE
+from hybridlab.telemetry.memory import LEAK_PCT_PER_100_STEPS as GOAL_PCT_PER_100_STEPS
+from hybridlab.telemetry.memory import slope_per_100
 
 
 def _rss_mb(pid: int) -> float:
@@ -40,12 +46,6 @@ def _settings(model: str, run_dir: str) -> list[str]:
 
 def run(model: str = "small", steps: int = 300, save_every: int = 50, warmup: int = 50) -> dict:
     """Run the soak and return its figures (see the module docstring), with the processor."""
-    from hybridlab.dataflow.session import RLSession
-    from hybridlab.environment import processor
-    from hybridlab.models.zoo import resolve_model
-    from hybridlab.telemetry.hub import TELEMETRY_FILE
-
-    from hybridlab.errors import UserError
 
     if steps <= warmup + 10:
         raise UserError(f"steps ({steps}) must exceed warmup ({warmup}) by more than 10 to fit a slope")

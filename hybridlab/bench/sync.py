@@ -10,12 +10,16 @@ from pathlib import Path
 
 import torch
 
+from hybridlab.batching import sequences_batch
 from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
+from hybridlab.controller.resources import connect
 from hybridlab.controller.worker_set import WorkerSet
+from hybridlab.models.zoo import resolve_model
 from hybridlab.protocol import Batch
-from hybridlab.reshard.plan import RolloutLayout, TrainerLayout
+from hybridlab.reshard.plan import RolloutLayout, TrainerLayout, plan_reshard
 from hybridlab.reshard.transfer import sync_weights
+from hybridlab.tasks import get_task
 from hybridlab.workers.rollout.worker import RolloutWorker
 from hybridlab.workers.train import checkpoint
 from hybridlab.workers.train.convert import ModelSpec
@@ -26,9 +30,6 @@ GREEDY = {"temperature": 0, "max_tokens": 4}
 
 def _arith_batches(model_dir: str):
     from transformers import AutoTokenizer
-
-    from hybridlab.batching import sequences_batch
-    from hybridlab.tasks import get_task
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     enc = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
@@ -41,9 +42,6 @@ def _arith_batches(model_dir: str):
 def run(model: str = "mid", bucket_mb: float = 64.0, warm_steps: int = 10, rollout_tp: int = 1) -> dict:
     """Return sync seconds, naive seconds, speedup, bytes moved and whether greedy outputs match
     (and with ``rollout_tp > 1`` the ``tp_*`` keys of ``_tp_sync``)."""
-    from hybridlab.controller.resources import connect
-    from hybridlab.models.zoo import resolve_model
-
     model_dir = str(resolve_model(model))
     spec = ModelSpec.from_hf(model_dir)
     train, prompts = _arith_batches(model_dir)
@@ -86,8 +84,6 @@ def _tp_sync(model_dir: str, spec: ModelSpec, train: Batch, prompts: Batch, buck
     sync's seconds, the slowest rank's fetch and load seconds, the bytes sent (whole tensors to
     every rank) against the bytes a per-rank shard transfer would send, and whether the engine's
     greedy output equals transformers' on the exported weights."""
-    from hybridlab.reshard.plan import plan_reshard
-
     mapping = DeviceMapping.from_dict({"pools": {"t": {"devices": 1}, "g": {"devices": tp}},
                                        "roles": {"actor": {"pool": "t"}, "rollout": {"pool": "g", "tp": tp}}})
     roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=model_dir, optim={"lr": 3e-3})),

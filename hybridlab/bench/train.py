@@ -15,9 +15,11 @@ import torch
 from hybridlab.batching import sequences_batch
 from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
-from hybridlab.controller.worker_set import WorkerSet
+from hybridlab.controller.resources import connect
 from hybridlab.controller.worker import Dispatch, register
+from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.environment import usable_cores
+from hybridlab.models.zoo import resolve_model
 from hybridlab.workers.train.workers import ActorWorker
 
 WARMUP = 2  # steps not timed on either side: allocator and kernel warm-up
@@ -94,9 +96,6 @@ def megatron_run(model_dir, batch, tp: int, steps: int, threads: int, micro_batc
 def run(models: str = "small,mid", steps: int = 5, batch_size: int = 16, prompt_len: int = 32,
         response_len: int = 96, micro_batch_size: int = 8) -> dict:
     """Return tokens/s per model and layout, the transformers baseline, ratios, RSS and parity."""
-    from hybridlab.controller.resources import connect
-    from hybridlab.models.zoo import resolve_model
-
     threads = min(2, usable_cores())
     connect(num_gpus=2)
     out: dict = {"batch_size": batch_size, "seq_len": prompt_len + response_len, "steps": steps,

@@ -1,5 +1,6 @@
-"""The run configuration: the schema (``schema.py``, nested dataclasses with verl's key names)
-and the checks across keys (``checks.py``); ``load_config`` gives a RunConfig that passed both.
+"""The run configuration: the schema (``schema.py``, nested dataclasses with verl's key names),
+how YAML and overrides become one (``loading.py``) and the checks across keys (``checks.py``);
+``load_config`` gives a RunConfig that passed them all.
 
 ``load_config(path_or_preset, ["actor.lr=1e-4", ...])`` returns a validated RunConfig; every
 mistake (unknown key, wrong type, impossible size) is a ConfigError that names the key and
@@ -13,9 +14,10 @@ import yaml
 
 from hybridlab.config.checks import (dataflow_names, default_dataflow, default_mapping, roles_needed,
                                      validate_config)
+from hybridlab.config.loading import apply_override, build, resolve_config_path
 from hybridlab.config.schema import (CONFIG_DIR, ActorConfig, AlgorithmConfig, ConfigError, CriticConfig,
                                      DataConfig, RewardConfig, RolloutConfig, RunConfig, TrainerConfig,
-                                     WarmStartConfig, apply_override, build, resolve_config_path)
+                                     WarmStartConfig)
 
 __all__ = ["CONFIG_DIR", "ActorConfig", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig",
            "RewardConfig", "RolloutConfig", "RunConfig", "TrainerConfig", "WarmStartConfig", "apply_override",

@@ -31,6 +31,8 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
+from hybridlab.controller.worker import host_actor_class
+
 WARM_TIMEOUT_S = 300.0  # a spare still warming up this long after it started is stuck: it is dropped
 
 
@@ -89,8 +91,6 @@ class SparePool:
     def refill(self) -> None:
         """Start spares until there are ``target`` (they warm up in the background)."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        from hybridlab.controller.worker import host_actor_class
 
         if len(self.spares) >= self.target or self.disabled:
             return

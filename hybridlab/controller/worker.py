@@ -19,6 +19,11 @@ from typing import Any, Callable, Iterator
 
 import ray
 
+from hybridlab.controller.binding import bind_to_devices, set_threads
+from hybridlab.controller.watch import STACK_SIGNAL, stack_file
+from hybridlab.protocol import Batch
+from hybridlab.telemetry.hub import ENV_HUB, DeviceSampler, get_hub
+
 
 class Dispatch(str, enum.Enum):
     """How a WorkerGroup call fans out to ranks and how results come back."""
@@ -87,8 +92,6 @@ class Worker:
 
 
 def _nbytes(value: Any) -> int:
-    from hybridlab.protocol import Batch
-
     if isinstance(value, Batch):
         return value.nbytes
     if isinstance(value, (list, tuple)):
@@ -190,8 +193,6 @@ class WorkerHost:
         """Take a bundle's devices (``spares.bundle_devices``): their ids and the device variables
         Ray sets there (``CUDA_VISIBLE_DEVICES``), before anything touches a device, and the
         thread count a new process there would have; returns ``placement()`` with them."""
-        from hybridlab.controller.binding import set_threads
-
         self.gpu_ids = list(lease["gpu_ids"])
         os.environ.update(lease["env"])
         if threads is not None:
@@ -207,8 +208,6 @@ class WorkerHost:
     def start(self, rank: int, world_size: int, master: tuple[str, int], roles: dict) -> None:
         """Set the rendezvous environment, pin the threads to the devices' cores (when
         ``HYBRIDLAB_BIND_THREADS=1``), then construct each role's worker object."""
-        from hybridlab.controller.binding import bind_to_devices
-
         self.rank = rank
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
                            "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])})
@@ -227,8 +226,6 @@ class WorkerHost:
 
     def _start_sampler(self, roles: str) -> None:
         """Send device samples to the run's telemetry hub, if the session named one."""
-        from hybridlab.telemetry.hub import ENV_HUB, DeviceSampler, get_hub
-
         hub = get_hub(os.environ.get(ENV_HUB))
         if hub is None:
             return
@@ -280,8 +277,6 @@ def _register_stack_dump():
     """Make this process write every thread's Python stack to its stack file on the stack
     signal (CallWatch sends it to a stuck worker); returns the open file, or None if it cannot."""
     import faulthandler
-
-    from hybridlab.controller.watch import STACK_SIGNAL, stack_file
 
     try:
         path = stack_file(os.getpid())

@@ -30,6 +30,8 @@ import yaml
 from hybridlab.atomic import write_json
 from hybridlab.errors import UserError
 from hybridlab.faults import fault_point
+from hybridlab.telemetry.hub import TELEMETRY_FILE
+from hybridlab.workers.train.checkpoint import OPTIMIZER_FILE, save_checkpoint
 
 if TYPE_CHECKING:
     from hybridlab.dataflow.session import RLSession
@@ -60,8 +62,6 @@ def latest(run_dir: Path) -> Path:
 def save(rl: "RLSession", train_state: dict) -> Path:
     """Write a checkpoint of ``rl`` after its current step; returns its folder. ``train_state``
     is what ``train()`` needs to go on (evaluation before, curve so far, seconds run)."""
-    from hybridlab.workers.train.checkpoint import save_checkpoint
-
     root = rl.run_dir / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     _remove_partial(root)
@@ -98,8 +98,6 @@ def prepare_logs(run_dir: Path, checkpoint: Path, telemetry: bool = True) -> dic
     the checkpoint (steps logged after it are run again) and remove unfinished checkpoint
     folders; returns the checkpoint's session record. Call while no one writes those files (a
     live run keeps its telemetry file: readers follow it by offset, and it records the restart)."""
-    from hybridlab.telemetry.hub import TELEMETRY_FILE
-
     record = json.loads((checkpoint / "session.json").read_text())
     logs = [("metrics.jsonl", "metrics_bytes")] + ([(TELEMETRY_FILE, "telemetry_bytes")] if telemetry else [])
     for name, key in logs:
@@ -139,8 +137,6 @@ def restore(rl: "RLSession", checkpoint: Path, record: dict) -> None:
 def read_role(folder: Path) -> dict[str, Any]:
     """Return a role's saved state in the form ``checkpoint_state`` gives it (HF layout)."""
     from safetensors.torch import load_file
-
-    from hybridlab.workers.train.checkpoint import OPTIMIZER_FILE
 
     model = load_file(str(folder / "model.safetensors"))
     if (folder / "value_head.safetensors").is_file():

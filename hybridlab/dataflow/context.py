@@ -4,7 +4,8 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
-from hybridlab.dataflow.graph import Dataflow
+from hybridlab.dataflow.graph import Dataflow, DataflowError, merge
+from hybridlab.dataflow.stages import get_stage
 from hybridlab.faults import kill_processes, worker_kill
 from hybridlab.protocol import Batch
 
@@ -74,9 +75,6 @@ def run_stage(rl: "RLSession", name: str, batch: Batch) -> Batch:
     """Run the registered stage ``name`` on ``batch`` as a step would; returns the batch with
     what the stage added (its metrics under ``meta["metrics"][name]``). Raises DataflowError
     naming the fields the stage needs that ``batch`` lacks, or the role the mapping lacks."""
-    from hybridlab.dataflow.graph import DataflowError, merge
-    from hybridlab.dataflow.stages import get_stage
-
     stage = get_stage(name)
     missing = [f for f in stage.inputs(rl.cfg) if not f.startswith("@") and f not in batch]
     if missing:

@@ -6,7 +6,8 @@ import random
 from hybridlab.batching import PROMPT_WIDTH
 from hybridlab.errors import UserError
 from hybridlab.protocol import Batch
-from hybridlab.tasks import Sample
+from hybridlab.tasks import Sample, get_task
+from hybridlab.tasks.dataset import load_dataset
 
 PROMPT_FIELDS = ("prompt", "prompt_ids", "uid", "ground_truth", "data_source")  # what prompt_batch makes
 
@@ -16,12 +17,9 @@ def load_samples(cfg, split: str) -> list:
     files = cfg.data.train_files if split == "train" else cfg.data.test_files
     n = cfg.data.train_samples if split == "train" else cfg.data.test_samples
     if files:
-        from hybridlab.tasks.dataset import load_dataset
-
         return load_dataset(files, limit=n)
     if cfg.data.train_files and split == "test":
         return []
-    from hybridlab.tasks import get_task
 
     return get_task(cfg.data.task, **cfg.data.task_options).split(split, n, seed=cfg.data.seed)
 

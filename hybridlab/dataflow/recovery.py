@@ -27,9 +27,11 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 import torch
 
 from hybridlab.controller.group import WorkerError
+from hybridlab.dataflow import checkpoints
+from hybridlab.dataflow.context import StepContext
+from hybridlab.telemetry.metrics import MetricsLog
 
 if TYPE_CHECKING:
-    from hybridlab.dataflow.context import StepContext
     from hybridlab.dataflow.session import RLSession
 
 T = TypeVar("T")
@@ -87,8 +89,6 @@ def worker_failure(exc: BaseException) -> WorkerError | None:
 def with_recovery(rl: "RLSession", attempt: Callable[["StepContext"], T]) -> T:
     """Return ``attempt(ctx)`` (a step, an evaluation) with a fresh StepContext, re-creating
     dead or stuck workers and trying again as the module docstring says."""
-    from hybridlab.dataflow.context import StepContext
-
     while True:
         start = step_start(rl)
         ctx = StepContext(rl)
@@ -118,8 +118,6 @@ def lost_roles(rl: "RLSession", err: WorkerError) -> set[str]:
 def recover(rl: "RLSession", err: WorkerError, dead: set[str], ctx: "StepContext", start: StepStart) -> None:
     """Re-create the ``dead`` roles and restore what the failed step changed; raises WorkerLost
     past ``trainer.max_restarts``."""
-    from hybridlab.dataflow import checkpoints
-
     touched = any(set(s.outputs(rl.cfg)) & UPDATES for s in ctx.started)
     rollback = touched or bool(dead & set(STATEFUL))
     what = f"worker {err.role} rank {err.rank} {err.kind} in {err.method}"
@@ -142,7 +140,6 @@ def recover(rl: "RLSession", err: WorkerError, dead: set[str], ctx: "StepContext
     if rollback:
         rl.log.close()
         record = checkpoints.prepare_logs(rl.run_dir, ckpt, telemetry=False)
-        from hybridlab.telemetry.metrics import MetricsLog
 
         rl.log = MetricsLog(rl.run_dir, rl.cfg.trainer.tensorboard, purge_after=record["step"])
         restarts = rl.worker_restarts  # restarts count for the whole run, rolled back or not

@@ -15,10 +15,20 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from hybridlab.config import (ConfigError, RunConfig, apply_override, build, dataflow_names, default_mapping,
-                              validate_config)
+from hybridlab.config import (
+    ConfigError,
+    RunConfig,
+    apply_override,
+    build,
+    dataflow_names,
+    default_mapping,
+    validate_config,
+)
 from hybridlab.controller.mapping import DeviceMapping, MappingError
-from hybridlab.dataflow.roles import ROLE_SPECS
+from hybridlab.dataflow.graph import Dataflow
+from hybridlab.dataflow.prompts import PROMPT_FIELDS
+from hybridlab.dataflow.roles import ROLE_SPECS, plan_update, role_classes
+from hybridlab.workers.train.checkpoint import merge_state
 
 if TYPE_CHECKING:
     from hybridlab.dataflow.session import RLSession
@@ -102,10 +112,6 @@ class Change:
 def prepare_update(rl: "RLSession", overrides: tuple[str, ...]) -> Change:
     """Return the Change that ``key=value`` overrides make to ``rl`` as it is now; raises
     ConfigError naming the key (unknown, invalid, fixed for the run) or the remap's problems."""
-    from hybridlab.dataflow.graph import Dataflow
-    from hybridlab.dataflow.prompts import PROMPT_FIELDS
-    from hybridlab.dataflow.roles import plan_update
-
     data = rl.cfg.to_dict()
     for pair in overrides:
         apply_override(data, pair)
@@ -128,8 +134,6 @@ def prepare_update(rl: "RLSession", overrides: tuple[str, ...]) -> Change:
 
 def prepare_remap(rl: "RLSession", mapping: DeviceMapping) -> Change:
     """Return the Change that moves ``rl`` onto ``mapping``; raises ConfigError listing why not."""
-    from hybridlab.dataflow.graph import Dataflow
-
     new = dataclasses.replace(rl.cfg, mapping=mapping.to_dict())
     check(rl, new, mapping)
     return Change(new, Dataflow(dataflow_names(new)), mapping, {}, set(), True, "remap")
@@ -173,8 +177,6 @@ def apply(rl: "RLSession", cfg: RunConfig, mapping: DeviceMapping, recreate: set
     """Switch ``rl`` to ``cfg`` on ``mapping``, re-creating changed roles and ``recreate``;
     returns the report (also written to the run directory and sent to the dashboard). Call it
     between steps with everything already validated."""
-    from hybridlab.dataflow.roles import role_classes
-
     session = rl.workers
     t0 = time.perf_counter()
     mapping_before = rl.mapping.to_dict()
@@ -223,8 +225,6 @@ class _CarriedState:
     def save(self, role: str, group) -> Any:
         """Return a reference to the role's state in Ray's object store (None for stateless roles)."""
         import ray
-
-        from hybridlab.workers.train.checkpoint import merge_state
 
         if not ROLE_SPECS[role].stateful:
             return None

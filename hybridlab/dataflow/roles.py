@@ -16,6 +16,7 @@ from typing import Callable
 
 from hybridlab.config import ConfigError, RunConfig
 from hybridlab.config.schema import config_fields, setting_keys
+from hybridlab.controller.group import RoleClass
 
 # Settings that cannot change once the session exists, and why (declared in the schema).
 FIXED = {key: f.metadata["why"] for key, f in config_fields() if f.metadata.get("change") == "fixed"}
@@ -59,8 +60,6 @@ class RoleSpec:
 
     def role_class(self, cfg: RunConfig, layout, model_dir: str):
         """Return the RoleClass that constructs this role's workers for ``layout``."""
-        from hybridlab.controller.group import RoleClass
-
         kwargs = {**self.settings(cfg), **{key: getattr(layout, key) for key in self.layout}}
         return RoleClass(self.worker_class(), (model_dir,), kwargs)
 

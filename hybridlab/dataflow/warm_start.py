@@ -6,8 +6,11 @@ import json
 from pathlib import Path
 from typing import Callable
 
+from hybridlab import sft
 from hybridlab.atomic import write_json
 from hybridlab.config import RunConfig
+from hybridlab.evaluate import load_hf
+from hybridlab.tasks import get_task
 
 
 def warm_start(cfg: RunConfig, run_dir: Path, base: Path, emit: Callable[[str, dict], None]) -> tuple[Path, dict | None]:
@@ -15,10 +18,6 @@ def warm_start(cfg: RunConfig, run_dir: Path, base: Path, emit: Callable[[str, d
     checkpoint directory and the record written to ``warm_start.json`` (a run directory that
     already has the checkpoint reuses it). ``emit(kind, record)`` reports progress to the
     dashboard. Raises WarmStartError naming the keys when the target is not reached."""
-    from hybridlab import sft
-    from hybridlab.evaluate import load_hf
-    from hybridlab.tasks import get_task
-
     ws = cfg.warm_start
     out = run_dir / "warm_start"
     info_path = run_dir / "warm_start.json"

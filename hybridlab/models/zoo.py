@@ -12,8 +12,9 @@ import dataclasses
 import os
 from pathlib import Path
 
-from hybridlab.atomic import atomic_model_dir, built_once
+from hybridlab.atomic import atomic_model_dir, built_once, check_model_dir_target
 from hybridlab.errors import UserError
+from hybridlab.tasks import get_task
 
 ARCHS = ("qwen2", "llama")
 VOCAB_SIZE = 320  # divisible by 64, so any TP up to 64 splits the vocabulary evenly
@@ -60,8 +61,6 @@ def parse_preset(name: str) -> tuple[str, str]:
 
 def tokenizer_corpus(seed: int = 0) -> list[str]:
     """Return the text the zoo tokenizer is trained on: prompts and answers of every task."""
-    from hybridlab.tasks import get_task
-
     lines = []
     for task in (get_task("arith", digits=3, ops="+-*"), get_task("reverse"), get_task("countdown")):
         for s in task.split("train", 1500, seed=seed):
@@ -159,8 +158,6 @@ def build_reward_model(base: str | os.PathLike, out: str | os.PathLike, seed: in
     checkpoint (one label: the reward), the head initialised from ``seed``; returns ``out``."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from hybridlab.atomic import check_model_dir_target
 
     src = resolve_model(base)
     out = check_model_dir_target(out)

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import ipywidgets as widgets
 
+from hybridlab.errors import UserError
+
 if TYPE_CHECKING:
     from hybridlab.dataflow.session import RLSession
 
@@ -19,8 +21,6 @@ FOREGROUND_NOTE = ("While a cell of this notebook is running, Jupyter delivers c
 def problems_of(exc: BaseException) -> list[str]:
     """Return the problems a refused change names, one plain sentence each. An error that is
     not the user's (a worker failed) shows its first line; its traceback goes to the kernel log."""
-    from hybridlab.errors import UserError
-
     if not isinstance(exc, UserError):
         traceback.print_exception(exc)
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), exc.__class__.__name__)

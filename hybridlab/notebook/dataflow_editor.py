@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING
 
 import ipywidgets as widgets
 
+from hybridlab.algos import ADV_ESTIMATORS, AGG_MODES, KL_PENALTIES, POLICY_LOSSES
+from hybridlab.dataflow import remap
+from hybridlab.dataflow.stages import STAGES
 from hybridlab.notebook.apply import FOREGROUND_NOTE, Applier, ok, problem_list, problems_of
 
 if TYPE_CHECKING:
@@ -18,8 +21,6 @@ KL_PLACES = ("off", "in reward", "in loss")
 
 def _registries() -> dict[str, list[str]]:
     """The choices, read from the registries each time (a newly registered algorithm appears)."""
-    from hybridlab.algos import ADV_ESTIMATORS, AGG_MODES, KL_PENALTIES, POLICY_LOSSES
-
     return {"algorithm.adv_estimator": sorted(ADV_ESTIMATORS), "actor.policy_loss": sorted(POLICY_LOSSES),
             "actor.loss_agg_mode": list(AGG_MODES), "kl_type": list(KL_PENALTIES)}
 
@@ -87,8 +88,6 @@ class DataflowEditor(widgets.VBox):
     def refresh_stages(self) -> None:
         """Rebuild the stage list: the session's stages in order (on), then every other
         registered stage (off)."""
-        from hybridlab.dataflow.stages import STAGES
-
         current = self.rl.dataflow.names
         rows, boxes = [], {}
         for name in [*current, *[n for n in STAGES if n not in current]]:
@@ -131,8 +130,6 @@ class DataflowEditor(widgets.VBox):
 
     def validate(self) -> list[str]:
         """Show the problems of the edit (or the stages it would run); returns the problems."""
-        from hybridlab.dataflow import remap
-
         try:
             change = remap.prepare_update(self.rl, tuple(self.overrides()))
         except Exception as exc:  # ConfigError / DataflowError: their lines are the problems

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import ipywidgets as widgets
 
 from hybridlab.controller.mapping import ROLES, DeviceMapping, rank_label
+from hybridlab.dataflow import remap
 from hybridlab.notebook.apply import FOREGROUND_NOTE, Applier, ok, problem_list, problems_of
 
 if TYPE_CHECKING:
@@ -118,8 +119,6 @@ class MappingEditor(widgets.VBox):
     # ------------------------------------------------------------- actions
     def problems(self) -> list[str]:
         """Return every reason the table's mapping cannot run in this session (empty: it can)."""
-        from hybridlab.dataflow import remap
-
         try:
             remap.prepare_remap(self.rl, remap.parse_mapping(self.mapping_dict()))
         except Exception as exc:  # MappingError or ConfigError: their lines are the problems

@@ -15,12 +15,11 @@ from typing import Callable
 
 import torch
 
-from hybridlab.reshard.plan import split_dim
+from hybridlab.reshard.plan import hf_shapes, split_dim, stage_of
+from hybridlab.workers.train.convert import megatron_names, megatron_to_hf
 
 
 def _stage_params(engine, hf_names: list[str]) -> dict[str, torch.Tensor]:
-    from hybridlab.workers.train.convert import megatron_names
-
     params = dict(engine.model.named_parameters())
     names = megatron_names(engine.spec, engine.pp, engine.ps.get_pipeline_model_parallel_rank(), hf_names)
     return {n: params[n].detach() for n in names if n in params}
@@ -30,8 +29,6 @@ def local_slices(engine, hf_names: list[str]) -> dict[str, torch.Tensor]:
     """Return this rank's slices of the HF tensors in ``hf_names`` that its pipeline stage holds,
     in HF names: rows (q, k, v, gate, up, embeddings, lm_head) or columns (o, down) of its TP
     shard; replicated tensors (norms) only from TP rank 0. No communication."""
-    from hybridlab.workers.train.convert import megatron_to_hf
-
     ps, spec = engine.ps, engine.spec
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     # One shard of a tp-way split is itself a model with tp-times fewer heads: convert it alone.
@@ -61,8 +58,6 @@ def gather_stage(engine, named: dict[str, torch.Tensor], everyone: bool = False)
     value head comes back as ``value_head.linear.*``."""
     import torch.distributed as dist
 
-    from hybridlab.workers.train.convert import megatron_to_hf
-
     ps = engine.ps
     tp = ps.get_tensor_model_parallel_world_size()
     shards = [dict() for _ in range(tp)]
@@ -88,8 +83,6 @@ def stream_colocated(engine, buckets: list[list[str]], load: Callable[[list[tupl
     owns it) and hand it to ``load`` (the colocated engine) in memory, one bucket at a time;
     returns {"bytes", "buckets", "seconds"}."""
     import torch.distributed as dist
-
-    from hybridlab.reshard.plan import hf_shapes, stage_of
 
     ps = engine.ps
     shapes = hf_shapes(engine.spec)

@@ -14,7 +14,7 @@ import dataclasses
 import time
 from collections import defaultdict
 
-from hybridlab.reshard.plan import RolloutLayout, TrainerLayout, buckets, plan_reshard
+from hybridlab.reshard.plan import RolloutLayout, TrainerLayout, buckets, hf_shapes, plan_reshard
 from hybridlab.workers.train.convert import ModelSpec
 
 
@@ -83,8 +83,6 @@ def sync_mapped(groups: dict, mapping, spec: ModelSpec, bucket_mb: float = 64.0)
 
 def _bucket_bytes(spec: ModelSpec, groups: list[list[str]], itemsize: int = 4) -> list[int]:
     import math
-
-    from hybridlab.reshard.plan import hf_shapes
 
     shapes = hf_shapes(spec)
     return [sum(math.prod(shapes[n]) * itemsize for n in group) for group in groups]

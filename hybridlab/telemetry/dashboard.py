@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridlab.telemetry.hub import find_hub, read_records
+from hybridlab.telemetry.panels import BusyPanel, MemoryPanel, MismatchPanel, ReshardPanel, RolloutPanel, RunningPanel
 
 STAGE_COLORS = {"generate": "#4e79a7", "reward": "#f28e2b", "reward_model": "#f28e2b", "remax_baseline": "#edc948",
                 "old_logprob": "#59a14f", "rollout_as_old_logprob": "#59a14f", "ref_logprob": "#76b7b2",
@@ -56,9 +57,6 @@ class Dashboard:
     def __init__(self, run_dir: str | Path, control: bool = True):
         """``control``: show the stack-dump button (localhost, or a logged-in user elsewhere)."""
         import panel as pn
-
-        from hybridlab.telemetry.panels import (BusyPanel, MemoryPanel, MismatchPanel, ReshardPanel, RolloutPanel,
-                                                RunningPanel)
         from bokeh.models import ColumnDataSource, FactorRange
         from bokeh.plotting import figure
 

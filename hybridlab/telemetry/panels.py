@@ -10,6 +10,7 @@ import html
 import time
 from pathlib import Path
 
+from hybridlab.telemetry.live import request_stacks
 from hybridlab.telemetry.memory import leak_check
 
 ROLLOVER = {"memory": 3600, "markers": 2000, "busy": 5000, "lengths": 5000, "matrix": 4096, "mismatch": 5000}
@@ -42,8 +43,6 @@ class RunningPanel:
 
     def request(self) -> None:
         """Ask the run's controller for stacks (answered within a second by its LiveReporter)."""
-        from hybridlab.telemetry.live import request_stacks
-
         request_stacks(self.run_dir)
         self.stacks.object = "*stacks requested: the controller writes them within a second*"
 

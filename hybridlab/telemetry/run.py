@@ -12,6 +12,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from hybridlab.telemetry.dashboard import build_dashboard
+from hybridlab.telemetry.hub import ENV_HUB, hub_name, start_hub
+from hybridlab.telemetry.live import LiveReporter
+
 
 class RunTelemetry:
     """See the module docstring; ``hub`` is the actor handle once ``start`` ran, else None."""
@@ -24,8 +28,6 @@ class RunTelemetry:
 
     def start(self, env: dict, run_record: dict) -> None:
         """Start the hub, name it in ``env`` (the workers' environment) and send ``run_record``."""
-        from hybridlab.telemetry.hub import ENV_HUB, hub_name, start_hub
-
         self.hub = start_hub(self.run_dir)
         env[ENV_HUB] = hub_name(self.run_dir)
         self.emit("run", run_record)
@@ -35,7 +37,6 @@ class RunTelemetry:
         calls in flight; ``stacks`` writes every worker's stacks (for the dashboard's button)."""
         if self.hub is None:
             return
-        from hybridlab.telemetry.live import LiveReporter
 
         session.timeline.subscribe(lambda spans: self.hub.add.remote("span", [dataclasses.asdict(s) for s in spans]))
         self.reporter = LiveReporter(self.run_dir, session.watch.running, stacks, self.emit).start()
@@ -55,8 +56,6 @@ class RunTelemetry:
 
     def dashboard(self):
         """Return the live dashboard layout of the run; its poller stops with ``stop_watching``."""
-        from hybridlab.telemetry.dashboard import build_dashboard
-
         layout = build_dashboard(self.run_dir)
         self.dashboards.append(layout.dashboard)
         return layout

@@ -16,6 +16,9 @@ import socket
 from pathlib import Path
 
 from hybridlab.errors import UserError
+from hybridlab.telemetry.dashboard import build_dashboard
+from hybridlab.telemetry.hub import TELEMETRY_FILE
+from hybridlab.telemetry.runs import build_runs_page
 
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 
@@ -73,8 +76,6 @@ def free_port(address: str = "localhost") -> int:
 
 def is_runs_root(path: str | Path) -> bool:
     """Return whether ``path`` is a folder of runs rather than one run's directory."""
-    from hybridlab.telemetry.hub import TELEMETRY_FILE
-
     path = Path(path)
     return not (path / TELEMETRY_FILE).is_file() and not (path / "config.yaml").is_file()
 
@@ -85,9 +86,6 @@ def serve(target: str | Path, port: int = 0, address: str = "localhost", show: b
     runs, on ``address:port`` (0 picks a free port); returns (server or server thread, port).
     ``threaded=True`` returns at once (notebooks, tests)."""
     import panel as pn
-
-    from hybridlab.telemetry.dashboard import build_dashboard
-    from hybridlab.telemetry.runs import build_runs_page
 
     check_serving(address, basic_auth, oauth_provider)
     port = port or free_port(address)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hybridlab.errors import UserError
+from hybridlab.tasks.base import task_for_source
 
 ScoreFn = Callable[..., Any]
 
@@ -62,8 +63,6 @@ class RuleScorer:
     def task(self, data_source: str):
         """Return the task that scores ``data_source`` (cached)."""
         if data_source not in self._tasks:
-            from hybridlab.tasks.base import task_for_source
-
             task = task_for_source(data_source)
             task.format_score = self.format_score
             self._tasks[data_source] = task

@@ -16,7 +16,10 @@ from hybridlab.batching import PROMPT_WIDTH, sequences_batch
 from hybridlab.config.schema import RolloutConfig
 from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.protocol import Batch
+from hybridlab.reshard.sources import join_slices
+from hybridlab.workers.rollout.hf_engine import generate_ids
 from hybridlab.workers.rollout.sampling import SamplingConfig, fit_prompts
+from hybridlab.workers.rollout.vllm_engine import close_llm, engine_files, generate, reload_weights, start_llm
 
 BACKENDS = ("vllm", "hf")
 
@@ -48,8 +51,6 @@ class RolloutWorker(Worker):
         self.tp, self.dtype = tp, getattr(torch, dtype)
         self.load_seconds = {"fetch_s": 0.0, "load_s": 0.0}
         if backend == "vllm":
-            from hybridlab.workers.rollout.vllm_engine import start_llm
-
             if tp > 1:
                 self.init_distributed()  # the engines' TP groups are cut from this group's world
             self.llm = start_llm(model_dir, self.context, kv_cache_mb, dtype, seed, tp, prefix_caching)
@@ -65,8 +66,6 @@ class RolloutWorker(Worker):
     def close(self) -> None:
         """Stop the engine and free what it holds outside this process (``/dev/shm`` segments)."""
         if self.backend == "vllm" and getattr(self, "llm", None) is not None:
-            from hybridlab.workers.rollout.vllm_engine import close_llm
-
             close_llm(self.llm)
             self.llm = None
 
@@ -75,7 +74,6 @@ class RolloutWorker(Worker):
         """Return the files this rank's engine keeps outside its process (removed by ``close``)."""
         if self.backend != "vllm":
             return []
-        from hybridlab.workers.rollout.vllm_engine import engine_files
 
         return engine_files()
 
@@ -92,12 +90,8 @@ class RolloutWorker(Worker):
             raise ValueError("generate needs an object field 'prompt_ids' (token-id lists) or 'prompt' (texts)")
         prompts = fit_prompts(ids, cfg.max_tokens, self.context, self.truncate, batch.objects.get("index"))
         if self.backend == "vllm":
-            from hybridlab.workers.rollout.vllm_engine import generate
-
             responses, logprobs = generate(self.llm, prompts, cfg, self.eos_id)
         else:
-            from hybridlab.workers.rollout.hf_engine import generate_ids
-
             responses, logprobs = generate_ids(self.model, prompts, cfg, self.pad_id, self.eos_id)
         repeated = batch.repeat(cfg.n)
         out = sequences_batch([p for p in prompts for _ in range(cfg.n)], responses, self.pad_id,
@@ -148,7 +142,6 @@ class RolloutWorker(Worker):
             if missing:
                 raise KeyError(f"unknown weight names for this model: {missing[:5]}")
             return len(named)
-        from hybridlab.workers.rollout.vllm_engine import reload_weights
 
         return reload_weights(self.llm, named, self.tied)
 
@@ -160,8 +153,6 @@ class RolloutWorker(Worker):
         import time
 
         import ray
-
-        from hybridlab.reshard.sources import join_slices
 
         start = time.perf_counter()
         slices = ray.get([ref for _, ref in parts])

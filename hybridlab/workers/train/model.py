@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from hybridlab.workers.train.convert import ModelSpec
+from hybridlab.controller.worker import Worker
+from hybridlab.workers.train import cpu_compat
+from hybridlab.workers.train.convert import ModelSpec, hf_to_megatron
 
 
 def init_parallel(tp: int, pp: int, seed: int = 0) -> None:
@@ -14,9 +16,6 @@ def init_parallel(tp: int, pp: int, seed: int = 0) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-
-    from hybridlab.controller.worker import Worker
-    from hybridlab.workers.train import cpu_compat
 
     cpu_compat.enable()
     Worker.init_distributed()
@@ -112,8 +111,6 @@ def build_model(spec: ModelSpec, tp: int, pp: int, hf_state: dict[str, torch.Ten
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    from hybridlab.workers.train.convert import hf_to_megatron
 
     config = transformer_config(spec, tp, pp)
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")

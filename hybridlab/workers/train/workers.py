@@ -8,7 +8,10 @@ import torch
 from hybridlab.config.schema import ActorConfig
 from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.protocol import Batch
-from hybridlab.workers.train.engine import LossFn, MegatronEngine, OptimConfig
+from hybridlab.reshard.sources import gather_stage, local_slices, stream_colocated
+from hybridlab.workers.train.checkpoint import merge_state
+from hybridlab.workers.train.convert import hf_to_megatron
+from hybridlab.workers.train.engine import PRECISIONS, LossFn, MegatronEngine, OptimConfig
 
 
 def sft_loss(outputs: dict, micro: dict) -> tuple[torch.Tensor, dict]:
@@ -42,8 +45,6 @@ class TrainWorker(Worker):
         return self.engine.dp_info()
 
     def _gather_stage(self, named: dict[str, torch.Tensor], everyone: bool = False) -> dict[str, torch.Tensor] | None:
-        from hybridlab.reshard.sources import gather_stage
-
         return gather_stage(self.engine, named, everyone)
 
     def _named_params(self) -> dict[str, torch.Tensor]:
@@ -80,8 +81,6 @@ class TrainWorker(Worker):
         optimizer settings (lr, weight decay, clipping, warm-up), keeping the optimizer's moments
         and the schedule's position. ``seed`` is only checked: it is fixed."""
         if precision is not None:
-            from hybridlab.workers.train.engine import PRECISIONS
-
             if precision not in PRECISIONS:
                 raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
             self.engine.precision = precision
@@ -117,9 +116,6 @@ class TrainWorker(Worker):
         the reference and each rank fetches the state from the object store (never a file)."""
         import ray
 
-        from hybridlab.workers.train.checkpoint import merge_state
-        from hybridlab.workers.train.convert import hf_to_megatron
-
         parts = [p for p in ray.get(boxed[0]) if p]
         merged = merge_state(parts)
         eng, ps = self.engine, self.engine.ps
@@ -142,8 +138,6 @@ class TrainWorker(Worker):
                              rng: list[int] | None = None) -> None:
         """Load AdamW moments given in HF layout (any source layout) into this rank's shards,
         with the step counter and the saved RNG state."""
-        from hybridlab.workers.train.convert import hf_to_megatron
-
         ps, eng = self.engine.ps, self.engine
         opt = eng.optimizer
         eng.step_count = step
@@ -175,8 +169,6 @@ class ActorWorker(TrainWorker):
         reference, bytes), else None. The rollout ranks join the slices (``reshard.sources``)."""
         import ray
 
-        from hybridlab.reshard.sources import local_slices
-
         ps = self.engine.ps
         if ps.get_data_parallel_rank() not in dp_ranks:
             return None
@@ -190,8 +182,6 @@ class ActorWorker(TrainWorker):
     def sync_to_colocated(self, role: str, buckets: list[list[str]]) -> dict:
         """Stream the weights, bucket by bucket, into the ``role`` engine of this same process
         (``reshard.sources.stream_colocated``); returns {"bytes", "buckets", "seconds"}."""
-        from hybridlab.reshard.sources import stream_colocated
-
         return stream_colocated(self.engine, buckets, self.peers[role].load_weights)
 
     @register(Dispatch.DP)
