@@ -73,8 +73,8 @@ def cmd_eval(args) -> int:
     from hybridlab.models.zoo import resolve_model
 
     if args.data:
-        from hybridlab.tasks.dataset import load_dataset
         from hybridlab.tasks.base import task_for_source
+        from hybridlab.tasks.dataset import load_dataset
 
         samples = load_dataset(args.data, limit=args.n)
         task = task_for_source(samples[0].data_source)
@@ -106,8 +106,8 @@ def cmd_data(args) -> int:
 def cmd_train(args) -> int:
     """Run RL training from a config (default: GRPO on arith with tiny), or resume a run from
     its latest checkpoint; returns the exit status."""
-    from hybridlab.config import load_config
     from hybridlab.dataflow.session import RLSession
+    from hybridlab.run_config import load_config
 
     ray = dict(ray_address=args.ray_address, ray_temp_dir=args.ray_temp_dir)
     if args.resume:
@@ -187,8 +187,8 @@ def cmd_dashboard(args) -> int:
 
 def cmd_explain(args) -> int:
     """Print the sizes a config implies, its mapping and memory per worker; returns the exit status."""
-    from hybridlab.config import load_config
     from hybridlab.explain import explain
+    from hybridlab.run_config import load_config
 
     overrides = list(args.overrides)
     config = args.config

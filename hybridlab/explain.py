@@ -17,10 +17,11 @@ import dataclasses
 import math
 from pathlib import Path
 
-from hybridlab.config import RunConfig, dataflow_names, default_mapping, validate_config
+from hybridlab.config import RunConfig
 from hybridlab.controller.mapping import DeviceMapping, rank_label
 from hybridlab.dataflow.prompts import load_samples
 from hybridlab.models.zoo import resolve_model
+from hybridlab.run_config import dataflow_names, default_mapping, validate_config
 from hybridlab.workers.train.convert import ModelSpec
 
 # Where each constant comes from.

@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from hybridlab.config import CONFIG_DIR, ConfigError, RunConfig, load_config
+from hybridlab.config import CONFIG_DIR, ConfigError, RunConfig
 from hybridlab.dataflow.graph import Dataflow, DataflowError
-from hybridlab.config import dataflow_names, default_dataflow, roles_needed
 from hybridlab.dataflow.prompts import PROMPT_FIELDS
+from hybridlab.run_config import dataflow_names, default_dataflow, load_config, roles_needed
 
 
 def test_defaults_are_the_grpo_preset():

@@ -165,8 +165,9 @@ def test_serving_off_localhost_needs_panels_login(tmp_path):
 
 
 def test_explain_shows_the_arithmetic_and_refuses_sizes_that_do_not_fit():
-    from hybridlab.config import ConfigError, load_config
+    from hybridlab.config import ConfigError
     from hybridlab.explain import explain
+    from hybridlab.run_config import load_config
 
     cfg = load_config(None, ["data.prompts_per_step=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
                              "actor.micro_batch_size=3", "actor.ppo_epochs=2"])

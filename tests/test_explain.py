@@ -15,9 +15,9 @@ import os
 import subprocess
 import sys
 
-from hybridlab.config import load_config
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.explain import estimate_memory
+from hybridlab.run_config import load_config
 
 PRESET, ROWS, SEQ = "mid", 2, 32
 

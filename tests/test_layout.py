@@ -41,7 +41,9 @@ def _imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
 def import_graph(mods: dict[str, tuple[Path, ast.Module]]) -> dict[str, set[str]]:
     """Return, per hybridlab module, the hybridlab modules it imports (anywhere in its code). A
     name imported from a package that re-exports it from one of its submodules counts as an
-    import of that submodule; a package's own re-exports of its submodules are not edges."""
+    import of that submodule, so a package that re-exports its submodules' names forms no cycle
+    with them; importing a submodule imports its packages too (Python runs their ``__init__``
+    first, and whatever that imports)."""
     def package_of(name: str) -> str:
         return name if mods[name][0].name == "__init__.py" else name.rpartition(".")[0]
 
@@ -65,12 +67,15 @@ def import_graph(mods: dict[str, tuple[Path, ast.Module]]) -> dict[str, set[str]
                     edges.add(target)
                 elif base in mods:
                     edges.add(reexports.get(base, {}).get(alias.name, base) if base != name else base)
-        if path.name == "__init__.py":  # re-exports of its own submodules' names are not edges
-            edges -= {mod for mod in reexports[name].values() if mod.startswith(name + ".") and mod in mods}
-            edges |= {f"{name}.{a.name}" for node in _imports(tree) if isinstance(node, ast.ImportFrom)
-                      and _absolute(node, name, name) == name for a in node.names if f"{name}.{a.name}" in mods}
+        # importing a.b.c runs a/__init__.py and a/b/__init__.py first (those above this module ran already)
+        own = {name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)}
+        edges |= {parent for e in edges for parent in _parents(e) if parent in mods and parent not in own}
         graph[name] = {e for e in edges if e in mods and e != name}
     return graph
+
+
+def _parents(module: str) -> list[str]:
+    return [module.rsplit(".", i)[0] for i in range(1, module.count(".") + 1)]
 
 
 def _absolute(node: ast.ImportFrom, module: str, package: str) -> str:
@@ -124,7 +129,7 @@ def test_the_cycle_check_sees_imports_inside_functions_and_through_packages(tmp_
             "p.a": (Path("p/a.py"), ast.parse("def a_name():\n    from p.b import g\n")),
             "p.b": (Path("p/b.py"), ast.parse("def g():\n    from p import a_name\n"))}
     graph = import_graph(mods)
-    assert graph == {"p": set(), "p.a": {"p.b"}, "p.b": {"p.a"}}
+    assert graph == {"p": {"p.a"}, "p.a": {"p.b"}, "p.b": {"p.a"}}
     assert cycles(graph) == [["p.a", "p.b"]]
     # a registry: the package imports a submodule to register it, which imports the package's API,
     # which imports the package to have the built-ins registered
@@ -132,6 +137,14 @@ def test_the_cycle_check_sees_imports_inside_functions_and_through_packages(tmp_
             "q.api": (Path("q/api.py"), ast.parse("def get():\n    import q\n")),
             "q.builtin": (Path("q/builtin.py"), ast.parse("from q.api import get\n"))}
     assert cycles(import_graph(mods)) == [["q", "q.api", "q.builtin"]]
+    # importing r.schema runs r/__init__.py, which imports r.checks, which imports s.w, which
+    # imports r.schema: a cycle through the package, though no module names r itself
+    mods = {"r": (Path("r/__init__.py"), ast.parse("from r.checks import check\n")),
+            "r.schema": (Path("r/schema.py"), ast.parse("X = 1\n")),
+            "r.checks": (Path("r/checks.py"), ast.parse("from s.w import W\n")),
+            "s": (Path("s/__init__.py"), ast.parse("")),
+            "s.w": (Path("s/w.py"), ast.parse("from r.schema import X\n"))}
+    assert cycles(import_graph(mods)) == [["r", "r.checks", "s.w"]]
 
 
 def test_no_module_over_400_lines():

@@ -119,7 +119,8 @@ def test_none_strings_nan_and_inf_score_error_score_and_are_counted(tiny_dir, tm
 def test_a_bad_reward_function_is_refused_with_the_config_before_any_worker(tmp_path):
     import pytest
 
-    from hybridlab.config import ConfigError, load_config
+    from hybridlab.config import ConfigError
+    from hybridlab.run_config import load_config
 
     module = tmp_path / "bad_reward.py"
     module.write_text("SCORE = 1.0\ndef two_args(a, b):\n    return 1.0\n")

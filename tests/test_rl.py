@@ -353,7 +353,7 @@ def step_with_a_reward_difference(rl, what: str):
 def test_every_policy_loss_preset_steps_through_update_with_finite_loss_and_gradient(rl):
     """The presets of verl's policy losses, switched live on one session (DP 2); each step's
     policy loss and gradient norm are finite and the loss is the preset's."""
-    from hybridlab.config import load_config
+    from hybridlab.run_config import load_config
 
     saved = [f"actor.{k}={json.dumps(getattr(rl.cfg.actor, k))}" for k in LOSS_KEYS] + [
         f"algorithm.adv_estimator={rl.cfg.algorithm.adv_estimator}", f"dataflow={json.dumps(rl.dataflow.names)}",

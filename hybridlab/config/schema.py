@@ -2,7 +2,7 @@
 change of it applies to a running session (``setting``). The defaults are the embedded default
 run: GRPO on ``arith`` with the tiny zoo model after a supervised warm start. How YAML and
 ``key=value`` overrides become a RunConfig is in ``loading.py``; checks across keys in
-``checks.py``.
+``hybridlab/run_config.py``.
 """
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ class RolloutCorrectionConfig:
     rollout's. ``bypass_mode``: the rollout's log-probs are the old ones and the actor's loss
     is ``bypass_mode`` with ``loss_type`` ppo_clip or reinforce."""
     rollout_is: Optional[str] = None    # None (off), "token" or "sequence"
-    rollout_is_threshold: object = 2.0  # a number (truncate) or a "lower_upper" string (IcePop); checked in checks.py
+    rollout_is_threshold: object = 2.0  # a number (truncate) or a "lower_upper" string (IcePop); checked in run_config.py
     rollout_is_batch_normalize: bool = False
     rollout_rs: Optional[str] = None    # comma-separated rejection criteria, e.g. "seq_mean_k1" (Geo-RS)
     rollout_rs_threshold: object = None  # one threshold, or one per criterion ("0.999_1.001,0.05")

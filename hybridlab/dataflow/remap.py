@@ -15,19 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from hybridlab.config import (
-    ConfigError,
-    RunConfig,
-    apply_override,
-    build,
-    dataflow_names,
-    default_mapping,
-    validate_config,
-)
+from hybridlab.config import ConfigError, RunConfig, apply_override, build
 from hybridlab.controller.mapping import DeviceMapping, MappingError
 from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.prompts import PROMPT_FIELDS
 from hybridlab.dataflow.roles import ROLE_SPECS, plan_update, role_classes
+from hybridlab.run_config import dataflow_names, default_mapping, validate_config
 from hybridlab.workers.train.checkpoint import merge_state
 
 if TYPE_CHECKING:

@@ -24,26 +24,27 @@ from transformers import AutoTokenizer
 
 from hybridlab.algos.kl import get_kl_controller
 from hybridlab.atomic import write_json
-from hybridlab.config import RunConfig, dataflow_names, default_mapping, load_config, validate_config
+from hybridlab.config import RunConfig
 from hybridlab.controller.binding import BIND_ENV
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.controller.resources import connect
 from hybridlab.controller.watch import dump_stacks
 from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.dataflow import checkpoints
+from hybridlab.dataflow.ahead import RolloutAhead
 from hybridlab.dataflow.context import BackgroundRun
 from hybridlab.dataflow.edits import StepBoundary
 from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.live import LiveEdits
 from hybridlab.dataflow.prompts import PromptFit, PromptSource, load_samples, tokenize_prompts
 from hybridlab.dataflow.roles import role_classes
-from hybridlab.dataflow.ahead import RolloutAhead
-from hybridlab.dataflow.step import StepResult, Stepping
+from hybridlab.dataflow.step import Stepping, StepResult
 from hybridlab.dataflow.warm_start import warm_start
 from hybridlab.environment import describe, usable_cores
 from hybridlab.explain import explain
 from hybridlab.models.zoo import resolve_model
 from hybridlab.protocol import Batch
+from hybridlab.run_config import dataflow_names, default_mapping, load_config, validate_config
 from hybridlab.telemetry.metrics import MetricsLog
 from hybridlab.telemetry.run import RunTelemetry
 from hybridlab.workers.train.convert import ModelSpec

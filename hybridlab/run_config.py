@@ -1,15 +1,23 @@
-"""Config checks that run before any worker starts, and the defaults derived from a config
-(the dataflow of an algorithm, the all-colocated device mapping). Beside the schema; it
-reads the stage, algorithm and mapping registries, none of which imports the config."""
+"""A RunConfig checked against every part it names, before any worker starts, and the defaults
+derived from one (the dataflow of an algorithm, the all-colocated device mapping).
+
+``load_config(path_or_preset, ["actor.lr=1e-4", ...])`` returns a validated RunConfig; every
+mistake (unknown key, wrong type, impossible size, an unknown stage, estimator, loss, task or
+reward function, a mapping that cannot run) is a ConfigError that names the key and what is
+allowed. The config package below it is a leaf; the registries it asks (stages, algorithms,
+mappings, tasks, rewards) do not import this module.
+"""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import yaml
+
 from hybridlab.algos import ADV_ESTIMATORS, AGG_MODES, KL_PENALTIES, POLICY_LOSSES
 from hybridlab.algos.advantages import ADV_INPUTS
 from hybridlab.algos.rollout_correction import IS_LEVELS, parse_is_threshold, parse_rs
-from hybridlab.config.schema import ConfigError, RunConfig
+from hybridlab.config import ConfigError, RunConfig, apply_override, build, resolve_config_path
 from hybridlab.controller.mapping import ROLES, DeviceMapping
 from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.prompts import PROMPT_FIELDS
@@ -19,6 +27,7 @@ from hybridlab.models.zoo import parse_preset
 from hybridlab.tasks import get_task
 from hybridlab.workers.reward.scoring import load_function
 from hybridlab.workers.rollout.worker import BACKENDS
+
 
 def default_dataflow(cfg: RunConfig) -> list[str]:
     """Return the stage names of the standard step for the config's algorithm and reward."""
@@ -307,3 +316,20 @@ def _model_config(cfg: RunConfig) -> dict | None:
     """The model's config.json when it is a directory (zoo presets pass the head checks by design)."""
     path = Path(cfg.model) / "config.json"
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def load_config(source: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Return the validated RunConfig from a YAML file or preset name (None: the defaults) plus
+    ``key=value`` overrides."""
+    data: dict = {}
+    if source is not None:
+        path = resolve_config_path(source)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    for pair in overrides or []:
+        apply_override(data, pair)
+    cfg = build(RunConfig, data)
+    validate_config(cfg)
+    return cfg
