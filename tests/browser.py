@@ -16,3 +16,9 @@ def chromium() -> str:
             pytest.fail(f"CI is set and {message}")
         pytest.skip(message)
     return path
+
+
+# Headless, no GPU, no network but loopback (Chromium's own background connections are refused
+# here, many at a time), no first-run or update work.
+LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+               "--disable-component-update", "--no-first-run"]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from browser import chromium
+from browser import LAUNCH_ARGS, chromium
 
 from hybridlab.dataflow.session import RLSession
 from hybridlab.telemetry.dashboard import Dashboard
@@ -146,14 +147,12 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
     run = None
     try:
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=browser_path, headless=True,
-                                        args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                                              "--disable-component-update", "--no-first-run"])
+            browser = p.chromium.launch(executable_path=browser_path, headless=True, args=LAUNCH_ARGS)
             page = browser.new_page(viewport={"width": 1400, "height": 1100})
             page.goto(f"http://localhost:{port}/", timeout=60_000)
             first = _status_step(page)
             assert first == rl.step_count
-            run = rl.start_background(10_000)  # until the test stops it: the page follows a run that goes on
+            run = _stepping(rl)  # until the test stops it: the page follows a run that goes on
             deadline = time.time() + 120
             later = first
             while later <= first and time.time() < deadline:
@@ -175,10 +174,32 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
             browser.close()
     finally:
         if run is not None:
-            run.stop()
-            run.wait(600)
+            run()  # stops the stepping and waits for its last step
+            rl.train(1)  # evaluations and a summary, which the tests below read from the run's files
         server.stop()
     assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
+
+
+def _stepping(rl):
+    """Step ``rl`` in a thread, resting 0.5 s after each step; returns the function that stops it
+    and waits for its last step. At full speed on a core shared with the browser, the tiny run
+    left the page no time to answer (a locator, even a screenshot, timed out after 30 s) when
+    the other core was busy too; start_background itself is tested in test_widgets and test_remap."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            rl.step()
+            stop.wait(0.5)
+
+    thread = threading.Thread(target=loop, daemon=True, name="dashboard-test-steps")
+    thread.start()
+
+    def stopped() -> None:
+        stop.set()
+        thread.join(600)
+
+    return stopped
 
 
 def test_a_setting_that_needs_a_role_adds_it_to_the_default_mapping_and_the_dashboard_marks_it(rl):
@@ -369,9 +390,7 @@ def test_the_login_form_works_in_the_browser(rl, tmp_path, monkeypatch):
     try:
         _wait_for_page(f"http://127.0.0.1:{port}/").read()
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=browser_path, headless=True,
-                                        args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                                              "--disable-component-update", "--no-first-run"])
+            browser = p.chromium.launch(executable_path=browser_path, headless=True, args=LAUNCH_ARGS)
             page = browser.new_page()
             page.goto(f"http://127.0.0.1:{port}/", timeout=60_000)
             assert page.locator("canvas").count() == 0
@@ -417,8 +436,7 @@ def test_the_runs_page_lists_the_run_in_the_browser(rl):
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium(), headless=True,
-                                        args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                                              "--disable-component-update", "--no-first-run"])
+                                        args=LAUNCH_ARGS)
             page = browser.new_page()
             page.goto(f"http://localhost:{port}/", timeout=60_000)
             page.get_by_text("last step").first.wait_for(timeout=30_000)  # the table's header

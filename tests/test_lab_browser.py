@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from browser import chromium
+from browser import LAUNCH_ARGS, chromium
 
 pytestmark = pytest.mark.usefixtures("ray_address")  # the notebook's kernel attaches to the run's shared Ray cluster
 
@@ -80,10 +80,7 @@ def test_mapping_editor_in_jupyterlab_applies_a_change_clicked_in_the_browser(la
     browser_path = chromium()
     base, token = lab
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=browser_path, headless=True,
-                                    args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                                          "--disable-background-networking", "--disable-component-update",
-                                          "--no-first-run"])
+        browser = p.chromium.launch(executable_path=browser_path, headless=True, args=LAUNCH_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1400})
         page.goto(f"{base}/lab/tree/03_device_mapping.ipynb?token={token}", timeout=120_000)
         page.wait_for_function("window.jupyterapp && window.jupyterapp.shell.currentWidget"
