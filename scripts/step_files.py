@@ -1,7 +1,7 @@
 """The hybridlab files whose functions run during one RL step of the default run, in the order
 they first run, in the controller and in every worker process (docs/architecture.md).
 
-    .venv/bin/python scripts/step_files.py [--json] [KEY=VALUE ...]
+    .venv/bin/python scripts/step_files.py [--json] [KEY=VALUE ...]   (--json: the last line)
 
 Every Python process of the run (this one, and the Ray workers, which inherit PYTHONPATH from
 the local cluster this script starts) loads ``sitecustomize`` from a temporary folder; it
