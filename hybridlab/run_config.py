@@ -82,6 +82,11 @@ def _choice(problems: list[str], key: str, value, allowed) -> None:
         problems.append(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}")
 
 
+def _positive(problems: list[str], key: str, value) -> None:
+    if not value > 0:
+        problems.append(f"{key}: must be positive, got {value}")
+
+
 def _at_least(problems: list[str], key: str, value, low) -> None:
     if value < low:
         problems.append(f"{key}: must be at least {low}, got {value!r}")
@@ -145,8 +150,7 @@ def _actor_problems(cfg: RunConfig) -> list[str]:
     if a.policy_loss == "dro" and not (a.dro_beta or 0) > 0:
         p.append(f"actor.dro_beta: the dro policy loss needs a positive dro_beta, got {a.dro_beta}")
     for key in ("tau_pos", "tau_neg", "clip_cov_ratio", "kl_cov_ratio"):
-        if not getattr(a, key) > 0:
-            p.append(f"actor.{key}: must be positive, got {getattr(a, key)}")
+        _positive(p, f"actor.{key}", getattr(a, key))
     if a.loss_scale_factor is not None and not a.loss_scale_factor > 0:
         p.append(f"actor.loss_scale_factor: must be a positive number (or null: the padded response length),"
                  f" got {a.loss_scale_factor}")
@@ -188,8 +192,7 @@ def _warm_start_problems(cfg: RunConfig) -> list[str]:
     _at_least(p, "warm_start.warmup_steps", ws.warmup_steps, 0)
     if not 0 < ws.target_accuracy <= 1:
         p.append(f"warm_start.target_accuracy: must be in (0, 1], got {ws.target_accuracy}")
-    if ws.lr <= 0:
-        p.append(f"warm_start.lr: must be positive, got {ws.lr}")
+    _positive(p, "warm_start.lr", ws.lr)
     return p
 
 
@@ -201,10 +204,8 @@ def _trainer_problems(cfg: RunConfig) -> list[str]:
         _at_least(p, f"trainer.{key}", getattr(t, key), 0)
     _at_least(p, "trainer.keep_checkpoints", t.keep_checkpoints, 1)
     _at_least(p, "trainer.max_bad_updates", t.max_bad_updates, 1)
-    if t.call_deadline_floor_s <= 0:
-        p.append(f"trainer.call_deadline_floor_s: must be positive, got {t.call_deadline_floor_s}")
-    if t.max_minutes <= 0:
-        p.append(f"trainer.max_minutes: must be positive, got {t.max_minutes}")
+    _positive(p, "trainer.call_deadline_floor_s", t.call_deadline_floor_s)
+    _positive(p, "trainer.max_minutes", t.max_minutes)
     return p
 
 
