@@ -9,6 +9,7 @@ mappings, tasks, rewards) do not import this module.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -82,14 +83,21 @@ def _choice(problems: list[str], key: str, value, allowed) -> None:
         problems.append(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}")
 
 
-def _positive(problems: list[str], key: str, value) -> None:
-    if not value > 0:
-        problems.append(f"{key}: must be positive, got {value}")
+def _setting(cfg: RunConfig, key: str):
+    """Return the value of the dotted ``key`` of ``cfg``."""
+    return functools.reduce(getattr, key.split("."), cfg)
 
 
-def _at_least(problems: list[str], key: str, value, low) -> None:
-    if value < low:
-        problems.append(f"{key}: must be at least {low}, got {value!r}")
+def _positive(problems: list[str], cfg: RunConfig, *keys: str) -> None:
+    for key in keys:
+        if not (value := _setting(cfg, key)) > 0:
+            problems.append(f"{key}: must be positive, got {value}")
+
+
+def _at_least(problems: list[str], cfg: RunConfig, low, *keys: str) -> None:
+    for key in keys:
+        if (value := _setting(cfg, key)) < low:
+            problems.append(f"{key}: must be at least {low}, got {value!r}")
 
 
 def validate_config(cfg: RunConfig) -> None:
@@ -109,10 +117,8 @@ def _rollout_problems(cfg: RunConfig) -> list[str]:
     _choice(p, "rollout.dtype", r.dtype, ("float32", "bfloat16"))
     if r.prefix_caching and r.backend != "vllm":
         p.append(f"rollout.prefix_caching: needs rollout.backend=vllm (the {r.backend} backend has no prefix cache)")
-    _at_least(p, "rollout.n", r.n, 1)
-    _at_least(p, "rollout.max_new_tokens", r.max_new_tokens, 1)
-    _at_least(p, "rollout.temperature", r.temperature, 0.0)
-    _at_least(p, "rollout.top_k", r.top_k, 0)
+    _at_least(p, cfg, 1, "rollout.n", "rollout.max_new_tokens")
+    _at_least(p, cfg, 0, "rollout.temperature", "rollout.top_k")
     if not 0 < r.top_p <= 1:
         p.append(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
     return p
@@ -149,8 +155,7 @@ def _actor_problems(cfg: RunConfig) -> list[str]:
     _choice(p, "critic.loss_agg_mode", cfg.critic.loss_agg_mode, AGG_MODES)
     if a.policy_loss == "dro" and not (a.dro_beta or 0) > 0:
         p.append(f"actor.dro_beta: the dro policy loss needs a positive dro_beta, got {a.dro_beta}")
-    for key in ("tau_pos", "tau_neg", "clip_cov_ratio", "kl_cov_ratio"):
-        _positive(p, f"actor.{key}", getattr(a, key))
+    _positive(p, cfg, "actor.tau_pos", "actor.tau_neg", "actor.clip_cov_ratio", "actor.kl_cov_ratio")
     if a.loss_scale_factor is not None and not a.loss_scale_factor > 0:
         p.append(f"actor.loss_scale_factor: must be a positive number (or null: the padded response length),"
                  f" got {a.loss_scale_factor}")
@@ -162,17 +167,11 @@ def _actor_problems(cfg: RunConfig) -> list[str]:
 
 def _size_problems(cfg: RunConfig) -> list[str]:
     p: list[str] = []
-    a, c, data = cfg.actor, cfg.critic, cfg.data
-    for key, value in (("data.prompts_per_step", data.prompts_per_step), ("data.train_samples", data.train_samples),
-                       ("data.test_samples", data.test_samples), ("trainer.steps", cfg.trainer.steps),
-                       ("trainer.devices", cfg.trainer.devices), ("actor.ppo_epochs", a.ppo_epochs),
-                       ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
-                       ("actor.micro_batch_size", a.micro_batch_size),
-                       ("critic.ppo_mini_batch_size", c.ppo_mini_batch_size),
-                       ("critic.micro_batch_size", c.micro_batch_size)):
-        _at_least(p, key, value, 1)
-    _at_least(p, "actor.micro_batch_tokens", a.micro_batch_tokens, 0)
-    _at_least(p, "critic.micro_batch_tokens", c.micro_batch_tokens, 0)
+    data = cfg.data
+    _at_least(p, cfg, 1, "data.prompts_per_step", "data.train_samples", "data.test_samples", "trainer.steps",
+              "trainer.devices", "actor.ppo_epochs", "actor.ppo_mini_batch_size", "actor.micro_batch_size",
+              "critic.ppo_mini_batch_size", "critic.micro_batch_size")
+    _at_least(p, cfg, 0, "actor.micro_batch_tokens", "critic.micro_batch_tokens")
     uses_critic = any(n in ("values", "update_critic") for n in dataflow_names(cfg))
     for section in ("actor", "critic") if uses_critic else ("actor",):
         mini = getattr(cfg, section).ppo_mini_batch_size
@@ -185,27 +184,21 @@ def _size_problems(cfg: RunConfig) -> list[str]:
 def _warm_start_problems(cfg: RunConfig) -> list[str]:
     p: list[str] = []
     ws = cfg.warm_start
-    _at_least(p, "warm_start.max_steps", ws.max_steps, 0)
-    for key, value in (("warm_start.eval_every", ws.eval_every), ("warm_start.eval_samples", ws.eval_samples),
-                       ("warm_start.batch_size", ws.batch_size)):
-        _at_least(p, key, value, 1)
-    _at_least(p, "warm_start.warmup_steps", ws.warmup_steps, 0)
+    _at_least(p, cfg, 0, "warm_start.max_steps", "warm_start.warmup_steps")
+    _at_least(p, cfg, 1, "warm_start.eval_every", "warm_start.eval_samples", "warm_start.batch_size")
     if not 0 < ws.target_accuracy <= 1:
         p.append(f"warm_start.target_accuracy: must be in (0, 1], got {ws.target_accuracy}")
-    _positive(p, "warm_start.lr", ws.lr)
+    _positive(p, cfg, "warm_start.lr")
     return p
 
 
 def _trainer_problems(cfg: RunConfig) -> list[str]:
     p: list[str] = []
-    t = cfg.trainer
-    _at_least(p, "trainer.max_staleness", t.max_staleness, 1)
-    for key in ("eval_every", "save_every", "max_restarts", "spare_processes", "call_deadline_s"):
-        _at_least(p, f"trainer.{key}", getattr(t, key), 0)
-    _at_least(p, "trainer.keep_checkpoints", t.keep_checkpoints, 1)
-    _at_least(p, "trainer.max_bad_updates", t.max_bad_updates, 1)
-    _positive(p, "trainer.call_deadline_floor_s", t.call_deadline_floor_s)
-    _positive(p, "trainer.max_minutes", t.max_minutes)
+    _at_least(p, cfg, 1, "trainer.max_staleness")
+    _at_least(p, cfg, 0, "trainer.eval_every", "trainer.save_every", "trainer.max_restarts", "trainer.spare_processes",
+              "trainer.call_deadline_s")
+    _at_least(p, cfg, 1, "trainer.keep_checkpoints", "trainer.max_bad_updates")
+    _positive(p, cfg, "trainer.call_deadline_floor_s", "trainer.max_minutes")
     return p
 
 
