@@ -276,7 +276,7 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-def config_fields(cls: type = None, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:
+def config_fields(cls: type | None = None, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:
     """Return every field of the config (default: RunConfig) by dotted key, sections first and
     then their fields, in declaration order."""
     out = []
