@@ -65,6 +65,7 @@ def files_in(window: tuple[float, float], trace_dir: Path) -> dict[str, list[str
 
 
 def main(argv: list[str]) -> int:
+    """Run the measurement and print it (a line per file, or one JSON object with --json); returns 0."""
     as_json = "--json" in argv
     overrides = SMALL + [a for a in argv if a != "--json"]
     trace_dir = Path(tempfile.mkdtemp(prefix="step-files-"))
