@@ -34,7 +34,7 @@ def cmd_zoo(args) -> int:
         for name in zoo.PRESETS:
             for arch in zoo.ARCHS:
                 full = name if arch == "qwen2" else f"{name}-{arch}"
-                print(f"{full:12s} {arch:6s} {zoo.count_parameters(full) / 1e6:6.2f}M parameters")
+                print(f"{full:14s} {arch:8s} {zoo.count_parameters(full) / 1e6:6.2f}M parameters")
         return 0
     out = zoo.build(args.preset, args.out, seed=args.seed)
     print(out)

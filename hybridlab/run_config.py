@@ -24,6 +24,7 @@ from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.prompts import PROMPT_FIELDS
 from hybridlab.dataflow.stages import STAGES, get_stage, rollout_log_probs_inexact, wants_sum_pi_squared
 from hybridlab.errors import UserError
+from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import parse_preset
 from hybridlab.tasks import get_task
 from hybridlab.workers.reward.scoring import load_function
@@ -285,11 +286,15 @@ def _dp_problems(cfg: RunConfig, mapping) -> list[str]:
 
 
 def _check_data_and_model(cfg: RunConfig, p: list[str]) -> None:
-    if not Path(cfg.model).is_dir():
-        try:
+    try:
+        if not Path(cfg.model).is_dir():
             parse_preset(cfg.model)
-        except UserError as exc:
-            p.append(f"model: {exc}")
+        elif not (Path(cfg.model) / "config.json").is_file():
+            p.append(f"model: {cfg.model} is not a Hugging Face checkpoint directory (no config.json)")
+        else:  # an architecture or a setting the Megatron build does not reproduce
+            ModelSpec.from_hf(cfg.model)
+    except UserError as exc:
+        p.append(f"model: {exc}")
     if cfg.reward.model and not Path(cfg.reward.model).is_dir():
         p.append(f"reward.model: no checkpoint directory {cfg.reward.model!r}")
     for key in ("train_files", "test_files"):

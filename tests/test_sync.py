@@ -11,7 +11,7 @@ from hybridlab.reshard.plan import RolloutLayout, TrainerLayout, buckets
 from hybridlab.reshard.transfer import sync_weights
 from hybridlab.tasks import get_task
 from hybridlab.workers.train import checkpoint
-from hybridlab.workers.train.convert import ModelSpec
+from hybridlab.models.spec import ModelSpec
 from hybridlab.workers.rollout.worker import RolloutWorker
 from hybridlab.workers.train.workers import ActorWorker
 

@@ -9,7 +9,8 @@ from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.errors import UserError
 from hybridlab.models.zoo import resolve_model
 from hybridlab.workers.train import checkpoint
-from hybridlab.workers.train.convert import ModelSpec, hf_to_megatron, load_hf_state, megatron_to_hf
+from hybridlab.models.spec import ModelSpec
+from hybridlab.workers.train.convert import hf_to_megatron, load_hf_state, megatron_to_hf
 from hybridlab.workers.train.workers import ActorWorker, CriticWorker, RefWorker
 
 OPTIM = {"lr": 1e-3, "grad_clip": 1.0}
@@ -92,7 +93,7 @@ def test_a_critic_state_without_the_lm_head_converts_for_untied_models():
         hf_to_megatron(critic_state, spec, 1, 0, 1, 0)
 
 
-def test_impossible_layouts_and_architectures_are_rejected_before_launch(tmp_path):
+def test_impossible_layouts_are_rejected_before_launch(tmp_path):
     spec = ModelSpec.from_hf(resolve_model("tiny"))
     with pytest.raises(UserError, match="4 attention heads are not divisible by tp=3"):
         spec.check_layout(3, 1)
@@ -100,8 +101,6 @@ def test_impossible_layouts_and_architectures_are_rejected_before_launch(tmp_pat
         spec.check_layout(4, 1)
     with pytest.raises(UserError, match="4 layers are not divisible by pp=3"):
         spec.check_layout(1, 3)
-    with pytest.raises(UserError, match="unsupported architecture 'gpt2'; supported: qwen2, llama"):
-        ModelSpec.from_hf({"model_type": "gpt2"})
 
 
 RESULTS: dict = {}  # weights after one step, per layout, compared by the last tests

@@ -46,8 +46,11 @@ def test_preset_sizes(name, low, high):
 
 
 def test_unknown_preset_lists_presets():
-    with pytest.raises(UserError, match="presets are: tiny, tiny-llama, small"):
+    with pytest.raises(UserError, match=r"a zoo name is a preset \(tiny, small, mid\), optionally with a family"
+                                        r" \(-llama, -llama3, -qwen3, -mistral; without one: qwen2\)"):
         zoo.resolve_model("huge")
+    with pytest.raises(UserError, match="unknown zoo model 'tiny-gpt2'"):
+        zoo.resolve_model("tiny-gpt2")
     with pytest.raises(UserError, match="does not exist"):
         zoo.resolve_model("./no/such/dir")
 

@@ -22,7 +22,7 @@ from hybridlab.reshard.transfer import sync_weights
 from hybridlab.tasks import get_task
 from hybridlab.workers.rollout.worker import RolloutWorker
 from hybridlab.workers.train import checkpoint
-from hybridlab.workers.train.convert import ModelSpec
+from hybridlab.models.spec import ModelSpec
 from hybridlab.workers.train.workers import ActorWorker
 
 GREEDY = {"temperature": 0, "max_tokens": 4}

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 from hybridlab.batching import PROMPT_WIDTH
 from hybridlab.errors import UserError
+from hybridlab.models.spec import ModelSpec
 from hybridlab.protocol import Batch
 from hybridlab.tasks import Sample, get_task
 from hybridlab.tasks.dataset import load_dataset
@@ -27,18 +29,21 @@ def load_samples(cfg, split: str) -> list:
 class PromptFit:
     """How long a prompt may be: the model's context minus the tokens generated after it."""
 
-    def __init__(self, context: int, max_new_tokens: int, truncate: bool = False):
+    def __init__(self, context: int, max_new_tokens: int, truncate: bool = False, windowed: bool = False):
         self.context, self.max_new_tokens, self.truncate = context, max_new_tokens, truncate
         self.room = context - max_new_tokens
+        self.what = "sliding window" if windowed else "context"
 
     @classmethod
-    def of(cls, cfg, model_dir) -> "PromptFit":
-        """Return the limits of a run: its model's context, rollout.max_new_tokens, data.truncate_prompts."""
-        import json
-        from pathlib import Path
-
-        context = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
-        return cls(context, cfg.rollout.max_new_tokens, cfg.data.truncate_prompts)
+    def of(cls, cfg, model: "str | Path | PromptFit") -> "PromptFit":
+        """Return the limits of a run: its model's context (a sliding window when shorter: the
+        training attention is exact within it; ``model`` a checkpoint directory or an earlier
+        fit of it), rollout.max_new_tokens, data.truncate_prompts."""
+        if not isinstance(model, PromptFit):
+            spec = ModelSpec.from_hf(model)
+            model = cls(spec.context, 0, windowed=spec.context < spec.max_positions)
+        return cls(model.context, cfg.rollout.max_new_tokens, cfg.data.truncate_prompts,
+                   windowed=model.what == "sliding window")
 
 
 def tokenize_prompts(samples: list[Sample], tokenizer, fit: PromptFit | None = None) -> list[list[int]]:
@@ -60,7 +65,7 @@ def tokenize_prompts(samples: list[Sample], tokenizer, fit: PromptFit | None = N
             if not fit.truncate:
                 raise UserError(
                     f"{where}: the prompt has {len(ids)} tokens, more than the {fit.room} that fit (the model's"
-                    f" context of {fit.context} minus rollout.max_new_tokens={fit.max_new_tokens}); shorten it, or"
+                    f" {fit.what} of {fit.context} minus rollout.max_new_tokens={fit.max_new_tokens}); shorten it, or"
                     f" set data.truncate_prompts=true to keep its last {fit.room} tokens")
             ids = ids[-fit.room:]
         out.append(ids)

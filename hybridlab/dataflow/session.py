@@ -47,7 +47,7 @@ from hybridlab.protocol import Batch
 from hybridlab.run_config import dataflow_names, default_mapping, load_config, validate_config
 from hybridlab.telemetry.metrics import MetricsLog
 from hybridlab.telemetry.run import RunTelemetry
-from hybridlab.workers.train.convert import ModelSpec
+from hybridlab.models.spec import ModelSpec
 
 
 class RLSession(Stepping, LiveEdits):
@@ -109,7 +109,7 @@ class RLSession(Stepping, LiveEdits):
         model_dir = Path(resolve_model(self.cfg.model))
         # every prompt is checked (empty, not tokenizable, too long) before Ray or a warm start
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.context = PromptFit.of(self.cfg, model_dir).context
+        self._model_fit = PromptFit.of(self.cfg, model_dir)  # its context; the settings may change live
         self.prompts = PromptSource(load_samples(self.cfg, "train"), self.tokenizer, self.cfg.data.prompts_per_step,
                                     seed=self.cfg.data.seed, fit=self._prompt_fit())
         self.test_samples = load_samples(self.cfg, "test")
@@ -156,7 +156,7 @@ class RLSession(Stepping, LiveEdits):
 
     def _prompt_fit(self) -> PromptFit:
         """Return how long a prompt may be under the current settings."""
-        return PromptFit(self.context, self.cfg.rollout.max_new_tokens, self.cfg.data.truncate_prompts)
+        return PromptFit.of(self.cfg, self._model_fit)
 
     def _run_record(self, model_dir: Path) -> dict:
         """Return the telemetry's first record: the run, its mapping, and the config explained

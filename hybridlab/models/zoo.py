@@ -1,4 +1,4 @@
-"""The local model zoo: small Qwen2- and Llama-style checkpoints built from a seed.
+"""The local model zoo: small Qwen2/3-, Llama- and Mistral-style checkpoints built from a seed.
 
 Nothing is downloaded. ``build`` trains a byte-level BPE tokenizer on task text and
 initialises a model with ``torch.manual_seed(seed)``, then saves an ordinary Hugging Face
@@ -16,7 +16,10 @@ from hybridlab.atomic import atomic_model_dir, built_once, check_model_dir_targe
 from hybridlab.errors import UserError
 from hybridlab.tasks import get_task
 
-ARCHS = ("qwen2", "llama")
+# Zoo names: a preset, then a family: tiny (Qwen2), tiny-llama, tiny-llama3 (Llama with Llama 3's
+# rope scaling), tiny-qwen3 (QK-norm, head_dim twice hidden/heads as Qwen3-0.6B), tiny-mistral
+# (a sliding window of half the context).
+ARCHS = ("qwen2", "llama", "llama3", "qwen3", "mistral")
 VOCAB_SIZE = 320  # divisible by 64, so any TP up to 64 splits the vocabulary evenly
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
 # Qwen2's pre-tokenizer split: every digit stands alone, so numbers are digit sequences.
@@ -53,9 +56,9 @@ def parse_preset(name: str) -> tuple[str, str]:
     preset, _, arch = name.partition("-")
     arch = arch or "qwen2"
     if preset not in PRESETS or arch not in ARCHS:
-        names = [f"{p}{'' if a == 'qwen2' else '-' + a}" for p in PRESETS for a in ARCHS]
-        raise UserError(f"unknown zoo model {name!r}; presets are: {', '.join(names)}"
-                        " (or give the path of a local Hugging Face checkpoint directory)")
+        raise UserError(f"unknown zoo model {name!r}; a zoo name is a preset ({', '.join(PRESETS)}), optionally"
+                        f" with a family ({', '.join('-' + a for a in ARCHS[1:])}; without one: qwen2), e.g."
+                        " tiny-qwen3 (or give the path of a local Hugging Face checkpoint directory)")
     return preset, arch
 
 
@@ -88,7 +91,7 @@ def train_tokenizer(seed: int = 0):
 
 def model_config(preset: str, arch: str):
     """Return the transformers config of a zoo preset in the given architecture."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     p = PRESETS[preset]
     common = dict(vocab_size=VOCAB_SIZE, hidden_size=p.hidden, intermediate_size=p.intermediate,
@@ -97,7 +100,15 @@ def model_config(preset: str, arch: str):
                   pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.02)
     if arch == "qwen2":  # Qwen2: QKV bias, tied embeddings (as the small Qwen2 models)
         return Qwen2Config(tie_word_embeddings=True, **common)
-    return LlamaConfig(tie_word_embeddings=False, attention_bias=False, mlp_bias=False, **common)
+    if arch == "qwen3":
+        return Qwen3Config(tie_word_embeddings=True, head_dim=2 * p.hidden // p.heads, **common)
+    if arch == "mistral":
+        return MistralConfig(tie_word_embeddings=False, sliding_window=p.max_positions // 2, **common)
+    # Llama 3's rope scaling with a short original context, so that it changes most frequencies
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64} if arch == "llama3" else None
+    return LlamaConfig(tie_word_embeddings=False, attention_bias=False, mlp_bias=False, rope_parameters=rope,
+                       **common)
 
 
 def build(name: str, out: str | os.PathLike, seed: int = 0) -> Path:

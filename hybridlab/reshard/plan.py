@@ -1,6 +1,6 @@
 """The resharding plan: which slices of which tensors each rollout rank needs, from where.
 
-Both Megatron and vLLM shard every tensor of a Qwen2/Llama model as a contiguous range of
+Both Megatron and vLLM shard every tensor of a Qwen2/3, Llama or Mistral model as a contiguous range of
 its HF form along one dimension (rows of q/k/v/gate/up/embeddings/lm_head, columns of o/down;
 norms whole). So a plan is interval arithmetic: for each rollout rank and tensor, the range it
 needs, cut into pieces by the trainer ranks that hold them. Pure functions, no processes.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
-from hybridlab.workers.train.convert import ModelSpec
+from hybridlab.models.spec import ModelSpec
 
 ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
 COL_SPLIT = ("o_proj", "down_proj")
@@ -98,6 +98,8 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
                        p + "self_attn.o_proj.weight": (h, spec.heads * d),
                        p + "mlp.gate_proj.weight": (spec.intermediate, h), p + "mlp.up_proj.weight": (spec.intermediate, h),
                        p + "mlp.down_proj.weight": (h, spec.intermediate)})
+        if spec.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
         if spec.qkv_bias:
             shapes.update({p + f"self_attn.{x}_proj.bias": ((spec.heads if x == "q" else spec.kv_heads) * d,)
                            for x in "qkv"})

@@ -15,7 +15,7 @@ import time
 from collections import defaultdict
 
 from hybridlab.reshard.plan import RolloutLayout, TrainerLayout, buckets, hf_shapes, plan_reshard
-from hybridlab.workers.train.convert import ModelSpec
+from hybridlab.models.spec import ModelSpec
 
 
 @dataclasses.dataclass

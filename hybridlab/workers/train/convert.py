@@ -1,4 +1,4 @@
-"""Hugging Face (Qwen2 / Llama) <-> megatron-core weights, for any TP x PP layout.
+"""Hugging Face (Qwen2/3, Llama, Mistral) <-> megatron-core weights, for any TP x PP layout.
 
 Megatron's local layer spec fuses QKV per key/value group as [q heads of the group; k; v] and
 fc1 as [gate; up] *per TP shard*, keeps norms as separate modules, and numbers each pipeline
@@ -10,78 +10,12 @@ same way, which is what makes checkpoints layout-independent.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from hybridlab.errors import UserError
-
-SUPPORTED = ("qwen2", "llama")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """The architecture facts the conversion and the model builder need."""
-
-    arch: str
-    vocab_size: int
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    eps: float
-    rope_theta: float
-    tied: bool
-    qkv_bias: bool
-    max_positions: int
-
-    @classmethod
-    def from_hf(cls, config: Any) -> "ModelSpec":
-        """Return the spec of an HF config object, dict, or checkpoint directory."""
-        if isinstance(config, (str, Path)):
-            config = json.loads((Path(config) / "config.json").read_text())
-        get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-        arch = get("model_type")
-        if arch not in SUPPORTED:
-            raise UserError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED)}")
-        if get("rope_scaling"):
-            raise UserError("rope_scaling is not supported yet by the Megatron converter")
-        heads = get("num_attention_heads")
-        hidden = get("hidden_size")
-        rope = get("rope_parameters") or {}
-        return cls(arch=arch, vocab_size=get("vocab_size"), hidden=hidden, layers=get("num_hidden_layers"),
-                   heads=heads, kv_heads=get("num_key_value_heads") or heads,
-                   head_dim=get("head_dim") or hidden // heads, intermediate=get("intermediate_size"),
-                   eps=get("rms_norm_eps"), rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
-                   tied=bool(get("tie_word_embeddings", False)),
-                   qkv_bias=arch == "qwen2" or bool(get("attention_bias", False)),
-                   max_positions=get("max_position_embeddings"))
-
-    def layout_problems(self, tp: int, pp: int) -> list[str]:
-        """Return why this model cannot run at tp x pp (empty if it can)."""
-        out = []
-        if self.heads % tp:
-            out.append(f"{self.heads} attention heads are not divisible by tp={tp}")
-        if self.kv_heads % tp:
-            out.append(f"{self.kv_heads} key/value heads are not divisible by tp={tp}")
-        if self.vocab_size % tp:
-            out.append(f"the vocabulary of {self.vocab_size} is not divisible by tp={tp}")
-        if self.intermediate % tp:
-            out.append(f"the MLP width {self.intermediate} is not divisible by tp={tp}")
-        if self.layers % pp:
-            out.append(f"{self.layers} layers are not divisible by pp={pp}")
-        return out
-
-    def check_layout(self, tp: int, pp: int) -> None:
-        """Raise UserError if the model cannot be split tp x pp."""
-        problems = self.layout_problems(tp, pp)
-        if problems:
-            raise UserError(f"cannot split this {self.arch} model as tp={tp}, pp={pp}: " + "; ".join(problems))
-
+from hybridlab.models.spec import ModelSpec
 
 def _stage_layers(spec: ModelSpec, pp: int, pp_rank: int) -> range:
     per = spec.layers // pp
@@ -127,6 +61,9 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], spec: ModelSpec, tp: int, tp_ran
             out[dst + "self_attention.linear_qkv.bias"] = shard(_fuse_qkv(
                 spec, hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"]), 0)
         out[dst + "self_attention.linear_proj.weight"] = shard(hf[attn + "o_proj.weight"], 1)
+        if spec.qk_norm:  # one [head_dim] weight shared by every head: whole on each TP rank
+            out[dst + "self_attention.q_layernorm.weight"] = hf[attn + "q_norm.weight"].clone()
+            out[dst + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"].clone()
         out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"].clone()
         mlp = src + "mlp."
         out[dst + "mlp.linear_fc1.weight"] = torch.cat(
@@ -169,6 +106,8 @@ def megatron_to_hf(shards: list[dict[str, torch.Tensor]], spec: ModelSpec, pp: i
             out[dst + "mlp.up_proj.weight"] = torch.cat([u for _, u in fc1])
         for mega, hf, dim in (("input_layernorm.weight", "input_layernorm.weight", None),
                               ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", None),
+                              ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight", None),
+                              ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight", None),
                               ("self_attention.linear_proj.weight", "self_attn.o_proj.weight", 1),
                               ("mlp.linear_fc2.weight", "mlp.down_proj.weight", 1)):
             if src + mega in have:
@@ -197,6 +136,8 @@ def megatron_names(spec: ModelSpec, pp: int, pp_rank: int, hf_names: list[str]) 
             mapped = {"input_layernorm.weight": "input_layernorm.weight",
                       "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
                       "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+                      "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+                      "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
                       "mlp.down_proj.weight": "mlp.linear_fc2.weight"}.get(part)
             if mapped is None and part.startswith("self_attn."):
                 mapped = "self_attention.linear_qkv." + part.rsplit(".", 1)[1]

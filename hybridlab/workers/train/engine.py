@@ -19,7 +19,8 @@ import torch
 
 from hybridlab.workers.train import cpu_compat  # noqa: F401  (filters megatron's import warnings)
 from hybridlab.workers.train import packing
-from hybridlab.workers.train.convert import ModelSpec, load_hf_state
+from hybridlab.models.spec import ModelSpec
+from hybridlab.workers.train.convert import load_hf_state
 from hybridlab.workers.train.model import build_model, init_parallel
 
 # loss_fn(outputs, micro) -> (loss, metrics). outputs holds log_probs and entropy (actor) or
@@ -303,6 +304,12 @@ class MegatronEngine:
                 shared = self.model.shared_embedding_or_output_weight()
                 if shared is not None and shared.grad is not None:
                     dist.all_reduce(shared.grad, group=ps.get_embedding_group())
+        if self.spec.qk_norm and ps.get_tensor_model_parallel_world_size() > 1:
+            # Each TP rank normalises only its own heads with the shared q/k norm weights, so
+            # each holds a part of their gradient (as megatron's finalize_model_grads sums).
+            for name, p in self.model.named_parameters():
+                if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
         # Losses are shares of the global mini-batch loss, so DP gradients add up (no mean).
         if ps.get_data_parallel_world_size() > 1 and params:
             flat = _flatten_dense_tensors([p.grad for p in params])

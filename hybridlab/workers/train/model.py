@@ -5,7 +5,8 @@ import torch
 
 from hybridlab.controller.worker import Worker
 from hybridlab.workers.train import cpu_compat
-from hybridlab.workers.train.convert import ModelSpec, hf_to_megatron
+from hybridlab.models.spec import ModelSpec, rope_inv_freq
+from hybridlab.workers.train.convert import hf_to_megatron
 
 
 def init_parallel(tp: int, pp: int, seed: int = 0) -> None:
@@ -32,7 +33,7 @@ def init_parallel(tp: int, pp: int, seed: int = 0) -> None:
 
 
 def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32):
-    """Return the megatron-core TransformerConfig matching an HF Qwen2/Llama model."""
+    """Return the megatron-core TransformerConfig matching an HF model of a supported family."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -43,7 +44,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = t
         gated_linear_unit=True, activation_func=F.silu, hidden_dropout=0.0, attention_dropout=0.0,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=dtype,
+        qk_layernorm=spec.qk_norm, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=dtype,
         pipeline_dtype=dtype, use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=False, rotary_interleaved=False, attention_softmax_in_fp32=True,
         bf16=dtype == torch.bfloat16)
@@ -113,13 +114,16 @@ def build_model(spec: ModelSpec, tp: int, pp: int, hf_state: dict[str, torch.Ten
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(spec, tp, pp)
-    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     layer_spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
     model = GPTModel(config=config, transformer_layer_spec=layer_spec,
                      vocab_size=spec.vocab_size, max_sequence_length=spec.max_positions,
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                      parallel_output=True, share_embeddings_and_output_weights=spec.tied and not value_head,
                      position_embedding_type="rope", rotary_base=int(spec.rope_theta))
+    inv_freq = rope_inv_freq(spec)  # scaled RoPE (llama3, linear): transformers' frequencies
+    if inv_freq is not None:
+        model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq)
     state = hf_to_megatron(hf_state, spec, tp, ps.get_tensor_model_parallel_rank(), pp,
                            ps.get_pipeline_model_parallel_rank())
     if value_head:

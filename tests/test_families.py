@@ -1,0 +1,158 @@
+"""The model families users bring (Qwen3, Llama 3, Mistral) on Megatron, checked against
+transformers; every config setting the build would not reproduce is refused by name."""
+import json
+
+import pytest
+import torch
+
+from hybridlab.controller.group import RoleClass
+from hybridlab.errors import UserError
+from hybridlab.models.spec import ModelSpec, rope_inv_freq
+from hybridlab.models.zoo import model_config, resolve_model
+from hybridlab.workers.train.convert import load_hf_state
+from hybridlab.workers.train.workers import ActorWorker
+from tests.test_train import BATCH, OPTIM, gathered, hf_logprobs, session_for
+
+
+def config_of(name: str, **changes) -> dict:
+    """The config.json dict of a zoo family (tiny), with changes."""
+    return {**json.loads(model_config("tiny", name).to_json_string()), **changes}
+
+
+@pytest.mark.parametrize("changes,named", [
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"mlp_bias": True}, "mlp_bias=true"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
+    ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
+    # transformers 5 writes the scaling under rope_parameters with rope_scaling null
+    ({"rope_scaling": None, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                "original_max_position_embeddings": 128}}, "rope type 'yarn'"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor=0.5"),
+])
+def test_every_setting_the_build_does_not_reproduce_is_refused_by_name(changes, named):
+    with pytest.raises(UserError, match="this llama checkpoint cannot be converted to Megatron: .*" + named.replace(
+            "(", r"\(")):
+        ModelSpec.from_hf(config_of("llama", **changes))
+
+
+def test_qwen2_keeps_its_qkv_bias_and_a_qwen3_layer_type_is_named():
+    assert ModelSpec.from_hf(config_of("qwen2", attention_bias=True)).qkv_bias
+    with pytest.raises(UserError, match="layer_types 'chunked_attention'"):
+        ModelSpec.from_hf(config_of("qwen3", layer_types=["full_attention", "chunked_attention"] * 2))
+    with pytest.raises(UserError, match="unsupported architecture 'gpt2': hybridlab converts llama, mistral, qwen2, "
+                                        "qwen3 checkpoints"):
+        ModelSpec.from_hf({"model_type": "gpt2"})
+
+
+def test_llama3_rope_reads_either_spelling_and_equals_transformers_frequencies():
+    """The Llama 3 scaling of the zoo's tiny-llama3 (original length 64, not megatron's fixed
+    8,192) from `rope_parameters` and from the older `rope_scaling`: one spec, and frequencies
+    equal to those of transformers' own Llama rotary embedding."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    new = config_of("llama3")
+    rope = dict(new["rope_parameters"])
+    old = {**new, "rope_parameters": None, "rope_theta": rope.pop("rope_theta"), "rope_scaling": rope}
+    spec = ModelSpec.from_hf(new)
+    assert ModelSpec.from_hf(old) == spec and dict(spec.rope)["original_max_position_embeddings"] == 64
+    reference = LlamaRotaryEmbedding(model_config("tiny", "llama3")).inv_freq
+    assert torch.equal(rope_inv_freq(spec), reference)
+    plain = 1.0 / (500000.0 ** (torch.arange(0, 32, 2).float() / 32))
+    assert (reference - plain).abs().max() > 1e-3  # the scaling changes them
+
+
+def test_mistral_context_is_its_sliding_window_and_qwen_windows_follow_use_sliding_window():
+    assert ModelSpec.from_hf(config_of("mistral")).context == 256
+    assert ModelSpec.from_hf(config_of("mistral", sliding_window=None)).context == 512
+    assert ModelSpec.from_hf(config_of("qwen3", sliding_window=128)).context == 512  # use_sliding_window false
+    windowed = config_of("qwen3", sliding_window=128, use_sliding_window=True, max_window_layers=2)
+    windowed.pop("layer_types")
+    assert ModelSpec.from_hf(windowed).context == 128
+
+
+TRAINED_AT_TP2: dict = {}  # weights after one step, compared with other layouts by the last test
+
+
+@pytest.fixture(scope="module")
+def families(ray_local):
+    return {name: str(resolve_model(f"tiny-{name}")) for name in ("qwen3", "llama3", "mistral")}
+
+
+def logprob_gap(model_dir, lp) -> float:
+    mask = BATCH["response_mask"].bool()
+    return (lp.double() - hf_logprobs(model_dir, BATCH))[mask].abs().max().item()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3", "mistral"])
+def test_tp2_logprobs_equal_transformers_before_and_after_a_step(families, name, tmp_path):
+    """Both directions: the checkpoint converted into two TP shards gives transformers'
+    log-probs; after one step the shards converted back into an HF checkpoint give the trained
+    shards' log-probs in transformers."""
+    from hybridlab.workers.train import checkpoint
+
+    model_dir = families[name]
+    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=model_dir, tp=2, optim=OPTIM,
+                                                         micro_batch_size=4))}
+    with session_for(roles, tp=2) as s:
+        actor = s.groups["actor"]
+        assert logprob_gap(model_dir, actor.compute_log_prob(BATCH)["old_log_probs"]) < 1e-5
+        actor.sft_step(BATCH)
+        trained = actor.compute_log_prob(BATCH)["old_log_probs"]
+        TRAINED_AT_TP2[name] = gathered(actor)
+        out = checkpoint.export_hf(actor, model_dir, tmp_path / name)
+    assert logprob_gap(out, trained) < 1e-5
+    assert max((a - load_hf_state(model_dir)[k]).abs().max() for k, a in load_hf_state(out).items()) > 5e-4
+
+
+def test_qwen3_pp2_logprobs_and_step_equal_tp1(families):
+    """QK-norm and tied embeddings split over two pipeline stages: transformers' log-probs, and
+    the step's weights equal those of one stage (the tied embedding's gradient from both) and
+    of two TP ranks (each holds part of the shared q/k norms' gradient)."""
+    qwen3 = families["qwen3"]
+    results = {}
+    for pp in (2, 1):
+        roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=qwen3, pp=pp, optim=OPTIM,
+                                                             micro_batch_size=4))}
+        with session_for(roles, pp=pp) as s:
+            assert logprob_gap(qwen3, s.groups["actor"].compute_log_prob(BATCH)["old_log_probs"]) < 1e-5
+            s.groups["actor"].sft_step(BATCH)
+            results[pp] = gathered(s.groups["actor"])
+    for other in (results[2], TRAINED_AT_TP2["qwen3"]):
+        assert max((other[k] - results[1][k]).abs().max() for k in results[1]) < 1e-4
+
+
+def test_an_unconverted_architecture_or_setting_stops_the_config_before_any_worker(tmp_path):
+    from hybridlab.config import ConfigError
+    from hybridlab.run_config import load_config
+
+    for name, config in (("gpt2", {"model_type": "gpt2", "n_layer": 2}),
+                         ("yarn", config_of("qwen3", rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                                     "rope_theta": 1e4}))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="model: unsupported architecture 'gpt2': hybridlab converts llama, mistral"):
+        load_config(overrides=[f"model={tmp_path / 'gpt2'}"])
+    with pytest.raises(ConfigError, match="model: this qwen3 checkpoint cannot be converted to Megatron: rope type"
+                                          " 'yarn' \\(supported: default, linear, llama3\\)"):
+        load_config(overrides=[f"model={tmp_path / 'yarn'}"])
+
+
+def test_a_prompt_past_mistrals_sliding_window_is_named(families):
+    """Within its window, windowed attention is full attention: a run's prompt plus its response
+    must fit the window, and a longer prompt is refused naming the window, not the context."""
+    from transformers import AutoTokenizer
+
+    from hybridlab.dataflow.prompts import PromptFit, tokenize_prompts
+    from hybridlab.run_config import load_config
+    from hybridlab.tasks import Sample
+
+    cfg = load_config(overrides=[f"model={families['mistral']}", "rollout.max_new_tokens=200"])
+    fit = PromptFit.of(cfg, families["mistral"])
+    assert (fit.context, fit.room) == (256, 56)
+    tokenizer = AutoTokenizer.from_pretrained(families["mistral"])
+    with pytest.raises(UserError, match="more than the 56 that fit \\(the model's sliding window of 256 minus"
+                                        " rollout.max_new_tokens=200\\)"):
+        tokenize_prompts([Sample(prompt="1+2=" * 40, ground_truth="3", data_source="arith")], tokenizer, fit)
