@@ -156,3 +156,44 @@ def test_a_prompt_past_mistrals_sliding_window_is_named(families):
     with pytest.raises(UserError, match="more than the 56 that fit \\(the model's sliding window of 256 minus"
                                         " rollout.max_new_tokens=200\\)"):
         tokenize_prompts([Sample(prompt="1+2=" * 40, ground_truth="3", data_source="arith")], tokenizer, fit)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3", "mistral"])
+def test_vllm_greedy_tokens_after_steps_and_a_sync_equal_transformers(families, name, tmp_path):
+    """Steps on the actor, the weights resharded into a colocated vLLM engine: its greedy
+    tokens equal transformers' on the same weights (exported), and differ from before."""
+    from hybridlab.controller.mapping import DeviceMapping
+    from hybridlab.controller.worker_set import WorkerSet
+    from hybridlab.reshard.plan import RolloutLayout, TrainerLayout
+    from hybridlab.reshard.transfer import sync_weights
+    from hybridlab.workers.rollout.worker import RolloutWorker
+    from hybridlab.workers.train import checkpoint
+    from tests.test_sync import GREEDY, hf_greedy
+
+    model_dir = families[name]
+    mapping = DeviceMapping.from_dict({"pools": {"p": {"devices": 1}},
+                                       "roles": {"actor": {"pool": "p", "colocate": "hybrid"},
+                                                 "rollout": {"pool": "p", "colocate": "hybrid"}}})
+    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=model_dir, optim={"lr": 2e-2})),
+             "rollout": RoleClass(RolloutWorker, kwargs=dict(model_dir=model_dir, max_model_len=64))}
+    from transformers import AutoTokenizer
+
+    from hybridlab.protocol import Batch
+    from hybridlab.tasks import get_task
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = Batch(objects={"prompt_ids": [tokenizer(s.prompt, add_special_tokens=False).input_ids
+                                            for s in get_task("arith").split("test", 8)]})
+    with WorkerSet(mapping, roles, timeout=300) as s:
+        actor, rollout = s.groups["actor"], s.groups["rollout"]
+        before = rollout.generate(prompts, GREEDY)["responses"]
+        for _ in range(4):  # a sharper model than random init: greedy choices without near-ties
+            actor.sft_step(BATCH)
+        sync_weights(actor, rollout, ModelSpec.from_hf(model_dir), TrainerLayout(), RolloutLayout())
+        after = rollout.generate(prompts, GREEDY)
+        exported = checkpoint.export_hf(actor, model_dir, tmp_path / name)
+    assert torch.equal(after["responses"], hf_greedy(exported, prompts))
+    assert not torch.equal(after["responses"], before)
+    # and the engine's log-probs are transformers' on the exported weights (every tensor synced)
+    mask = after["response_mask"].bool()
+    assert (after["rollout_log_probs"].double() - hf_logprobs(exported, after))[mask].abs().max() < 1e-4
