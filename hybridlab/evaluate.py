@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+from hybridlab.models.chat import prompt_ids
+from hybridlab.models.stops import model_stop_ids
 from hybridlab.tasks import Sample, Task
 from hybridlab.workers.rollout.hf_engine import generate_ids
 from hybridlab.workers.rollout.sampling import SamplingConfig
@@ -19,15 +21,17 @@ def load_hf(model_dir):
     return model, tokenizer
 
 
-def greedy_texts(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, batch_size: int = 256) -> list[str]:
-    """Return each prompt's greedy response, decoded up to end-of-sequence without special tokens."""
+def greedy_texts(model, tokenizer, prompts: Sequence[list[int]], max_new_tokens: int,
+                 batch_size: int = 256) -> list[str]:
+    """Return each prompt's (token ids) greedy response, decoded up to the checkpoint's first end
+    id (any it lists, as the rollout stops) without special tokens."""
     model.eval()
     cfg = SamplingConfig(temperature=0, max_tokens=max_new_tokens)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stops = model_stop_ids(model, tokenizer)
     out: list[str] = []
     for start in range(0, len(prompts), batch_size):
-        ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts[start:start + batch_size]]
-        responses, _ = generate_ids(model, ids, cfg, pad, tokenizer.eos_token_id)
+        responses, _ = generate_ids(model, list(prompts[start:start + batch_size]), cfg, pad, stops)
         out += [tokenizer.decode(r, skip_special_tokens=True) for r in responses]
     return out
 
@@ -35,7 +39,7 @@ def greedy_texts(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, 
 def accuracy(model, tokenizer, task: Task, samples: Sequence[Sample], max_new_tokens: int = 16) -> dict:
     """Return ``{"accuracy", "n", "seconds", "examples"}`` of greedy decoding on ``samples``."""
     start = time.perf_counter()
-    responses = greedy_texts(model, tokenizer, [s.prompt for s in samples], max_new_tokens)
+    responses = greedy_texts(model, tokenizer, [prompt_ids(tokenizer, s) for s in samples], max_new_tokens)
     correct = [task.check(r, s.ground_truth)[0] for r, s in zip(responses, samples)]
     examples = [{"prompt": s.prompt, "response": r, "correct": c}
                 for s, r, c in list(zip(samples, responses, correct))[:5]]

@@ -20,9 +20,9 @@ from pathlib import Path
 from hybridlab.config import RunConfig
 from hybridlab.controller.mapping import DeviceMapping, rank_label
 from hybridlab.dataflow.prompts import load_samples
+from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import resolve_model
 from hybridlab.run_config import dataflow_names, default_mapping, validate_config
-from hybridlab.models.spec import ModelSpec
 
 # Where each constant comes from.
 # - The runtime bases (``*_mb``): resident memory of a worker process beyond what the model adds:

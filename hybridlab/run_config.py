@@ -295,6 +295,9 @@ def _check_data_and_model(cfg: RunConfig, p: list[str]) -> None:
             ModelSpec.from_hf(cfg.model)
     except UserError as exc:
         p.append(f"model: {exc}")
+    template = cfg.data.chat_template
+    if template and "{" not in template and not Path(template).expanduser().is_file():
+        p.append(f"data.chat_template: no file {template!r} (give a template file or the Jinja template itself)")
     if cfg.reward.model and not Path(cfg.reward.model).is_dir():
         p.append(f"reward.model: no checkpoint directory {cfg.reward.model!r}")
     for key in ("train_files", "test_files"):

@@ -25,6 +25,8 @@ from tqdm.auto import tqdm
 from hybridlab.atomic import atomic_model_dir
 from hybridlab.errors import UserError
 from hybridlab.evaluate import accuracy
+from hybridlab.models.chat import as_chat, prompt_ids
+from hybridlab.models.stops import end_of_response, model_stop_ids
 from hybridlab.tasks import Sample, Task
 
 
@@ -43,6 +45,7 @@ class SFTConfig:
     target_accuracy: Optional[float] = None   # stop once held-out greedy accuracy reaches this
     eval_every: int = 25                      # steps between held-out checks (with a target)
     eval_samples: int = 200                   # held-out training prompts for the check
+    chat: bool = False                        # prompts as one user message in the chat template
 
     def validate(self) -> None:
         """Raise UserError naming the first field with an impossible value."""
@@ -75,15 +78,16 @@ def held_out_accuracy(model, tokenizer, task: Task, held_out: list[Sample]) -> f
     return accuracy(model, tokenizer, task, held_out, max_new_tokens=longest + 1)["accuracy"]
 
 
-def encode_examples(tokenizer, samples: list[Sample]) -> list[tuple[list[int], int]]:
-    """Return (token ids of prompt+answer+eos, prompt length) for each sample."""
+def encode_examples(tokenizer, samples: list[Sample], end: int) -> list[tuple[list[int], int]]:
+    """Return (token ids of prompt+answer+``end``, prompt length) for each sample (chat prompts
+    rendered with the template, as the rollout sees them)."""
     out = []
     for s in samples:
         if not s.answer:
             raise UserError(f"sample {s.prompt!r} has no worked answer to train on")
-        prompt = tokenizer(s.prompt, add_special_tokens=False).input_ids
+        prompt = prompt_ids(tokenizer, s)
         answer = tokenizer(s.answer, add_special_tokens=False).input_ids
-        out.append((prompt + answer + [tokenizer.eos_token_id], len(prompt)))
+        out.append((prompt + answer + [end], len(prompt)))
     return out
 
 
@@ -134,7 +138,9 @@ def train(model, tokenizer, task: Task, cfg: SFTConfig, progress: bool = True,
     cfg.validate()
     torch.manual_seed(cfg.seed)
     train_samples, held_out = held_out_split(task, cfg)
-    examples = encode_examples(tokenizer, train_samples)
+    if cfg.chat:
+        train_samples, held_out = as_chat(train_samples), as_chat(held_out)
+    examples = encode_examples(tokenizer, train_samples, end_of_response(tokenizer, model_stop_ids(model, tokenizer)))
     checks: list[dict] = []
 
     def check(step: int) -> float:

@@ -1,9 +1,8 @@
 """The resharding planner: every rollout rank gets exactly its shard, from ranks that hold it."""
 import pytest
 
-from hybridlab.reshard.plan import (ReshardPlan, RolloutLayout, TrainerLayout, hf_shapes, plan_reshard,
-                                    split_dim)
 from hybridlab.models.spec import ModelSpec
+from hybridlab.reshard.plan import ReshardPlan, RolloutLayout, TrainerLayout, hf_shapes, plan_reshard, split_dim
 
 SPEC = ModelSpec(arch="qwen2", vocab_size=320, hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32,
                  intermediate=256, eps=1e-6, rope_theta=1e4, tied=True, qkv_bias=True, max_positions=512)

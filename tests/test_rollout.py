@@ -167,7 +167,7 @@ def test_a_cpu_engine_traces_none_of_vllms_compiled_helpers(tiny_dir):
     torch._dynamo.utils.counters.clear()
     llm = vllm_engine.start_llm(str(tiny_dir), 64, 32, "float32", 0)
     try:
-        responses, logprobs = vllm_engine.generate(llm, [[5, 6, 7]], SamplingConfig(max_tokens=4, n=2), None)
+        responses, logprobs = vllm_engine.generate(llm, [[5, 6, 7]], SamplingConfig(max_tokens=4, n=2, ignore_eos=True), [])
     finally:
         vllm_engine.close_llm(llm)
         torch._dynamo.config.disable = before

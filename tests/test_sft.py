@@ -32,7 +32,7 @@ def test_sft_learns_addition(trained, tiny_dir):
 def test_collate_masks_prompt_and_padding(tiny_dir):
     _, tok = load_hf(tiny_dir)
     task = get_task("arith")
-    examples = sft.encode_examples(tok, task.split("train", 2))
+    examples = sft.encode_examples(tok, task.split("train", 2), end=tok.eos_token_id)
     batch = sft.collate(examples, tok.pad_token_id)
     for row, (ids, prompt_len) in enumerate(examples):
         labels = batch["labels"][row].tolist()
@@ -71,7 +71,7 @@ def test_cli_sft_then_eval_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["zoo", "build", "huge", "--out", "x"], "unknown zoo model 'huge'; presets are: tiny"),
+    (["zoo", "build", "huge", "--out", "x"], "unknown zoo model 'huge'; a zoo name is a preset (tiny, small, mid)"),
     (["sft", "--task", "sudoku", "--out", "x"], "unknown task 'sudoku'; choose one of: arith"),
     (["sft", "--task", "arith", "--task-opt", "digits", "--out", "x"], "must look like key=value"),
     (["sft", "--task", "arith", "--out", "x", "--steps", "0"], "sft steps must be at least 1"),

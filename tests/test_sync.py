@@ -6,13 +6,13 @@ from hybridlab.controller.group import RoleClass, WorkerError
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.evaluate import load_hf
+from hybridlab.models.spec import ModelSpec
 from hybridlab.protocol import Batch
 from hybridlab.reshard.plan import RolloutLayout, TrainerLayout, buckets
 from hybridlab.reshard.transfer import sync_weights
 from hybridlab.tasks import get_task
-from hybridlab.workers.train import checkpoint
-from hybridlab.models.spec import ModelSpec
 from hybridlab.workers.rollout.worker import RolloutWorker
+from hybridlab.workers.train import checkpoint
 from hybridlab.workers.train.workers import ActorWorker
 
 GREEDY = {"temperature": 0, "max_tokens": 6}

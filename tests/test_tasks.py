@@ -143,13 +143,13 @@ def test_prompts_are_checked_with_the_row_named_and_long_ones_refused_or_left_tr
 
 
 def test_a_session_refuses_bad_prompts_before_ray_starts(tmp_path, tiny_dir, monkeypatch):
-    from hybridlab.controller import resources
+    from hybridlab.dataflow import session as session_module
     from hybridlab.dataflow.session import RLSession
 
     def reached(**_):  # an earlier module's cluster may still be up, so the call itself is watched
         raise AssertionError("the session reached Ray before it checked the prompts")
 
-    monkeypatch.setattr(resources, "connect", reached)
+    monkeypatch.setattr(session_module, "connect", reached)  # the name the session calls
     path = tmp_path / "train.jsonl"
     write_rows(path, ["1+1=", "2+2=", ""])
     rl = RLSession(None, [f"model={tiny_dir}", f"data.train_files={path}", "warm_start.max_steps=0",

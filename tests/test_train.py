@@ -7,9 +7,9 @@ from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.errors import UserError
+from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import resolve_model
 from hybridlab.workers.train import checkpoint
-from hybridlab.models.spec import ModelSpec
 from hybridlab.workers.train.convert import hf_to_megatron, load_hf_state, megatron_to_hf
 from hybridlab.workers.train.workers import ActorWorker, CriticWorker, RefWorker
 

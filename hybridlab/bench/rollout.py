@@ -51,9 +51,9 @@ def run(model: str = "mid", prompts: int = 64, max_new_tokens: int = 128, prompt
 
     torch.set_num_threads(threads)
     llm = vllm_engine.start_llm(model_dir, 512, kv_cache_mb, "float32", 0)
-    vllm_engine.generate(llm, ids[:2], SamplingConfig(max_tokens=4), None)   # warm-up
+    vllm_engine.generate(llm, ids[:2], SamplingConfig(max_tokens=4), [])   # warm-up
     t = time.perf_counter()
-    responses, _ = vllm_engine.generate(llm, ids, cfg, None)
+    responses, _ = vllm_engine.generate(llm, ids, cfg, [])
     vllm_s = time.perf_counter() - t
     generated["vllm"] = sum(len(r) for r in responses)
     llm.llm_engine.engine_core.shutdown()
@@ -64,7 +64,7 @@ def run(model: str = "mid", prompts: int = 64, max_new_tokens: int = 128, prompt
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     t = time.perf_counter()
-    responses, _ = hf_engine.generate_ids(hf, ids, cfg, 0, None)
+    responses, _ = hf_engine.generate_ids(hf, ids, cfg, 0, [])
     hf_s = time.perf_counter() - t
     generated["hf"] = sum(len(r) for r in responses)
     out["hf_tokens_per_s"] = round(generated["hf"] / hf_s, 1)

@@ -15,6 +15,7 @@ from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.controller.resources import connect
 from hybridlab.controller.worker_set import WorkerSet
+from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import resolve_model
 from hybridlab.protocol import Batch
 from hybridlab.reshard.plan import RolloutLayout, TrainerLayout, plan_reshard
@@ -22,7 +23,6 @@ from hybridlab.reshard.transfer import sync_weights
 from hybridlab.tasks import get_task
 from hybridlab.workers.rollout.worker import RolloutWorker
 from hybridlab.workers.train import checkpoint
-from hybridlab.models.spec import ModelSpec
 from hybridlab.workers.train.workers import ActorWorker
 
 GREEDY = {"temperature": 0, "max_tokens": 4}

@@ -98,7 +98,10 @@ def apply_override(data: dict, pair: str) -> None:
         raise ConfigError(f"override {pair!r} must look like key=value, e.g. actor.lr=1e-4")
     key, raw = pair.split("=", 1)
     key = verl_key(key.strip())
-    value = yaml.safe_load(raw) if raw.strip() else None
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:  # text YAML cannot read (a Jinja chat template): a string, the field's type decides
+        value = raw
     node, cls, parts = data, RunConfig, key.strip().split(".")
     for i, part in enumerate(parts):
         fields = {f.name: f for f in dataclasses.fields(cls)} if cls else {}

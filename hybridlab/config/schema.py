@@ -11,7 +11,6 @@ import typing
 from pathlib import Path
 from typing import Any, Optional
 
-
 from hybridlab.errors import UserError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -71,6 +70,12 @@ class DataConfig:
     prompts_per_step: int = 32
     seed: int = 0
     truncate_prompts: bool = False      # keep the last tokens of a prompt too long for the context (else refused)
+    # a task's prompts as one user message, rendered with the model's chat template (datasets
+    # whose prompt column holds chat messages are rendered so whatever this says)
+    chat: bool = setting(False, change="fixed", why="the prompts and the warm start are prepared when the run starts")
+    # a chat template (a file, or the Jinja text) for a model whose tokenizer has none, or to replace its own
+    chat_template: Optional[str] = setting(None, change="fixed",
+                                           why="the prompts and the warm start are prepared when the run starts")
 
 
 @dataclasses.dataclass

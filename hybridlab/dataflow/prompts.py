@@ -6,6 +6,7 @@ from pathlib import Path
 
 from hybridlab.batching import PROMPT_WIDTH
 from hybridlab.errors import UserError
+from hybridlab.models.chat import as_chat, prompt_ids
 from hybridlab.models.spec import ModelSpec
 from hybridlab.protocol import Batch
 from hybridlab.tasks import Sample, get_task
@@ -23,7 +24,8 @@ def load_samples(cfg, split: str) -> list:
     if cfg.data.train_files and split == "test":
         return []
 
-    return get_task(cfg.data.task, **cfg.data.task_options).split(split, n, seed=cfg.data.seed)
+    samples = get_task(cfg.data.task, **cfg.data.task_options).split(split, n, seed=cfg.data.seed)
+    return as_chat(samples) if cfg.data.chat else samples
 
 
 class PromptFit:
@@ -56,7 +58,7 @@ def tokenize_prompts(samples: list[Sample], tokenizer, fit: PromptFit | None = N
         if not isinstance(sample.prompt, str) or not sample.prompt:
             raise UserError(f"{where}: the prompt is empty; every row needs a prompt to generate from")
         try:
-            ids = tokenizer(sample.prompt, add_special_tokens=False).input_ids
+            ids = prompt_ids(tokenizer, sample)
         except Exception as exc:  # e.g. a lone surrogate (invalid Unicode) in the text
             raise UserError(f"{where}: the prompt cannot be tokenized ({type(exc).__name__}: {exc})") from None
         if not ids:

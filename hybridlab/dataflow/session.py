@@ -42,12 +42,13 @@ from hybridlab.dataflow.step import Stepping, StepResult
 from hybridlab.dataflow.warm_start import warm_start
 from hybridlab.environment import describe, usable_cores
 from hybridlab.explain import explain
+from hybridlab.models.chat import check_chat, use_template
+from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import resolve_model
 from hybridlab.protocol import Batch
 from hybridlab.run_config import dataflow_names, default_mapping, load_config, validate_config
 from hybridlab.telemetry.metrics import MetricsLog
 from hybridlab.telemetry.run import RunTelemetry
-from hybridlab.models.spec import ModelSpec
 
 
 class RLSession(Stepping, LiveEdits):
@@ -108,11 +109,12 @@ class RLSession(Stepping, LiveEdits):
         devices = sum(p.devices for p in self.mapping.pools.values())
         model_dir = Path(resolve_model(self.cfg.model))
         # every prompt is checked (empty, not tokenizable, too long) before Ray or a warm start
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = use_template(AutoTokenizer.from_pretrained(model_dir), self.cfg.data.chat_template)
         self._model_fit = PromptFit.of(self.cfg, model_dir)  # its context; the settings may change live
-        self.prompts = PromptSource(load_samples(self.cfg, "train"), self.tokenizer, self.cfg.data.prompts_per_step,
+        train, self.test_samples = load_samples(self.cfg, "train"), load_samples(self.cfg, "test")
+        check_chat(self.tokenizer, train + self.test_samples, model_dir)
+        self.prompts = PromptSource(train, self.tokenizer, self.cfg.data.prompts_per_step,
                                     seed=self.cfg.data.seed, fit=self._prompt_fit())
-        self.test_samples = load_samples(self.cfg, "test")
         tokenize_prompts(self.test_samples, self.tokenizer, self._prompt_fit())
         try:
             connect(address=self._ray["address"], temp_dir=self._ray["temp_dir"], min_gpus=devices)

@@ -10,6 +10,7 @@ from hybridlab import sft
 from hybridlab.atomic import write_json
 from hybridlab.config import RunConfig
 from hybridlab.evaluate import load_hf
+from hybridlab.models.chat import use_template
 from hybridlab.tasks import get_task
 
 
@@ -24,11 +25,12 @@ def warm_start(cfg: RunConfig, run_dir: Path, base: Path, emit: Callable[[str, d
     if (out / "config.json").is_file():  # resumed run directory: reuse
         return out, json.loads(info_path.read_text()) if info_path.is_file() else None
     model, tokenizer = load_hf(base)
+    use_template(tokenizer, cfg.data.chat_template)  # saved with the checkpoint: the workers render with it
     task = get_task(cfg.data.task, **cfg.data.task_options)
     sft_cfg = sft.SFTConfig(steps=ws.max_steps, max_seconds=float("inf"), lr=ws.lr, batch_size=ws.batch_size,
                             warmup_steps=min(ws.warmup_steps, ws.max_steps // 5), seed=cfg.trainer.seed,
                             target_accuracy=ws.target_accuracy, eval_every=ws.eval_every,
-                            eval_samples=ws.eval_samples)
+                            eval_samples=ws.eval_samples, chat=cfg.data.chat)
     emit("phase", {"phase": "warm start", "step": 0, "max_steps": ws.max_steps})
 
     def on_check(step: int, accuracy: float) -> None:

@@ -21,7 +21,13 @@ from hybridlab.tasks import get_task
 # (a sliding window of half the context).
 ARCHS = ("qwen2", "llama", "llama3", "qwen3", "mistral")
 VOCAB_SIZE = 320  # divisible by 64, so any TP up to 64 splits the vocabulary evenly
-SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")  # ids 0 to 4
+END_OF_TURN = 4  # <|im_end|>: the chat template ends each turn with it, and generation stops there
+# ChatML, as Qwen's: chat data runs on zoo models (data.chat=true or chat-message datasets)
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Part of the cache folder's name: a zoo build of another version is not reused.
+ZOO_VERSION = 2
 # Qwen2's pre-tokenizer split: every digit stands alone, so numbers are digit sequences.
 _SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -86,7 +92,7 @@ def train_tokenizer(seed: int = 0):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(tokenizer_corpus(seed), trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", unk_token="<pad>",
-                                   eos_token="</s>", model_max_length=512)
+                                   eos_token="</s>", model_max_length=512, chat_template=CHAT_TEMPLATE)
 
 
 def model_config(preset: str, arch: str):
@@ -125,7 +131,7 @@ def build(name: str, out: str | os.PathLike, seed: int = 0) -> Path:
         torch.manual_seed(seed)
         config = model_config(preset, arch)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=[2, END_OF_TURN], pad_token_id=0)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return Path(out)
@@ -145,7 +151,7 @@ def resolve_model(spec: str | os.PathLike, seed: int = 0) -> Path:
     if os.sep in spec or spec.startswith("."):
         raise UserError(f"model path {spec} does not exist")
     preset, arch = parse_preset(spec)
-    cached = home() / "zoo" / f"{preset}-{arch}-seed{seed}"
+    cached = home() / "zoo" / f"{preset}-{arch}-seed{seed}-v{ZOO_VERSION}"
     return built_once(cached, lambda: build(spec, cached, seed=seed))
 
 

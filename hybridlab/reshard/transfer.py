@@ -14,8 +14,8 @@ import dataclasses
 import time
 from collections import defaultdict
 
-from hybridlab.reshard.plan import RolloutLayout, TrainerLayout, buckets, hf_shapes, plan_reshard
 from hybridlab.models.spec import ModelSpec
+from hybridlab.reshard.plan import RolloutLayout, TrainerLayout, buckets, hf_shapes, plan_reshard
 
 
 @dataclasses.dataclass

@@ -127,8 +127,9 @@ def _quiet_partial_reload_warnings() -> None:
             logger.addFilter(_not_partial_reload_warning)
 
 
-def generate(llm, prompts: list[list[int]], cfg: SamplingConfig, eos_id: int | None):
-    """Return (responses, log-probs): one token list and one float list per sample, n per prompt."""
+def generate(llm, prompts: list[list[int]], cfg: SamplingConfig, stop_ids: list[int]):
+    """Return (responses, log-probs): one token list and one float list per sample, n per prompt,
+    each ending at the first of ``stop_ids`` (the checkpoint's end ids) or ``cfg.stop_token_ids``."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -136,7 +137,9 @@ def generate(llm, prompts: list[list[int]], cfg: SamplingConfig, eos_id: int | N
         # the weights may have changed since the last call: their KV must not be reused
         raise RuntimeError("vLLM could not empty its prefix cache (blocks still held by unfinished requests)")
     params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0,
-                            max_tokens=cfg.max_tokens, stop_token_ids=cfg.stop_token_ids, seed=cfg.seed,
+                            max_tokens=cfg.max_tokens, seed=cfg.seed,
+                            # vLLM adds its own end ids; these make it stop exactly where the hf backend does
+                            stop_token_ids=None if cfg.ignore_eos else [*stop_ids, *(cfg.stop_token_ids or [])],
                             logprobs=0, detokenize=False, ignore_eos=cfg.ignore_eos)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     responses, logprobs = [], []

@@ -15,6 +15,7 @@ import torch
 from hybridlab.batching import PROMPT_WIDTH, sequences_batch
 from hybridlab.config.schema import RolloutConfig
 from hybridlab.controller.worker import Dispatch, Worker, register
+from hybridlab.models.stops import checkpoint_stop_ids
 from hybridlab.protocol import Batch
 from hybridlab.reshard.sources import join_slices
 from hybridlab.workers.rollout.hf_engine import generate_ids
@@ -46,7 +47,7 @@ class RolloutWorker(Worker):
         self.model_dir, self.backend, self.truncate = model_dir, backend, truncate_prompts
         self.context = max_model_len or config["max_position_embeddings"]
         self.pad_id = config.get("pad_token_id") or 0
-        self.eos_id = config.get("eos_token_id")
+        self.stop_ids = checkpoint_stop_ids(model_dir, self.tokenizer)  # where every path ends a response
         self.tied = bool(config.get("tie_word_embeddings", False))
         self.tp, self.dtype = tp, getattr(torch, dtype)
         self.load_seconds = {"fetch_s": 0.0, "load_s": 0.0}
@@ -90,9 +91,9 @@ class RolloutWorker(Worker):
             raise ValueError("generate needs an object field 'prompt_ids' (token-id lists) or 'prompt' (texts)")
         prompts = fit_prompts(ids, cfg.max_tokens, self.context, self.truncate, batch.objects.get("index"))
         if self.backend == "vllm":
-            responses, logprobs = generate(self.llm, prompts, cfg, self.eos_id)
+            responses, logprobs = generate(self.llm, prompts, cfg, self.stop_ids)
         else:
-            responses, logprobs = generate_ids(self.model, prompts, cfg, self.pad_id, self.eos_id)
+            responses, logprobs = generate_ids(self.model, prompts, cfg, self.pad_id, self.stop_ids)
         repeated = batch.repeat(cfg.n)
         out = sequences_batch([p for p in prompts for _ in range(cfg.n)], responses, self.pad_id,
                               response_len=cfg.max_tokens, prompt_len=batch.meta.get(PROMPT_WIDTH))

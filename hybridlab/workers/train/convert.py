@@ -17,6 +17,7 @@ import torch
 from hybridlab.errors import UserError
 from hybridlab.models.spec import ModelSpec
 
+
 def _stage_layers(spec: ModelSpec, pp: int, pp_rank: int) -> range:
     per = spec.layers // pp
     return range(pp_rank * per, (pp_rank + 1) * per)

@@ -17,9 +17,9 @@ from typing import Callable
 
 import torch
 
+from hybridlab.models.spec import ModelSpec
 from hybridlab.workers.train import cpu_compat  # noqa: F401  (filters megatron's import warnings)
 from hybridlab.workers.train import packing
-from hybridlab.models.spec import ModelSpec
 from hybridlab.workers.train.convert import load_hf_state
 from hybridlab.workers.train.model import build_model, init_parallel
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from hybridlab.controller.worker import Worker
-from hybridlab.workers.train import cpu_compat
 from hybridlab.models.spec import ModelSpec, rope_inv_freq
+from hybridlab.workers.train import cpu_compat
 from hybridlab.workers.train.convert import hf_to_megatron
 
 

@@ -1,0 +1,53 @@
+"""Chat prompts: a sample's messages rendered with the tokenizer's chat template, as verl does.
+
+A prompt given as chat messages (a dataset's ``prompt`` column holding ``{"role", "content"}``
+dicts, or a task's prompt with ``data.chat=true``) becomes the template's text with the
+generation prompt, tokenized without extra special tokens; those ids are what the rollout and
+the trainer see. A plain-text prompt is tokenized as it is.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hybridlab.errors import UserError
+from hybridlab.tasks import Sample
+
+
+def as_chat(samples: list[Sample]) -> list[Sample]:
+    """Return the samples with each prompt given as one user message (a task's chat form)."""
+    return [Sample(s.prompt, s.ground_truth, s.data_source, s.answer,
+                   {**s.extra_info, "messages": [{"role": "user", "content": s.prompt}]}, s.origin)
+            for s in samples]
+
+
+def prompt_ids(tokenizer: Any, sample: Sample) -> list[int]:
+    """Return the token ids of a sample's prompt: its messages rendered with the chat template
+    and the generation prompt, or its text."""
+    messages = sample.extra_info.get("messages")
+    if messages is None:
+        return tokenizer(sample.prompt, add_special_tokens=False).input_ids
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def use_template(tokenizer: Any, template: str | None) -> Any:
+    """Give ``tokenizer`` the run's chat template (a file's path or the template itself; None
+    keeps the model's own); returns the tokenizer."""
+    if template:
+        path = Path(template).expanduser()
+        tokenizer.chat_template = path.read_text() if "{" not in template and path.is_file() else template
+    return tokenizer
+
+
+def check_chat(tokenizer: Any, samples: list[Sample], model_dir: str | Path) -> None:
+    """Raise UserError naming the data (file and row) when chat prompts meet a tokenizer without
+    a chat template."""
+    if tokenizer.chat_template:
+        return
+    chat = next((s for s in samples if s.extra_info.get("messages") is not None), None)
+    if chat is not None:
+        where = chat.origin or "the task's prompts (data.chat=true)"
+        raise UserError(f"{where}: the prompt is a list of chat messages, but the tokenizer of {model_dir} has no"
+                        " chat template (no chat_template in its tokenizer_config.json or chat_template.jinja);"
+                        " set data.chat_template to a template file or a Jinja template string")
