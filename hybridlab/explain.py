@@ -20,6 +20,7 @@ from pathlib import Path
 from hybridlab.config import RunConfig
 from hybridlab.controller.mapping import DeviceMapping, rank_label
 from hybridlab.dataflow.prompts import load_samples
+from hybridlab.models.chat import prompt_ids, use_template
 from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import resolve_model
 from hybridlab.run_config import dataflow_names, default_mapping, validate_config
@@ -142,9 +143,8 @@ def explain(cfg: RunConfig, model_dir: str | Path | None = None) -> Explanation:
     params = parameter_count(model_dir)
     names = dataflow_names(cfg)
     mapping = DeviceMapping.from_dict(cfg.mapping or default_mapping(cfg, names))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompt_lens = [len(tokenizer(s.prompt, add_special_tokens=False).input_ids)
-                   for s in load_samples(cfg, "train")[:2000]]
+    tokenizer = use_template(AutoTokenizer.from_pretrained(model_dir), cfg.data.chat_template)
+    prompt_lens = [len(prompt_ids(tokenizer, s)) for s in load_samples(cfg, "train")[:2000]]
     mean_prompt, max_prompt = sum(prompt_lens) / len(prompt_lens), max(prompt_lens)
     prompts, n, new = cfg.data.prompts_per_step, cfg.rollout.n, cfg.rollout.max_new_tokens
     samples = prompts * n

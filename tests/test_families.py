@@ -197,3 +197,30 @@ def test_vllm_greedy_tokens_after_steps_and_a_sync_equal_transformers(families, 
     # and the engine's log-probs are transformers' on the exported weights (every tensor synced)
     mask = after["response_mask"].bool()
     assert (after["rollout_log_probs"].double() - hf_logprobs(exported, after))[mask].abs().max() < 1e-4
+
+
+def test_a_qwen3_run_remaps_tp_1_to_2_and_resumes_with_its_state_exact(families, tmp_path):
+    """Two GRPO steps on the checkpoint as a user gives it (`model=DIR`); a remap of the actor
+    to TP 2 and a resume from a checkpoint both carry the weights and AdamW moments bit for bit
+    (QK-norm and tied embeddings included), and the run goes on."""
+    from hybridlab.dataflow.session import RLSession
+    from tests.test_remap import ACTOR_TP2, SEPARATE, actor_state, assert_equal_state
+
+    overrides = [f"model={families['qwen3']}", "warm_start.max_steps=0", "data.prompts_per_step=4", "rollout.n=2",
+                 "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=4", "data.test_samples=8",
+                 "trainer.progress=false", f"mapping={SEPARATE}"]
+    with RLSession("grpo", [*overrides, f"trainer.run_dir={tmp_path / 'run'}"]) as rl:
+        for _ in range(2):
+            rl.step()
+        before = actor_state(rl)
+        assert rl.remap(ACTOR_TP2).roles_recreated == ["actor"]
+        assert_equal_state(before, actor_state(rl))
+        assert any(k.endswith("q_norm.weight") for k in before)
+        rl.step()
+        saved = actor_state(rl)
+        rl.save_checkpoint()
+    with RLSession.resume(tmp_path / "run") as resumed:
+        assert resumed.step_count == 3 and resumed.mapping == rl.mapping
+        assert_equal_state(saved, actor_state(resumed))
+        resumed.step()
+        assert actor_state(resumed)["step"].item() == 4
