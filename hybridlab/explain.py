@@ -86,16 +86,22 @@ def parameter_count(model_dir: str | Path) -> int:
     return total
 
 
-def _update_sizes(cfg: RunConfig, role: str, dp: int) -> dict:
+def _micro_rows(section, seq_len: int) -> int:
+    """Rows of the longest length one micro-batch holds: a token budget holds at least this
+    many (more when packed), else micro_batch_size."""
+    return max(1, section.micro_batch_tokens // max(1, seq_len)) if section.micro_batch_tokens else section.micro_batch_size
+
+
+def _update_sizes(cfg: RunConfig, role: str, dp: int, seq_len: int) -> dict:
     section = getattr(cfg, role)
     prompts, n = cfg.data.prompts_per_step, cfg.rollout.n
     mini_rows = section.ppo_mini_batch_size * n
     per_rank = mini_rows // dp
+    rows = _micro_rows(section, seq_len)
     return {"mini_batches": prompts // section.ppo_mini_batch_size,
             "optimizer_steps": prompts // section.ppo_mini_batch_size * section.ppo_epochs,
             "sequences_per_mini_batch": mini_rows, "sequences_per_rank": per_rank,
-            "micro_batches_per_rank": math.ceil(per_rank / section.micro_batch_size),
-            "micro_rows": min(per_rank, section.micro_batch_size)}
+            "micro_batches_per_rank": math.ceil(per_rank / rows), "micro_rows": min(per_rank, rows)}
 
 
 def estimate_memory(cfg: RunConfig, mapping: DeviceMapping, params: int, vocab: int, seq_len: int) -> dict:
@@ -108,11 +114,12 @@ def estimate_memory(cfg: RunConfig, mapping: DeviceMapping, params: int, vocab: 
             lay = mapping.roles[role]
             shard = params / (lay.tp * lay.pp)
             if role in TRAINERS:
-                sizes = _update_sizes(cfg, role, lay.dp)
+                sizes = _update_sizes(cfg, role, lay.dp, seq_len)
                 logits = sizes["micro_rows"] * seq_len * (vocab / lay.tp) * 4 * m["logit_copies"]
                 mb += (shard * m["train_bytes_per_param"] + logits) / 2**20
             elif role == "ref":
-                logits = min(cfg.actor.micro_batch_size, cfg.data.prompts_per_step * cfg.rollout.n) * seq_len * vocab * 4
+                rows = min(_micro_rows(cfg.actor, seq_len), cfg.data.prompts_per_step * cfg.rollout.n)
+                logits = rows * seq_len * vocab * 4
                 mb += (shard * m["frozen_bytes_per_param"] + logits) / 2**20
             elif role == "rollout":
                 mb += params / lay.tp * m["frozen_bytes_per_param"] / 2**20 + cfg.rollout.kv_cache_mb
@@ -148,6 +155,7 @@ def explain(cfg: RunConfig, model_dir: str | Path | None = None) -> Explanation:
     mean_prompt, max_prompt = sum(prompt_lens) / len(prompt_lens), max(prompt_lens)
     prompts, n, new = cfg.data.prompts_per_step, cfg.rollout.n, cfg.rollout.max_new_tokens
     samples = prompts * n
+    seq_len = max_prompt + new
     sizes = {"prompts_per_step": prompts, "samples_per_step": samples, "parameters": params,
              "prompt_tokens_mean": round(mean_prompt, 1), "prompt_tokens_max": max_prompt,
              "tokens_per_step_max": samples * (max_prompt + new),
@@ -161,15 +169,18 @@ def explain(cfg: RunConfig, model_dir: str | Path | None = None) -> Explanation:
         if role not in mapping.roles or (role == "critic" and "update_critic" not in names):
             continue
         lay, section = mapping.roles[role], getattr(cfg, role)
-        u = _update_sizes(cfg, role, lay.dp)
+        u = _update_sizes(cfg, role, lay.dp, seq_len)
         sizes[role] = u
+        cut = (f"at most {u['micro_batches_per_rank']} micro-batch(es) of at most {section.micro_batch_tokens} tokens"
+               f" ({role}.micro_batch_tokens{', packed' if section.remove_padding else ''})"
+               if section.micro_batch_tokens else
+               f"{u['micro_batches_per_rank']} micro-batch(es) of at most {section.micro_batch_size}"
+               f" ({role}.micro_batch_size)")
         lines.append(f"{role} update: {prompts} prompts / {section.ppo_mini_batch_size} ({role}.ppo_mini_batch_size)"
                      f" = {u['mini_batches']} mini-batches x {section.ppo_epochs} epoch(s) = {u['optimizer_steps']}"
                      f" optimizer steps; each {section.ppo_mini_batch_size} x {n} = {u['sequences_per_mini_batch']}"
-                     f" sequences / dp {lay.dp} = {u['sequences_per_rank']} per rank in {u['micro_batches_per_rank']}"
-                     f" micro-batch(es) of at most {section.micro_batch_size} ({role}.micro_batch_size)")
+                     f" sequences / dp {lay.dp} = {u['sequences_per_rank']} per rank in {cut}")
     lines += ["device mapping:", *draw_mapping(mapping)]
-    seq_len = max_prompt + new
     memory = estimate_memory(cfg, mapping, params, spec.vocab_size, seq_len)
     lines.append("estimated resident memory per process (runtime base + model state, activations not"
                  " counted; see hybridlab.explain.MEMORY):")

@@ -232,26 +232,32 @@ def test_parameter_counts_of_presets_and_checkpoints_agree(tiny_dir):
 
 
 def test_the_readme_zoo_table_matches_the_presets():
-    """The model-zoo table (docs/models.md): each Qwen2 preset's width, layers, heads and parameter
-    count (to the digits written), and the Llama row's parameter counts."""
+    """The model-zoo tables (docs/models.md): each preset's width, layers and heads, and each
+    family's parameter counts (to the digits written), or the family whose counts it shares."""
     import re
     from pathlib import Path
 
-    from hybridlab.models.zoo import PRESETS, count_parameters
+    from hybridlab.models.zoo import ARCHS, PRESETS, count_parameters
 
     def close(written: str, name: str) -> bool:  # the count rounded to the decimals written, in millions
         return abs(count_parameters(name) / 1e6 - float(written)) <= 0.5 * 10 ** -len(written.partition(".")[2])
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
-    rows = re.findall(r"^\| `(\w+)` \| Qwen2[^|]*\| (\d+) x (\d+) \| (\d+) / (\d+) \| ([\d.]+)M \|$", text, re.M)
+    rows = re.findall(r"^\| `(\w+)` \| (\d+) x (\d+) \| (\d+) / (\d+) \|$", text, re.M)
     assert [r[0] for r in rows] == list(PRESETS)
-    for name, hidden, layers, heads, kv_heads, written in rows:
-        p = PRESETS[name]
-        assert (int(hidden), int(layers), int(heads), int(kv_heads)) == (p.hidden, p.layers, p.heads, p.kv_heads)
-        assert close(written, name), (name, written, count_parameters(name))
-    llama = re.search(r"^\| `tiny-llama`, `small-llama`, `mid-llama` \|.*\| ([\d.]+)M / ([\d.]+)M / ([\d.]+)M \|$",
-                      text, re.M)
-    assert llama and all(close(w, f"{n}-llama") for w, n in zip(llama.groups(), PRESETS)), llama
+    for name, hidden, layers, heads, kv_heads in rows:
+        assert (int(hidden), int(layers), int(heads), int(kv_heads)) == tuple(
+            getattr(PRESETS[name], k) for k in ("hidden", "layers", "heads", "kv_heads"))
+    families = re.findall(r"^\| (none|`-(\w+)`) \|[^|]*\| (?:([\d.]+)M / ([\d.]+)M / ([\d.]+)M|as `-(\w+)`) \|$",
+                          text, re.M)
+    assert [f[1] or "qwen2" for f in families] == list(ARCHS)
+    for _, arch, *counts, same_as in families:
+        suffix = f"-{arch}" if arch else ""
+        for preset, written in zip(PRESETS, counts):
+            if same_as:
+                assert count_parameters(f"{preset}{suffix}") == count_parameters(f"{preset}-{same_as}"), arch
+            else:
+                assert close(written, f"{preset}{suffix}"), (preset, arch, written)
 
 
 def _another(value):

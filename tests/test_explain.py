@@ -72,7 +72,7 @@ def _measure(preset: str, rows: int, seq: int) -> dict:
 def _model_terms_mb(role: str, params: int, vocab: int, rows: int = ROWS, seq: int = SEQ) -> float:
     """The estimate of a process holding only ``role``, less the same estimate for a model of no
     parameters and no tokens (the runtime bases)."""
-    cfg = load_config(None, [f"actor.micro_batch_size={rows}"])
+    cfg = load_config(None, [f"actor.micro_batch_size={rows}", "actor.micro_batch_tokens=0"])  # rows x seq, as measured
     mapping = DeviceMapping.from_dict({"pools": {"main": {"devices": 1}}, "roles": {role: {"pool": "main"}}})
     return estimate_memory(cfg, mapping, params, vocab, seq)[role] - estimate_memory(cfg, mapping, 0, vocab, 0)[role]
 

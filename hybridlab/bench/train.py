@@ -94,8 +94,10 @@ def megatron_run(model_dir, batch, tp: int, steps: int, threads: int, micro_batc
 
 
 def run(models: str = "small,mid", steps: int = 5, batch_size: int = 16, prompt_len: int = 32,
-        response_len: int = 96, micro_batch_size: int = 8) -> dict:
-    """Return tokens/s per model and layout, the transformers baseline, ratios, RSS and parity."""
+        response_len: int = 96, micro_batch_size: int = 8, model: str | None = None) -> dict:
+    """Return tokens/s per model and layout, the transformers baseline, ratios, RSS and parity;
+    ``model`` (a zoo name or a checkpoint directory) measures that one model instead of ``models``."""
+    models = model or models
     threads = min(2, usable_cores())
     connect(num_gpus=2)
     out: dict = {"batch_size": batch_size, "seq_len": prompt_len + response_len, "steps": steps,
