@@ -170,11 +170,19 @@ def test_explain_shows_the_arithmetic_and_refuses_sizes_that_do_not_fit():
     from hybridlab.run_config import load_config
 
     cfg = load_config(None, ["data.prompts_per_step=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
-                             "actor.micro_batch_size=3", "actor.ppo_epochs=2"])
+                             "actor.micro_batch_size=3", "actor.micro_batch_tokens=0", "actor.ppo_epochs=2"])
     e = explain(cfg)
     assert e.sizes["samples_per_step"] == 32
     assert e.sizes["actor"] == {"mini_batches": 2, "optimizer_steps": 4, "sequences_per_mini_batch": 16,
                                 "sequences_per_rank": 16, "micro_batches_per_rank": 6, "micro_rows": 3}
+    assert "16 per rank in 6 micro-batch(es) of at most 3 (actor.micro_batch_size)" in e.text()
+    # the default token budget (packed): rows of the longest length that fit in it bound the count
+    budget = explain(load_config(None, ["data.prompts_per_step=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
+                                        "actor.micro_batch_tokens=40"]))
+    rows = 40 // (budget.sizes["prompt_tokens_max"] + 8)
+    assert budget.sizes["actor"]["micro_rows"] == rows and rows >= 2
+    assert (f"16 per rank in at most {-(-16 // rows)} micro-batch(es) of at most 40 tokens"
+            " (actor.micro_batch_tokens, packed)") in budget.text()
     assert "8 prompts / 4 (actor.ppo_mini_batch_size) = 2 mini-batches x 2 epoch(s) = 4 optimizer steps" in e.text()
     assert "device 0: actor tp0 dp0 pp0, rollout engine 0, reward 0" in e.text()
     with pytest.raises(ConfigError, match=r"actor.ppo_mini_batch_size: 3 prompts does not divide"

@@ -86,7 +86,7 @@ def _sdpa_attention_class():
             by_length: dict[int, list[int]] = {}
             for start, end in zip(bounds[:-1], bounds[1:]):
                 by_length.setdefault(end - start, []).append(start)
-            out = query.new_empty(query.shape[0], query.shape[1] * value.shape[2])
+            order, parts = [], []
             for length, starts in by_length.items():
                 rows = (torch.tensor(starts).unsqueeze(1) + torch.arange(length)).reshape(-1)
                 # [n * length, heads, dim] -> [n, heads, length, dim]
@@ -94,8 +94,9 @@ def _sdpa_attention_class():
                            for t in (query, key, value))
                 att = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
                                                      enable_gqa=True)
-                out[rows] = att.transpose(1, 2).reshape(len(starts) * length, -1)
-            return out
+                parts.append(att.transpose(1, 2).reshape(len(starts) * length, -1))
+                order.append(rows)
+            return torch.cat(parts)[torch.argsort(torch.cat(order))]  # back in the packed order
 
     return SDPAttention
 
