@@ -201,6 +201,9 @@ def cmd_explain(args) -> int:
 
 def cmd_bench(args) -> int:
     """Run a benchmark and print its JSON; returns the exit status."""
+    from hybridlab.environment import use_loopback
+
+    use_loopback()  # a benchmark's clusters, engines and runs (their processes inherit it) stay on loopback
     from hybridlab.bench import run
 
     options = {}

@@ -29,6 +29,18 @@ def _cpuinfo() -> dict[str, str]:
     return fields
 
 
+# Single-machine mode, for the test suite and the benchmarks: every Ray cluster binds and connects
+# on 127.0.0.1 instead of this machine's network address (Ray reads this when it is imported);
+# gloo's connections (Megatron, vLLM's TP groups) and vLLM's own address on the loopback interface.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo", "VLLM_HOST_IP": "127.0.0.1"}
+
+
+def use_loopback() -> None:
+    """Keep the Ray clusters, gloo groups and vLLM engines this process and its children start
+    on the loopback interface (call before Ray is imported)."""
+    os.environ.update(LOOPBACK_ENV)
+
+
 def usable_cores() -> int:
     """Return how many cores this process may run on: its affinity mask (what ``taskset``, a
     cgroup cpuset, Slurm or a container leaves it), not the machine's count."""

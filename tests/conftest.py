@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridlab.environment import use_loopback
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite's traffic stays on loopback. Ray's single-machine mode: every Ray cluster the tests
@@ -19,9 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # on 127.0.0.1 instead of this machine's network address (read when Ray is imported); gloo's
 # connections (Megatron, vLLM's TP groups) and vLLM's own address on the loopback interface.
 # The processes the tests start inherit these.
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-os.environ["VLLM_HOST_IP"] = "127.0.0.1"
+use_loopback()
 
 
 # Modules, longest first (`pytest --durations=0` on one core, AMD EPYC with AVX-512): with two

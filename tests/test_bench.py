@@ -23,6 +23,22 @@ def test_unknown_benchmark_lists_names(capfd):
     assert "unknown benchmark 'nope'; choose one of: dispatch, e2e, learn, precision, remap, rollout, soak, sync, train" in capfd.readouterr().err
 
 
+def test_a_benchmark_and_the_runs_it_starts_stay_on_loopback():
+    """`hybridlab bench` puts Ray, gloo and vLLM on 127.0.0.1 before anything imports Ray, and
+    the processes it starts (bench learn's `hybridlab train` runs) inherit it."""
+    import os
+    import subprocess
+    import sys
+
+    from hybridlab.environment import LOOPBACK_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in LOOPBACK_ENV}
+    code = ("import os, sys; from hybridlab.cli import main; main(['bench', 'nosuch']);"
+            " print('ray' in sys.modules, [os.environ.get(k) for k in sorted(%r)])" % sorted(LOOPBACK_ENV))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split(None, 1) == ["False", str([LOOPBACK_ENV[k] for k in sorted(LOOPBACK_ENV)]) + "\n"]
+
+
 def test_bench_train_json(ray_local, capfd):
     result = run_bench(["train", "--opt", "models=tiny", "--opt", "steps=1", "--opt", "batch_size=4"], capfd)
     assert {"tokens_per_s", "hf_tokens_per_s", "ratio_tp1_vs_hf", "peak_rss_mb", "max_abs_logprob_diff_vs_hf"} <= set(result)
