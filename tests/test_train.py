@@ -264,5 +264,11 @@ def test_critic_values_learn_a_target_at_tp2(tiny, tmp_path):
         assert values.shape == BATCH["responses"].shape and values.abs().max() == 0  # zero-initialised head
         losses = [critic.update_critic(BATCH, value_loss)[0]["value_loss"] for _ in range(8)]
         assert losses[0] == pytest.approx(1.0) and losses[-1] < 0.2
+        # packed micro-batches by a token budget give the padded layout's values (at the responses)
+        mask = BATCH["response_mask"].bool()
+        padded = critic.compute_values(BATCH)["values"]
+        critic.configure(remove_padding=True, micro_batch_tokens=40)
+        packed = critic.compute_values(BATCH)["values"]
+        assert (packed - padded)[mask].abs().max() < 1e-5 and (padded[mask] - 1.0).abs().mean() < 0.5
         out = checkpoint.export_hf(critic, tiny, tmp_path / "critic")
         assert (out / "value_head.safetensors").is_file()

@@ -210,8 +210,8 @@ class CriticConfig:
     ppo_mini_batch_size: int = 16
     ppo_epochs: int = 1
     micro_batch_size: int = setting(64, change="live", workers=("critic",))
-    micro_batch_tokens: int = setting(0, change="live", workers=("critic",))  # as actor.micro_batch_tokens
-    remove_padding: bool = setting(False, change="live", workers=("critic",))  # as actor.remove_padding
+    micro_batch_tokens: int = setting(4096, change="live", workers=("critic",))  # as actor.micro_batch_tokens
+    remove_padding: bool = setting(True, change="live", workers=("critic",))  # as actor.remove_padding
     precision: str = setting("fp32", change="live", workers=("critic",))  # or "bf16", as actor.precision
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
