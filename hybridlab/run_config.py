@@ -24,6 +24,7 @@ from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.prompts import PROMPT_FIELDS
 from hybridlab.dataflow.stages import STAGES, get_stage, rollout_log_probs_inexact, wants_sum_pi_squared
 from hybridlab.errors import UserError
+from hybridlab.models.chat import template_file
 from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import parse_preset
 from hybridlab.tasks import get_task
@@ -295,9 +296,11 @@ def _check_data_and_model(cfg: RunConfig, p: list[str]) -> None:
             ModelSpec.from_hf(cfg.model)
     except UserError as exc:
         p.append(f"model: {exc}")
-    template = cfg.data.chat_template
-    if template and "{" not in template and not Path(template).expanduser().is_file():
-        p.append(f"data.chat_template: no file {template!r} (give a template file or the Jinja template itself)")
+    if cfg.data.chat_template:
+        try:
+            template_file(cfg.data.chat_template)
+        except UserError as exc:
+            p.append(str(exc))
     if cfg.reward.model and not Path(cfg.reward.model).is_dir():
         p.append(f"reward.model: no checkpoint directory {cfg.reward.model!r}")
     for key in ("train_files", "test_files"):

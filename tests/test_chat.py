@@ -149,3 +149,13 @@ def test_a_task_in_chat_form_renders_for_the_rollout_and_the_warm_start(tiny_dir
     assert tok.decode(expected[0]) == f"<|im_start|>user\n{samples[0].prompt}<|im_end|>\n<|im_start|>assistant\n"
     examples = sft.encode_examples(tok, samples, end=4)
     assert [ids[:n] for ids, n in examples] == expected and all(ids[-1] == 4 for ids, _ in examples)
+
+
+def test_a_chat_template_that_is_neither_a_file_nor_jinja_is_refused_when_the_config_loads(tmp_path):
+    from hybridlab.config import ConfigError
+    from hybridlab.run_config import load_config
+
+    with pytest.raises(ConfigError, match=r"data.chat_template: no file '.*missing.jinja' \(give a template file"):
+        load_config(overrides=[f"data.chat_template={tmp_path / 'missing.jinja'}"])
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
+    assert load_config(overrides=[f"data.chat_template={tmp_path / 't.jinja'}"]).data.chat_template

@@ -31,12 +31,23 @@ def prompt_ids(tokenizer: Any, sample: Sample) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
+def template_file(template: str) -> Path | None:
+    """Return the file a ``data.chat_template`` value names, or None when it is the Jinja text
+    itself; raises UserError when it is neither."""
+    if "{" in template:
+        return None
+    path = Path(template).expanduser()
+    if not path.is_file():
+        raise UserError(f"data.chat_template: no file {template!r} (give a template file or the Jinja template itself)")
+    return path
+
+
 def use_template(tokenizer: Any, template: str | None) -> Any:
     """Give ``tokenizer`` the run's chat template (a file's path or the template itself; None
     keeps the model's own); returns the tokenizer."""
     if template:
-        path = Path(template).expanduser()
-        tokenizer.chat_template = path.read_text() if "{" not in template and path.is_file() else template
+        path = template_file(template)
+        tokenizer.chat_template = path.read_text() if path else template
     return tokenizer
 
 
