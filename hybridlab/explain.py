@@ -23,7 +23,7 @@ from hybridlab.dataflow.prompts import load_samples
 from hybridlab.models.chat import prompt_ids, use_template
 from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import resolve_model
-from hybridlab.run_config import dataflow_names, default_mapping, validate_config
+from hybridlab.run_config import dataflow_names, default_mapping, training_strategy, validate_config
 
 # Where each constant comes from.
 # - The runtime bases (``*_mb``): resident memory of a worker process beyond what the model adds:
@@ -54,6 +54,7 @@ MEMORY = {"process_mb": 350.0, "megatron_mb": 150.0, "vllm_mb": 300.0, "reward_m
 RUNTIME = {"actor": "megatron_mb", "critic": "megatron_mb", "ref": "megatron_mb", "rollout": "vllm_mb",
            "reward": "reward_mb"}
 TRAINERS = ("actor", "critic")
+BACKEND_ROLES = ("actor", "critic", "ref")  # run by a training backend (the ref by the actor's)
 
 
 @dataclasses.dataclass
@@ -112,7 +113,11 @@ def estimate_memory(cfg: RunConfig, mapping: DeviceMapping, params: int, vocab: 
         mb = m["process_mb"] + sum(m[kind] for kind in {RUNTIME.get(r, "reward_mb") for r in members})
         for role in members:
             lay = mapping.roles[role]
-            shard = params / (lay.tp * lay.pp)
+            section = "critic" if role == "critic" else "actor"
+            # FSDP2 shards weights, gradients and moments over the DP ranks (plus one layer
+            # gathered at a time, not counted); Megatron over TP x PP
+            fsdp = role in BACKEND_ROLES and training_strategy(cfg, section) == "fsdp2"
+            shard = params / (lay.dp if fsdp else lay.tp * lay.pp)
             if role in TRAINERS:
                 sizes = _update_sizes(cfg, role, lay.dp, seq_len)
                 logits = sizes["micro_rows"] * seq_len * (vocab / lay.tp) * 4 * m["logit_copies"]
@@ -176,7 +181,8 @@ def explain(cfg: RunConfig, model_dir: str | Path | None = None) -> Explanation:
                if section.micro_batch_tokens else
                f"{u['micro_batches_per_rank']} micro-batch(es) of at most {section.micro_batch_size}"
                f" ({role}.micro_batch_size)")
-        lines.append(f"{role} update: {prompts} prompts / {section.ppo_mini_batch_size} ({role}.ppo_mini_batch_size)"
+        lines.append(f"{role} update ({training_strategy(cfg, role)} backend): {prompts} prompts"
+                     f" / {section.ppo_mini_batch_size} ({role}.ppo_mini_batch_size)"
                      f" = {u['mini_batches']} mini-batches x {section.ppo_epochs} epoch(s) = {u['optimizer_steps']}"
                      f" optimizer steps; each {section.ppo_mini_batch_size} x {n} = {u['sequences_per_mini_batch']}"
                      f" sequences / dp {lay.dp} = {u['sequences_per_rank']} per rank in {cut}")

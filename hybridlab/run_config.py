@@ -30,6 +30,7 @@ from hybridlab.models.zoo import parse_preset
 from hybridlab.tasks import get_task
 from hybridlab.workers.reward.scoring import load_function
 from hybridlab.workers.rollout.worker import BACKENDS
+from hybridlab.workers.train.backend import STRATEGIES, resolve_strategy
 
 
 def default_dataflow(cfg: RunConfig) -> list[str]:
@@ -152,6 +153,8 @@ def _actor_problems(cfg: RunConfig) -> list[str]:
     a = cfg.actor
     _choice(p, "actor.precision", a.precision, ("fp32", "bf16"))
     _choice(p, "critic.precision", cfg.critic.precision, ("fp32", "bf16"))
+    _choice(p, "actor.strategy", a.strategy, STRATEGIES)
+    _choice(p, "critic.strategy", cfg.critic.strategy, STRATEGIES)
     _choice(p, "actor.kl_loss_type", a.kl_loss_type, KL_PENALTIES)
     _choice(p, "actor.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
     _choice(p, "critic.loss_agg_mode", cfg.critic.loss_agg_mode, AGG_MODES)
@@ -222,6 +225,27 @@ def _reward_problems(cfg: RunConfig) -> list[str]:
     return p
 
 
+def training_strategy(cfg: RunConfig, section: str) -> str:
+    """Return the backend that trains ``section`` ("actor", whose backend the reference shares,
+    or "critic"): its ``strategy``, with ``auto`` resolved for the run's model."""
+    strategy = getattr(cfg, section).strategy
+    if strategy == "auto" and not Path(cfg.model).is_dir():
+        return "megatron"  # the zoo's presets are all converted families
+    return resolve_strategy(strategy, cfg.model)
+
+
+def _strategy_problems(cfg: RunConfig, mapping: DeviceMapping) -> list[str]:
+    p: list[str] = []
+    for role, layout in mapping.roles.items():
+        section = {"actor": "actor", "ref": "actor", "critic": "critic"}.get(role)
+        if section is None or getattr(cfg, section).strategy not in STRATEGIES or layout.tp * layout.pp == 1:
+            continue
+        if training_strategy(cfg, section) == "fsdp2":
+            p.append(f"mapping.roles.{role}: tp={layout.tp}, pp={layout.pp} needs {section}.strategy=megatron; the"
+                     f" fsdp2 backend shards over data-parallel ranks only (tp and pp must be 1, use dp)")
+    return p
+
+
 def _dataflow_and_mapping_problems(cfg: RunConfig) -> list[str]:
     p: list[str] = []
     names = dataflow_names(cfg)
@@ -234,6 +258,7 @@ def _dataflow_and_mapping_problems(cfg: RunConfig) -> list[str]:
               for x in mapping.problems(_model_config(cfg))]
         p += Dataflow(names).problems(cfg, mapping.roles, PROMPT_FIELDS)
         p += _dp_problems(cfg, mapping)
+        p += _strategy_problems(cfg, mapping)
         rollout = mapping.roles.get("rollout")
         if rollout is not None and rollout.tp > 1 and cfg.rollout.backend != "vllm":
             p.append(f"mapping.roles.rollout.tp: tp={rollout.tp} needs rollout.backend=vllm (the"

@@ -29,7 +29,8 @@ from hybridlab.models.zoo import resolve_model
 from hybridlab.protocol import Batch
 from hybridlab.workers.rollout.sampling import SamplingConfig
 from hybridlab.workers.rollout.worker import RolloutWorker
-from hybridlab.workers.train.engine import MegatronEngine, OptimConfig
+from hybridlab.workers.train.backend import OptimConfig
+from hybridlab.workers.train.engine import MegatronEngine
 from hybridlab.workers.train.workers import ActorWorker, sft_loss
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}

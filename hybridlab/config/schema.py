@@ -175,6 +175,11 @@ class ActorConfig:
     remove_padding: bool = setting(True, change="live", workers=("actor", "ref"))
     # or "bf16": matmuls in bf16 (autocast); weights, grads, AdamW stay fp32
     precision: str = setting("fp32", change="live", workers=("actor", "ref"))
+    # training backend (verl's actor.strategy): "megatron" (TP, PP, DP), "fsdp2" (torch FSDP2 over
+    # DP ranks, any transformers model) or "auto" (megatron where hybridlab converts the
+    # architecture, else fsdp2); the reference follows the actor. A change re-creates the roles
+    # with their state carried (HF layout either way).
+    strategy: str = setting("auto", change="recreate", workers=("actor", "ref"))
     # a name in hybridlab.algos.POLICY_LOSSES (verl's policy_loss.loss_mode and its section are
     # accepted too); its settings below
     policy_loss: str = setting("vanilla", loss=True)
@@ -213,6 +218,7 @@ class CriticConfig:
     micro_batch_tokens: int = setting(4096, change="live", workers=("critic",))  # as actor.micro_batch_tokens
     remove_padding: bool = setting(True, change="live", workers=("critic",))  # as actor.remove_padding
     precision: str = setting("fp32", change="live", workers=("critic",))  # or "bf16", as actor.precision
+    strategy: str = setting("auto", change="recreate", workers=("critic",))  # as actor.strategy
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
 

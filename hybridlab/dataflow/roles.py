@@ -30,7 +30,8 @@ def _train_settings(section: str, with_optim: bool = True) -> Callable[[RunConfi
         out = {"micro_batch_size": sec.micro_batch_size, "micro_batch_tokens": sec.micro_batch_tokens,
                "remove_padding": sec.remove_padding, "seed": cfg.trainer.seed,
                # log-probs under the sampling distribution (temperature 0 = greedy: scored at 1)
-               "temperature": cfg.rollout.temperature or 1.0, "precision": sec.precision}
+               "temperature": cfg.rollout.temperature or 1.0, "precision": sec.precision,
+               "strategy": sec.strategy}
         if with_optim:
             out["optim"] = {"lr": sec.lr, "weight_decay": sec.weight_decay, "grad_clip": sec.grad_clip,
                             "warmup_steps": sec.warmup_steps}

@@ -46,7 +46,7 @@ from hybridlab.models.chat import check_chat, use_template
 from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import resolve_model
 from hybridlab.protocol import Batch
-from hybridlab.run_config import dataflow_names, default_mapping, load_config, validate_config
+from hybridlab.run_config import dataflow_names, default_mapping, load_config, training_strategy, validate_config
 from hybridlab.telemetry.metrics import MetricsLog
 from hybridlab.telemetry.run import RunTelemetry
 
@@ -104,7 +104,7 @@ class RLSession(Stepping, LiveEdits):
         if self.cfg.trainer.bind_threads:
             env[BIND_ENV] = "1"
         self.environment = {**describe(self.cfg.trainer.seed), "worker_threads": int(env["OMP_NUM_THREADS"]),
-                            "worker_processes": processes}
+                            "worker_processes": processes, "training_backends": self.training_backends()}
         write_json(self.run_dir / "environment.json", self.environment)
         devices = sum(p.devices for p in self.mapping.pools.values())
         model_dir = Path(resolve_model(self.cfg.model))
@@ -169,7 +169,13 @@ class RLSession(Stepping, LiveEdits):
             explanation = f"(no explanation: {exc})"
         return {"name": self.cfg.name, "run_dir": str(self.run_dir), "algorithm": self.cfg.algorithm.adv_estimator,
                 "dataflow": self._dataflow.names, "mapping": self.mapping.to_dict(),
-                "processor": self.environment["processor"], "explanation": explanation}
+                "processor": self.environment["processor"], "backends": self.training_backends(),
+                "explanation": explanation}
+
+    def training_backends(self) -> dict[str, str]:
+        """Return {training role: the backend that runs it} for the mapping's actor, ref and critic."""
+        return {role: training_strategy(self.cfg, "critic" if role == "critic" else "actor")
+                for role in ("actor", "ref", "critic") if role in self.mapping.roles}
 
     def save_checkpoint(self) -> Path:
         """Write a checkpoint of the run now (between steps); returns its folder."""

@@ -64,6 +64,7 @@ class Dashboard:
         self.run_name, self.step, self.reward = Path(run_dir).name, 0, float("nan")
         self.phase: dict = {}  # the latest "phase" record: warm start, evaluate (RL steps: metrics)
         self.processor = ""
+        self.backends: dict[str, str] = {}   # training role -> backend (megatron, fsdp2)
         self.t0: float | None = None
         self.restarts: list[dict] = []   # dead or stuck workers re-created
         self.status = pn.pane.Markdown(self._status_text(), name="status")
@@ -130,6 +131,8 @@ class Dashboard:
         else:
             doing = f"RL step {self.step} · mean reward {reward}"
         where = f" · {self.processor}" if self.processor else ""
+        if self.backends:
+            where += " · " + ", ".join(f"{role} on {b}" for role, b in self.backends.items())
         restarts = f" · {len(self.restarts)} worker restart(s), last: {self.restarts[-1]['role']}" \
             f" {self.restarts[-1]['failure']}" if self.restarts else ""
         return f"run {self.run_name} · {doing}{where}{restarts}"
@@ -152,6 +155,7 @@ class Dashboard:
             if kind == "run":
                 self.run_name = r.get("name", self.run_name)
                 self.processor = r.get("processor", "")
+                self.backends = r.get("backends") or {}
                 self.mapping_pane.object = mapping_text(r.get("mapping") or {})
                 self.explanation.object = r.get("explanation", "")
             elif kind == "remap":

@@ -10,52 +10,19 @@ passed in, so the engine knows nothing of PPO versus GRPO.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from functools import partial
-from typing import Callable
-
 import torch
 
 from hybridlab.models.spec import ModelSpec
 from hybridlab.workers.train import cpu_compat  # noqa: F401  (filters megatron's import warnings)
-from hybridlab.workers.train import packing
+from hybridlab.workers.train import megatron_state, packing
+from hybridlab.workers.train.backend import (LossFn, OptimConfig, check_precision, global_totals, make_optimizer,
+                                             set_lr)
 from hybridlab.workers.train.convert import load_hf_state
+from hybridlab.reshard.sources import local_slices, stream_colocated
 from hybridlab.workers.train.model import build_model, init_parallel
 
-# loss_fn(outputs, micro) -> (loss, metrics). outputs holds log_probs and entropy (actor) or
-# values (critic), [micro_batch, response_len]. The loss is this micro-batch's *contribution*:
-# contributions are summed over micro-batches and data-parallel ranks, so normalise by
-# micro["global_tokens"] (response tokens in the whole mini-batch) or micro["global_seqs"].
-# That makes the gradient independent of the micro-batch size and of the layout.
-LossFn = Callable[[dict, dict], tuple[torch.Tensor, dict]]
-
-
-@dataclasses.dataclass
-class OptimConfig:
-    """Optimizer and learning-rate schedule of a trainable role."""
-
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
-    total_steps: int = 0          # 0: constant after warm-up; else cosine decay to min_lr_ratio
-    min_lr_ratio: float = 0.0
-    optimizer: str = "adamw"      # "adamw" or "sgd"
-
-    def lr_factor(self, step: int) -> float:
-        """Return the multiplier of ``lr`` at optimizer step ``step``."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if not self.total_steps:
-            return 1.0
-        frac = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
-        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
-
-
-PRECISIONS = ("fp32", "bf16")
 
 
 def vocab_parallel_logprobs_entropy(logits: torch.Tensor, target: torch.Tensor, sum_pi_squared: bool = False):
@@ -113,9 +80,7 @@ class MegatronEngine:
 
     def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, *, value_head: bool = False,
                  optim: OptimConfig | None = None, seed: int = 0, temperature: float = 1.0, precision: str = "fp32"):
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-        self.precision = precision
+        self.precision = check_precision(precision)
         self.spec = ModelSpec.from_hf(model_dir)
         self.spec.check_layout(tp, pp)
         init_parallel(tp, pp, seed)
@@ -132,14 +97,7 @@ class MegatronEngine:
         self.padded_token_share = 0.0   # of the last forward or update
         self.optimizer = None
         if optim is not None:
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            if optim.optimizer == "adamw":
-                self.optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps,
-                                                   weight_decay=optim.weight_decay)
-            elif optim.optimizer == "sgd":
-                self.optimizer = torch.optim.SGD(params, lr=optim.lr, weight_decay=optim.weight_decay)
-            else:
-                raise ValueError(f"unknown optimizer {optim.optimizer!r}; choose adamw or sgd")
+            self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], optim)
         else:
             self.model.requires_grad_(False)
 
@@ -150,20 +108,29 @@ class MegatronEngine:
         collect = ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage()
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), collect
 
+    # ------------------------------------------------- state and weight sync (HF layout)
+    def state(self) -> dict | None:
+        """Return this stage's weights and AdamW moments as whole HF tensors (``megatron_state``)."""
+        return megatron_state.hf_state(self)
+
+    def load_state(self, weights: dict, moments: dict, step: int, adam_step: float) -> None:
+        """Load whole HF weights and moments (any source layout) into this rank's shards."""
+        megatron_state.load_hf_state(self, weights, moments, step, adam_step)
+
+    def export_slices(self, hf_names: list[str], dp_ranks: list[int]) -> tuple[int, int, int, dict] | None:
+        """Return (tp, pp, dp rank, this rank's HF-named slices of the bucket) if its DP rank
+        feeds a rollout replica, else None; no communication."""
+        ps = self.ps
+        if ps.get_data_parallel_rank() not in dp_ranks:
+            return None
+        return (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                ps.get_data_parallel_rank(), local_slices(self, hf_names))
+
+    def stream_colocated(self, buckets: list[list[str]], load) -> dict:
+        """Gather each bucket on every rank and hand it to ``load`` (``reshard.sources``)."""
+        return stream_colocated(self, buckets, load)
+
     # ------------------------------------------------------------- micro-batches
-    def _global_totals(self, batch) -> dict[str, torch.Tensor]:
-        """Response tokens and sequences with at least one of them in the whole mini-batch, summed
-        over DP ranks."""
-        import torch.distributed as dist
-
-        mask = batch.tensors.get("response_mask")
-        seqs = float((mask.sum(-1) > 0).sum()) if mask is not None else float(len(batch))  # as verl: empty rows don't count
-        local = torch.tensor([float(mask.sum()) if mask is not None else 0.0, seqs])
-        if self.ps.get_data_parallel_world_size() > 1:
-            dist.all_reduce(local, group=self.ps.get_data_parallel_group())
-        return {"global_tokens": local[0].clamp(min=1), "global_seqs": local[1].clamp(min=1),
-                "dp_size": self.ps.get_data_parallel_world_size()}
-
     def _forward_step(self, loss_fn: LossFn | None, data_iterator, model):
         micro = next(data_iterator)
         if "packed" in micro:
@@ -240,7 +207,7 @@ class MegatronEngine:
         # Pipeline stages exchange activations of one shape: packs are padded alike at PP > 1.
         micros = packing.micro_batches(batch.tensors, micro_batch_size, self.micro_batch_tokens,
                                        self.remove_padding, one_length=self.pp > 1)
-        totals = self._global_totals(batch)
+        totals = global_totals(batch, self.ps.get_data_parallel_group(), self.ps.get_data_parallel_world_size())
         inputs = [{**m.tensors, **totals, "num_microbatches": len(micros), "sum_pi_squared": sum_pi_squared,
                    **({"packed": m.packed} if m.packed else {})} for m in micros]
         self.padded_token_share = packing.padded_share(micros, int(batch["attention_mask"].sum()))
@@ -279,9 +246,7 @@ class MegatronEngine:
         padded_token_share = self.padded_token_share
         self._finalize_grads()
         grad_norm = self._clip_grads(self.optim_cfg.grad_clip)
-        lr = self.optim_cfg.lr * self.optim_cfg.lr_factor(self.step_count)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_lr(self)
         finite = math.isfinite(grad_norm)  # a NaN/inf loss or gradient: skip the update, keep the weights
         if finite:
             self.optimizer.step()

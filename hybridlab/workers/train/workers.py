@@ -1,4 +1,4 @@
-"""Training roles on megatron-core: actor, reference and critic workers for the controller."""
+"""Training roles: actor, reference and critic workers for the controller, on any training backend."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,10 +8,9 @@ import torch
 from hybridlab.config.schema import ActorConfig
 from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.protocol import Batch
-from hybridlab.reshard.sources import gather_stage, local_slices, stream_colocated
+from hybridlab.workers.train.backend import (LossFn, OptimConfig, TrainEngine, check_precision, engine_class,
+                                             resolve_strategy)
 from hybridlab.workers.train.checkpoint import merge_state
-from hybridlab.workers.train.convert import hf_to_megatron
-from hybridlab.workers.train.engine import PRECISIONS, LossFn, MegatronEngine, OptimConfig
 
 
 def sft_loss(outputs: dict, micro: dict) -> tuple[torch.Tensor, dict]:
@@ -23,69 +22,61 @@ def sft_loss(outputs: dict, micro: dict) -> tuple[torch.Tensor, dict]:
 
 
 class TrainWorker(Worker):
-    """Shared plumbing: engine construction, layout, weight export and checkpoint state."""
+    """Shared plumbing of the training roles over any backend (``backend.TrainEngine``):
+    engine construction, live settings, weight export and checkpoint state in HF layout."""
 
     value_head = False
     frozen = False
 
     def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, optim: OptimConfig | dict | None = None,
                  seed: int = 0, temperature: float = 1.0, micro_batch_size: int = ActorConfig.micro_batch_size,
-                 precision: str = "fp32", micro_batch_tokens: int = 0, remove_padding: bool = False):
+                 precision: str = "fp32", micro_batch_tokens: int = 0, remove_padding: bool = False,
+                 strategy: str = ActorConfig.strategy):
         if isinstance(optim, dict):
             optim = OptimConfig(**optim)
         if optim is None and not self.frozen:
             optim = OptimConfig()
-        self.micro_batch_size, self.seed = micro_batch_size, seed
-        self.engine = MegatronEngine(model_dir, tp, pp, value_head=self.value_head,
-                                     optim=None if self.frozen else optim, seed=seed, temperature=temperature,
-                                     precision=precision)
+        self.micro_batch_size, self.seed, self.model_dir = micro_batch_size, seed, model_dir
+        self.strategy = resolve_strategy(strategy, model_dir)
+        self.engine: TrainEngine = engine_class(self.strategy)(
+            model_dir, tp, pp, value_head=self.value_head, optim=None if self.frozen else optim, seed=seed,
+            temperature=temperature, precision=precision)
         self.engine.micro_batch_tokens, self.engine.remove_padding = micro_batch_tokens, remove_padding
 
     def dp_info(self) -> tuple[int, int, bool]:
         return self.engine.dp_info()
 
-    def _gather_stage(self, named: dict[str, torch.Tensor], everyone: bool = False) -> dict[str, torch.Tensor] | None:
-        return gather_stage(self.engine, named, everyone)
-
-    def _named_params(self) -> dict[str, torch.Tensor]:
-        return {k: p.detach() for k, p in self.engine.model.named_parameters()}
-
     @register(Dispatch.ALL)
     def export_hf(self) -> dict[str, torch.Tensor] | None:
-        """Return this stage's weights in HF names and layout (from one rank per stage), else None."""
-        return self._gather_stage(self._named_params())
+        """Return the weights in HF names and layout (from one rank per pipeline stage), else None."""
+        state = self.engine.state()
+        return None if state is None else state["model"]
 
     @register(Dispatch.ALL)
     def checkpoint_state(self) -> dict | None:
         """Return this stage's weights and optimizer moments in HF layout, plus step and RNG."""
-        state = {"model": self._gather_stage(self._named_params()), "step": self.engine.step_count,
-                 "rng": torch.get_rng_state()}
-        opt = self.engine.optimizer
-        if opt is not None and isinstance(opt, torch.optim.AdamW):
-            names = dict(self.engine.model.named_parameters())
-            for moment in ("exp_avg", "exp_avg_sq"):
-                named = {k: opt.state[p][moment] if p in opt.state else torch.zeros_like(p)
-                         for k, p in names.items()}
-                state[moment] = self._gather_stage(named)
-            steps = [float(s["step"]) for s in opt.state.values() if "step" in s]
-            state["adam_step"] = max(steps) if steps else 0.0
-        return state if state["model"] is not None else None
+        state = self.engine.state()
+        if state is None:
+            return None
+        return {**state, "step": self.engine.step_count, "rng": torch.get_rng_state()}
 
     @register(Dispatch.ALL)
     def configure(self, micro_batch_size: int | None = None, temperature: float | None = None,
                   optim: dict | None = None, seed: int | None = None, precision: str | None = None,
-                  micro_batch_tokens: int | None = None, remove_padding: bool | None = None) -> None:
+                  micro_batch_tokens: int | None = None, remove_padding: bool | None = None,
+                  strategy: str | None = None) -> None:
         """Apply settings to the running worker (between steps): micro-batching (rows, token
-        budget, packing), log-prob
-        temperature, compute precision (fp32 or bf16 autocast; weights and moments stay fp32) and
-        optimizer settings (lr, weight decay, clipping, warm-up), keeping the optimizer's moments
-        and the schedule's position. ``seed`` is only checked: it is fixed."""
+        budget, packing), log-prob temperature, compute precision (fp32 or bf16 autocast; weights
+        and moments stay fp32) and optimizer settings (lr, weight decay, clipping, warm-up),
+        keeping the optimizer's moments and the schedule's position. ``seed`` and ``strategy``
+        are only checked: they are fixed."""
         if precision is not None:
-            if precision not in PRECISIONS:
-                raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-            self.engine.precision = precision
+            self.engine.precision = check_precision(precision)
         if seed is not None and seed != self.seed:
             raise ValueError(f"the seed is fixed once a worker runs (have {self.seed}, got {seed})")
+        if strategy is not None and resolve_strategy(strategy, self.model_dir) != self.strategy:
+            raise ValueError(f"the training strategy is fixed once a worker runs (have {self.strategy},"
+                             f" got {strategy})")
         if micro_batch_size is not None:
             self.micro_batch_size = micro_batch_size
         if micro_batch_tokens is not None:
@@ -101,16 +92,17 @@ class TrainWorker(Worker):
 
     @register(Dispatch.ALL)
     def settings(self) -> dict:
-        """Return this rank's live settings: micro-batching, temperature, precision and optim (a dict)."""
+        """Return this rank's live settings: micro-batching, temperature, precision, optim (a
+        dict) and the backend."""
         optim = dataclasses.asdict(self.engine.optim_cfg) if self.engine.optimizer is not None else None
         return {"micro_batch_size": self.micro_batch_size, "micro_batch_tokens": self.engine.micro_batch_tokens,
                 "remove_padding": self.engine.remove_padding, "temperature": self.engine.temperature,
-                "optim": optim, "precision": self.engine.precision}
+                "optim": optim, "precision": self.engine.precision, "strategy": self.strategy}
 
     @register(Dispatch.ALL)
     def load_state(self, boxed: list) -> None:
         """Load training state from ``checkpoint_state`` of the role's previous workers (any
-        layout) into this rank's shards: weights, AdamW moments, step counter and RNG.
+        layout, any backend) into this rank's shards: weights, AdamW moments, step counter and RNG.
 
         ``boxed`` is ``[ObjectRef of the list of parts]``: wrapped in a list so that Ray passes
         the reference and each rank fetches the state from the object store (never a file)."""
@@ -118,44 +110,19 @@ class TrainWorker(Worker):
 
         parts = [p for p in ray.get(boxed[0]) if p]
         merged = merge_state(parts)
-        eng, ps = self.engine, self.engine.ps
-        weights = hf_to_megatron(merged["model"], eng.spec, eng.tp, ps.get_tensor_model_parallel_rank(), eng.pp,
-                                 ps.get_pipeline_model_parallel_rank(), head=not self.value_head)
-        with torch.no_grad():
-            for name, param in eng.model.named_parameters():
-                if name.startswith("output_layer.linear"):
-                    param.copy_(merged["model"][name.replace("output_layer.linear", "value_head.linear")])
-                elif name in weights:
-                    param.copy_(weights[name])
-                elif not (name == "output_layer.weight" and eng.spec.tied):
-                    raise KeyError(f"the saved state has no weights for {name}")
         first = parts[0]
         moments = {m: merged[m] for m in ("exp_avg", "exp_avg_sq") if merged[m]}
-        self.load_optimizer_state(moments, first["step"], first.get("adam_step", 0.0), first["rng"].tolist())
+        self.engine.load_state(merged["model"], moments, first["step"], first.get("adam_step", 0.0))
+        torch.set_rng_state(first["rng"])
 
     @register(Dispatch.ALL)
     def load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int, adam_step: float,
                              rng: list[int] | None = None) -> None:
         """Load AdamW moments given in HF layout (any source layout) into this rank's shards,
         with the step counter and the saved RNG state."""
-        ps, eng = self.engine.ps, self.engine
-        opt = eng.optimizer
-        eng.step_count = step
+        self.engine.load_state({}, moments, step, adam_step)
         if rng is not None:
             torch.set_rng_state(torch.tensor(rng, dtype=torch.uint8))
-        if opt is None or not moments:
-            return
-        args = (eng.spec, eng.tp, ps.get_tensor_model_parallel_rank(), eng.pp, ps.get_pipeline_model_parallel_rank())
-        shards = {m: hf_to_megatron(moments[m], *args, head=not self.value_head) for m in ("exp_avg", "exp_avg_sq")}
-        for name, p in eng.model.named_parameters():
-            if name.startswith("output_layer.linear"):
-                key = name.replace("output_layer.linear", "value_head.linear")
-                local = {m: moments[m][key].clone() for m in shards}
-            elif name == "output_layer.weight" and name not in shards["exp_avg"]:
-                continue
-            else:
-                local = {m: shards[m][name] for m in shards}
-            opt.state[p] = {"step": torch.tensor(float(adam_step)), **local}
 
 
 class ActorWorker(TrainWorker):
@@ -164,25 +131,22 @@ class ActorWorker(TrainWorker):
 
     @register(Dispatch.ALL)
     def export_slices(self, hf_names: list[str], dp_ranks: list[int]):
-        """Put this rank's slices of a bucket (HF names, no gathering) in Ray's object store if
-        its data-parallel rank feeds a rollout replica; returns (tp rank, pp rank, dp rank,
+        """Put this rank's slices of a bucket (HF names) in Ray's object store if its
+        data-parallel rank feeds a rollout replica; returns (tp rank, pp rank, dp rank,
         reference, bytes), else None. The rollout ranks join the slices (``reshard.sources``)."""
         import ray
 
-        ps = self.engine.ps
-        if ps.get_data_parallel_rank() not in dp_ranks:
+        out = self.engine.export_slices(hf_names, dp_ranks)
+        if out is None or not out[3]:
             return None
-        part = local_slices(self.engine, hf_names)
-        if not part:
-            return None
-        return (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                ps.get_data_parallel_rank(), ray.put(part), sum(t.numel() * t.element_size() for t in part.values()))
+        tp_rank, pp_rank, dp_rank, part = out
+        return tp_rank, pp_rank, dp_rank, ray.put(part), sum(t.numel() * t.element_size() for t in part.values())
 
     @register(Dispatch.ALL)
     def sync_to_colocated(self, role: str, buckets: list[list[str]]) -> dict:
         """Stream the weights, bucket by bucket, into the ``role`` engine of this same process
         (``reshard.sources.stream_colocated``); returns {"bytes", "buckets", "seconds"}."""
-        return stream_colocated(self.engine, buckets, self.peers[role].load_weights)
+        return self.engine.stream_colocated(buckets, self.peers[role].load_weights)
 
     @register(Dispatch.DP)
     def compute_log_prob(self, batch: Batch, sum_pi_squared: bool = False) -> Batch:

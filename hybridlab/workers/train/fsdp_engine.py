@@ -1,0 +1,325 @@
+"""FSDPEngine: one rank's share of any transformers causal LM under torch FSDP2 (``fully_shard``).
+
+The second training backend beside Megatron (``backend.py`` has the contract). It takes the
+checkpoint's architecture as transformers builds it, so it needs no converter; in exchange it
+shards over data-parallel ranks only (tp = pp = 1). Every decoder layer (the classes the model
+lists in ``_no_split_modules``) and then the whole model are sharded along dim 0 over the
+role's ranks (gloo on CPU, nccl on GPU). Parameter names are the checkpoint's own, so
+checkpoints, remaps and weight syncs speak HF layout with no conversion.
+
+Gradients: FSDP2 averages them over ranks, while our losses are each rank's share of the
+mini-batch total (``backend.LossFn``), so each backward runs on ``loss * dp``. Every rank runs
+the same number of micro-batches (FSDP gathers each layer with a collective): a rank with
+fewer runs empty ones whose loss is zero and whose outputs are dropped.
+
+Packed micro-batches (``remove_padding``) lay the rows end to end in one sequence with
+position ids that restart per row and no attention mask; transformers' masking then builds a
+block-diagonal causal mask from the position ids, so attention stays inside each row.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
+
+from hybridlab.controller.worker import Worker
+from hybridlab.workers.train import packing
+from hybridlab.workers.train.backend import (LossFn, OptimConfig, check_precision, global_totals, make_optimizer,
+                                             set_lr)
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class ValueModel(torch.nn.Module):
+    """A causal LM's decoder stack with a scalar head (``value_head.linear``, zeros at start, as
+    the Megatron critic's) in place of the LM head; parameter names stay the checkpoint's."""
+
+    def __init__(self, lm: torch.nn.Module, hidden: int):
+        super().__init__()
+        setattr(self, lm.base_model_prefix, getattr(lm, lm.base_model_prefix))
+        self.prefix = lm.base_model_prefix
+        self.value_head = torch.nn.Module()
+        self.value_head.linear = torch.nn.Linear(hidden, 1, bias=True)
+        torch.nn.init.zeros_(self.value_head.linear.weight)
+        torch.nn.init.zeros_(self.value_head.linear.bias)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        out = getattr(self, self.prefix)(input_ids=input_ids, attention_mask=attention_mask,
+                                         position_ids=position_ids, use_cache=False)
+        return self.value_head.linear(out.last_hidden_state)
+
+
+def logprobs_entropy(logits: torch.Tensor, target: torch.Tensor, sum_pi_squared: bool = False):
+    """Return (log p(target), entropy) of fp32 logits over the whole vocabulary, and with
+    ``sum_pi_squared`` the sum of p^2 per position (no gradient through it)."""
+    log_p = torch.log_softmax(logits, -1)
+    picked = log_p.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    p = log_p.exp()
+    out = (picked, -(p * log_p).sum(-1))
+    return (*out, p.detach().square().sum(-1)) if sum_pi_squared else out
+
+
+def _build(model_dir: str, value_head: bool) -> torch.nn.Module:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    if not value_head:
+        return lm
+    model = ValueModel(lm, lm.config.get_text_config().hidden_size)
+    head = Path(model_dir) / "value_head.safetensors"
+    if head.is_file():  # a saved critic
+        weights = load_file(str(head))
+        with torch.no_grad():
+            for k in ("weight", "bias"):
+                getattr(model.value_head.linear, k).copy_(weights[f"value_head.linear.{k}"].float())
+    return model
+
+
+class FSDPEngine:
+    """This rank's FSDP2 shard of a transformers model, with optional optimizer."""
+
+    def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, *, value_head: bool = False,
+                 optim: OptimConfig | None = None, seed: int = 0, temperature: float = 1.0, precision: str = "fp32"):
+        if tp != 1 or pp != 1:
+            raise ValueError(f"the fsdp2 backend shards over data-parallel ranks only: tp and pp must be 1"
+                             f" (got tp={tp}, pp={pp}); use strategy megatron for tensor or pipeline parallelism")
+        self.precision = check_precision(precision)
+        self.value_head, self.temperature = value_head, temperature
+        Worker.init_distributed()
+        self.rank, self.dp = dist.get_rank(), dist.get_world_size()
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        torch.manual_seed(seed)
+        model = _build(model_dir, value_head).to(self.device)
+        mesh = init_device_mesh(self.device.type, (self.dp,))
+        layer_classes = set(getattr(model if not value_head else getattr(model, model.prefix),
+                                    "_no_split_modules", None) or ())
+        for module in model.modules():
+            if type(module).__name__ in layer_classes:
+                fully_shard(module, mesh=mesh)
+        self.model = fully_shard(model, mesh=mesh)
+        self.params = dict(self.model.named_parameters())  # HF names
+        self.optim_cfg = optim
+        self.step_count = 0
+        self.micro_batch_tokens, self.remove_padding = 0, False
+        self.padded_token_share = 0.0
+        self.optimizer = None
+        if optim is not None:
+            self.optimizer = make_optimizer(list(self.params.values()), optim)
+        else:
+            self.model.requires_grad_(False)
+
+    def dp_info(self) -> tuple[int, int, bool]:
+        """Return (dp rank, dp size, answers): every rank answers for its own rows."""
+        return self.rank, self.dp, True
+
+    # ------------------------------------------------------------- micro-batches
+    def _micro_batches(self, batch, micro_batch_size: int) -> list[packing.MicroBatch | None]:
+        """This rank's micro-batches, followed by None up to the largest count on any rank."""
+        micros = packing.micro_batches(batch.tensors, micro_batch_size, self.micro_batch_tokens, self.remove_padding)
+        self.padded_token_share = packing.padded_share(micros, int(batch["attention_mask"].sum()))
+        count = torch.tensor([len(micros)])
+        if self.dp > 1:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return micros + [None] * (int(count) - len(micros))
+
+    def _autocast(self):
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def _outputs(self, micro: packing.MicroBatch, sum_pi_squared: bool = False) -> dict[str, torch.Tensor]:
+        """Run the model on one micro-batch; return its per-response-token outputs, [rows,
+        response_len] (zeros at padding when packed)."""
+        t = {k: v.to(self.device) for k, v in micro.tensors.items()}
+        resp_len = t["responses"].shape[1]
+        targets = t["responses"]
+        if micro.packed:
+            ids = micro.packed["input_ids"].to(self.device)
+            cu = micro.packed["cu_seqlens"].long()
+            starts = torch.repeat_interleave(cu[:-1], cu.diff())
+            positions = (torch.arange(ids.shape[1]) - starts).unsqueeze(0).to(self.device)
+            out = self._call(ids, None, positions)
+            real = t["attention_mask"][:, -resp_len:].bool()
+            out = out[0, micro.packed["response_index"].to(self.device)[real]]
+            targets = targets[real]
+        else:
+            mask = t["attention_mask"]
+            positions = t.get("position_ids")
+            if positions is None:
+                positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+            out = self._call(t["input_ids"], mask, positions)[:, -resp_len - 1:-1]
+        if self.value_head:
+            named = {"values": out[..., 0].float()}
+        else:
+            names = ("log_probs", "entropy", "sum_pi_squared")
+            named = dict(zip(names, logprobs_entropy(out.float() / self.temperature, targets, sum_pi_squared)))
+        if not micro.packed:
+            return named
+        full = {}
+        for key, values in named.items():
+            full[key] = values.new_zeros(real.shape)
+            full[key][real] = values
+        return full
+
+    def _call(self, ids, mask, positions) -> torch.Tensor:
+        if self.value_head:
+            return self.model(ids, attention_mask=mask, position_ids=positions)
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+
+    def _empty(self) -> packing.MicroBatch:
+        """A one-token micro-batch that keeps this rank in step with the others' collectives."""
+        one = torch.ones(1, 2, dtype=torch.long)
+        return packing.MicroBatch({"input_ids": one, "attention_mask": one, "responses": one[:, :1],
+                                   "response_mask": torch.zeros(1, 1)}, [], 2)
+
+    # -------------------------------------------------------------- public API
+    @torch.no_grad()
+    def forward(self, batch, micro_batch_size: int = 8, sum_pi_squared: bool = False) -> dict[str, torch.Tensor]:
+        """Return log_probs and entropy (or values for a critic) for the response tokens,
+        [batch, response_len], and with ``sum_pi_squared`` the sum of squared probabilities."""
+        self.model.eval()
+        micros = self._micro_batches(batch, micro_batch_size)
+        outs = []
+        with self._autocast():
+            for micro in micros:
+                out = self._outputs(micro or self._empty(), sum_pi_squared)
+                if micro is not None:
+                    outs.append({k: v.float().cpu() for k, v in out.items()})
+        real = [m for m in micros if m is not None]
+        return {k: packing.gather_rows([o[k] for o in outs], real, len(batch)) for k in outs[0]}
+
+    def train_step(self, batch, loss_fn: LossFn, micro_batch_size: int = 8) -> dict[str, float]:
+        """Accumulate gradients of ``loss_fn`` over micro-batches (summed over DP), clip and step.
+
+        Returns metrics averaged over micro-batches and DP ranks, plus grad_norm, lr, skipped
+        (1.0 when the gradient norm was NaN or inf and the step was skipped) and padded_token_share."""
+        if self.optimizer is None:
+            raise RuntimeError("this engine is frozen (no optimizer): it cannot train")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        micros = self._micro_batches(batch, micro_batch_size)
+        totals = global_totals(batch, None, self.dp)
+        store = []
+        with self._autocast():
+            for micro in micros:
+                outputs = self._outputs(micro or self._empty())
+                if micro is None:
+                    loss = sum(v.sum() for v in outputs.values()) * 0.0
+                else:
+                    inputs = {**{k: v.to(self.device) for k, v in micro.tensors.items()}, **totals,
+                              "num_microbatches": len(micros), **({"packed": micro.packed} if micro.packed else {})}
+                    loss, metrics = loss_fn(outputs, inputs)
+                    store.append({k: torch.as_tensor(v).detach().float().cpu() for k, v in metrics.items()})
+                (loss * self.dp).backward()  # FSDP averages over ranks; the shares must add up
+        grad_norm = self._clip_grads(self.optim_cfg.grad_clip)
+        lr = set_lr(self)
+        finite = math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+        self.step_count += 1
+        metrics = self._reduce_metrics(store)
+        metrics.update(grad_norm=grad_norm, lr=lr, skipped=0.0 if finite else 1.0,
+                       padded_token_share=self.padded_token_share)
+        return metrics
+
+    def _clip_grads(self, max_norm: float) -> float:
+        grads = [p.grad.to_local() for p in self.params.values() if p.grad is not None]
+        total = torch.stack([g.float().pow(2).sum() for g in grads]).sum().cpu().reshape(1) if grads \
+            else torch.zeros(1)
+        if self.dp > 1:  # each rank holds distinct rows of every gradient
+            dist.all_reduce(total)
+        norm = total.sqrt().item()
+        if max_norm and max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+            for g in grads:
+                g.mul_(max_norm / (norm + 1e-6))
+        return norm
+
+    def _reduce_metrics(self, store: list[dict]) -> dict[str, float]:
+        keys = sorted(store[0]) if store else []
+        if self.dp > 1:  # a rank with no micro-batch of its own still joins the average
+            gathered = [None] * self.dp
+            dist.all_gather_object(gathered, keys)
+            keys = next(k for k in gathered if k) if any(gathered) else []
+        local = torch.tensor([float(torch.stack([s[k].mean() for s in store]).mean()) for k in keys]) \
+            if store else torch.zeros(len(keys))
+        if self.dp > 1 and keys:
+            dist.all_reduce(local)
+            local /= self.dp
+        return dict(zip(keys, local.tolist()))
+
+    # ------------------------------------------------- state and weight sync (HF layout)
+    def _whole(self, tensor) -> torch.Tensor:
+        return tensor.full_tensor().cpu()  # a collective: every rank calls it in the same order
+
+    def state(self) -> dict | None:
+        """Return the whole weights and AdamW moments in HF names on rank 0, None elsewhere
+        (every rank must call it: each tensor is all-gathered in turn)."""
+        keep = self.rank == 0
+        state = {"model": {}}
+        for name, p in self.params.items():
+            whole = self._whole(p.detach())
+            if keep:
+                state["model"][name] = whole
+        if isinstance(self.optimizer, torch.optim.AdamW):
+            for moment in MOMENTS:
+                state[moment] = {}
+                for name, p in self.params.items():
+                    whole = self._whole(self.optimizer.state[p][moment]) if p in self.optimizer.state \
+                        else torch.zeros(p.shape)
+                    if keep:
+                        state[moment][name] = whole
+            steps = [float(s["step"]) for s in self.optimizer.state.values() if "step" in s]
+            state["adam_step"] = max(steps) if steps else 0.0
+        return state if keep else None
+
+    def _shard(self, p, whole: torch.Tensor):
+        # every rank holds the whole tensor: each keeps its own rows, no communication
+        return distribute_tensor(whole.to(self.device, torch.float32), p.device_mesh, p.placements,
+                                 src_data_rank=None)
+
+    def load_state(self, weights: dict, moments: dict, step: int, adam_step: float) -> None:
+        """Load whole HF ``weights`` (if any) and AdamW ``moments`` (if any) into this rank's
+        shards; raises KeyError naming a parameter the weights do not cover."""
+        if weights:
+            with torch.no_grad():
+                for name, p in self.params.items():
+                    if name not in weights:
+                        raise KeyError(f"the saved state has no weights for {name}")
+                    p.to_local().copy_(self._shard(p, weights[name]).to_local())
+        self.step_count = step
+        if self.optimizer is None or not moments:
+            return
+        for name, p in self.params.items():
+            self.optimizer.state[p] = {"step": torch.tensor(float(adam_step)),
+                                       **{m: self._shard(p, moments[m][name]) for m in MOMENTS}}
+
+    def export_slices(self, hf_names: list[str], dp_ranks: list[int]) -> tuple[int, int, int, dict] | None:
+        """Return (0, 0, dp rank, whole HF tensors of the bucket) if this rank feeds a rollout
+        replica, else None; every rank joins each tensor's all-gather."""
+        part = {}
+        for name in hf_names:
+            if name in self.params:
+                whole = self._whole(self.params[name].detach())
+                if self.rank in dp_ranks:
+                    part[name] = whole
+        return (0, 0, self.rank, part) if self.rank in dp_ranks else None
+
+    def stream_colocated(self, buckets: list[list[str]], load: Callable) -> dict:
+        """All-gather each bucket on every rank and hand it to ``load`` (the engine in this
+        process), one bucket at a time; returns {"bytes", "buckets", "seconds"}."""
+        start, moved = time.perf_counter(), 0
+        for bucket in buckets:
+            named = [(n, self._whole(self.params[n].detach())) for n in bucket if n in self.params]
+            moved += sum(t.numel() * t.element_size() for _, t in named)
+            load(named)
+        return {"bytes": moved, "buckets": len(buckets), "seconds": time.perf_counter() - start}

@@ -1,0 +1,111 @@
+"""The FSDP2 training backend against Megatron and transformers, on the real engines."""
+import json
+
+import pytest
+import torch
+
+from hybridlab.config import ConfigError
+from hybridlab.controller.group import RoleClass
+from hybridlab.dataflow.session import RLSession
+from hybridlab.models.zoo import resolve_model
+from hybridlab.run_config import load_config
+from hybridlab.workers.train.backend import resolve_strategy
+from hybridlab.workers.train.workers import ActorWorker
+from tests.test_remap import actor_state, assert_equal_state
+from tests.test_train import BATCH, gathered, hf_logprobs, max_diff, session_for
+
+TRAINING = ("actor", "ref", "critic")
+ONE_DEVICE = {"pools": {"main": {"devices": 1}},
+              "roles": {r: {"pool": "main", "colocate": "engine"} for r in (*TRAINING, "rollout", "reward")}}
+# the trainers on two data-parallel ranks, the rollout in a process of its own: the sync sends
+# whole tensors from FSDP's all-gather across processes (export_slices)
+TRAIN_DP2 = {"pools": {"train": {"devices": 2}, "gen": {"devices": 1}},
+             "roles": {**{r: {"pool": "train", "dp": 2, "colocate": "t"} for r in TRAINING},
+                       "rollout": {"pool": "gen", "colocate": "g"}, "reward": {"pool": "gen", "colocate": "g"}}}
+# metrics that are the numbers of the step, not of its timing
+COMPARED = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/reward_kl_penalty", "critic/vf_loss",
+            "critic/grad_norm", "advantages/mean", "response_length/mean")
+
+
+def test_fsdp2_logprobs_and_gradients_equal_megatrons(ray_local):
+    """Log-probs equal transformers' within 1e-5 padded and packed at DP 2, and one SFT loss's
+    gradient on the same batch equals Megatron's within 1e-5: with SGD at lr 1 and no clipping a
+    step moves each weight by exactly its gradient."""
+    tiny = str(resolve_model("tiny"))
+    sgd = {"lr": 1.0, "grad_clip": 0.0, "optimizer": "sgd"}
+    mask = BATCH["response_mask"].bool()
+    log_probs, sum_pi_squared = hf_logprobs(tiny, BATCH, sum_pi_squared=True)
+    grads = {}
+    for strategy, dp in (("megatron", 1), ("fsdp2", 2)):
+        roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=tiny, optim=sgd, micro_batch_size=3,
+                                                            strategy=strategy))}
+        with session_for(roles, dp=dp) as s:
+            actor = s.groups["actor"]
+            assert actor.settings()[0]["strategy"] == strategy
+            out = actor.compute_log_prob(BATCH, sum_pi_squared=True)
+            assert (out["old_log_probs"].double() - log_probs)[mask].abs().max() < 1e-5
+            assert (out["sum_pi_squared"].double() - sum_pi_squared)[mask].abs().max() < 1e-6
+            actor.configure(micro_batch_tokens=40, remove_padding=True)  # packed, micro-batches by tokens
+            packed = actor.compute_log_prob(BATCH)["old_log_probs"]
+            assert (packed - out["old_log_probs"])[mask].abs().max() < 1e-5
+            actor.configure(micro_batch_tokens=0, remove_padding=False)
+            before = gathered(actor)
+            assert actor.sft_step(BATCH)[0]["grad_norm"] > 1.0
+            after = gathered(actor)
+            grads[strategy] = {k: before[k] - after[k] for k in before}
+    assert sorted(grads["fsdp2"]) == sorted(grads["megatron"])  # HF names, the same tensors
+    assert max(g.abs().max().item() for g in grads["megatron"].values()) > 0.1
+    assert max_diff(grads["fsdp2"], grads["megatron"]) < 1e-5
+
+
+def test_fsdp2_refusals_and_the_auto_choice(tmp_path):
+    with pytest.raises(ConfigError, match=r"mapping.roles.actor: tp=2, pp=1 needs actor.strategy=megatron; the"
+                                          r" fsdp2 backend shards over data-parallel ranks only"):
+        load_config("grpo", ["actor.strategy=fsdp2", "trainer.devices=2",
+                             "mapping={pools: {p: {devices: 2}}, roles: {actor: {pool: p, tp: 2},"
+                             " rollout: {pool: p, tp: 2, colocate: e}, reward: {pool: p, dp: 2, colocate: e}}}"])
+    with pytest.raises(ConfigError, match=r"critic.strategy: 'deepspeed' is not one of auto, megatron, fsdp2"):
+        load_config("ppo", ["critic.strategy=deepspeed"])
+    assert resolve_strategy("auto", resolve_model("tiny")) == "megatron"
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    assert resolve_strategy("auto", gpt2) == "fsdp2"
+    assert resolve_strategy("megatron", gpt2) == "megatron"
+
+
+def test_a_ppo_run_on_fsdp2_equals_megatrons_remaps_to_dp2_and_resumes(ray_local, trained_dir, tmp_path):
+    """The same seeded PPO steps (actor, ref and critic) on either backend give the same
+    numbers; on FSDP2 a remap to two DP ranks carries weights and AdamW moments bit for bit, the
+    weight sync to a rollout in another process lands, and a resume carries the state."""
+    base = [f"model={trained_dir}", "warm_start.max_steps=0", "data.prompts_per_step=4", "rollout.n=2",
+            "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
+            "data.test_samples=8", "trainer.progress=false", f"mapping={ONE_DEVICE}"]
+    steps = {}
+    for strategy in ("megatron", "fsdp2"):
+        run = tmp_path / strategy
+        with RLSession("ppo", [*base, f"actor.strategy={strategy}", f"critic.strategy={strategy}",
+                               f"trainer.run_dir={run}"]) as rl:
+            steps[strategy] = [rl.step().metrics for _ in range(3)]
+            if strategy == "megatron":
+                continue
+            assert rl.training_backends() == {"actor": "fsdp2", "ref": "fsdp2", "critic": "fsdp2"}
+            assert json.loads((run / "environment.json").read_text())["training_backends"]["critic"] == "fsdp2"
+            before = actor_state(rl)
+            assert sorted(rl.remap(TRAIN_DP2).roles_recreated) == ["actor", "critic", "ref", "reward", "rollout"]
+            assert_equal_state(before, actor_state(rl))
+            batch = rl.step().batch
+            mask = batch["response_mask"].bool()  # the rollout sampled with the synced weights
+            assert (batch["old_log_probs"] - batch["rollout_log_probs"])[mask].abs().max() < 1e-4
+            saved = actor_state(rl)
+            rl.save_checkpoint()
+    assert sum(m["reward/mean"] for m in steps["megatron"]) > 0  # the losses are not all zero
+    for step, (megatron, fsdp2) in enumerate(zip(steps["megatron"], steps["fsdp2"])):
+        for key in COMPARED:
+            assert fsdp2[key] == pytest.approx(megatron[key], abs=1e-4), (step, key)
+    with RLSession.resume(tmp_path / "fsdp2") as resumed:
+        assert resumed.mapping.to_dict() == rl.mapping.to_dict()
+        assert_equal_state(saved, actor_state(resumed))
+        resumed.step()
+        assert actor_state(resumed)["step"].item() == 5
+    assert torch.equal(saved["step"], torch.tensor(4))
