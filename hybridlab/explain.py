@@ -151,7 +151,7 @@ def explain(cfg: RunConfig, model_dir: str | Path | None = None) -> Explanation:
 
     validate_config(cfg)
     model_dir = Path(model_dir or resolve_model(cfg.model))
-    spec = ModelSpec.from_hf(model_dir)
+    spec = ModelSpec.read(model_dir)
     params = parameter_count(model_dir)
     names = dataflow_names(cfg)
     mapping = DeviceMapping.from_dict(cfg.mapping or default_mapping(cfg, names))

@@ -317,8 +317,14 @@ def _check_data_and_model(cfg: RunConfig, p: list[str]) -> None:
             parse_preset(cfg.model)
         elif not (Path(cfg.model) / "config.json").is_file():
             p.append(f"model: {cfg.model} is not a Hugging Face checkpoint directory (no config.json)")
-        else:  # an architecture or a setting the Megatron build does not reproduce
-            ModelSpec.from_hf(cfg.model)
+        elif not ModelSpec.read(cfg.model).converted:  # raises if transformers cannot build it
+            for section in ("actor", "critic"):  # megatron asked for: name what it cannot reproduce
+                if getattr(cfg, section).strategy == "megatron":
+                    try:
+                        ModelSpec.from_hf(cfg.model)
+                    except UserError as exc:
+                        raise UserError(f"{exc} ({section}.strategy=megatron; auto or fsdp2 trains it with"
+                                        " FSDP2)") from None
     except UserError as exc:
         p.append(f"model: {exc}")
     if cfg.data.chat_template:

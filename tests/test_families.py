@@ -124,20 +124,31 @@ def test_qwen3_pp2_logprobs_and_step_equal_tp1(families):
         assert max((other[k] - results[1][k]).abs().max() for k in results[1]) < 1e-4
 
 
-def test_an_unconverted_architecture_or_setting_stops_the_config_before_any_worker(tmp_path):
+def test_an_unconverted_architecture_goes_to_fsdp2_and_megatron_refuses_it_by_name(tmp_path):
+    """``auto`` trains what Megatron cannot reproduce with FSDP2; ``megatron`` asked for names
+    the architecture or the setting before any worker starts; what transformers cannot build is
+    refused whatever the strategy."""
     from hybridlab.config import ConfigError
-    from hybridlab.run_config import load_config
+    from hybridlab.run_config import load_config, training_strategy
 
     for name, config in (("gpt2", {"model_type": "gpt2", "n_layer": 2}),
                          ("yarn", config_of("qwen3", rope_parameters={"rope_type": "yarn", "factor": 4.0,
-                                                                     "rope_theta": 1e4}))):
+                                                                     "rope_theta": 1e4})),
+                         ("unknown", {"model_type": "no_such_llm"})):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="model: unsupported architecture 'gpt2': hybridlab converts llama, mistral"):
-        load_config(overrides=[f"model={tmp_path / 'gpt2'}"])
+    for name in ("gpt2", "yarn"):
+        cfg = load_config(overrides=[f"model={tmp_path / name}"])
+        assert training_strategy(cfg, "actor") == training_strategy(cfg, "critic") == "fsdp2"
+    with pytest.raises(ConfigError, match="model: unsupported architecture 'gpt2': hybridlab converts llama, mistral,"
+                                          r" qwen2, qwen3 checkpoints to Megatron \(the fsdp2 backend trains other"
+                                          r" architectures\) \(actor.strategy=megatron; auto or fsdp2 trains it"):
+        load_config(overrides=[f"model={tmp_path / 'gpt2'}", "actor.strategy=megatron"])
     with pytest.raises(ConfigError, match="model: this qwen3 checkpoint cannot be converted to Megatron: rope type"
-                                          " 'yarn' \\(supported: default, linear, llama3\\)"):
-        load_config(overrides=[f"model={tmp_path / 'yarn'}"])
+                                          " 'yarn' \\(supported: default, linear, llama3\\) \\(critic.strategy=megatron"):
+        load_config(overrides=[f"model={tmp_path / 'yarn'}", "critic.strategy=megatron"])
+    with pytest.raises(ConfigError, match="transformers cannot read this checkpoint's config"):
+        load_config(overrides=[f"model={tmp_path / 'unknown'}"])
 
 
 def test_a_prompt_past_mistrals_sliding_window_is_named(families):

@@ -3,6 +3,7 @@ import json
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from hybridlab.config import ConfigError
 from hybridlab.controller.group import RoleClass
@@ -10,8 +11,13 @@ from hybridlab.dataflow.session import RLSession
 from hybridlab.models.zoo import resolve_model
 from hybridlab.run_config import load_config
 from hybridlab.workers.train.backend import resolve_strategy
+from hybridlab.workers.train.convert import load_hf_state
 from hybridlab.workers.train.workers import ActorWorker
+from hybridlab.protocol import Batch
+from hybridlab.tasks import get_task
+from hybridlab.workers.train import checkpoint
 from tests.test_remap import actor_state, assert_equal_state
+from tests.test_sync import GREEDY, hf_greedy
 from tests.test_train import BATCH, gathered, hf_logprobs, max_diff, session_for
 
 TRAINING = ("actor", "ref", "critic")
@@ -109,3 +115,40 @@ def test_a_ppo_run_on_fsdp2_equals_megatrons_remaps_to_dp2_and_resumes(ray_local
         resumed.step()
         assert actor_state(resumed)["step"].item() == 5
     assert torch.equal(saved["step"], torch.tensor(4))
+
+
+# a reward that varies within each group on an untrained model, so that GRPO's advantages and
+# gradients are not zero
+ODD_LENGTH = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" \
+             "    return float(len(solution_str) % 2)\n"
+ACTOR_ONLY = {"pools": {"main": {"devices": 1}},
+              "roles": {r: {"pool": "main", "colocate": "engine"} for r in ("actor", "rollout", "reward")}}
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-phi3"])
+def test_an_architecture_without_a_converter_trains_on_fsdp2_and_syncs_into_vllm(ray_local, name, tmp_path):
+    """Gemma 3 (text) and Phi-3 (fused qkv and gate/up tensors) have no Megatron conversion:
+    ``auto`` trains them with FSDP2. Two GRPO steps move the weights; the second step's rollout
+    sampled with the first step's synced weights (its log-probs equal the actor's), and after
+    the last sync vLLM's greedy tokens equal transformers' on the actor's exported weights."""
+    model_dir = str(resolve_model(name))
+    (tmp_path / "odd.py").write_text(ODD_LENGTH)
+    overrides = [f"model={model_dir}", "warm_start.max_steps=0", "data.prompts_per_step=4", "rollout.n=4",
+                 "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=4", "data.test_samples=8",
+                 "trainer.progress=false", f"mapping={ACTOR_ONLY}", "reward.kind=function",
+                 f"reward.function={tmp_path / 'odd.py'}:compute_score", "actor.use_rollout_log_probs=false",
+                 "actor.lr=1e-2", "actor.warmup_steps=0", f"trainer.run_dir={tmp_path / 'run'}"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = Batch(objects={"prompt_ids": [tokenizer(s.prompt, add_special_tokens=False).input_ids
+                                            for s in get_task("arith").split("test", 8)]})
+    with RLSession("grpo", overrides) as rl:
+        assert rl.training_backends() == {"actor": "fsdp2"}
+        first, second = rl.step(), rl.step()
+        assert first.metrics["actor/grad_norm"] > 0 and second.metrics["actor/grad_norm"] > 0
+        batch = second.batch
+        mask = batch["response_mask"].bool()
+        assert (batch["old_log_probs"] - batch["rollout_log_probs"])[mask].abs().max() < 1e-4
+        greedy = rl.workers.groups["rollout"].generate(prompts, GREEDY)["responses"]
+        exported = checkpoint.export_hf(rl.workers.groups["actor"], model_dir, tmp_path / "exported")
+    assert max_diff(load_hf_state(exported), load_hf_state(model_dir)) > 1e-3  # the steps moved the weights
+    assert torch.equal(greedy, hf_greedy(exported, prompts))

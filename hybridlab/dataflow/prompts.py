@@ -42,7 +42,7 @@ class PromptFit:
         training attention is exact within it; ``model`` a checkpoint directory or an earlier
         fit of it), rollout.max_new_tokens, data.truncate_prompts."""
         if not isinstance(model, PromptFit):
-            spec = ModelSpec.from_hf(model)
+            spec = ModelSpec.read(model)
             model = cls(spec.context, 0, windowed=spec.context < spec.max_positions)
         return cls(model.context, cfg.rollout.max_new_tokens, cfg.data.truncate_prompts,
                    windowed=model.what == "sliding window")

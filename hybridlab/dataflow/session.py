@@ -123,7 +123,7 @@ class RLSession(Stepping, LiveEdits):
             if self.cfg.warm_start.max_steps:
                 model_dir = self._warm_start(model_dir)
             self.model_dir = model_dir
-            self.spec = ModelSpec.from_hf(model_dir)
+            self.spec = ModelSpec.read(model_dir)
             self.workers = WorkerSet(self.mapping, role_classes(self.cfg, self.mapping, str(model_dir)),
                                    address=self._ray["address"], env=env, ray_temp_dir=self._ray["temp_dir"],
                                    spares=self.cfg.trainer.spare_processes)

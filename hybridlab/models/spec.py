@@ -57,6 +57,21 @@ class ModelSpec:
     qk_norm: bool = False
     rope: tuple[tuple[str, Any], ...] = ()   # rope_parameters beyond rope_theta, sorted (empty: plain RoPE)
     sliding_window: int | None = None        # attention window of the windowed layers (None: full attention)
+    # False: an architecture without a Megatron conversion (trained by the fsdp2 backend), whose
+    # tensors' HF names and shapes are read from its weight files into tensor_shapes
+    converted: bool = True
+    tensor_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    @classmethod
+    def read(cls, model_dir: str | Path) -> "ModelSpec":
+        """Return the spec of a checkpoint directory: a converted family's (``from_hf``), else,
+        for any causal LM transformers builds (the fsdp2 backend trains it as it is), its sizes
+        from the config and its tensors from the weight files, ``converted`` False. Raises
+        UserError naming an architecture transformers cannot build as a causal LM."""
+        try:
+            return cls.from_hf(model_dir)
+        except UserError:
+            return _unconverted(Path(model_dir))
 
     @classmethod
     def from_hf(cls, config: Any) -> "ModelSpec":
@@ -90,6 +105,9 @@ class ModelSpec:
     def layout_problems(self, tp: int, pp: int) -> list[str]:
         """Return why this model cannot run at tp x pp (empty if it can)."""
         out = []
+        if not self.converted and tp * pp > 1:
+            return [f"hybridlab has no Megatron conversion for {self.arch}; the fsdp2 backend that trains it"
+                    " shards over data-parallel ranks only (tp and pp must be 1)"]
         if self.heads % tp:
             out.append(f"{self.heads} attention heads are not divisible by tp={tp}")
         if self.kv_heads % tp:
@@ -119,11 +137,42 @@ def _as_config(config: Any):
     arch = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
     if arch not in FAMILIES:
         raise UserError(f"unsupported architecture {arch!r}: hybridlab converts {', '.join(SUPPORTED)}"
-                        " checkpoints to Megatron")
+                        " checkpoints to Megatron (the fsdp2 backend trains other architectures)")
     if isinstance(config, dict):
         fields = {k: v for k, v in config.items() if k != "model_type"}
         config = AutoConfig.for_model(arch, **fields)
     return config
+
+
+def _unconverted(model_dir: Path) -> ModelSpec:
+    from safetensors import safe_open
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError, OSError) as exc:
+        raise UserError(f"{model_dir}: transformers cannot read this checkpoint's config ({exc})") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(f"unsupported architecture {config.model_type!r}: transformers has no causal LM for it")
+    text = config.get_text_config()
+    shapes = {}
+    for file in sorted(model_dir.glob("model*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    tied = bool(getattr(text, "tie_word_embeddings", False))
+    if tied:
+        shapes.pop("lm_head.weight", None)
+    heads, hidden = text.num_attention_heads, text.hidden_size
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    return ModelSpec(arch=config.model_type, vocab_size=text.vocab_size, hidden=hidden,
+                     layers=text.num_hidden_layers, heads=heads,
+                     kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+                     head_dim=getattr(text, "head_dim", None) or hidden // heads,
+                     intermediate=getattr(text, "intermediate_size", 0) or 0,
+                     eps=float(getattr(text, "rms_norm_eps", 1e-6)), rope_theta=float(rope.get("rope_theta", 0.0)),
+                     tied=tied, qkv_bias=False, max_positions=text.max_position_embeddings, converted=False,
+                     tensor_shapes=tuple(sorted(shapes.items())))
 
 
 def unsupported_settings(config: Any) -> list[str]:

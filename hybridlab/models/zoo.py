@@ -19,7 +19,8 @@ from hybridlab.tasks import get_task
 # Zoo names: a preset, then a family: tiny (Qwen2), tiny-llama, tiny-llama3 (Llama with Llama 3's
 # rope scaling), tiny-qwen3 (QK-norm, head_dim twice hidden/heads as Qwen3-0.6B), tiny-mistral
 # (a sliding window of half the context).
-ARCHS = ("qwen2", "llama", "llama3", "qwen3", "mistral")
+ARCHS = ("qwen2", "llama", "llama3", "qwen3", "mistral", "gemma3", "phi3")
+CONVERTED = ARCHS[:5]  # the others have no Megatron conversion: the fsdp2 backend trains them
 VOCAB_SIZE = 320  # divisible by 64, so any TP up to 64 splits the vocabulary evenly
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")  # ids 0 to 4
 END_OF_TURN = 4  # <|im_end|>: the chat template ends each turn with it, and generation stops there
@@ -108,6 +109,16 @@ def model_config(preset: str, arch: str):
         return Qwen2Config(tie_word_embeddings=True, **common)
     if arch == "qwen3":
         return Qwen3Config(tie_word_embeddings=True, head_dim=2 * p.hidden // p.heads, **common)
+    if arch == "gemma3":  # text-only Gemma 3: GeLU-tanh, QK-norm, sliding and full layers, tied embeddings
+        from transformers import Gemma3TextConfig
+
+        gemma = {k: v for k, v in common.items() if k != "hidden_act"}
+        return Gemma3TextConfig(head_dim=p.hidden // p.heads, query_pre_attn_scalar=p.hidden // p.heads,
+                                sliding_window=p.max_positions // 4, tie_word_embeddings=True, **gemma)
+    if arch == "phi3":  # Phi-3: fused qkv_proj and gate_up_proj tensors
+        from transformers import Phi3Config
+
+        return Phi3Config(tie_word_embeddings=False, original_max_position_embeddings=p.max_positions, **common)
     if arch == "mistral":
         return MistralConfig(tie_word_embeddings=False, sliding_window=p.max_positions // 2, **common)
     # Llama 3's rope scaling with a short original context, so that it changes most frequencies

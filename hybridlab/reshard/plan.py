@@ -85,6 +85,8 @@ class ReshardPlan:
 
 def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Return every HF tensor name of the model with its shape."""
+    if not spec.converted:  # read from the checkpoint's files
+        return dict(spec.tensor_shapes)
     h, d = spec.hidden, spec.head_dim
     shapes = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
     if not spec.tied:
