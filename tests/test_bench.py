@@ -48,6 +48,19 @@ def test_bench_train_json(ray_local, capfd):
     assert result["ratio_tp1_vs_hf"] == result["ratio_tp1_vs_hf_tiny"]
 
 
+def test_bench_train_fsdp2_json(ray_local, capfd):
+    result = run_bench(["train", "--opt", "models=tiny", "--opt", "steps=1", "--opt", "batch_size=4", "--strategy",
+                        "fsdp2"], capfd)
+    assert result["strategy"] == "fsdp2"
+    assert set(result["tokens_per_s"]) == set(result["peak_rss_mb"]) == {"tiny_tp1", "tiny_fsdp2_dp1", "tiny_fsdp2_dp2"}
+    assert max(result["max_abs_logprob_diff_vs_hf"].values()) < 1e-5
+    speed = result["tokens_per_s"]
+    assert_ratio(result["ratio_fsdp2_vs_megatron"], speed["tiny_fsdp2_dp1"], speed["tiny_tp1"], 3)
+    assert_ratio(result["ratio_fsdp2_vs_hf"], speed["tiny_fsdp2_dp1"], result["hf_tokens_per_s"]["tiny"], 3)
+    assert main(["bench", "train", "--strategy", "deepspeed", "--json"]) == 2
+    assert "benchmark train: strategy must be megatron or fsdp2, got 'deepspeed'" in capfd.readouterr().err
+
+
 def test_bench_rollout_json(ray_local, capfd):
     result = run_bench(["rollout", "--opt", "model=tiny", "--opt", "prompts=4", "--opt", "max_new_tokens=8"], capfd)
     assert {"ours_tokens_per_s", "vllm_tokens_per_s", "hf_tokens_per_s", "ratio_vs_vllm", "ratio_vs_hf"} <= set(result)

@@ -1,8 +1,9 @@
-"""Training throughput on megatron-core (TP1, TP2) vs plain transformers on the same batch.
+"""Training throughput on megatron-core (TP1, TP2) vs plain transformers on the same batch, and
+with ``strategy=fsdp2`` the FSDP2 backend (DP1, DP2) beside Megatron TP1 and transformers.
 
 A step is forward + backward + AdamW on a supervised loss over the response tokens. Both
-sides get the machine's cores: one worker with all threads at TP1, one thread per worker at
-TP2; transformers runs in this process with the same thread count.
+sides get the machine's cores: one worker with all threads at TP1 (DP1), one thread per worker
+at TP2 (DP2); transformers runs in this process with the same thread count.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from hybridlab.controller.resources import connect
 from hybridlab.controller.worker import Dispatch, register
 from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.environment import usable_cores
+from hybridlab.errors import UserError
 from hybridlab.models.zoo import resolve_model
 from hybridlab.workers.train.workers import ActorWorker
 
@@ -73,13 +75,17 @@ def hf_step_time(model_dir, batch, steps: int, threads: int) -> tuple[float, tor
     return statistics.median(times), reference
 
 
-def megatron_run(model_dir, batch, tp: int, steps: int, threads: int, micro_batch_size: int) -> dict:
-    """Return median step seconds, initial log-probs and peak RSS of a Megatron actor at ``tp``."""
-    mapping = DeviceMapping.from_dict({"pools": {"bench": {"devices": tp, "cpus_per_device": threads / tp}},
-                                       "roles": {"actor": {"pool": "bench", "tp": tp}}})
-    roles = {"actor": RoleClass(BenchActor, kwargs=dict(model_dir=str(model_dir), tp=tp, optim={"lr": 1e-5},
-                                                        micro_batch_size=micro_batch_size))}
-    env = {"OMP_NUM_THREADS": str(max(1, threads // tp))}
+def trainer_run(model_dir, batch, strategy: str, ranks: int, steps: int, threads: int,
+                micro_batch_size: int) -> dict:
+    """Return median step seconds, initial log-probs and peak RSS of an actor on ``ranks``
+    devices: Megatron at tp=ranks, or FSDP2 at dp=ranks."""
+    split = "tp" if strategy == "megatron" else "dp"
+    mapping = DeviceMapping.from_dict({"pools": {"bench": {"devices": ranks, "cpus_per_device": threads / ranks}},
+                                       "roles": {"actor": {"pool": "bench", split: ranks}}})
+    roles = {"actor": RoleClass(BenchActor, kwargs=dict(model_dir=str(model_dir), tp=ranks if split == "tp" else 1,
+                                                        optim={"lr": 1e-5}, micro_batch_size=micro_batch_size,
+                                                        strategy=strategy))}
+    env = {"OMP_NUM_THREADS": str(max(1, threads // ranks))}
     with WorkerSet(mapping, roles, env=env) as session:
         actor = session.groups["actor"]
         logprobs = actor.compute_log_prob(batch)["old_log_probs"].double()
@@ -94,15 +100,21 @@ def megatron_run(model_dir, batch, tp: int, steps: int, threads: int, micro_batc
 
 
 def run(models: str = "small,mid", steps: int = 5, batch_size: int = 16, prompt_len: int = 32,
-        response_len: int = 96, micro_batch_size: int = 8, model: str | None = None) -> dict:
+        response_len: int = 96, micro_batch_size: int = 8, model: str | None = None,
+        strategy: str = "megatron") -> dict:
     """Return tokens/s per model and layout, the transformers baseline, ratios, RSS and parity;
-    ``model`` (a zoo name or a checkpoint directory) measures that one model instead of ``models``."""
+    ``model`` (a zoo name or a checkpoint directory) measures that one model instead of
+    ``models``; ``strategy`` fsdp2 adds the FSDP2 backend at DP1 and DP2 (Megatron runs TP1 only)."""
+    if strategy not in ("megatron", "fsdp2"):
+        raise UserError(f"benchmark train: strategy must be megatron or fsdp2, got {strategy!r}")
     models = model or models
     threads = min(2, usable_cores())
     connect(num_gpus=2)
-    out: dict = {"batch_size": batch_size, "seq_len": prompt_len + response_len, "steps": steps,
-                 "threads": threads, "tokens_per_s": {}, "hf_tokens_per_s": {}, "peak_rss_mb": {},
+    out: dict = {"strategy": strategy, "batch_size": batch_size, "seq_len": prompt_len + response_len,
+                 "steps": steps, "threads": threads, "tokens_per_s": {}, "hf_tokens_per_s": {}, "peak_rss_mb": {},
                  "max_abs_logprob_diff_vs_hf": {}}
+    layouts = [("megatron", 1, "tp1"), ("megatron", 2, "tp2")] if strategy == "megatron" else \
+        [("megatron", 1, "tp1"), ("fsdp2", 1, "fsdp2_dp1"), ("fsdp2", 2, "fsdp2_dp2")]
     for name in models.split(","):
         model_dir = resolve_model(name)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -111,13 +123,19 @@ def run(models: str = "small,mid", steps: int = 5, batch_size: int = 16, prompt_
         mask = batch["response_mask"].bool()
         hf_s, reference = hf_step_time(model_dir, batch, steps, threads)
         out["hf_tokens_per_s"][name] = round(tokens / hf_s, 1)
-        for tp in (1, 2):
-            layout = f"{name}_tp{tp}"
-            result = megatron_run(model_dir, batch, tp, steps, threads, micro_batch_size)
+        for backend, ranks, label in layouts:
+            layout = f"{name}_{label}"
+            result = trainer_run(model_dir, batch, backend, ranks, steps, threads, micro_batch_size)
             out["tokens_per_s"][layout] = round(tokens / result["step_s"], 1)
             out["peak_rss_mb"][layout] = round(result["peak_rss_mb"], 1)
             out["max_abs_logprob_diff_vs_hf"][layout] = float((result["logprobs"] - reference)[mask].abs().max())
-        out[f"ratio_tp1_vs_hf_{name}"] = round(out["tokens_per_s"][f"{name}_tp1"] / out["hf_tokens_per_s"][name], 3)
+        speed = out["tokens_per_s"]
+        out[f"ratio_tp1_vs_hf_{name}"] = round(speed[f"{name}_tp1"] / out["hf_tokens_per_s"][name], 3)
+        if strategy == "fsdp2":
+            out[f"ratio_fsdp2_vs_megatron_{name}"] = round(speed[f"{name}_fsdp2_dp1"] / speed[f"{name}_tp1"], 3)
+            out[f"ratio_fsdp2_vs_hf_{name}"] = round(speed[f"{name}_fsdp2_dp1"] / out["hf_tokens_per_s"][name], 3)
     first = models.split(",")[0]
-    out["ratio_tp1_vs_hf"] = out[f"ratio_tp1_vs_hf_{first}"]
+    for key in ("ratio_tp1_vs_hf", "ratio_fsdp2_vs_megatron", "ratio_fsdp2_vs_hf"):
+        if f"{key}_{first}" in out:
+            out[key] = out[f"{key}_{first}"]
     return out
