@@ -18,6 +18,7 @@ from hybridlab.tasks import get_task
 from hybridlab.workers.train import checkpoint
 from tests.test_remap import actor_state, assert_equal_state
 from tests.test_sync import GREEDY, hf_greedy
+from tests.test_worker_faults import kill, pids, repeatable
 from tests.test_train import BATCH, gathered, hf_logprobs, max_diff, session_for
 
 TRAINING = ("actor", "ref", "critic")
@@ -112,9 +113,14 @@ def test_a_ppo_run_on_fsdp2_equals_megatrons_remaps_to_dp2_and_resumes(ray_local
     with RLSession.resume(tmp_path / "fsdp2") as resumed:
         assert resumed.mapping.to_dict() == rl.mapping.to_dict()
         assert_equal_state(saved, actor_state(resumed))
-        resumed.step()
-        assert actor_state(resumed)["step"].item() == 5
-    assert torch.equal(saved["step"], torch.tensor(4))
+        assert torch.equal(saved["step"], torch.tensor(4))
+        reference = resumed.step().metrics
+        trainers = pids(resumed, "actor")  # the actor's, ref's and critic's two FSDP processes
+        kill(resumed, "actor")
+        again = resumed.step()  # recreated, rolled back to the step-4 checkpoint, step 5 again
+        assert again.step == 5 and pids(resumed, "actor") != trainers
+        assert repeatable(again.metrics) == repeatable(reference)
+        assert resumed.restarts[-1]["recreated"] == ["actor", "critic", "ref"]
 
 
 # a reward that varies within each group on an untrained model, so that GRPO's advantages and

@@ -148,16 +148,16 @@ class FSDPEngine:
             cu = micro.packed["cu_seqlens"].long()
             starts = torch.repeat_interleave(cu[:-1], cu.diff())
             positions = (torch.arange(ids.shape[1]) - starts).unsqueeze(0).to(self.device)
-            out = self._call(ids, None, positions)
             real = t["attention_mask"][:, -resp_len:].bool()
-            out = out[0, micro.packed["response_index"].to(self.device)[real]]
+            where = micro.packed["response_index"].to(self.device)[real]  # the logits that predict them
+            out = self._call(ids, None, positions, keep=where)[0]
             targets = targets[real]
         else:
             mask = t["attention_mask"]
             positions = t.get("position_ids")
             if positions is None:
                 positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-            out = self._call(t["input_ids"], mask, positions)[:, -resp_len - 1:-1]
+            out = self._call(t["input_ids"], mask, positions, keep=resp_len + 1)[:, :-1]
         if self.value_head:
             named = {"values": out[..., 0].float()}
         else:
@@ -171,10 +171,15 @@ class FSDPEngine:
             full[key][real] = values
         return full
 
-    def _call(self, ids, mask, positions) -> torch.Tensor:
+    def _call(self, ids, mask, positions, keep: int | torch.Tensor) -> torch.Tensor:
+        """Run the model; return logits (values for a critic) at the positions ``keep`` selects:
+        the last ``keep`` ones, or those indices (transformers' ``logits_to_keep``: the LM head
+        runs on them alone, never on the whole vocabulary x sequence)."""
         if self.value_head:
-            return self.model(ids, attention_mask=mask, position_ids=positions)
-        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+            values = self.model(ids, attention_mask=mask, position_ids=positions)
+            return values[:, -keep:] if isinstance(keep, int) else values[:, keep]
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                          logits_to_keep=keep).logits
 
     def _empty(self) -> packing.MicroBatch:
         """A one-token micro-batch that keeps this rank in step with the others' collectives."""
