@@ -179,13 +179,7 @@ class MegatronEngine:
             names = ("log_probs", "entropy", "sum_pi_squared")
             named = dict(zip(names, vocab_parallel_logprobs_entropy(logits, targets,
                                                                     bool(micro.get("sum_pi_squared")))))
-        if "packed" not in micro:
-            return named
-        out = {}
-        for key, values in named.items():
-            out[key] = values.new_zeros(real.shape)
-            out[key][real] = values
-        return out
+        return packing.spread(named, real) if "packed" in micro else named
 
     def _loss(self, loss_fn: LossFn | None, micro: dict, output: torch.Tensor):
         outputs = self._outputs(output, micro)

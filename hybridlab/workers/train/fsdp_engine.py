@@ -163,13 +163,7 @@ class FSDPEngine:
         else:
             names = ("log_probs", "entropy", "sum_pi_squared")
             named = dict(zip(names, logprobs_entropy(out.float() / self.temperature, targets, sum_pi_squared)))
-        if not micro.packed:
-            return named
-        full = {}
-        for key, values in named.items():
-            full[key] = values.new_zeros(real.shape)
-            full[key][real] = values
-        return full
+        return packing.spread(named, real) if micro.packed else named
 
     def _call(self, ids, mask, positions, keep: int | torch.Tensor) -> torch.Tensor:
         """Run the model; return logits (values for a critic) at the positions ``keep`` selects:

@@ -119,3 +119,13 @@ def gather_rows(values: list[torch.Tensor], micros: list[MicroBatch], n: int) ->
     out = stacked.new_zeros((int(rows.max()) + 1, *stacked.shape[1:]))
     out[rows] = stacked
     return out[:n]
+
+
+def spread(named: dict[str, torch.Tensor], real: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Return per-token outputs of a packed micro-batch (one value per real response token, in
+    row-major order) laid out as [rows, response_len], zeros at the padding (``real`` False)."""
+    out = {}
+    for key, values in named.items():
+        out[key] = values.new_zeros(real.shape)
+        out[key][real] = values
+    return out
