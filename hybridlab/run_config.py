@@ -26,7 +26,7 @@ from hybridlab.dataflow.stages import STAGES, get_stage, rollout_log_probs_inexa
 from hybridlab.errors import UserError
 from hybridlab.models.chat import template_file
 from hybridlab.models.spec import ModelSpec
-from hybridlab.models.zoo import parse_preset
+from hybridlab.models.zoo import CONVERTED, parse_preset
 from hybridlab.tasks import get_task
 from hybridlab.workers.reward.scoring import load_function
 from hybridlab.workers.rollout.worker import BACKENDS
@@ -229,8 +229,11 @@ def training_strategy(cfg: RunConfig, section: str) -> str:
     """Return the backend that trains ``section`` ("actor", whose backend the reference shares,
     or "critic"): its ``strategy``, with ``auto`` resolved for the run's model."""
     strategy = getattr(cfg, section).strategy
-    if strategy == "auto" and not Path(cfg.model).is_dir():
-        return "megatron"  # the zoo's presets are all converted families
+    if strategy == "auto" and not Path(cfg.model).is_dir():  # a zoo name: its family says
+        try:
+            return "megatron" if parse_preset(cfg.model)[1] in CONVERTED else "fsdp2"
+        except UserError:
+            return "megatron"  # the model's own check names the bad name
     return resolve_strategy(strategy, cfg.model)
 
 
@@ -314,7 +317,11 @@ def _dp_problems(cfg: RunConfig, mapping) -> list[str]:
 def _check_data_and_model(cfg: RunConfig, p: list[str]) -> None:
     try:
         if not Path(cfg.model).is_dir():
-            parse_preset(cfg.model)
+            arch = parse_preset(cfg.model)[1]
+            for section in ("actor", "critic"):
+                if arch not in CONVERTED and getattr(cfg, section).strategy == "megatron":
+                    p.append(f"{section}.strategy: the zoo's {arch} models have no Megatron conversion; use auto or"
+                             " fsdp2")
         elif not (Path(cfg.model) / "config.json").is_file():
             p.append(f"model: {cfg.model} is not a Hugging Face checkpoint directory (no config.json)")
         elif not ModelSpec.read(cfg.model).converted:  # raises if transformers cannot build it

@@ -3,6 +3,7 @@ transformers; every config setting the build would not reproduce is refused by n
 import json
 
 import pytest
+from safetensors.torch import save_file
 import torch
 
 from hybridlab.controller.group import RoleClass
@@ -137,6 +138,8 @@ def test_an_unconverted_architecture_goes_to_fsdp2_and_megatron_refuses_it_by_na
                          ("unknown", {"model_type": "no_such_llm"})):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
+        if name != "unknown":  # the spec reads tensor names and shapes from the weight files
+            save_file({"w": torch.zeros(2, 2)}, str(tmp_path / name / "model.safetensors"))
     for name in ("gpt2", "yarn"):
         cfg = load_config(overrides=[f"model={tmp_path / name}"])
         assert training_strategy(cfg, "actor") == training_strategy(cfg, "critic") == "fsdp2"
@@ -149,6 +152,9 @@ def test_an_unconverted_architecture_goes_to_fsdp2_and_megatron_refuses_it_by_na
         load_config(overrides=[f"model={tmp_path / 'yarn'}", "critic.strategy=megatron"])
     with pytest.raises(ConfigError, match="transformers cannot read this checkpoint's config"):
         load_config(overrides=[f"model={tmp_path / 'unknown'}"])
+    (tmp_path / "gpt2" / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="gpt2: no model\\*.safetensors weights found"):
+        load_config(overrides=[f"model={tmp_path / 'gpt2'}"])
 
 
 def test_a_prompt_past_mistrals_sliding_window_is_named(families):

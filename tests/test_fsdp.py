@@ -9,7 +9,7 @@ from hybridlab.config import ConfigError
 from hybridlab.controller.group import RoleClass
 from hybridlab.dataflow.session import RLSession
 from hybridlab.models.zoo import resolve_model
-from hybridlab.run_config import load_config
+from hybridlab.run_config import load_config, training_strategy
 from hybridlab.workers.train.backend import resolve_strategy
 from hybridlab.workers.train.convert import load_hf_state
 from hybridlab.workers.train.workers import ActorWorker
@@ -73,12 +73,40 @@ def test_fsdp2_refusals_and_the_auto_choice(tmp_path):
                              " rollout: {pool: p, tp: 2, colocate: e}, reward: {pool: p, dp: 2, colocate: e}}}"])
     with pytest.raises(ConfigError, match=r"critic.strategy: 'deepspeed' is not one of auto, megatron, fsdp2"):
         load_config("ppo", ["critic.strategy=deepspeed"])
+    with pytest.raises(ConfigError, match="actor.strategy: the zoo's gemma3 models have no Megatron conversion"):
+        load_config("grpo", ["model=tiny-gemma3", "actor.strategy=megatron"])
+    with pytest.raises(ConfigError, match="mapping.roles.actor: tp=2, pp=1 needs actor.strategy=megatron"):
+        load_config("grpo", ["model=tiny-phi3", "trainer.devices=2",
+                             "mapping={pools: {p: {devices: 2}}, roles: {actor: {pool: p, tp: 2},"
+                             " rollout: {pool: p, tp: 2, colocate: e}, reward: {pool: p, dp: 2, colocate: e}}}"])
+    assert training_strategy(load_config("grpo", ["model=tiny-gemma3"]), "actor") == "fsdp2"
+    assert training_strategy(load_config("grpo", ["model=tiny"]), "actor") == "megatron"
     assert resolve_strategy("auto", resolve_model("tiny")) == "megatron"
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     assert resolve_strategy("auto", gpt2) == "fsdp2"
     assert resolve_strategy("megatron", gpt2) == "megatron"
+
+
+def test_fsdp2_trains_without_the_checkpoints_dropout(tmp_path):
+    """Log-probs and the update must see the same model (Megatron's build has no dropout): a
+    checkpoint's dropout settings are zeroed, so train mode computes what eval mode does."""
+    from hybridlab.workers.train.fsdp_engine import _build
+
+    source = resolve_model("tiny")
+    (tmp_path / "dropout").mkdir()
+    for f in source.iterdir():
+        if f.is_file():
+            (tmp_path / "dropout" / f.name).write_bytes(f.read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    (tmp_path / "dropout" / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    model = _build(str(tmp_path / "dropout"), value_head=False)
+    assert model.config.attention_dropout == 0.0
+    ids = BATCH["input_ids"][:2]
+    with torch.no_grad():
+        trained = model.train()(ids).logits
+        assert torch.equal(trained, model.eval()(ids).logits)
 
 
 def test_a_ppo_run_on_fsdp2_equals_megatrons_remaps_to_dp2_and_resumes(ray_local, trained_dir, tmp_path):

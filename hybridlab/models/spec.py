@@ -160,6 +160,8 @@ def _unconverted(model_dir: Path) -> ModelSpec:
     for file in sorted(model_dir.glob("model*.safetensors")):
         with safe_open(str(file), "pt") as f:
             shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    if not shapes:
+        raise UserError(f"{model_dir}: no model*.safetensors weights found (give the checkpoint in safetensors)")
     tied = bool(getattr(text, "tie_word_embeddings", False))
     if tied:
         shapes.pop("lm_head.weight", None)

@@ -84,17 +84,19 @@ def set_lr(engine: "TrainEngine") -> float:
     return lr
 
 
-def global_totals(batch, group, dp_size: int) -> dict:
+def global_totals(batch, group, dp_size: int, device: torch.device | str = "cpu") -> dict:
     """Return the whole mini-batch's response tokens and sequences with at least one of them
-    (summed over the ``dp_size`` ranks of ``group``; None: the default group), and ``dp_size``:
+    (summed over the ``dp_size`` ranks of ``group``, None: the default group, as tensors on
+    ``device`` for the collective), and ``dp_size``:
     what a loss divides by to be one rank's share of the total."""
     import torch.distributed as dist
 
     mask = batch.tensors.get("response_mask")
     seqs = float((mask.sum(-1) > 0).sum()) if mask is not None else float(len(batch))  # as verl: empty rows don't count
-    local = torch.tensor([float(mask.sum()) if mask is not None else 0.0, seqs])
+    local = torch.tensor([float(mask.sum()) if mask is not None else 0.0, seqs], device=device)
     if dp_size > 1:
         dist.all_reduce(local, group=group)
+    local = local.cpu()
     return {"global_tokens": local[0].clamp(min=1), "global_seqs": local[1].clamp(min=1), "dp_size": dp_size}
 
 
@@ -142,12 +144,14 @@ class TrainEngine(Protocol):
         """Take one optimizer step of ``loss_fn`` over the batch; return DP-averaged metrics,
         grad_norm, lr, skipped and padded_token_share."""
 
-    def state(self) -> dict | None:
-        """Return {"model", "exp_avg", "exp_avg_sq": {HF name: whole tensor}, "adam_step"} for the
-        part of the model this rank reports (None on ranks that report nothing)."""
+    def state(self, moments: bool = True) -> dict | None:
+        """Return {"model", and with ``moments`` "exp_avg", "exp_avg_sq": {HF name: whole
+        tensor}, "adam_step"} for the part of the model this rank reports (None on ranks that
+        report nothing)."""
 
-    def load_state(self, merged: dict[str, dict[str, torch.Tensor]], step: int, adam_step: float) -> None:
-        """Load whole HF tensors (weights and, if given, AdamW moments) into this rank's shards."""
+    def load_state(self, weights: dict[str, torch.Tensor], moments: dict[str, dict[str, torch.Tensor]],
+                   step: int, adam_step: float) -> None:
+        """Load whole HF ``weights`` (if any) and AdamW ``moments`` (if any) into this rank's shards."""
 
     def export_slices(self, hf_names: list[str], dp_ranks: list[int]) -> tuple[int, int, int, dict] | None:
         """Return (tp rank, pp rank, dp rank, {HF name: slice}) of a sync bucket if this rank's

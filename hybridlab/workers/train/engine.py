@@ -109,9 +109,9 @@ class MegatronEngine:
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), collect
 
     # ------------------------------------------------- state and weight sync (HF layout)
-    def state(self) -> dict | None:
+    def state(self, moments: bool = True) -> dict | None:
         """Return this stage's weights and AdamW moments as whole HF tensors (``megatron_state``)."""
-        return megatron_state.hf_state(self)
+        return megatron_state.hf_state(self, moments)
 
     def load_state(self, weights: dict, moments: dict, step: int, adam_step: float) -> None:
         """Load whole HF weights and moments (any source layout) into this rank's shards."""

@@ -69,9 +69,15 @@ def logprobs_entropy(logits: torch.Tensor, target: torch.Tensor, sum_pi_squared:
 
 def _build(model_dir: str, value_head: bool) -> torch.nn.Module:
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    config = AutoConfig.from_pretrained(model_dir)
+    for part in (config, config.get_text_config()):  # training runs without dropout, as Megatron's build
+        for key, value in list(vars(part).items()):
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+                setattr(part, key, 0.0)
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32,
+                                              attn_implementation="sdpa")
     if not value_head:
         return lm
     model = ValueModel(lm, lm.config.get_text_config().hidden_size)
@@ -127,7 +133,7 @@ class FSDPEngine:
         """This rank's micro-batches, followed by None up to the largest count on any rank."""
         micros = packing.micro_batches(batch.tensors, micro_batch_size, self.micro_batch_tokens, self.remove_padding)
         self.padded_token_share = packing.padded_share(micros, int(batch["attention_mask"].sum()))
-        count = torch.tensor([len(micros)])
+        count = torch.tensor([len(micros)], device=self.device)  # nccl reduces device tensors only
         if self.dp > 1:
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return micros + [None] * (int(count) - len(micros))
@@ -194,6 +200,9 @@ class FSDPEngine:
                 out = self._outputs(micro or self._empty(), sum_pi_squared)
                 if micro is not None:
                     outs.append({k: v.float().cpu() for k, v in out.items()})
+        # FSDP keeps the root's parameters gathered after a forward with no backward: free them,
+        # and so that a later load_state (a rollback) is what the next forward sees
+        self.model.reshard()
         real = [m for m in micros if m is not None]
         return {k: packing.gather_rows([o[k] for o in outs], real, len(batch)) for k in outs[0]}
 
@@ -207,7 +216,7 @@ class FSDPEngine:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         micros = self._micro_batches(batch, micro_batch_size)
-        totals = global_totals(batch, None, self.dp)
+        totals = global_totals(batch, None, self.dp, self.device)
         store = []
         with self._autocast():
             for micro in micros:
@@ -233,8 +242,8 @@ class FSDPEngine:
 
     def _clip_grads(self, max_norm: float) -> float:
         grads = [p.grad.to_local() for p in self.params.values() if p.grad is not None]
-        total = torch.stack([g.float().pow(2).sum() for g in grads]).sum().cpu().reshape(1) if grads \
-            else torch.zeros(1)
+        total = torch.stack([g.float().pow(2).sum() for g in grads]).sum().reshape(1) if grads \
+            else torch.zeros(1, device=self.device)
         if self.dp > 1:  # each rank holds distinct rows of every gradient
             dist.all_reduce(total)
         norm = total.sqrt().item()
@@ -251,25 +260,31 @@ class FSDPEngine:
             keys = next(k for k in gathered if k) if any(gathered) else []
         local = torch.tensor([float(torch.stack([s[k].mean() for s in store]).mean()) for k in keys]) \
             if store else torch.zeros(len(keys))
+        local = local.to(self.device)
         if self.dp > 1 and keys:
             dist.all_reduce(local)
             local /= self.dp
-        return dict(zip(keys, local.tolist()))
+        return dict(zip(keys, local.cpu().tolist()))
 
     # ------------------------------------------------- state and weight sync (HF layout)
+    def _param(self, name: str):
+        if name not in self.params:  # the sync would leave the rollout's tensor stale
+            raise KeyError(f"the weight sync asks for {name!r}, which this {type(self.model).__name__} does not have")
+        return self.params[name]
+
     def _whole(self, tensor) -> torch.Tensor:
         return tensor.full_tensor().cpu()  # a collective: every rank calls it in the same order
 
-    def state(self) -> dict | None:
-        """Return the whole weights and AdamW moments in HF names on rank 0, None elsewhere
-        (every rank must call it: each tensor is all-gathered in turn)."""
+    def state(self, moments: bool = True) -> dict | None:
+        """Return the whole weights and (with ``moments``) AdamW moments in HF names on rank 0,
+        None elsewhere (every rank must call it: each tensor is all-gathered in turn)."""
         keep = self.rank == 0
         state = {"model": {}}
         for name, p in self.params.items():
             whole = self._whole(p.detach())
             if keep:
                 state["model"][name] = whole
-        if isinstance(self.optimizer, torch.optim.AdamW):
+        if moments and isinstance(self.optimizer, torch.optim.AdamW):
             for moment in MOMENTS:
                 state[moment] = {}
                 for name, p in self.params.items():
@@ -307,10 +322,9 @@ class FSDPEngine:
         replica, else None; every rank joins each tensor's all-gather."""
         part = {}
         for name in hf_names:
-            if name in self.params:
-                whole = self._whole(self.params[name].detach())
-                if self.rank in dp_ranks:
-                    part[name] = whole
+            whole = self._whole(self._param(name).detach())
+            if self.rank in dp_ranks:
+                part[name] = whole
         return (0, 0, self.rank, part) if self.rank in dp_ranks else None
 
     def stream_colocated(self, buckets: list[list[str]], load: Callable) -> dict:
@@ -318,7 +332,7 @@ class FSDPEngine:
         process), one bucket at a time; returns {"bytes", "buckets", "seconds"}."""
         start, moved = time.perf_counter(), 0
         for bucket in buckets:
-            named = [(n, self._whole(self.params[n].detach())) for n in bucket if n in self.params]
+            named = [(n, self._whole(self._param(n).detach())) for n in bucket]
             moved += sum(t.numel() * t.element_size() for _, t in named)
             load(named)
         return {"bytes": moved, "buckets": len(buckets), "seconds": time.perf_counter() - start}

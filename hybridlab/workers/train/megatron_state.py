@@ -14,13 +14,13 @@ from hybridlab.workers.train.convert import hf_to_megatron
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def hf_state(engine) -> dict | None:
-    """Return this stage's weights and AdamW moments in HF layout, with ``adam_step``, on
-    (tp 0, dp 0) of each stage; None on the other ranks (every rank must call it)."""
+def hf_state(engine, moments: bool = True) -> dict | None:
+    """Return this stage's weights and (with ``moments``) AdamW moments in HF layout, with
+    ``adam_step``, on (tp 0, dp 0) of each stage; None on the other ranks (every rank must call it)."""
     params = dict(engine.model.named_parameters())
     state = {"model": gather_stage(engine, {k: p.detach() for k, p in params.items()})}
     opt = engine.optimizer
-    if opt is not None and isinstance(opt, torch.optim.AdamW):
+    if moments and isinstance(opt, torch.optim.AdamW):
         for moment in MOMENTS:
             named = {k: opt.state[p][moment] if p in opt.state else torch.zeros_like(p) for k, p in params.items()}
             state[moment] = gather_stage(engine, named)
@@ -59,6 +59,6 @@ def load_hf_state(engine, weights: dict[str, torch.Tensor], moments: dict[str, d
         return
     shards = {m: _local(engine, moments[m]) for m in MOMENTS}
     for name, p in params.items():
-        if name not in shards["exp_avg"]:  # the tied output layer of a last stage: the embedding's
+        if name == "output_layer.weight" and name not in shards["exp_avg"]:  # tied: the embedding's
             continue
         opt.state[p] = {"step": torch.tensor(float(adam_step)), **{m: shards[m][name] for m in MOMENTS}}

@@ -49,7 +49,7 @@ class TrainWorker(Worker):
     @register(Dispatch.ALL)
     def export_hf(self) -> dict[str, torch.Tensor] | None:
         """Return the weights in HF names and layout (from one rank per pipeline stage), else None."""
-        state = self.engine.state()
+        state = self.engine.state(moments=False)
         return None if state is None else state["model"]
 
     @register(Dispatch.ALL)
