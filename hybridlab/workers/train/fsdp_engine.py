@@ -46,12 +46,14 @@ class ValueModel(torch.nn.Module):
         super().__init__()
         setattr(self, lm.base_model_prefix, getattr(lm, lm.base_model_prefix))
         self.prefix = lm.base_model_prefix
+        self._no_split_modules = lm._no_split_modules  # the decoder layer classes FSDP wraps one by one
         self.value_head = torch.nn.Module()
         self.value_head.linear = torch.nn.Linear(hidden, 1, bias=True)
         torch.nn.init.zeros_(self.value_head.linear.weight)
         torch.nn.init.zeros_(self.value_head.linear.bias)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None):
+        """Return the value of every position, [batch, seq, 1]."""
         out = getattr(self, self.prefix)(input_ids=input_ids, attention_mask=attention_mask,
                                          position_ids=position_ids, use_cache=False)
         return self.value_head.linear(out.last_hidden_state)
@@ -107,8 +109,7 @@ class FSDPEngine:
         torch.manual_seed(seed)
         model = _build(model_dir, value_head).to(self.device)
         mesh = init_device_mesh(self.device.type, (self.dp,))
-        layer_classes = set(getattr(model if not value_head else getattr(model, model.prefix),
-                                    "_no_split_modules", None) or ())
+        layer_classes = set(model._no_split_modules or ())
         for module in model.modules():
             if type(module).__name__ in layer_classes:
                 fully_shard(module, mesh=mesh)
