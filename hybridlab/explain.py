@@ -118,14 +118,18 @@ def estimate_memory(cfg: RunConfig, mapping: DeviceMapping, params: int, vocab: 
             # gathered at a time, not counted); Megatron over TP x PP
             fsdp = role in BACKEND_ROLES and training_strategy(cfg, section) == "fsdp2"
             shard = params / (lay.dp if fsdp else lay.tp * lay.pp)
+            # LoRA: the actor's base is frozen (its adapter, a few % of it, is not counted) and the
+            # reference is that same base model
+            lora = section == "actor" and cfg.actor.lora.rank > 0
             if role in TRAINERS:
                 sizes = _update_sizes(cfg, role, lay.dp, seq_len)
                 logits = sizes["micro_rows"] * seq_len * (vocab / lay.tp) * 4 * m["logit_copies"]
-                mb += (shard * m["train_bytes_per_param"] + logits) / 2**20
+                per_param = m["frozen_bytes_per_param" if lora else "train_bytes_per_param"]
+                mb += (shard * per_param + logits) / 2**20
             elif role == "ref":
                 rows = min(_micro_rows(cfg.actor, seq_len), cfg.data.prompts_per_step * cfg.rollout.n)
                 logits = rows * seq_len * vocab * 4
-                mb += (shard * m["frozen_bytes_per_param"] + logits) / 2**20
+                mb += ((0 if lora else shard * m["frozen_bytes_per_param"]) + logits) / 2**20
             elif role == "rollout":
                 mb += params / lay.tp * m["frozen_bytes_per_param"] / 2**20 + cfg.rollout.kv_cache_mb
         out["+".join(members)] = round(mb, 1)  # colocated roles share the process and its runtimes
@@ -186,6 +190,12 @@ def explain(cfg: RunConfig, model_dir: str | Path | None = None) -> Explanation:
                      f" = {u['mini_batches']} mini-batches x {section.ppo_epochs} epoch(s) = {u['optimizer_steps']}"
                      f" optimizer steps; each {section.ppo_mini_batch_size} x {n} = {u['sequences_per_mini_batch']}"
                      f" sequences / dp {lay.dp} = {u['sequences_per_rank']} per rank in {cut}")
+    lora = cfg.actor.lora
+    if lora.rank > 0:
+        lines.append(f"actor LoRA: rank {lora.rank}, alpha {lora.alpha:g}, on {lora.target_modules}; only the adapter"
+                     f" trains and syncs ({'the adapter alone' if lora.sync == 'adapter' else 'merged into the base'})"
+                     + ("; ref is the actor's base model with the adapter off, in the actor's processes"
+                        if "ref" in mapping.roles else ""))
     lines += ["device mapping:", *draw_mapping(mapping)]
     memory = estimate_memory(cfg, mapping, params, spec.vocab_size, seq_len)
     lines.append("estimated resident memory per process (runtime base + model state, activations not"

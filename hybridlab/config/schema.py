@@ -157,6 +157,33 @@ class AlgorithmConfig:
     gdpo_reward_weights: Optional[list] = None  # gdpo: their weights (None: 1 each)
 
 
+_ADAPTER_BUILT_IN = "the adapter's shape is built into the actor, its checkpoints and the rollout engines"
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    """LoRA on the actor (the fsdp2 backend, built with peft; verl's model.lora_rank, lora_alpha
+    and target_modules). rank 0: full fine-tuning. With an adapter only the adapter trains; the
+    reference is the base model with the adapter off, in the actor's processes (no weights of
+    its own); checkpoints hold the adapter and its optimizer state."""
+    rank: int = setting(0, change="fixed", why=_ADAPTER_BUILT_IN)
+    alpha: float = setting(16.0, change="fixed", why=_ADAPTER_BUILT_IN)  # the update is scaled by alpha / rank
+    dropout: float = setting(0.0, change="fixed", why=_ADAPTER_BUILT_IN)  # on the adapter's input, in training
+    # "all-linear" (every linear layer but the output head) or a list of module names ("q_proj", ...)
+    target_modules: object = setting("all-linear", change="fixed", why=_ADAPTER_BUILT_IN)
+    # "adapter": each weight sync sends only the adapter, into vLLM's LoRA support (in memory);
+    # "merged": the adapter folded into the base weights, sent as a full sync (any rollout backend)
+    sync: str = setting("adapter", change="fixed", why="the rollout engines start with or without LoRA support")
+
+
+@dataclasses.dataclass
+class FSDPConfig:
+    """Host-memory offload on the fsdp2 backend (verl's fsdp_config). On a CPU-only machine the
+    weights and moments are in host memory already: both settings are accepted and change nothing."""
+    param_offload: bool = False         # parameter shards (and so the optimizer step) in host memory
+    optimizer_offload: bool = False     # AdamW's moments in host memory between steps
+
+
 @dataclasses.dataclass
 class ActorConfig:
     """The policy's optimizer and PPO objective."""
@@ -180,6 +207,8 @@ class ActorConfig:
     # architecture, else fsdp2); the reference follows the actor. A change re-creates the roles
     # with their state carried (HF layout either way).
     strategy: str = setting("auto", change="recreate", workers=("actor", "ref"))
+    fsdp: FSDPConfig = setting(factory=FSDPConfig, change="recreate", workers=("actor", "ref"))
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     # a name in hybridlab.algos.POLICY_LOSSES (verl's policy_loss.loss_mode and its section are
     # accepted too); its settings below
     policy_loss: str = setting("vanilla", loss=True)
@@ -219,6 +248,7 @@ class CriticConfig:
     remove_padding: bool = setting(True, change="live", workers=("critic",))  # as actor.remove_padding
     precision: str = setting("fp32", change="live", workers=("critic",))  # or "bf16", as actor.precision
     strategy: str = setting("auto", change="recreate", workers=("critic",))  # as actor.strategy
+    fsdp: FSDPConfig = setting(factory=FSDPConfig, change="recreate", workers=("critic",))  # as actor.fsdp
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
 

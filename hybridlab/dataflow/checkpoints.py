@@ -31,7 +31,7 @@ from hybridlab.atomic import write_json
 from hybridlab.errors import UserError
 from hybridlab.faults import fault_point
 from hybridlab.telemetry.hub import TELEMETRY_FILE
-from hybridlab.workers.train.checkpoint import OPTIMIZER_FILE, save_checkpoint
+from hybridlab.workers.train.checkpoint import ADAPTER_FILE, OPTIMIZER_FILE, save_checkpoint
 
 if TYPE_CHECKING:
     from hybridlab.dataflow.session import RLSession
@@ -138,7 +138,8 @@ def read_role(folder: Path) -> dict[str, Any]:
     """Return a role's saved state in the form ``checkpoint_state`` gives it (HF layout)."""
     from safetensors.torch import load_file
 
-    model = load_file(str(folder / "model.safetensors"))
+    adapter = folder / ADAPTER_FILE  # a LoRA actor: the adapter alone (the base is the run's model)
+    model = load_file(str(adapter if adapter.is_file() else folder / "model.safetensors"))
     if (folder / "value_head.safetensors").is_file():
         model.update(load_file(str(folder / "value_head.safetensors")))
     state: dict[str, Any] = {"model": model, "exp_avg": {}, "exp_avg_sq": {}}

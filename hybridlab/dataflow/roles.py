@@ -31,7 +31,9 @@ def _train_settings(section: str, with_optim: bool = True) -> Callable[[RunConfi
                "remove_padding": sec.remove_padding, "seed": cfg.trainer.seed,
                # log-probs under the sampling distribution (temperature 0 = greedy: scored at 1)
                "temperature": cfg.rollout.temperature or 1.0, "precision": sec.precision,
-               "strategy": sec.strategy}
+               "strategy": sec.strategy, "fsdp": dataclasses.asdict(sec.fsdp)}
+        if section == "actor":  # the reference shares the actor's adapter settings (and its base model)
+            out["lora"] = dataclasses.asdict(cfg.actor.lora) if cfg.actor.lora.rank > 0 else None
         if with_optim:
             out["optim"] = {"lr": sec.lr, "weight_decay": sec.weight_decay, "grad_clip": sec.grad_clip,
                             "warmup_steps": sec.warmup_steps}
@@ -67,15 +69,19 @@ class RoleSpec:
 
 ROLE_SPECS: dict[str, RoleSpec] = {spec.name: spec for spec in (
     RoleSpec("actor", "hybridlab.workers.train.workers:ActorWorker", _train_settings("actor"),
-             live=setting_keys("live", "actor"), stateful=True, layout=("tp", "pp")),
+             live=setting_keys("live", "actor"), stateful=True, recreate=setting_keys("recreate", "actor"),
+             layout=("tp", "pp")),
     RoleSpec("ref", "hybridlab.workers.train.workers:RefWorker", _train_settings("actor", with_optim=False),
-             live=setting_keys("live", "ref"), layout=("tp", "pp")),
+             live=setting_keys("live", "ref"), recreate=setting_keys("recreate", "ref"),
+             layout=("tp", "pp")),
     RoleSpec("critic", "hybridlab.workers.train.workers:CriticWorker", _train_settings("critic"),
-             live=setting_keys("live", "critic"), stateful=True, layout=("tp", "pp")),
+             live=setting_keys("live", "critic"), stateful=True, recreate=setting_keys("recreate", "critic"),
+             layout=("tp", "pp")),
     RoleSpec("rollout", "hybridlab.workers.rollout.worker:RolloutWorker",
              lambda cfg: {"backend": cfg.rollout.backend, "kv_cache_mb": cfg.rollout.kv_cache_mb,
                           "seed": cfg.trainer.seed, "truncate_prompts": cfg.data.truncate_prompts,
-                          "dtype": cfg.rollout.dtype, "prefix_caching": cfg.rollout.prefix_caching},
+                          "dtype": cfg.rollout.dtype, "prefix_caching": cfg.rollout.prefix_caching,
+                          "lora_rank": cfg.actor.lora.rank if cfg.actor.lora.sync == "adapter" else 0},
              recreate=setting_keys("recreate", "rollout"), layout=("tp",)),
     RoleSpec("reward", "hybridlab.workers.reward.worker:RewardWorker",
              lambda cfg: {"kind": "rule" if cfg.reward.kind == "model" else cfg.reward.kind,
@@ -125,8 +131,13 @@ def plan_update(old: RunConfig, new: RunConfig, roles) -> UpdatePlan:
     configure, recreate = {}, set()
     for role in roles:
         spec = ROLE_SPECS[role]
-        if changed & set(spec.recreate):
+        if _touches(changed, spec.recreate):
             recreate.add(role)
-        elif changed & set(spec.live):
+        elif _touches(changed, spec.live):
             configure[role] = spec.settings(new)
-    return UpdatePlan(configure, recreate, remap=bool(changed & set(MAPPING_KEYS)))
+    return UpdatePlan(configure, recreate, remap=_touches(changed, MAPPING_KEYS))
+
+
+def _touches(changed: set[str], keys) -> bool:
+    """True when a changed key is one of ``keys`` or inside one (a section such as actor.fsdp)."""
+    return any(c == k or c.startswith(k + ".") for c in changed for k in keys)

@@ -90,7 +90,9 @@ class Stepping:
     def sync_weights(self, reason: str = "step"):
         """Copy the actor's weights into the rollout engines now; returns the SyncReport (the
         dataflow's sync_weights stage calls this, and a remap with ``reason="remap"``)."""
-        report = sync_mapped(self.workers.groups, self.mapping, self.spec)
+        lora = self.cfg.actor.lora
+        report = sync_mapped(self.workers.groups, self.mapping, self.spec,
+                             adapter=lora.rank > 0 and lora.sync == "adapter")
         self._emit("sync", {"step": self.step_count + (reason == "step"), "bytes": report.bytes_moved,
                             "buckets": report.buckets, "seconds": report.seconds, "mode": report.mode,
                             "reason": reason, "bytes_per_pair": report.plan.get("bytes_per_pair", {})})

@@ -69,15 +69,37 @@ def sync_weights(actor, rollout, spec: ModelSpec, trainer: TrainerLayout, rollou
                       bytes_per_pair=dict(sorted(pairs.items())))
 
 
+def sync_adapter(actor, rollout) -> SyncReport:
+    """Copy the actor's LoRA adapter (not the frozen base) into every rollout engine; returns a
+    SyncReport. Colocated: each process hands its engine the adapter in memory. Separate: the
+    actor's rank 0 puts it in Ray's object store once and every rollout rank fetches it."""
+    start = time.perf_counter()
+    colocated = actor.hostset is rollout.hostset
+    if colocated:
+        sizes = actor.sync_adapter_to_colocated(rollout.role)
+        nbytes, moved, pairs = sizes[0], sum(sizes), {}
+    else:
+        ref, nbytes = next(p for p in actor.export_adapter() if p)
+        rollout.fetch_adapter([ref])
+        moved = nbytes * rollout.world_size
+        pairs = {f"0->{dst}": nbytes for dst in range(rollout.world_size)}
+    return SyncReport(mode=f"{'colocated' if colocated else 'separate'} adapter", bytes_moved=moved, buckets=1,
+                      max_bucket_bytes=nbytes, seconds=time.perf_counter() - start,
+                      plan={"adapter_bytes": nbytes}, bytes_per_pair=pairs)
+
+
 def layouts(mapping) -> tuple[TrainerLayout, RolloutLayout]:
     """Return the actor's training layout and the rollout's layout in a DeviceMapping."""
     a, r = mapping.roles["actor"], mapping.roles["rollout"]
     return TrainerLayout(tp=a.tp, pp=a.pp, dp=a.dp), RolloutLayout(tp=r.tp, replicas=r.dp)
 
 
-def sync_mapped(groups: dict, mapping, spec: ModelSpec, bucket_mb: float = 64.0) -> SyncReport:
-    """Sync the actor's weights into the rollout engines of ``groups`` with the layouts of
-    ``mapping`` (what the dataflow's sync stage and a remap call); returns the SyncReport."""
+def sync_mapped(groups: dict, mapping, spec: ModelSpec, bucket_mb: float = 64.0, adapter: bool = False) -> SyncReport:
+    """Sync the actor's weights (with ``adapter``: its LoRA adapter alone) into the rollout
+    engines of ``groups`` with the layouts of ``mapping`` (what the dataflow's sync stage and a
+    remap call); returns the SyncReport."""
+    if adapter:
+        return sync_adapter(groups["actor"], groups["rollout"])
     return sync_weights(groups["actor"], groups["rollout"], spec, *layouts(mapping), bucket_mb=bucket_mb)
 
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: int, tp: int = 1,
-              prefix_caching: bool = False) -> "LLM":
+              prefix_caching: bool = False, lora_rank: int = 0) -> "LLM":
     """Return a vLLM ``LLM`` running in this process with an explicitly sized KV cache.
 
     With ``prefix_caching`` the n samples of a prompt share its prefill (vLLM fans ``n`` out
@@ -29,6 +29,9 @@ def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: 
     "external launcher" mode, as verl runs it): the worker group's torch.distributed world must
     exist, its consecutive ranks form the engines, and every rank of an engine is given the
     same prompts and computes the same tokens.
+
+    With ``lora_rank`` the engine serves one LoRA adapter of at most that rank beside the base
+    model, loaded from memory by ``load_adapter``.
     """
     # In-process engine: needed to reload weights from this process (see docs/install.md).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -46,6 +49,8 @@ def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: 
             extra["block_size"] = 32
     if tp > 1:
         extra.update(tensor_parallel_size=tp, distributed_executor_backend=_external_launcher())
+    if lora_rank:
+        extra.update(enable_lora=True, max_lora_rank=lora_slot_rank(lora_rank), max_loras=1)
     return LLM(model=model_dir, dtype=dtype, max_model_len=context, kv_cache_memory_bytes=kv_cache_mb << 20,
                enforce_eager=True, seed=seed, logprobs_mode="processed_logprobs",
                enable_prefix_caching=prefix_caching, **extra)
@@ -127,9 +132,10 @@ def _quiet_partial_reload_warnings() -> None:
             logger.addFilter(_not_partial_reload_warning)
 
 
-def generate(llm, prompts: list[list[int]], cfg: SamplingConfig, stop_ids: list[int]):
+def generate(llm, prompts: list[list[int]], cfg: SamplingConfig, stop_ids: list[int], adapter: bool = False):
     """Return (responses, log-probs): one token list and one float list per sample, n per prompt,
-    each ending at the first of ``stop_ids`` (the checkpoint's end ids) or ``cfg.stop_token_ids``."""
+    each ending at the first of ``stop_ids`` (the checkpoint's end ids) or ``cfg.stop_token_ids``;
+    with ``adapter``, sampled through the LoRA adapter ``load_adapter`` installed."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -141,7 +147,8 @@ def generate(llm, prompts: list[list[int]], cfg: SamplingConfig, stop_ids: list[
                             # vLLM adds its own end ids; these make it stop exactly where the hf backend does
                             stop_token_ids=None if cfg.ignore_eos else [*stop_ids, *(cfg.stop_token_ids or [])],
                             logprobs=0, detokenize=False, ignore_eos=cfg.ignore_eos)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
+                           lora_request=_adapter_request() if adapter else None)
     responses, logprobs = [], []
     for out in outputs:
         for completion in out.outputs:
@@ -158,3 +165,57 @@ def reload_weights(llm, named: list[tuple[str, torch.Tensor]], tied: bool) -> in
         named += [("lm_head.weight", t) for n, t in named if n == "model.embed_tokens.weight"]
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
     return len(named)
+
+
+# ------------------------------------------------------------------------------- LoRA
+ADAPTER_ID = 1  # the one adapter slot: each sync replaces the adapter under this id
+
+
+def lora_slot_rank(rank: int) -> int:
+    """Return the smallest adapter rank vLLM can reserve that holds ``rank``; raises ValueError
+    past its largest."""
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+
+    fits = [r for r in typing.get_args(MaxLoRARanks) if r >= rank]
+    if not fits:
+        raise ValueError(f"vLLM serves LoRA ranks up to {max(typing.get_args(MaxLoRARanks))}, got {rank}")
+    return fits[0]
+
+
+def _adapter_request():
+    from vllm.lora.request import LoRARequest
+
+    # never read from this path: the adapter is in the engine already (load_adapter)
+    return LoRARequest("hybridlab-actor", ADAPTER_ID, "in-memory")
+
+
+def _install_adapter(worker, tensors: dict[str, torch.Tensor], config: dict) -> int:
+    """Runs inside the engine's worker: build a LoRAModel from the tensors (as vLLM's loader does
+    from files) and put it in the adapter slot in place of the previous one; returns its layer count."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = getattr(worker, "worker", worker).model_runner.lora_manager
+    slots = manager._adapter_manager  # vLLM's model manager: the loaded adapters and their slots
+    helper = PEFTHelper.from_dict(config)
+    helper.validate_legal(slots.lora_config)
+    dtype = slots.lora_config.lora_dtype
+    adapter = LoRAModel.from_lora_tensors(ADAPTER_ID, tensors, helper, device="cpu", dtype=dtype,
+                                          model_vocab_size=manager.vocab_size)
+    slots.remove_adapter(ADAPTER_ID)
+    slots.add_adapter(adapter)
+    slots.activate_adapter(ADAPTER_ID)
+    return len(adapter.loras)
+
+
+def load_adapter(llm, tensors: dict[str, torch.Tensor], config: dict) -> int:
+    """Install a LoRA adapter, given as tensors in PEFT's file names and its PEFT config, in the
+    running engine, replacing the previous one; returns the number of layers it adapts.
+
+    vLLM's own path (``LoRARequest``) reads adapters from a folder; this engine runs in our
+    process, so the adapter is built from the tensors directly (as verl does), with no files.
+    vLLM folds the scale into its copy of B in place, so the tensors must be the caller's to give.
+    """
+    return llm.collective_rpc(_install_adapter, args=(tensors, config))[0]

@@ -20,7 +20,8 @@ from hybridlab.protocol import Batch
 from hybridlab.reshard.sources import join_slices
 from hybridlab.workers.rollout.hf_engine import generate_ids
 from hybridlab.workers.rollout.sampling import SamplingConfig, fit_prompts
-from hybridlab.workers.rollout.vllm_engine import close_llm, engine_files, generate, reload_weights, start_llm
+from hybridlab.workers.rollout.vllm_engine import (close_llm, engine_files, generate, load_adapter, reload_weights,
+                                                   start_llm)
 
 BACKENDS = ("vllm", "hf")
 
@@ -34,13 +35,15 @@ class RolloutWorker(Worker):
 
     def __init__(self, model_dir: str, backend: str = "vllm", max_model_len: int | None = None,
                  kv_cache_mb: int = RolloutConfig.kv_cache_mb, dtype: str = "float32", truncate_prompts: bool = False,
-                 seed: int = 0, tp: int = 1, prefix_caching: bool = False):
+                 seed: int = 0, tp: int = 1, prefix_caching: bool = False, lora_rank: int = 0):
         if backend not in BACKENDS:
             raise ValueError(f"unknown rollout backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
         if tp < 1 or self.world_size % tp:
             raise ValueError(f"rollout tp={tp} must divide the group's {self.world_size} ranks")
         if tp > 1 and backend != "vllm":
             raise ValueError(f"rollout tp={tp} needs the vllm backend (the hf backend runs one whole model per rank)")
+        if lora_rank and backend != "vllm":
+            raise ValueError("an adapter-only LoRA sync needs the vllm backend (actor.lora.sync=merged works with any)")
         import json
 
         config = json.loads(open(os.path.join(model_dir, "config.json")).read())
@@ -51,10 +54,11 @@ class RolloutWorker(Worker):
         self.tied = bool(config.get("tie_word_embeddings", False))
         self.tp, self.dtype = tp, getattr(torch, dtype)
         self.load_seconds = {"fetch_s": 0.0, "load_s": 0.0}
+        self.adapter = False  # a LoRA adapter is installed: generation runs through it
         if backend == "vllm":
             if tp > 1:
                 self.init_distributed()  # the engines' TP groups are cut from this group's world
-            self.llm = start_llm(model_dir, self.context, kv_cache_mb, dtype, seed, tp, prefix_caching)
+            self.llm = start_llm(model_dir, self.context, kv_cache_mb, dtype, seed, tp, prefix_caching, lora_rank)
         else:
             from transformers import AutoModelForCausalLM
 
@@ -91,7 +95,7 @@ class RolloutWorker(Worker):
             raise ValueError("generate needs an object field 'prompt_ids' (token-id lists) or 'prompt' (texts)")
         prompts = fit_prompts(ids, cfg.max_tokens, self.context, self.truncate, batch.objects.get("index"))
         if self.backend == "vllm":
-            responses, logprobs = generate(self.llm, prompts, cfg, self.stop_ids)
+            responses, logprobs = generate(self.llm, prompts, cfg, self.stop_ids, adapter=self.adapter)
         else:
             responses, logprobs = generate_ids(self.model, prompts, cfg, self.pad_id, self.stop_ids)
         repeated = batch.repeat(cfg.n)
@@ -170,3 +174,21 @@ class RolloutWorker(Worker):
         (``fetch_s``) and in the engine's loader (``load_s``) since the last call, and reset them."""
         out, self.load_seconds = self.load_seconds, {"fetch_s": 0.0, "load_s": 0.0}
         return out
+
+    @register(Dispatch.ALL)
+    def load_adapter(self, tensors: dict[str, torch.Tensor], config: dict) -> int:
+        """Install the actor's LoRA adapter (PEFT file names, whole tensors this rank may keep)
+        in the engine in place of the previous one; generation then runs through it. Returns the
+        number of layers it adapts."""
+        layers = load_adapter(self.llm, tensors, config)
+        self.adapter = True
+        return layers
+
+    @register(Dispatch.ALL)
+    def fetch_adapter(self, boxed: list) -> int:
+        """``load_adapter`` from ``[ObjectRef of (tensors, config)]``: each rank fetches the
+        adapter from Ray's object store itself (boxed so that Ray passes the reference)."""
+        import ray
+
+        tensors, config = ray.get(boxed[0])
+        return self.load_adapter(tensors, config)

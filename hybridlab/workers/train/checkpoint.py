@@ -1,11 +1,12 @@
 """Layout-independent checkpoints of a training role, and plain HF export.
 
 A checkpoint directory is an ordinary Hugging Face checkpoint (config, tokenizer,
-``model.safetensors`` in HF names) plus ``optimizer/adamw.safetensors`` (AdamW moments in the same
-HF names and layout) and ``trainer_state.json`` (step counters, RNG); the moments sit in a subfolder because
-vLLM loads every ``*.safetensors`` at the top of a model directory. Because every tensor is
-stored in HF layout, a run saved at TP=2 resumes at TP=1 or any other layout. Directories are
-written beside the target and renamed into place, so a crash never leaves half a checkpoint.
+``model.safetensors`` in HF names; a LoRA actor's holds its adapter in PEFT's format instead)
+plus ``optimizer/adamw.safetensors`` (AdamW moments in the same names and layout) and
+``trainer_state.json`` (step counters, RNG); the moments sit in a subfolder because vLLM loads
+every ``*.safetensors`` at the top of a model directory. Because every tensor is stored in HF
+layout, a run saved at TP=2 resumes at TP=1 or any other layout. Directories are written
+beside the target and renamed into place, so a crash never leaves half a checkpoint.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import torch
 from hybridlab.atomic import atomic_model_dir
 
 OPTIMIZER_FILE = "optimizer/adamw.safetensors"
+# a LoRA actor's checkpoint holds its adapter in PEFT's format (PeftModel.from_pretrained reads it)
+ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
           "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
 
@@ -36,7 +39,8 @@ def merge_state(parts: list[dict | None]) -> dict[str, dict[str, torch.Tensor]]:
     return merged
 
 
-def _write(out: Path, source_dir: Path, tensors: dict[str, dict[str, torch.Tensor]], state: dict | None) -> Path:
+def _write(out: Path, source_dir: Path, tensors: dict[str, dict[str, torch.Tensor]], state: dict | None,
+           adapter_config: dict | None = None) -> Path:
     from safetensors.torch import save_file
 
     with atomic_model_dir(out) as tmp:
@@ -48,6 +52,8 @@ def _write(out: Path, source_dir: Path, tensors: dict[str, dict[str, torch.Tenso
             save_file({k: v.contiguous() for k, v in named.items()}, str(tmp / filename))
         if state is not None:
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        if adapter_config is not None:
+            (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=1))
     return Path(out)
 
 
@@ -70,17 +76,19 @@ def save_checkpoint(group, source_dir: str | Path, out: str | Path) -> Path:
     parts = group.checkpoint_state()
     merged = merge_state(parts)
     model = merged["model"]
-    files = {"model.safetensors": {k: v for k, v in model.items() if not k.startswith("value_head.")}}
+    first = next(p for p in parts if p)
+    adapter_config = first.get("adapter_config")
+    files = {ADAPTER_FILE if adapter_config else "model.safetensors":
+             {k: v for k, v in model.items() if not k.startswith("value_head.")}}
     heads = {k: v for k, v in model.items() if k.startswith("value_head.")}
     if heads:
         files["value_head.safetensors"] = heads
     moments = {m: merged[m] for m in ("exp_avg", "exp_avg_sq")}
     if moments["exp_avg"]:
         files[OPTIMIZER_FILE] = {f"{m}/{k}": v for m, named in moments.items() for k, v in named.items()}
-    first = next(p for p in parts if p)
     state = {"step": first["step"], "adam_step": first.get("adam_step", 0.0),
              "rng": first["rng"].tolist()}
-    return _write(Path(out), Path(source_dir), files, state)
+    return _write(Path(out), Path(source_dir), files, state, adapter_config)
 
 
 def load_optimizer(group, checkpoint_dir: str | Path) -> int:

@@ -15,6 +15,10 @@ fewer runs empty ones whose loss is zero and whose outputs are dropped.
 Packed micro-batches (``remove_padding``) lay the rows end to end in one sequence with
 position ids that restart per row and no attention mask; transformers' masking then builds a
 block-diagonal causal mask from the position ids, so attention stays inside each row.
+
+With LoRA (``lora.py``) peft wraps the model before sharding and only the adapter trains: the
+optimizer, checkpoints and (by default) weight syncs carry the adapter alone, and the reference
+policy is this same model with the adapter switched off (``without_adapter``).
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
 from hybridlab.controller.worker import Worker
-from hybridlab.workers.train import packing
+from hybridlab.workers.train import lora, packing
 from hybridlab.workers.train.backend import (LossFn, OptimConfig, check_precision, global_totals, make_optimizer,
                                              set_lr)
 
@@ -96,7 +100,9 @@ class FSDPEngine:
     """This rank's FSDP2 shard of a transformers model, with optional optimizer."""
 
     def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, *, value_head: bool = False,
-                 optim: OptimConfig | None = None, seed: int = 0, temperature: float = 1.0, precision: str = "fp32"):
+                 optim: OptimConfig | None = None, seed: int = 0, temperature: float = 1.0, precision: str = "fp32",
+                 lora_settings: lora.LoraSettings | dict | None = None, param_offload: bool = False,
+                 optimizer_offload: bool = False):
         if tp != 1 or pp != 1:
             raise ValueError(f"the fsdp2 backend shards over data-parallel ranks only: tp and pp must be 1"
                              f" (got tp={tp}, pp={pp}); use strategy megatron for tensor or pipeline parallelism")
@@ -106,22 +112,39 @@ class FSDPEngine:
         self.rank, self.dp = dist.get_rank(), dist.get_world_size()
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        torch.manual_seed(seed)
+        torch.manual_seed(seed)  # the same adapter initialisation on every rank
         model = _build(model_dir, value_head).to(self.device)
-        mesh = init_device_mesh(self.device.type, (self.dp,))
         layer_classes = set(model._no_split_modules or ())
+        if isinstance(lora_settings, dict):
+            lora_settings = lora.LoraSettings(**lora_settings)
+        self.lora, self.model_dir = lora_settings, model_dir
+        if lora_settings is not None:
+            model = lora.add_adapter(model, lora_settings)
+        mesh = init_device_mesh(self.device.type, (self.dp,))
+        shard = {"mesh": mesh}
+        if param_offload:  # shards (and so the optimizer step) live in host memory between uses
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            shard["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        self.optimizer_offload = optimizer_offload and not param_offload
         for module in model.modules():
             if type(module).__name__ in layer_classes:
-                fully_shard(module, mesh=mesh)
-        self.model = fully_shard(model, mesh=mesh)
-        self.params = dict(self.model.named_parameters())  # HF names
+                fully_shard(module, **shard)
+        self.model = fully_shard(model, **shard)
+        self.params = dict(self.model.named_parameters())  # HF names (peft's names with LoRA)
+        # HF name -> the parameter (LoRA: the frozen base weights), and the layers an adapter wraps
+        self.hf_params = {lora.hf_name(n): p for n, p in self.params.items() if lora.saved_name(n) is None}
+        self.lora_layers = lora.lora_layers(self.model) if lora_settings is not None else {}
+        # what trains and what a checkpoint holds, by checkpoint name: the whole model, or the adapter
+        self.saved = self.hf_params if lora_settings is None else \
+            {lora.saved_name(n): p for n, p in self.params.items() if lora.saved_name(n)}
         self.optim_cfg = optim
         self.step_count = 0
         self.micro_batch_tokens, self.remove_padding = 0, False
         self.padded_token_share = 0.0
         self.optimizer = None
         if optim is not None:
-            self.optimizer = make_optimizer(list(self.params.values()), optim)
+            self.optimizer = make_optimizer(list(self.saved.values()), optim)
         else:
             self.model.requires_grad_(False)
 
@@ -234,15 +257,29 @@ class FSDPEngine:
         lr = set_lr(self)
         finite = math.isfinite(grad_norm)
         if finite:
+            self._offload_moments(False)
             self.optimizer.step()
+            self._offload_moments(True)
         self.step_count += 1
         metrics = self._reduce_metrics(store)
         metrics.update(grad_norm=grad_norm, lr=lr, skipped=0.0 if finite else 1.0,
                        padded_token_share=self.padded_token_share)
         return metrics
 
+    def _offload_moments(self, out: bool) -> None:
+        """With optimizer offload, move AdamW's moments to host memory (``out``) between steps and
+        back to the device for the step (verl's ``optimizer_offload``; on a CPU-only machine
+        they are in host memory already and nothing moves)."""
+        if not self.optimizer_offload or self.device.type == "cpu":
+            return
+        where = "cpu" if out else self.device
+        for state in self.optimizer.state.values():
+            for key in MOMENTS:
+                if key in state:
+                    state[key] = state[key].to(where, non_blocking=True)
+
     def _clip_grads(self, max_norm: float) -> float:
-        grads = [p.grad.to_local() for p in self.params.values() if p.grad is not None]
+        grads = [p.grad.to_local() for p in self.saved.values() if p.grad is not None]
         total = torch.stack([g.float().pow(2).sum() for g in grads]).sum().reshape(1) if grads \
             else torch.zeros(1, device=self.device)
         if self.dp > 1:  # each rank holds distinct rows of every gradient
@@ -268,27 +305,34 @@ class FSDPEngine:
         return dict(zip(keys, local.cpu().tolist()))
 
     # ------------------------------------------------- state and weight sync (HF layout)
-    def _param(self, name: str):
-        if name not in self.params:  # the sync would leave the rollout's tensor stale
-            raise KeyError(f"the weight sync asks for {name!r}, which this {type(self.model).__name__} does not have")
-        return self.params[name]
-
     def _whole(self, tensor) -> torch.Tensor:
         return tensor.full_tensor().cpu()  # a collective: every rank calls it in the same order
 
+    def _hf_whole(self, name: str) -> torch.Tensor:
+        """Return the whole tensor of HF weight ``name``, with the adapter folded in (LoRA); a
+        collective."""
+        if name in self.lora_layers:
+            return lora.merged_weight(self.lora_layers[name], lambda p: self._whole(p.detach()))
+        if name not in self.hf_params:  # the sync would leave the rollout's tensor stale
+            raise KeyError(f"the weight sync asks for {name!r}, which this {type(self.model).__name__} does not have")
+        return self._whole(self.hf_params[name].detach())
+
     def state(self, moments: bool = True) -> dict | None:
-        """Return the whole weights and (with ``moments``) AdamW moments in HF names on rank 0,
-        None elsewhere (every rank must call it: each tensor is all-gathered in turn)."""
+        """Return the whole weights (with LoRA: the adapter's, under PEFT's file names, and its
+        ``adapter_config``) and (with ``moments``) AdamW moments on rank 0, None elsewhere
+        (every rank must call it: each tensor is all-gathered in turn)."""
         keep = self.rank == 0
         state = {"model": {}}
-        for name, p in self.params.items():
+        for name, p in self.saved.items():
             whole = self._whole(p.detach())
             if keep:
                 state["model"][name] = whole
+        if self.lora is not None:
+            state["adapter_config"] = self.lora.adapter_config(self.model, self.model_dir)
         if moments and isinstance(self.optimizer, torch.optim.AdamW):
             for moment in MOMENTS:
                 state[moment] = {}
-                for name, p in self.params.items():
+                for name, p in self.saved.items():
                     whole = self._whole(self.optimizer.state[p][moment]) if p in self.optimizer.state \
                         else torch.zeros(p.shape)
                     if keep:
@@ -299,22 +343,25 @@ class FSDPEngine:
 
     def _shard(self, p, whole: torch.Tensor):
         # every rank holds the whole tensor: each keeps its own rows, no communication
-        return distribute_tensor(whole.to(self.device, torch.float32), p.device_mesh, p.placements,
+        return distribute_tensor(whole.to(p.device, torch.float32), p.device_mesh, p.placements,
                                  src_data_rank=None)
 
     def load_state(self, weights: dict, moments: dict, step: int, adam_step: float) -> None:
-        """Load whole HF ``weights`` (if any) and AdamW ``moments`` (if any) into this rank's
-        shards; raises KeyError naming a parameter the weights do not cover."""
+        """Load whole ``weights`` (if any; HF names, or with LoRA the adapter's PEFT names) and
+        AdamW ``moments`` (if any) into this rank's shards; raises KeyError naming a parameter
+        the weights do not cover."""
         if weights:
             with torch.no_grad():
-                for name, p in self.params.items():
+                for name, p in self.saved.items():
                     if name not in weights:
-                        raise KeyError(f"the saved state has no weights for {name}")
+                        what = "adapter weights" if self.lora is not None and not any(".lora_" in k for k in weights) \
+                            else "weights"
+                        raise KeyError(f"the saved state has no {what} for {name}")
                     p.to_local().copy_(self._shard(p, weights[name]).to_local())
         self.step_count = step
         if self.optimizer is None or not moments:
             return
-        for name, p in self.params.items():
+        for name, p in self.saved.items():
             self.optimizer.state[p] = {"step": torch.tensor(float(adam_step)),
                                        **{m: self._shard(p, moments[m][name]) for m in MOMENTS}}
 
@@ -323,7 +370,7 @@ class FSDPEngine:
         replica, else None; every rank joins each tensor's all-gather."""
         part = {}
         for name in hf_names:
-            whole = self._whole(self._param(name).detach())
+            whole = self._hf_whole(name)
             if self.rank in dp_ranks:
                 part[name] = whole
         return (0, 0, self.rank, part) if self.rank in dp_ranks else None
@@ -333,7 +380,23 @@ class FSDPEngine:
         process), one bucket at a time; returns {"bytes", "buckets", "seconds"}."""
         start, moved = time.perf_counter(), 0
         for bucket in buckets:
-            named = [(n, self._whole(self._param(n).detach())) for n in bucket]
+            named = [(n, self._hf_whole(n)) for n in bucket]
             moved += sum(t.numel() * t.element_size() for _, t in named)
             load(named)
         return {"bytes": moved, "buckets": len(buckets), "seconds": time.perf_counter() - start}
+
+    # ----------------------------------------------------------------------- LoRA
+    def adapter(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Return the adapter's whole weights (PEFT's file names, fresh copies a loader may
+        change in place) and its PEFT config, on every rank (each tensor is all-gathered)."""
+        if self.lora is None:
+            raise RuntimeError("this engine has no LoRA adapter (actor.lora.rank is 0)")
+        tensors = {name: self._whole(p.detach()).clone() for name, p in self.saved.items()}
+        return tensors, self.lora.adapter_config(self.model, self.model_dir)
+
+    def without_adapter(self):
+        """Return a context in which the model runs as its base (the adapter off): the
+        reference policy of a LoRA run."""
+        if self.lora is None:
+            raise RuntimeError("this engine has no LoRA adapter (actor.lora.rank is 0)")
+        return self.model.disable_adapter()

@@ -1,6 +1,7 @@
 """Training roles: actor, reference and critic workers for the controller, on any training backend."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -11,6 +12,7 @@ from hybridlab.protocol import Batch
 from hybridlab.workers.train.backend import (LossFn, OptimConfig, TrainEngine, check_precision, engine_class,
                                              resolve_strategy)
 from hybridlab.workers.train.checkpoint import merge_state
+from hybridlab.workers.train.lora import LoraSettings
 
 
 def sft_loss(outputs: dict, micro: dict) -> tuple[torch.Tensor, dict]:
@@ -19,6 +21,10 @@ def sft_loss(outputs: dict, micro: dict) -> tuple[torch.Tensor, dict]:
     mask = micro["response_mask"].float()
     nll_sum = -(outputs["log_probs"] * mask).sum()
     return nll_sum / micro["global_tokens"], {"sft_loss": nll_sum.detach() / mask.sum().clamp(min=1)}
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class TrainWorker(Worker):
@@ -31,17 +37,36 @@ class TrainWorker(Worker):
     def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, optim: OptimConfig | dict | None = None,
                  seed: int = 0, temperature: float = 1.0, micro_batch_size: int = ActorConfig.micro_batch_size,
                  precision: str = "fp32", micro_batch_tokens: int = 0, remove_padding: bool = False,
-                 strategy: str = ActorConfig.strategy):
+                 strategy: str = ActorConfig.strategy, fsdp: dict | None = None, lora: dict | None = None):
         if isinstance(optim, dict):
             optim = OptimConfig(**optim)
         if optim is None and not self.frozen:
             optim = OptimConfig()
         self.micro_batch_size, self.seed, self.model_dir = micro_batch_size, seed, model_dir
-        self.strategy = resolve_strategy(strategy, model_dir)
-        self.engine: TrainEngine = engine_class(self.strategy)(
+        self.lora = lora
+        if lora and strategy == "megatron":
+            raise ValueError("LoRA (actor.lora.rank > 0) runs on the fsdp2 backend; actor.strategy is megatron")
+        self.strategy = "fsdp2" if lora else resolve_strategy(strategy, model_dir)
+        if self.shares_actor:  # the actor's base model with its adapter off: no engine of its own
+            self._engine = None
+            return
+        extra = {}
+        if self.strategy == "fsdp2":
+            extra = {**(fsdp or {}), "lora_settings": LoraSettings.from_config(lora) if lora else None}
+        self._engine = engine_class(self.strategy)(
             model_dir, tp, pp, value_head=self.value_head, optim=None if self.frozen else optim, seed=seed,
-            temperature=temperature, precision=precision)
-        self.engine.micro_batch_tokens, self.engine.remove_padding = micro_batch_tokens, remove_padding
+            temperature=temperature, precision=precision, **extra)
+        self._engine.micro_batch_tokens, self._engine.remove_padding = micro_batch_tokens, remove_padding
+
+    @property
+    def shares_actor(self) -> bool:
+        """True for a LoRA run's reference, which computes with the actor's engine."""
+        return False
+
+    @property
+    def engine(self) -> TrainEngine:
+        """This rank's training engine."""
+        return self._engine
 
     def dp_info(self) -> tuple[int, int, bool]:
         return self.engine.dp_info()
@@ -64,12 +89,13 @@ class TrainWorker(Worker):
     def configure(self, micro_batch_size: int | None = None, temperature: float | None = None,
                   optim: dict | None = None, seed: int | None = None, precision: str | None = None,
                   micro_batch_tokens: int | None = None, remove_padding: bool | None = None,
-                  strategy: str | None = None) -> None:
+                  strategy: str | None = None, fsdp: dict | None = None, lora: dict | None = None) -> None:
         """Apply settings to the running worker (between steps): micro-batching (rows, token
         budget, packing), log-prob temperature, compute precision (fp32 or bf16 autocast; weights
         and moments stay fp32) and optimizer settings (lr, weight decay, clipping, warm-up),
         keeping the optimizer's moments and the schedule's position. ``seed`` and ``strategy``
-        are only checked: they are fixed."""
+        are only checked: they are fixed (``fsdp`` and ``lora`` are fixed too: a change of
+        ``fsdp`` re-creates the role)."""
         if precision is not None:
             self.engine.precision = check_precision(precision)
         if seed is not None and seed != self.seed:
@@ -140,13 +166,32 @@ class ActorWorker(TrainWorker):
         if out is None or not out[3]:
             return None
         tp_rank, pp_rank, dp_rank, part = out
-        return tp_rank, pp_rank, dp_rank, ray.put(part), sum(t.numel() * t.element_size() for t in part.values())
+        return tp_rank, pp_rank, dp_rank, ray.put(part), _nbytes(part)
 
     @register(Dispatch.ALL)
     def sync_to_colocated(self, role: str, buckets: list[list[str]]) -> dict:
         """Stream the weights, bucket by bucket, into the ``role`` engine of this same process
         (``reshard.sources.stream_colocated``); returns {"bytes", "buckets", "seconds"}."""
         return self.engine.stream_colocated(buckets, self.peers[role].load_weights)
+
+    @register(Dispatch.ALL)
+    def export_adapter(self) -> tuple | None:
+        """Put the LoRA adapter (whole tensors in PEFT's file names, and its config) in Ray's
+        object store from rank 0; returns (reference, bytes) there, None elsewhere (every rank
+        joins the gathers)."""
+        import ray
+
+        tensors, config = self.engine.adapter()
+        if self.rank != 0:
+            return None
+        return ray.put((tensors, config)), _nbytes(tensors)
+
+    @register(Dispatch.ALL)
+    def sync_adapter_to_colocated(self, role: str) -> int:
+        """Install the LoRA adapter in the ``role`` engine of this same process; returns the bytes."""
+        tensors, config = self.engine.adapter()
+        self.peers[role].load_adapter(tensors, config)
+        return _nbytes(tensors)
 
     @register(Dispatch.DP)
     def compute_log_prob(self, batch: Batch, sum_pi_squared: bool = False) -> Batch:
@@ -172,14 +217,30 @@ class ActorWorker(TrainWorker):
 
 
 class RefWorker(TrainWorker):
-    """The frozen reference policy."""
+    """The frozen reference policy. In a LoRA run it is the actor's base model with the adapter
+    off: it uses the actor's engine in the same process and holds no weights of its own."""
 
     frozen = True
+
+    @property
+    def shares_actor(self) -> bool:
+        return bool(self.lora)
+
+    @property
+    def engine(self) -> TrainEngine:
+        if not self.shares_actor:
+            return self._engine
+        actor = self.peers.get("actor")
+        if actor is None:
+            raise RuntimeError("a LoRA run's reference is the actor's base model: the ref role must be colocated"
+                               " with the actor (the same colocate name in the mapping)")
+        return actor.engine
 
     @register(Dispatch.DP)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """Return ``ref_log_prob`` of the responses, [batch, response_len]."""
-        out = self.engine.forward(batch, self.micro_batch_size)
+        with self.engine.without_adapter() if self.shares_actor else contextlib.nullcontext():
+            out = self.engine.forward(batch, self.micro_batch_size)
         return None if out is None else Batch({"ref_log_prob": out["log_probs"]})
 
 
