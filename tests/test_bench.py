@@ -61,6 +61,24 @@ def test_bench_train_fsdp2_json(ray_local, capfd):
     assert "benchmark train: strategy must be megatron or fsdp2, got 'deepspeed'" in capfd.readouterr().err
 
 
+def test_bench_lora_json(ray_local, capfd):
+    from hybridlab.models.zoo import count_parameters
+
+    result = run_bench(["lora", "--opt", "model=tiny", "--opt", "steps=1", "--opt", "syncs=1", "--opt", "batch_size=2",
+                        "--opt", "prompt_len=8", "--opt", "response_len=8", "--rank", "8"], capfd)
+    full, lora, merged = result["full"], result["lora"], result["lora_merged"]
+    assert full["trainable_params"] == count_parameters("tiny")
+    assert lora["trainable_params"] == merged["trainable_params"] < full["trainable_params"]
+    # fp32 throughout: the adapter sync moves the adapter's bytes, the others the whole model's
+    assert lora["sync_bytes"] == 4 * lora["trainable_params"] and full["sync_bytes"] == merged["sync_bytes"]
+    assert (lora["sync_mode"], merged["sync_mode"]) == ("colocated adapter", "colocated")
+    assert max(m["rollout_vs_actor_logprob_diff"] for m in (full, lora, merged)) < 1e-4  # every sync landed
+    assert_ratio(result["sync_bytes_ratio"], lora["sync_bytes"], full["sync_bytes"], 5)
+    assert_ratio(result["sync_speedup"], full["sync_s"], lora["sync_s"], 2)
+    assert_ratio(result["update_speedup"], full["update_s"], lora["update_s"], 2)
+    assert min(m["peak_rss_mb"] for m in (full, lora, merged)) > 0
+
+
 def test_bench_rollout_json(ray_local, capfd):
     result = run_bench(["rollout", "--opt", "model=tiny", "--opt", "prompts=4", "--opt", "max_new_tokens=8"], capfd)
     assert {"ours_tokens_per_s", "vllm_tokens_per_s", "hf_tokens_per_s", "ratio_vs_vllm", "ratio_vs_hf"} <= set(result)

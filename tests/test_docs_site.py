@@ -79,7 +79,7 @@ def test_the_configuration_reference_names_every_key():
 
 def test_the_configuration_reference_says_how_each_change_applies_as_the_schema_declares():
     """Each leaf key's row says what the schema declares (``setting``): step, live or recreate
-    with the roles, remap, or fixed (also every key of a fixed section)."""
+    with the roles, remap, or fixed (every key of a section inherits what the section declares)."""
     import re
 
     from hybridlab.config.schema import config_fields
@@ -90,7 +90,7 @@ def test_the_configuration_reference_says_how_each_change_applies_as_the_schema_
         parents = [".".join(key.split(".")[:i]) for i in range(1, key.count(".") + 1)]
         if any(fields[p].metadata.get("change") == "fixed" for p in parents):
             return "fixed"
-        meta = fields[key].metadata
+        meta = next((fields[p].metadata for p in parents if fields[p].metadata.get("change")), fields[key].metadata)
         change = meta.get("change", "step")
         return f"{change}: {', '.join(meta['workers'])}" if change in ("live", "recreate") else change
 

@@ -16,6 +16,7 @@ BENCHES = {
     "remap": "hybridlab.bench.remap",
     "soak": "hybridlab.bench.soak",
     "precision": "hybridlab.bench.precision",
+    "lora": "hybridlab.bench.lora",
 }
 
 
