@@ -143,6 +143,21 @@ def test_kl_estimators():
         A.kl_penalty(lp, ref, "full")
 
 
+@pytest.mark.parametrize("name", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"])
+def test_a_plus_kl_estimator_keeps_its_value_and_takes_k2s_gradient(name):
+    """verl 0.9.1's straight-through estimators: "k3+" is k3 in value, k2 in gradient."""
+    from hybridlab.run_config import load_config
+
+    ref = torch.tensor([-1.5, -1.0, -0.2])
+    lp = torch.tensor([-1.0, -2.0, -0.7], requires_grad=True)
+    plus = A.kl_penalty(lp, ref, name + "+")
+    assert torch.equal(plus.detach(), A.kl_penalty(lp.detach(), ref, name))
+    plus.sum().backward()
+    assert torch.allclose(lp.grad, (lp - ref).detach())  # the gradient of 0.5 (lp - ref)^2
+    cfg = load_config("grpo", [f"actor.kl_loss_type={name}+", f"algorithm.kl_penalty={name}+"])
+    assert (cfg.actor.kl_loss_type, cfg.algorithm.kl_penalty) == (name + "+", name + "+")
+
+
 def test_kl_reward_penalty_and_adaptive_coefficient():
     scores, mask = outcome([1.0, 0.0], lengths=[2, 1], length=2)
     old = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]])

@@ -16,7 +16,9 @@ from hybridlab.algos.functional import masked_mean
 from hybridlab.errors import unknown
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+# each also with a "+" suffix: the same value, the gradient of k2 (straight-through; ``kl_penalty``)
+KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_PENALTIES = KL_ESTIMATORS + tuple(f"{name}+" for name in KL_ESTIMATORS)
 POLICY_LOSSES: dict[str, Any] = {}
 
 
@@ -165,7 +167,18 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
 
     "kl"/"k1": log-ratio; "abs": its absolute value; "mse"/"k2": half its square;
     "low_var_kl"/"k3": Schulman's unbiased low-variance estimator, clamped to [-10, 10].
+    A "+" suffix ("k3+", "low_var_kl+", ...) keeps the estimator's value but takes the gradient
+    through k2 (straight-through, as verl 0.9.1): k1's and k3's expected gradients are not the
+    KL's gradient, k2's is.
     """
+    if not kl_penalty.endswith("+"):
+        return _kl_estimate(logprob, ref_logprob, kl_penalty)
+    value = _kl_estimate(logprob, ref_logprob, kl_penalty[:-1])
+    k2 = 0.5 * (logprob - ref_logprob).square()
+    return k2 - k2.detach() + value.detach()
+
+
+def _kl_estimate(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
     if kl_penalty in ("kl", "k1"):
         return logprob - ref_logprob
     if kl_penalty == "abs":
