@@ -109,8 +109,7 @@ def _at_least(problems: list[str], cfg: RunConfig, low, *keys: str) -> None:
 def validate_config(cfg: RunConfig) -> None:
     """Raise ConfigError listing every problem of ``cfg``, each naming its key."""
     p = [*_rollout_problems(cfg), *_algorithm_problems(cfg), *_actor_problems(cfg), *_correction_problems(cfg),
-         *_size_problems(cfg), *_warm_start_problems(cfg), *_trainer_problems(cfg), *_reward_problems(cfg),
-         *_fsdp_problems(cfg)]
+         *_size_problems(cfg), *_warm_start_problems(cfg), *_trainer_problems(cfg), *_reward_problems(cfg)]
     _check_data_and_model(cfg, p)
     p += _dataflow_and_mapping_problems(cfg)
     if p:
@@ -249,15 +248,18 @@ def _strategy_problems(cfg: RunConfig, mapping: DeviceMapping) -> list[str]:
         section = {"actor": "actor", "ref": "actor", "critic": "critic"}.get(role)
         if section is None or getattr(cfg, section).strategy not in STRATEGIES or layout.tp * layout.pp == 1:
             continue
-        if training_strategy(cfg, section) == "fsdp2":
+        if section == "actor" and cfg.actor.lora.rank > 0:
+            p.append(f"mapping.roles.{role}: tp={layout.tp}, pp={layout.pp}, but LoRA (actor.lora.rank) runs on the"
+                     f" fsdp2 backend, which shards over data-parallel ranks only (tp and pp must be 1, use dp)")
+        elif training_strategy(cfg, section) == "fsdp2":
             p.append(f"mapping.roles.{role}: tp={layout.tp}, pp={layout.pp} needs {section}.strategy=megatron; the"
                      f" fsdp2 backend shards over data-parallel ranks only (tp and pp must be 1, use dp)")
     return p
 
 
-def _fsdp_problems(cfg: RunConfig) -> list[str]:
+def _fsdp_problems(cfg: RunConfig, mapping: DeviceMapping) -> list[str]:
     p: list[str] = []
-    for section in ("actor", "critic"):
+    for section in [s for s in ("actor", "critic") if s in mapping.roles]:
         offload = [k for k, v in vars(getattr(cfg, section).fsdp).items() if v]
         if offload and getattr(cfg, section).strategy in STRATEGIES and training_strategy(cfg, section) != "fsdp2":
             strategy = getattr(cfg, section).strategy
@@ -281,7 +283,7 @@ def _lora_problems(cfg: RunConfig, mapping: DeviceMapping) -> list[str]:
     if not 0 <= lora.dropout < 1:
         p.append(f"actor.lora.dropout: must lie in [0, 1), got {lora.dropout}")
     targets = lora.target_modules
-    if not (isinstance(targets, str) and targets or isinstance(targets, list) and targets
+    if not (targets == "all-linear" or isinstance(targets, list) and targets
             and all(isinstance(t, str) and t for t in targets)):
         p.append(f"actor.lora.target_modules: \"all-linear\" or a list of module names (\"q_proj\", ...),"
                  f" got {targets!r}")
@@ -314,6 +316,7 @@ def _dataflow_and_mapping_problems(cfg: RunConfig) -> list[str]:
         p += _dp_problems(cfg, mapping)
         p += _strategy_problems(cfg, mapping)
         p += _lora_problems(cfg, mapping)
+        p += _fsdp_problems(cfg, mapping)
         rollout = mapping.roles.get("rollout")
         if rollout is not None and rollout.tp > 1 and cfg.rollout.backend != "vllm":
             p.append(f"mapping.roles.rollout.tp: tp={rollout.tp} needs rollout.backend=vllm (the"

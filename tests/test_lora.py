@@ -12,6 +12,7 @@ from hybridlab.dataflow.session import RLSession
 from hybridlab.protocol import Batch
 from hybridlab.run_config import load_config, training_strategy
 from hybridlab.tasks import get_task
+from hybridlab.workers.train import checkpoint
 from hybridlab.workers.train.checkpoint import ADAPTER_CONFIG, ADAPTER_FILE
 from tests.test_fsdp import ODD_LENGTH, TRAIN_DP2
 from tests.test_remap import actor_state, assert_equal_state
@@ -35,6 +36,14 @@ def test_lora_settings_are_checked_before_anything_starts():
         load_config("grpo", [*LORA, "actor.lora.dropout=1.5"])
     with pytest.raises(ConfigError, match=r"actor.lora.sync: 'files' is not one of adapter, merged"):
         load_config("grpo", [*LORA, "actor.lora.sync=files"])
+    with pytest.raises(ConfigError, match=r"actor.lora.target_modules: \"all-linear\" or a list of module names"):
+        load_config("grpo", [*LORA, "actor.lora.target_modules=q_proj"])
+    with pytest.raises(ConfigError, match=r"mapping.roles.actor: tp=2, pp=1, but LoRA \(actor.lora.rank\) runs on the"
+                                          r" fsdp2 backend"):
+        load_config("grpo", [*LORA, "trainer.devices=2", "mapping={pools: {p: {devices: 2}}, roles: {actor: {pool: p,"
+                             " tp: 2, colocate: e}, rollout: {pool: p, tp: 2, colocate: e}, reward: {pool: p, dp: 2,"
+                             " colocate: e}}}"])
+    load_config("grpo", ["critic.fsdp.param_offload=true"])  # GRPO has no critic: nothing to refuse
     with pytest.raises(ConfigError, match=r"mapping.roles.ref: with actor.lora the reference is the actor's base"
                                           r" model .* give ref the actor's colocate name"):
         load_config("grpo", [*LORA, "actor.use_kl_loss=true", "trainer.devices=2",
@@ -68,7 +77,10 @@ def test_lora_trains_the_adapter_alone_syncs_it_into_vllm_and_resumes_after_a_re
     prompts = Batch(objects={"prompt_ids": [p for p in _prompt_ids(tiny_dir)]})
     with RLSession("grpo", overrides) as rl:
         assert rl.training_backends() == {"actor": "fsdp2", "ref": "fsdp2"}
-        first, second = rl.step(), rl.step()
+        first = rl.step()
+        rl.update("actor.lr=5e-3")  # a live setting reaches the LoRA actor (and its ref) between steps
+        assert rl.workers.groups["actor"].settings()[0]["optim"]["lr"] == 5e-3
+        second = rl.step()
         adapter = actor_state(rl)
         adapter_bytes = sum(t.numel() * 4 for k, t in adapter.items() if k.startswith("model/"))
         assert all(".lora_A." in k or ".lora_B." in k for k in adapter if k.startswith("model/"))
@@ -82,6 +94,7 @@ def test_lora_trains_the_adapter_alone_syncs_it_into_vllm_and_resumes_after_a_re
         assert (batch["ref_log_prob"].double() - base)[mask].abs().max() < 1e-5  # the adapter off: the base model
         assert (batch["old_log_probs"].double() - base)[mask].abs().max() > 1e-3  # the adapter on: moved
         greedy = rl.workers.groups["rollout"].generate(prompts, GREEDY)["responses"]
+        exported = checkpoint.export_hf(rl.workers.groups["actor"], tiny_dir, tmp_path / "exported")  # merged
         saved = rl.save_checkpoint() / "actor"
         assert (saved / ADAPTER_FILE).is_file() and not (saved / "model.safetensors").exists()
         assert json.loads((saved / ADAPTER_CONFIG).read_text())["r"] == 8
@@ -96,9 +109,16 @@ def test_lora_trains_the_adapter_alone_syncs_it_into_vllm_and_resumes_after_a_re
         before_resume = actor_state(rl)
         rl.save_checkpoint()
     assert torch.equal(greedy, hf_greedy(_merged(tiny_dir, saved, tmp_path / "merged"), prompts))
+    assert torch.equal(greedy, hf_greedy(exported, prompts))
+    with pytest.raises(ConfigError, match="actor.lora.alpha cannot change when resuming"):
+        RLSession.resume(run, ["actor.lora.alpha=32"])
     with RLSession.resume(run) as resumed:
         assert_equal_state(before_resume, actor_state(resumed))
-        assert resumed.step().metrics["sync/bytes"] == adapter_bytes
+        fourth = resumed.step()
+        batch = fourth.batch  # sampled through the adapter the resume installed
+        mask = batch["response_mask"].bool()
+        assert (batch["old_log_probs"] - batch["rollout_log_probs"])[mask].abs().max() < 1e-4
+        assert fourth.metrics["sync/bytes"] == adapter_bytes
 
 
 def _prompt_ids(model_dir) -> list[list[int]]:

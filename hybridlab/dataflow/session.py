@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from hybridlab.algos.kl import get_kl_controller
 from hybridlab.atomic import write_json
-from hybridlab.config import RunConfig
+from hybridlab.config import ConfigError, RunConfig
 from hybridlab.controller.binding import BIND_ENV
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.controller.resources import connect
@@ -152,6 +152,10 @@ class RLSession(Stepping, LiveEdits):
         controller; logs cut back to the checkpoint. ``train()`` then runs the remaining steps."""
         run_dir = Path(run_dir)
         checkpoint = checkpoints.latest(run_dir)  # a clear error before anything starts
+        adapter = [o.split("=", 1)[0] for o in overrides or [] if o.startswith("actor.lora.")]
+        if adapter:  # the checkpoint's adapter has its shape and scale; the rollout engines follow it
+            raise ConfigError(f"{adapter[0]} cannot change when resuming: the checkpoint holds an adapter built"
+                              " with the run's actor.lora settings")
         rl = cls(checkpoint / "config.yaml", [*(overrides or []), f"trainer.run_dir={run_dir}"], **kwargs)
         rl._resume_from = checkpoint
         return rl.start()

@@ -122,6 +122,11 @@ class FSDPEngine:
             model = lora.add_adapter(model, lora_settings)
         mesh = init_device_mesh(self.device.type, (self.dp,))
         shard = {"mesh": mesh}
+        if (param_offload or optimizer_offload) and self.device.type == "cuda" and self.dp > 1:
+            # the gradient norm, the state gathers and the sync run collectives on the offloaded
+            # host tensors, which nccl cannot take; not built yet
+            raise ValueError("fsdp offload (param_offload, optimizer_offload) runs at dp 1 on GPU so far;"
+                             f" this role has dp {self.dp}")
         if param_offload:  # shards (and so the optimizer step) live in host memory between uses
             from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -135,6 +140,8 @@ class FSDPEngine:
         # HF name -> the parameter (LoRA: the frozen base weights), and the layers an adapter wraps
         self.hf_params = {lora.hf_name(n): p for n, p in self.params.items() if lora.saved_name(n) is None}
         self.lora_layers = lora.lora_layers(self.model) if lora_settings is not None else {}
+        if lora_settings is not None:
+            lora.check_linear_only(self.model)
         # what trains and what a checkpoint holds, by checkpoint name: the whole model, or the adapter
         self.saved = self.hf_params if lora_settings is None else \
             {lora.saved_name(n): p for n, p in self.params.items() if lora.saved_name(n)}
@@ -276,7 +283,7 @@ class FSDPEngine:
         for state in self.optimizer.state.values():
             for key in MOMENTS:
                 if key in state:
-                    state[key] = state[key].to(where, non_blocking=True)
+                    state[key] = state[key].to(where)
 
     def _clip_grads(self, max_norm: float) -> float:
         grads = [p.grad.to_local() for p in self.saved.values() if p.grad is not None]
@@ -386,6 +393,12 @@ class FSDPEngine:
         return {"bytes": moved, "buckets": len(buckets), "seconds": time.perf_counter() - start}
 
     # ----------------------------------------------------------------------- LoRA
+    def merged_weights(self) -> dict[str, torch.Tensor] | None:
+        """Return every HF weight whole, with the adapter folded in, on rank 0 (None elsewhere;
+        every rank joins the gathers): the model a LoRA run has trained, as a plain checkpoint."""
+        weights = {name: self._hf_whole(name) for name in self.hf_params}
+        return weights if self.rank == 0 else None
+
     def adapter(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Return the adapter's whole weights (PEFT's file names, fresh copies a loader may
         change in place) and its PEFT config, on every rank (each tensor is all-gathered)."""

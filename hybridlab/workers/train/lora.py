@@ -51,7 +51,6 @@ class LoraSettings:
         """Return what ``adapter_config.json`` holds for ``model`` (peft-wrapped): PEFT's own
         format, with the target modules resolved to the names peft found."""
         config = model.peft_config[ADAPTER].to_dict()
-        config["target_modules"] = sorted(config["target_modules"])
         config["base_model_name_or_path"] = str(base_model_dir)
         return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
 
@@ -89,6 +88,18 @@ def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
     return {hf_name(f"{name}.weight"): module for name, module in model.named_modules()
             if isinstance(module, LoraLayer) and ADAPTER in module.lora_A}
+
+
+def check_linear_only(model: torch.nn.Module) -> None:
+    """Raise ValueError naming a module the adapter wraps that is not a linear layer: vLLM serves
+    adapters on linear layers, and the merged sync folds only those."""
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import Linear as LoraLinear
+
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and not isinstance(module, LoraLinear):
+            raise ValueError(f"actor.lora.target_modules: {hf_name(name)} is a {type(module.base_layer).__name__},"
+                             " not a linear layer; adapters go on linear layers (q_proj, ..., down_proj)")
 
 
 def merged_weight(layer: torch.nn.Module, whole) -> torch.Tensor:

@@ -73,7 +73,10 @@ class TrainWorker(Worker):
 
     @register(Dispatch.ALL)
     def export_hf(self) -> dict[str, torch.Tensor] | None:
-        """Return the weights in HF names and layout (from one rank per pipeline stage), else None."""
+        """Return the weights in HF names and layout (from one rank per pipeline stage; a LoRA
+        actor's with the adapter merged in), else None."""
+        if self.lora:
+            return self.engine.merged_weights()
         state = self.engine.state(moments=False)
         return None if state is None else state["model"]
 
@@ -100,7 +103,8 @@ class TrainWorker(Worker):
             self.engine.precision = check_precision(precision)
         if seed is not None and seed != self.seed:
             raise ValueError(f"the seed is fixed once a worker runs (have {self.seed}, got {seed})")
-        if strategy is not None and resolve_strategy(strategy, self.model_dir) != self.strategy:
+        resolved = strategy if strategy is None or self.lora is None else "fsdp2"  # LoRA: always fsdp2
+        if strategy is not None and resolve_strategy(resolved, self.model_dir) != self.strategy:
             raise ValueError(f"the training strategy is fixed once a worker runs (have {self.strategy},"
                              f" got {strategy})")
         if micro_batch_size is not None:
