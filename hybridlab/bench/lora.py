@@ -67,8 +67,8 @@ def _mode_run(model_dir: str, spec: ModelSpec, mode: str, batch, lora: dict, ste
         sampled = rollout.generate(prompts, SAMPLE)
         mask = sampled["response_mask"].bool()
         diff = (actor.compute_log_prob(sampled)["old_log_probs"] - sampled["rollout_log_probs"])[mask].abs().max()
-        return {"sync_bytes": reports[-1].bytes_moved, "sync_s": round(statistics.median(r.seconds for r in reports), 4),
-                "sync_mode": reports[-1].mode, "update_s": round(statistics.median(updates), 4),
+        sync_s = statistics.median(r.seconds for r in reports)
+        return {"sync_bytes": reports[-1].bytes_moved, "sync_s": round(sync_s, 4), "sync_mode": reports[-1].mode, "update_s": round(statistics.median(updates), 4),
                 "peak_rss_mb": round(max(actor.peak_rss_mb()), 1),
                 "trainable_params": actor.trainable_parameters()[0],
                 "rollout_vs_actor_logprob_diff": float(diff)}
