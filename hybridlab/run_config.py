@@ -18,6 +18,7 @@ import yaml
 from hybridlab.algos import ADV_ESTIMATORS, AGG_MODES, KL_PENALTIES, POLICY_LOSSES
 from hybridlab.algos.advantages import ADV_INPUTS
 from hybridlab.algos.rollout_correction import IS_LEVELS, parse_is_threshold, parse_rs
+from hybridlab.backend_checks import backend_problems, training_strategy  # noqa: F401 (imported from here too)
 from hybridlab.config import ConfigError, RunConfig, apply_override, build, resolve_config_path
 from hybridlab.controller.mapping import ROLES, DeviceMapping
 from hybridlab.dataflow.graph import Dataflow
@@ -30,10 +31,7 @@ from hybridlab.models.zoo import CONVERTED, parse_preset
 from hybridlab.tasks import get_task
 from hybridlab.workers.reward.scoring import load_function
 from hybridlab.workers.rollout.worker import BACKENDS
-from hybridlab.workers.train.backend import STRATEGIES, resolve_strategy
-from hybridlab.workers.train.lora import SYNC_MODES
-
-MAX_VLLM_LORA_RANK = 512  # vLLM 0.32's largest max_lora_rank (vllm.config.lora.MaxLoRARanks)
+from hybridlab.workers.train.backend import STRATEGIES
 
 
 def default_dataflow(cfg: RunConfig) -> list[str]:
@@ -228,80 +226,6 @@ def _reward_problems(cfg: RunConfig) -> list[str]:
     return p
 
 
-def training_strategy(cfg: RunConfig, section: str) -> str:
-    """Return the backend that trains ``section`` ("actor", whose backend the reference shares,
-    or "critic"): its ``strategy``, with ``auto`` resolved for the run's model."""
-    strategy = getattr(cfg, section).strategy
-    if section == "actor" and cfg.actor.lora.rank > 0 and strategy == "auto":
-        return "fsdp2"  # LoRA runs on the fsdp2 backend
-    if strategy == "auto" and not Path(cfg.model).is_dir():  # a zoo name: its family says
-        try:
-            return "megatron" if parse_preset(cfg.model)[1] in CONVERTED else "fsdp2"
-        except UserError:
-            return "megatron"  # the model's own check names the bad name
-    return resolve_strategy(strategy, cfg.model)
-
-
-def _strategy_problems(cfg: RunConfig, mapping: DeviceMapping) -> list[str]:
-    p: list[str] = []
-    for role, layout in mapping.roles.items():
-        section = {"actor": "actor", "ref": "actor", "critic": "critic"}.get(role)
-        if section is None or getattr(cfg, section).strategy not in STRATEGIES or layout.tp * layout.pp == 1:
-            continue
-        if section == "actor" and cfg.actor.lora.rank > 0:
-            p.append(f"mapping.roles.{role}: tp={layout.tp}, pp={layout.pp}, but LoRA (actor.lora.rank) runs on the"
-                     f" fsdp2 backend, which shards over data-parallel ranks only (tp and pp must be 1, use dp)")
-        elif training_strategy(cfg, section) == "fsdp2":
-            p.append(f"mapping.roles.{role}: tp={layout.tp}, pp={layout.pp} needs {section}.strategy=megatron; the"
-                     f" fsdp2 backend shards over data-parallel ranks only (tp and pp must be 1, use dp)")
-    return p
-
-
-def _fsdp_problems(cfg: RunConfig, mapping: DeviceMapping) -> list[str]:
-    p: list[str] = []
-    for section in [s for s in ("actor", "critic") if s in mapping.roles]:
-        offload = [k for k, v in vars(getattr(cfg, section).fsdp).items() if v]
-        if offload and getattr(cfg, section).strategy in STRATEGIES and training_strategy(cfg, section) != "fsdp2":
-            strategy = getattr(cfg, section).strategy
-            p.append(f"{section}.fsdp.{offload[0]}: offload is a setting of the fsdp2 backend, and {section} trains"
-                     f" on megatron ({section}.strategy={strategy}); use {section}.strategy=fsdp2")
-    return p
-
-
-def _lora_problems(cfg: RunConfig, mapping: DeviceMapping) -> list[str]:
-    lora, p = cfg.actor.lora, []
-    if lora.rank < 0:
-        p.append(f"actor.lora.rank: must be 0 (no adapter: full fine-tuning) or a positive rank, got {lora.rank}")
-    if lora.rank <= 0:
-        return p
-    _choice(p, "actor.lora.sync", lora.sync, SYNC_MODES)
-    if cfg.actor.strategy == "megatron":
-        p.append("actor.lora.rank: LoRA runs on the fsdp2 backend (peft over any transformers model), and"
-                 " actor.strategy=megatron; use actor.strategy=auto or fsdp2")
-    if not lora.alpha > 0:
-        p.append(f"actor.lora.alpha: must be positive (the update is scaled by alpha / rank), got {lora.alpha}")
-    if not 0 <= lora.dropout < 1:
-        p.append(f"actor.lora.dropout: must lie in [0, 1), got {lora.dropout}")
-    targets = lora.target_modules
-    if not (targets == "all-linear" or isinstance(targets, list) and targets
-            and all(isinstance(t, str) and t for t in targets)):
-        p.append(f"actor.lora.target_modules: \"all-linear\" or a list of module names (\"q_proj\", ...),"
-                 f" got {targets!r}")
-    if lora.sync == "adapter":
-        if cfg.rollout.backend != "vllm":
-            p.append(f"actor.lora.sync=adapter: needs rollout.backend=vllm (its LoRA support), got"
-                     f" {cfg.rollout.backend!r}; actor.lora.sync=merged sends the merged weights to any backend")
-        if lora.rank > MAX_VLLM_LORA_RANK:
-            p.append(f"actor.lora.rank: vLLM serves adapters up to rank {MAX_VLLM_LORA_RANK}, got {lora.rank};"
-                     f" use actor.lora.sync=merged for a larger rank")
-    ref, actor = mapping.roles.get("ref"), mapping.roles.get("actor")
-    if ref is not None and actor is not None and (ref.colocate is None or ref.colocate != actor.colocate):
-        p.append("mapping.roles.ref: with actor.lora the reference is the actor's base model with the adapter off,"
-                 " so it runs in the actor's processes: give ref the actor's colocate name (it then needs no"
-                 " devices or weights of its own)")
-    return p
-
-
 def _dataflow_and_mapping_problems(cfg: RunConfig) -> list[str]:
     p: list[str] = []
     names = dataflow_names(cfg)
@@ -314,9 +238,7 @@ def _dataflow_and_mapping_problems(cfg: RunConfig) -> list[str]:
               for x in mapping.problems(_model_config(cfg))]
         p += Dataflow(names).problems(cfg, mapping.roles, PROMPT_FIELDS)
         p += _dp_problems(cfg, mapping)
-        p += _strategy_problems(cfg, mapping)
-        p += _lora_problems(cfg, mapping)
-        p += _fsdp_problems(cfg, mapping)
+        p += backend_problems(cfg, mapping)
         rollout = mapping.roles.get("rollout")
         if rollout is not None and rollout.tp > 1 and cfg.rollout.backend != "vllm":
             p.append(f"mapping.roles.rollout.tp: tp={rollout.tp} needs rollout.backend=vllm (the"

@@ -92,7 +92,7 @@ def test_fsdp2_refusals_and_the_auto_choice(tmp_path):
 def test_fsdp2_trains_without_the_checkpoints_dropout(tmp_path):
     """Log-probs and the update must see the same model (Megatron's build has no dropout): a
     checkpoint's dropout settings are zeroed, so train mode computes what eval mode does."""
-    from hybridlab.workers.train.fsdp_engine import _build
+    from hybridlab.workers.train.fsdp_model import build_model
 
     source = resolve_model("tiny")
     (tmp_path / "dropout").mkdir()
@@ -101,7 +101,7 @@ def test_fsdp2_trains_without_the_checkpoints_dropout(tmp_path):
             (tmp_path / "dropout" / f.name).write_bytes(f.read_bytes())
     config = json.loads((source / "config.json").read_text())
     (tmp_path / "dropout" / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
-    model = _build(str(tmp_path / "dropout"), value_head=False)
+    model = build_model(str(tmp_path / "dropout"), value_head=False)
     assert model.config.attention_dropout == 0.0
     ids = BATCH["input_ids"][:2]
     with torch.no_grad():
