@@ -1,0 +1,81 @@
+"""Preference losses (``hybridlab.algos.preference``) against TRL 1.16's DPOTrainer: the loss
+and its metrics for every loss type on the same pairs, policy and reference."""
+import pytest
+import torch
+
+from hybridlab.algos.preference import (PREFERENCE_LOSSES, PreferencePairs, PreferenceSettings,
+                                        check_preference_settings, preference_loss)
+from hybridlab.errors import UserError
+
+PAIRS = {"prompt": ["1+2=", "3+4=", "5+6=", "7+1="], "chosen": ["3", "7", "11", "8"],
+         "rejected": ["4", "12", "10", "9 9"]}  # responses of different lengths: the normalised losses differ
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+@pytest.fixture(scope="module")
+def trl_dpo(tiny_dir, tmp_path_factory):
+    """TRL's DPOTrainer on the tiny model against a perturbed reference, its first batch, and
+    the pairs' sequence log-probs computed here with transformers."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    policy, ref = (AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32) for _ in range(2))
+    with torch.no_grad():
+        for p in ref.parameters():  # the log-ratios are then not zero, and every loss depends on them
+            p.add_(0.05 * torch.randn_like(p))
+    args = DPOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), per_device_train_batch_size=4, beta=0.1,
+                     report_to=[], use_cpu=True, save_strategy="no", max_steps=1)
+    trainer = DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_dict(PAIRS),
+                         processing_class=tokenizer)
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+
+    def logps(model):
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        token = torch.log_softmax(logits.double(), -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+        return (token * batch["completion_mask"][:, 1:]).sum(-1).chunk(2)  # the batch is [chosen..., rejected...]
+
+    (chosen, rejected), (ref_chosen, ref_rejected) = logps(policy), logps(ref)
+    tokens = batch["completion_mask"][:, 1:].sum(-1).double().chunk(2)
+    return trainer, batch, PreferencePairs(chosen, rejected, ref_chosen, ref_rejected, *tokens)
+
+
+CASES = [[name] for name in PREFERENCE_LOSSES if name != "sft"] + [["sigmoid", "sft"], ["ipo", "apo_zero", "sft"]]
+
+
+@pytest.mark.parametrize("types", CASES, ids=["+".join(c) for c in CASES])
+def test_each_loss_type_equals_trls_with_its_metrics(trl_dpo, types):
+    trainer, batch, pairs = trl_dpo
+    weights = [1.0, 0.5, 2.0][:len(types)] if len(types) > 1 else None
+    smoothing = 0.1 if {"exo_pair", "robust"} & set(types) else 0.0
+    trainer.loss_types, trainer.loss_weights, trainer.label_smoothing = types, weights or [1.0], smoothing
+    trainer._metrics["train"].clear()
+    theirs = trainer.compute_loss(trainer.model, batch).item()
+    ours, metrics = preference_loss(pairs, types, weights, PreferenceSettings(beta=0.1, label_smoothing=smoothing))
+    assert float(ours) == pytest.approx(theirs, abs=1e-5)
+    assert abs(theirs - 0.6931) > 1e-3 or types != ["sigmoid"]  # log 2 would mean log-ratios of zero
+    for key in METRICS:
+        assert metrics[key] == pytest.approx(trainer._metrics["train"][key][-1], abs=1e-5), key
+
+
+def test_the_log_ratios_are_not_zero(trl_dpo):
+    """The comparison above is a real one: policy and reference differ on every response."""
+    pairs = trl_dpo[2]
+    assert pairs.chosen_logratios.abs().min() > 1e-3 and pairs.rejected_logratios.abs().min() > 1e-3
+
+
+def test_preference_settings_are_checked_by_name():
+    assert check_preference_settings(["exo_pair"], None, 0.0, 0.1) == [
+        "dpo.label_smoothing: exo_pair needs it in (0, 1), got 0.0"]
+    assert check_preference_settings(["robust"], None, 0.5, 0.1) == [
+        "dpo.label_smoothing: robust needs it in [0, 0.5), got 0.5"]
+    assert check_preference_settings(["sigmoid", "sft"], [1.0], 0.0, 0.0) == [
+        "dpo.loss_weights: 1 weight(s) for 2 loss type(s)", "dpo.beta: must be positive, got 0.0"]
+    pairs = PreferencePairs(*(torch.zeros(1) for _ in range(6)))
+    with pytest.raises(UserError, match="unknown preference loss 'dpo'.*sigmoid"):
+        preference_loss(pairs, ["dpo"])
