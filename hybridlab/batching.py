@@ -8,6 +8,7 @@ import torch
 from hybridlab.protocol import Batch
 
 PROMPT_WIDTH = "prompt_width"  # Batch.meta key: the width rollout ranks left-pad their prompts to
+GROUP_ROWS = "group_rows"  # Batch.meta key: consecutive rows the trainer keeps in one micro-batch
 
 
 def sequences_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
@@ -72,3 +73,18 @@ def concat_sequences(batches: Sequence[Batch]) -> Batch:
                     b.tensors[key] = torch.cat([t.new_zeros(t.shape[0], extra), t], dim=1)
         padded.append(b)
     return Batch.concat(padded)
+
+
+def preference_batch(prompts: Sequence[Sequence[int]], chosen: Sequence[Sequence[int]],
+                     rejected: Sequence[Sequence[int]], pad_id: int) -> Batch:
+    """Return preference pairs in verl's layout, each pair's chosen row followed by its rejected
+    one, kept together through micro-batching (``meta[GROUP_ROWS]`` 2), with the chosen
+    responses' token total on every row (``chosen_tokens_total``, for the ``sft`` term)."""
+    from hybridlab.algos.preference import CHOSEN_TOKENS
+
+    rows = [p for p in prompts for _ in range(2)]
+    responses = [r for pair in zip(chosen, rejected) for r in pair]
+    batch = sequences_batch(rows, responses, pad_id)
+    batch.tensors[CHOSEN_TOKENS] = torch.full((len(rows),), float(sum(len(c) for c in chosen)))
+    batch.meta[GROUP_ROWS] = 2
+    return batch

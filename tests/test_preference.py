@@ -28,7 +28,7 @@ def trl_dpo(tiny_dir, tmp_path_factory):
         for p in ref.parameters():  # the log-ratios are then not zero, and every loss depends on them
             p.add_(0.05 * torch.randn_like(p))
     args = DPOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), per_device_train_batch_size=4, beta=0.1,
-                     report_to=[], use_cpu=True, save_strategy="no", max_steps=1)
+                     bf16=False, report_to=[], use_cpu=True, save_strategy="no", max_steps=1)
     trainer = DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_dict(PAIRS),
                          processing_class=tokenizer)
     batch = next(iter(trainer.get_train_dataloader()))
@@ -79,3 +79,69 @@ def test_preference_settings_are_checked_by_name():
     pairs = PreferencePairs(*(torch.zeros(1) for _ in range(6)))
     with pytest.raises(UserError, match="unknown preference loss 'dpo'.*sigmoid"):
         preference_loss(pairs, ["dpo"])
+
+
+def test_dpo_on_megatron_and_fsdp2_trains_as_trls_dpo_trainer(ray_local, tiny_dir, tmp_path):
+    """Three DPO steps (sigmoid, and a weighted ipo + sft list) on the actor equal TRL's
+    DPOTrainer on the same pairs, reference and AdamW: the first step's loss and metrics within
+    1e-5, the weights after three steps within 1e-4. Megatron packs micro-batches by a token
+    budget that fits about one pair (first fit, longest rows first, yet a pair never straddles two
+    micro-batches), FSDP2 runs two data-parallel ranks of two pairs each."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from hybridlab.algos.preference import dpo_loss_fn
+    from hybridlab.batching import preference_batch
+    from hybridlab.controller.group import RoleClass
+    from hybridlab.workers.train.workers import ActorWorker
+    from tests.test_train import gathered, hf_logprobs, max_diff, session_for
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ref.save_pretrained(tmp_path / "ref")
+    for types, weights in ((["sigmoid"], None), (["ipo", "sft"], [1.0, 0.5])):
+        args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, beta=0.1, report_to=[],
+                         bf16=False, use_cpu=True, save_strategy="no", max_steps=3, learning_rate=1e-3, logging_steps=1,
+                         lr_scheduler_type="constant", loss_type=types, loss_weights=weights, seed=0)
+        trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32),
+                             ref_model=AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32),
+                             args=args, train_dataset=Dataset.from_dict(PAIRS), processing_class=tokenizer)
+        trl_batch = next(iter(trainer.get_train_dataloader()))
+        trainer.train()
+        first = trainer.state.log_history[0]
+        theirs = {k: v.detach() for k, v in trainer.model.state_dict().items()}
+
+        # the same pairs in verl's layout: prompt ids, then each pair's chosen and rejected response
+        ids, completion = trl_batch["input_ids"], trl_batch["completion_mask"].bool()
+        real = trl_batch["attention_mask"].bool()
+        prompts = [ids[i][real[i] & ~completion[i]].tolist() for i in range(len(ids))]
+        responses = [ids[i][completion[i]].tolist() for i in range(len(ids))]
+        half = len(ids) // 2
+        batch = preference_batch(prompts[:half], responses[:half], responses[half:], tokenizer.pad_token_id)
+        batch.tensors["ref_log_prob"] = hf_logprobs(str(tmp_path / "ref"), batch).float()
+        loss_fn = dpo_loss_fn(types, weights, beta=0.1)
+        for strategy, dp, rows in (("megatron", 1, 2), ("fsdp2", 2, 4)):
+            optim = {"lr": 1e-3, "grad_clip": 1.0, "warmup_steps": 0}
+            roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=str(tiny_dir), optim=optim,
+                                                                micro_batch_size=rows, strategy=strategy))}
+            with session_for(roles, dp=dp) as s:
+                actor = s.groups["actor"]
+                if strategy == "megatron":
+                    actor.configure(micro_batch_tokens=16, remove_padding=True)
+                metrics = [actor.update_actor(batch, loss_fn)[0] for _ in range(3)]
+                ours = gathered(actor)
+            for key in ("loss", *METRICS):
+                assert metrics[0][key] == pytest.approx(first[key], abs=1e-5), (types, strategy, key)
+            assert max_diff(ours, {k: theirs[k] for k in ours}) < 1e-4, (types, strategy)
+            assert max_diff(ours, {k: v for k, v in gathered_initial(tiny_dir).items() if k in ours}) > 1e-3
+
+
+def gathered_initial(model_dir) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(f"{model_dir}/model.safetensors")

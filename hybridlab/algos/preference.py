@@ -60,11 +60,13 @@ class PreferencePairs:
 @dataclasses.dataclass(frozen=True)
 class PreferenceSettings:
     """``beta`` (the strength of the reference), ``label_smoothing`` (exo_pair, robust) and,
-    for ``sft``, the chosen tokens of the whole batch (None: these pairs' own)."""
+    for ``sft`` when the pairs are part of a batch, the batch's chosen tokens and pairs (None:
+    these pairs are the batch)."""
 
     beta: float = 0.1
     label_smoothing: float = 0.0
     batch_tokens: float | None = None
+    batch_pairs: float | None = None
 
 
 PreferenceLossFn = Callable[[PreferencePairs, PreferenceSettings], torch.Tensor]
@@ -150,9 +152,11 @@ def sigmoid_norm_loss(p: PreferencePairs, s: PreferenceSettings) -> torch.Tensor
 
 @register_preference_loss("sft")
 def sft_loss(p: PreferencePairs, s: PreferenceSettings) -> torch.Tensor:
-    # the chosen tokens' mean NLL over the batch, spread over the pairs so that their mean is it
+    # the chosen tokens' mean NLL over the batch, spread over the batch's pairs so that the mean
+    # of every pair's share is it
     tokens = s.batch_tokens if s.batch_tokens is not None else float(p.chosen_tokens.sum())
-    return -p.chosen * len(p.chosen) / max(tokens, 1.0)
+    pairs = s.batch_pairs if s.batch_pairs is not None else len(p.chosen)
+    return -p.chosen * pairs / max(tokens, 1.0)
 
 
 def check_preference_settings(loss_types: list[str], weights: list[float] | None, label_smoothing: float,
@@ -175,7 +179,7 @@ def check_preference_settings(loss_types: list[str], weights: list[float] | None
 
 def preference_loss(pairs: PreferencePairs, loss_types: list[str], weights: list[float] | None = None,
                     settings: PreferenceSettings = PreferenceSettings()) -> tuple[torch.Tensor, dict[str, float]]:
-    """Return (the weighted sum of each type's mean loss over the pairs, TRL's metrics:
+    """Return (the weighted sum of each type's mean loss over the pairs, TRL's metrics: loss,
     rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen and
     logps/rejected, each a mean over the pairs)."""
     for name in loss_types:
@@ -188,7 +192,32 @@ def preference_loss(pairs: PreferencePairs, loss_types: list[str], weights: list
                for t, w in zip(loss_types, weights or [1.0] * len(loss_types)))
     chosen = settings.beta * pairs.chosen_logratios.detach()
     rejected = settings.beta * pairs.rejected_logratios.detach()
-    metrics = {"rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
+    metrics = {"loss": loss.detach(), "rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
                "rewards/accuracies": (chosen > rejected).float().mean(), "rewards/margins": (chosen - rejected).mean(),
                "logps/chosen": pairs.chosen.detach().mean(), "logps/rejected": pairs.rejected.detach().mean()}
     return loss, {k: float(v) for k, v in metrics.items()}
+
+
+CHOSEN_TOKENS = "chosen_tokens_total"  # per-row field: the chosen response tokens of the whole mini-batch
+
+
+def dpo_loss_fn(loss_types: list[str], weights: list[float] | None = None, beta: float = 0.1,
+                label_smoothing: float = 0.0) -> Callable[[dict, dict], tuple[torch.Tensor, dict]]:
+    """Return a training-engine loss (``workers.train.backend.LossFn``) for a batch of pairs laid
+    out chosen, rejected, chosen, ... (``packing.GROUP_ROWS`` 2, so a pair never straddles two
+    micro-batches), with the reference's per-token log-probs in ``ref_log_prob`` and
+    ``CHOSEN_TOKENS``. Each micro-batch returns its pairs' share of the mini-batch's mean loss;
+    rows whose responses are all masked (padding the engine added) are left out."""
+    def loss_fn(outputs: dict, micro: dict) -> tuple[torch.Tensor, dict]:
+        mask = micro["response_mask"].to(outputs["log_probs"].dtype)
+        logps = (outputs["log_probs"] * mask).sum(-1)
+        ref = (micro["ref_log_prob"].to(mask.dtype) * mask).sum(-1)
+        tokens = mask.sum(-1)
+        real = (tokens[0::2] > 0) & (tokens[1::2] > 0)
+        pairs = PreferencePairs(logps[0::2][real], logps[1::2][real], ref[0::2][real], ref[1::2][real],
+                                tokens[0::2][real], tokens[1::2][real])
+        batch_pairs = float(micro["global_seqs"]) / 2  # every real row has a response token (at least EOS)
+        settings = PreferenceSettings(beta, label_smoothing, float(micro[CHOSEN_TOKENS][0]), batch_pairs)
+        loss, metrics = preference_loss(pairs, loss_types, weights, settings)
+        return loss * (int(real.sum()) / batch_pairs), metrics
+    return loss_fn

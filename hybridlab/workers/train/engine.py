@@ -200,7 +200,8 @@ class MegatronEngine:
 
         # Pipeline stages exchange activations of one shape: packs are padded alike at PP > 1.
         micros = packing.micro_batches(batch.tensors, micro_batch_size, self.micro_batch_tokens,
-                                       self.remove_padding, one_length=self.pp > 1)
+                                       self.remove_padding, one_length=self.pp > 1,
+                                       group=batch.meta.get(packing.GROUP_ROWS, 1))
         totals = global_totals(batch, self.ps.get_data_parallel_group(), self.ps.get_data_parallel_world_size())
         inputs = [{**m.tensors, **totals, "num_microbatches": len(micros), "sum_pi_squared": sum_pi_squared,
                    **({"packed": m.packed} if m.packed else {})} for m in micros]

@@ -108,7 +108,8 @@ class FSDPEngine:
     # ------------------------------------------------------------- micro-batches
     def _micro_batches(self, batch, micro_batch_size: int) -> list[packing.MicroBatch | None]:
         """This rank's micro-batches, followed by None up to the largest count on any rank."""
-        micros = packing.micro_batches(batch.tensors, micro_batch_size, self.micro_batch_tokens, self.remove_padding)
+        micros = packing.micro_batches(batch.tensors, micro_batch_size, self.micro_batch_tokens, self.remove_padding,
+                                       group=batch.meta.get(packing.GROUP_ROWS, 1))
         self.padded_token_share = packing.padded_share(micros, int(batch["attention_mask"].sum()))
         count = torch.tensor([len(micros)], device=self.device)  # nccl reduces device tensors only
         if self.dp > 1:

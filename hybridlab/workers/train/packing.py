@@ -14,12 +14,17 @@ padded response). Two settings change how the engine cuts it into micro-batches 
   log-prob equals the padded computation's; only the padding's matmuls are gone.
 
 ``padded_share`` reports the share of the tokens the model computed that were padding.
+
+A batch whose ``meta[GROUP_ROWS]`` is g > 1 (preference pairs: chosen, rejected) keeps each run
+of g consecutive rows in one micro-batch, whatever the setting: its loss needs all of them.
 """
 from __future__ import annotations
 
 import dataclasses
 
 import torch
+
+from hybridlab.batching import GROUP_ROWS  # consecutive rows that must share a micro-batch
 
 
 @dataclasses.dataclass
@@ -79,16 +84,28 @@ def pack(tensors: dict[str, torch.Tensor], pad_to: int = 0, pad_id: int = 0) -> 
             "response_index": response_index}
 
 
+def grouped_plan(lengths: list[int], width: int, rows: int, tokens: int, packed: bool, group: int) -> list[list[int]]:
+    """``plan`` over units of ``group`` consecutive rows (a unit costs its rows' sum); returns row indices."""
+    if group <= 1:
+        return plan(lengths, width, rows, tokens, packed)
+    if len(lengths) % group:
+        raise ValueError(f"{len(lengths)} rows do not split into groups of {group} (meta {GROUP_ROWS!r})")
+    units = [sum(lengths[i:i + group]) for i in range(0, len(lengths), group)]
+    bins = plan(units, width * group, max(1, rows // group), tokens, packed)
+    return [[u * group + k for u in b for k in range(group)] for b in bins]
+
+
 def micro_batches(tensors: dict[str, torch.Tensor], rows: int, tokens: int = 0, packed: bool = False,
-                  one_length: bool = False) -> list[MicroBatch]:
+                  one_length: bool = False, group: int = 1) -> list[MicroBatch]:
     """Return the micro-batches of a batch's tensors. Padded, all have one shape (the last is
     filled with repeats of row 0, masked out of the loss); packed with ``one_length``, every
-    pack is padded to the longest, as Megatron's pipeline schedule wants at PP > 1."""
+    pack is padded to the longest, as Megatron's pipeline schedule wants at PP > 1. ``group``
+    keeps runs of that many consecutive rows together (``GROUP_ROWS``)."""
     mask = tensors["attention_mask"]
     n, width = mask.shape
     if not packed and tokens > 0:  # padded, every row costs the width: the budget is a row count
         rows, tokens = max(1, tokens // width), 0
-    groups = plan(mask.sum(1).tolist(), width, rows, tokens, packed)
+    groups = grouped_plan(mask.sum(1).tolist(), width, rows, tokens, packed, group)
     if not packed and n % len(groups[0]):
         pad = len(groups) * len(groups[0]) - n
         tensors = {k: torch.cat([v, v[:1].expand(pad, *v.shape[1:])]) for k, v in tensors.items()}
