@@ -17,6 +17,7 @@ import yaml
 
 from hybridlab.algos import ADV_ESTIMATORS, AGG_MODES, KL_PENALTIES, POLICY_LOSSES
 from hybridlab.algos.advantages import ADV_INPUTS
+from hybridlab.algos.preference import PREFERENCE_LOSSES, check_preference_settings
 from hybridlab.algos.rollout_correction import IS_LEVELS, parse_is_threshold, parse_rs
 from hybridlab.backend_checks import backend_problems, training_strategy  # noqa: F401 (imported from here too)
 from hybridlab.config import ConfigError, RunConfig, apply_override, build, resolve_config_path
@@ -107,7 +108,8 @@ def _at_least(problems: list[str], cfg: RunConfig, low, *keys: str) -> None:
 def validate_config(cfg: RunConfig) -> None:
     """Raise ConfigError listing every problem of ``cfg``, each naming its key."""
     p = [*_rollout_problems(cfg), *_algorithm_problems(cfg), *_actor_problems(cfg), *_correction_problems(cfg),
-         *_size_problems(cfg), *_warm_start_problems(cfg), *_trainer_problems(cfg), *_reward_problems(cfg)]
+         *_size_problems(cfg), *_warm_start_problems(cfg), *_trainer_problems(cfg), *_reward_problems(cfg),
+         *_dpo_problems(cfg)]
     _check_data_and_model(cfg, p)
     p += _dataflow_and_mapping_problems(cfg)
     if p:
@@ -196,6 +198,14 @@ def _warm_start_problems(cfg: RunConfig) -> list[str]:
         p.append(f"warm_start.target_accuracy: must be in (0, 1], got {ws.target_accuracy}")
     _positive(p, cfg, "warm_start.lr")
     return p
+
+
+def _dpo_problems(cfg: RunConfig) -> list[str]:
+    d = cfg.dpo
+    unknown_types = [t for t in d.loss_types if t not in PREFERENCE_LOSSES]
+    if unknown_types:
+        return [f"dpo.loss_type: {unknown_types[0]!r} is not one of {', '.join(PREFERENCE_LOSSES)}"]
+    return check_preference_settings(d.loss_types, d.loss_weights, d.label_smoothing, d.beta)
 
 
 def _trainer_problems(cfg: RunConfig) -> list[str]:

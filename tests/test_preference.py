@@ -145,3 +145,50 @@ def gathered_initial(model_dir) -> dict:
     from safetensors.torch import load_file
 
     return load_file(f"{model_dir}/model.safetensors")
+
+
+ONLINE_DPO = "dataflow=[generate, reward, pair_best_worst, ref_logprob, update_actor_dpo, sync_weights]"
+
+
+def test_a_grpo_session_switches_to_online_dpo_and_back(ray_local, tiny_dir, tmp_path):
+    """A running GRPO session (no reference role) switches live to online DPO: the reference
+    starts (in the actor's process set, which is re-created with the actor's weights and AdamW
+    state carried, as turning on a KL loss does), each step pairs every
+    prompt's best sample with its worst (ties dropped and counted) and takes a DPO step on them,
+    and the rollout samples with the updated weights; then back to GRPO."""
+    from hybridlab.config import ConfigError
+    from hybridlab.dataflow.session import RLSession
+    from hybridlab.run_config import load_config
+    from tests.test_remap import actor_state, assert_equal_state
+
+    from tests.test_fsdp import ODD_LENGTH
+
+    (tmp_path / "odd.py").write_text(ODD_LENGTH)  # samples of one prompt differ in length: pairs to make
+    overrides = [f"model={tiny_dir}", "reward.kind=function", f"reward.function={tmp_path / 'odd.py'}:compute_score",
+                 "warm_start.max_steps=0", "data.prompts_per_step=8", "rollout.n=4",
+                 "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=8", "data.test_samples=8",
+                 "trainer.progress=false", "actor.lr=1e-3", "actor.warmup_steps=0",
+                 f"trainer.run_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match=r"dpo.label_smoothing: exo_pair needs it in \(0, 1\), got 0.0"):
+        load_config("online_dpo", ["dpo.loss_type=exo_pair"])
+    assert load_config("online_dpo").dataflow[2:5] == ["pair_best_worst", "ref_logprob", "update_actor_dpo"]
+    with RLSession("grpo", overrides) as rl:
+        rl.step()
+        assert "ref" not in rl.workers.groups
+        before = actor_state(rl)
+        rl.update(ONLINE_DPO, "dpo.beta=0.2")
+        assert "ref" in rl.workers.groups  # the switch started the reference
+        assert_equal_state(before, actor_state(rl))  # weights and moments carried
+        step = rl.step()
+        m = step.metrics
+        assert [name for name, _ in step.stages][2:5] == ["pair_best_worst", "ref_logprob", "update_actor_dpo"]
+        pairs = m["dpo/pairs"]
+        assert pairs + m["dpo/dropped_prompts"] == 8 and pairs > 0
+        assert len(step.batch) == 2 * pairs  # the step's batch is its pairs, chosen then rejected
+        scores = step.batch["token_level_scores"].sum(-1)
+        assert bool((scores[0::2] > scores[1::2]).all())  # each chosen sample scored above its rejected one
+        assert m["actor/grad_norm"] > 0 and m["sync/bytes"] > 0  # a DPO step was taken and synced
+        assert {"actor/loss", *METRICS} <= set(m)  # TRL's names
+        rl.update("dataflow=null")
+        back = rl.step()
+        assert "advantages/mean" in back.metrics and "dpo/pairs" not in back.metrics

@@ -254,6 +254,21 @@ class CriticConfig:
 
 
 @dataclasses.dataclass
+class DPOConfig:
+    """Preference optimisation (TRL's DPOConfig names): the loss types and their weights (a list
+    adds them), beta and label_smoothing; read by the update_actor_dpo stage of online DPO."""
+    loss_type: object = "sigmoid"       # a name in hybridlab.algos.PREFERENCE_LOSSES, or a list of them
+    loss_weights: Optional[list] = None  # one weight per loss type (None: 1 each)
+    beta: float = 0.1                   # the strength of the reference
+    label_smoothing: float = 0.0        # exo_pair: in (0, 1); robust: in [0, 0.5)
+
+    @property
+    def loss_types(self) -> list[str]:
+        """The loss types as a list."""
+        return [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
+
+
+@dataclasses.dataclass
 class RewardConfig:
     """How responses are scored: ``rule`` (the task's scorer), ``function`` (an import path
     ``module:fn`` or ``file.py:fn`` with verl's compute_score signature) or ``model``."""
@@ -308,6 +323,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     actor: ActorConfig = dataclasses.field(default_factory=ActorConfig)
     critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
+    dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     dataflow: Optional[list] = None     # stage names; None: follow the settings (validate.default_dataflow)

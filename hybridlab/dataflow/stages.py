@@ -251,6 +251,8 @@ def rollout_as_old_logprob(ctx: "StepContext", batch: Batch) -> tuple[Batch, dic
 @register_stage("ref_logprob", "ref", SEQUENCE_FIELDS, ("ref_log_prob",))
 def ref_logprob(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Log-probs of the sampled tokens under the frozen reference model."""
+    if len(batch) == 0:  # nothing left to score (online DPO's step without a pair)
+        return Batch({"ref_log_prob": torch.zeros(batch["responses"].shape)}), {}
     return ctx.group("ref").compute_ref_log_prob(batch.select(SEQUENCE_FIELDS, meta=False)), {}
 
 
@@ -384,3 +386,6 @@ def sync_weights(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
         return None, {"sync/bytes": 0, "sync/skipped": 1}
     report = ctx.sync()
     return None, {"sync/bytes": report.bytes_moved, "sync/seconds": report.seconds, "sync/buckets": report.buckets}
+
+
+from hybridlab.dataflow import preference_stages  # noqa: E402,F401  (registers online DPO's stages)

@@ -1,0 +1,65 @@
+"""Online DPO's stages: pairs from the policy's own samples, and the DPO update.
+
+    generate -> reward -> pair_best_worst -> ref_logprob -> update_actor_dpo -> sync_weights
+
+``pair_best_worst`` pairs each prompt's best-scored sample (chosen) with its worst (rejected) and
+drops the prompts whose samples all score the same; ``update_actor_dpo`` takes optimizer steps
+of the ``dpo`` settings' loss (``hybridlab.algos.preference``) on those pairs against the
+reference. Registered with the other stages (``stages.py`` imports this module).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hybridlab.algos.preference import CHOSEN_TOKENS, dpo_loss_fn
+from hybridlab.batching import GROUP_ROWS
+from hybridlab.dataflow.stages import SEQUENCE_FIELDS, _mean_metrics, register_stage
+from hybridlab.faults import fault_point
+from hybridlab.protocol import Batch
+
+if TYPE_CHECKING:
+    from hybridlab.dataflow.context import StepContext
+
+PAIR_FIELDS = (*SEQUENCE_FIELDS, "ref_log_prob")
+
+
+@register_stage("pair_best_worst", None, ("token_level_scores", "uid"), (), replaces_rows=True)
+def pair_best_worst(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
+    """Online DPO's pairs: each prompt's best-scored sample against its worst (ties dropped)."""
+    scores = batch["token_level_scores"].sum(-1)
+    groups: dict = {}
+    for row, uid in enumerate(batch["uid"]):
+        groups.setdefault(uid, []).append(row)
+    rows = []
+    for members in groups.values():
+        group_scores = scores[members]
+        if group_scores.max() > group_scores.min():  # first of the best, first of the worst
+            rows += [members[int(group_scores.argmax())], members[int(group_scores.argmin())]]
+    dp = ctx.rl.mapping.roles["actor"].dp
+    pairs = len(rows) // 2 // dp * dp  # every data-parallel rank gets whole pairs, as many as the others
+    pairs_batch = batch.take(rows[:2 * pairs])
+    pairs_batch.meta[GROUP_ROWS] = 2
+    if not pairs:
+        ctx.warn("pair_best_worst: every prompt's samples scored the same; no update this step")
+    return pairs_batch, {"dpo/pairs": pairs, "dpo/dropped_prompts": len(groups) - len(rows) // 2,
+                         "dpo/pairs_left_for_dp": len(rows) // 2 - pairs}
+
+
+@register_stage("update_actor_dpo", "actor", PAIR_FIELDS, ("@actor_updated",))
+def update_actor_dpo(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
+    """Optimizer steps of the DPO loss (``dpo`` settings) on the pairs, ``ppo_epochs`` times."""
+    d, a = ctx.cfg.dpo, ctx.cfg.actor
+    if len(batch) == 0:
+        ctx.actor_unchanged = True
+        return None, {}
+    data = batch.select(PAIR_FIELDS)
+    chosen = batch["response_mask"][0::2].sum()
+    data.tensors[CHOSEN_TOKENS] = torch.full((len(data),), float(chosen))
+    loss = dpo_loss_fn(d.loss_types, d.loss_weights, d.beta, d.label_smoothing)
+    results = [ctx.group("actor").update_actor(data, loss) for _ in range(a.ppo_epochs)]
+    metrics = _mean_metrics(results)
+    ctx.actor_unchanged = metrics.get("skipped", 0.0) == len(results)
+    fault_point("update_actor", ctx.rl.step_count + 1)
+    return None, {(k if "/" in k else f"actor/{k}"): v for k, v in metrics.items()}
