@@ -39,6 +39,8 @@ def default_dataflow(cfg: RunConfig) -> list[str]:
     """Return the stage names of the standard step for the config's algorithm and reward."""
     algo, est = cfg.algorithm, cfg.algorithm.adv_estimator
     stages = ["generate", "reward_model" if cfg.reward.kind == "model" else "reward"]
+    if cfg.dpo.online:  # pairs from the policy's own samples, the DPO loss against the reference
+        return stages + ["pair_best_worst", "ref_logprob", "update_actor_dpo", "sync_weights"]
     if algo.filter_groups.enable:
         stages.append("filter_groups")
     if est == "remax":
@@ -202,6 +204,9 @@ def _warm_start_problems(cfg: RunConfig) -> list[str]:
 
 def _dpo_problems(cfg: RunConfig) -> list[str]:
     d = cfg.dpo
+    if "pair_best_worst" in dataflow_names(cfg) and cfg.rollout.n < 2:
+        return [f"rollout.n: pair_best_worst pairs a prompt's best sample with its worst, so it needs at least 2"
+                f" samples per prompt, got {cfg.rollout.n}"]
     unknown_types = [t for t in d.loss_types if t not in PREFERENCE_LOSSES]
     if unknown_types:
         return [f"dpo.loss_type: {unknown_types[0]!r} is not one of {', '.join(PREFERENCE_LOSSES)}"]

@@ -24,6 +24,7 @@ _ON_POLICY = ["generate", "reward", "rollout_as_old_logprob", "advantages", "upd
 PRESET_STAGES = {  # preset -> the stage list it resolves to (its `dataflow` key, or the default for its settings)
     "cispo": _ON_POLICY, "clip_cov": _ON_POLICY, "gmpo": _ON_POLICY, "gpg": _ON_POLICY, "grpo": _ON_POLICY,
     "gspo": _ON_POLICY, "kl_cov": _ON_POLICY, "sapo": _ON_POLICY,
+    "online_dpo": ["generate", "reward", "pair_best_worst", "ref_logprob", "update_actor_dpo", "sync_weights"],
     "dapo": ["generate", "reward", "filter_groups", "old_logprob", "advantages", "update_actor", "sync_weights"],
     "ppo": ["generate", "reward", "old_logprob", "ref_logprob", "values", "kl_reward", "advantages", "update_critic",
             "update_actor", "sync_weights"],

@@ -137,6 +137,8 @@ def test_dpo_on_megatron_and_fsdp2_trains_as_trls_dpo_trainer(ray_local, tiny_di
                 ours = gathered(actor)
             for key in ("loss", *METRICS):
                 assert metrics[0][key] == pytest.approx(first[key], abs=1e-5), (types, strategy, key)
+            # the loss's scale (each micro-batch's and rank's share) shows in the gradient norm
+            assert metrics[0]["grad_norm"] == pytest.approx(first["grad_norm"], rel=1e-4), (types, strategy)
             assert max_diff(ours, {k: theirs[k] for k in ours}) < 1e-4, (types, strategy)
             assert max_diff(ours, {k: v for k, v in gathered_initial(tiny_dir).items() if k in ours}) > 1e-3
 
@@ -145,9 +147,6 @@ def gathered_initial(model_dir) -> dict:
     from safetensors.torch import load_file
 
     return load_file(f"{model_dir}/model.safetensors")
-
-
-ONLINE_DPO = "dataflow=[generate, reward, pair_best_worst, ref_logprob, update_actor_dpo, sync_weights]"
 
 
 def test_a_grpo_session_switches_to_online_dpo_and_back(ray_local, tiny_dir, tmp_path):
@@ -171,17 +170,22 @@ def test_a_grpo_session_switches_to_online_dpo_and_back(ray_local, tiny_dir, tmp
                  f"trainer.run_dir={tmp_path / 'run'}"]
     with pytest.raises(ConfigError, match=r"dpo.label_smoothing: exo_pair needs it in \(0, 1\), got 0.0"):
         load_config("online_dpo", ["dpo.loss_type=exo_pair"])
-    assert load_config("online_dpo").dataflow[2:5] == ["pair_best_worst", "ref_logprob", "update_actor_dpo"]
+    with pytest.raises(ConfigError, match=r"rollout.n: pair_best_worst pairs a prompt's best sample with its worst,"
+                                          r" so it needs at least 2 samples per prompt, got 1"):
+        load_config("online_dpo", ["rollout.n=1"])
     with RLSession("grpo", overrides) as rl:
         rl.step()
         assert "ref" not in rl.workers.groups
         before = actor_state(rl)
-        rl.update(ONLINE_DPO, "dpo.beta=0.2")
+        rl.update("dpo.online=true", "dpo.beta=0.2")
         assert "ref" in rl.workers.groups  # the switch started the reference
         assert_equal_state(before, actor_state(rl))  # weights and moments carried
         step = rl.step()
         m = step.metrics
         assert [name for name, _ in step.stages][2:5] == ["pair_best_worst", "ref_logprob", "update_actor_dpo"]
+        with pytest.raises(ConfigError, match=r"update_actor_dpo: input '@pairs' is not produced by any earlier stage;"
+                                              r" add a stage that produces it \(pair_best_worst\)"):
+            load_config("online_dpo", ["dataflow=[generate, reward, ref_logprob, update_actor_dpo, sync_weights]"])
         pairs = m["dpo/pairs"]
         assert pairs + m["dpo/dropped_prompts"] == 8 and pairs > 0
         assert len(step.batch) == 2 * pairs  # the step's batch is its pairs, chosen then rejected
@@ -189,6 +193,6 @@ def test_a_grpo_session_switches_to_online_dpo_and_back(ray_local, tiny_dir, tmp
         assert bool((scores[0::2] > scores[1::2]).all())  # each chosen sample scored above its rejected one
         assert m["actor/grad_norm"] > 0 and m["sync/bytes"] > 0  # a DPO step was taken and synced
         assert {"actor/loss", *METRICS} <= set(m)  # TRL's names
-        rl.update("dataflow=null")
+        rl.update("dpo.online=false")
         back = rl.step()
         assert "advantages/mean" in back.metrics and "dpo/pairs" not in back.metrics

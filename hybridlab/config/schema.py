@@ -256,7 +256,10 @@ class CriticConfig:
 @dataclasses.dataclass
 class DPOConfig:
     """Preference optimisation (TRL's DPOConfig names): the loss types and their weights (a list
-    adds them), beta and label_smoothing; read by the update_actor_dpo stage of online DPO."""
+    adds them), beta and label_smoothing; read by the update_actor_dpo stage of online DPO.
+    ``online``: the step is online DPO's (generate, reward, pair_best_worst, ref_logprob,
+    update_actor_dpo, sync_weights) instead of the estimator's."""
+    online: bool = False
     loss_type: object = "sigmoid"       # a name in hybridlab.algos.PREFERENCE_LOSSES, or a list of them
     loss_weights: Optional[list] = None  # one weight per loss type (None: 1 each)
     beta: float = 0.1                   # the strength of the reference

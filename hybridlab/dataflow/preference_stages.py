@@ -5,7 +5,7 @@
 ``pair_best_worst`` pairs each prompt's best-scored sample (chosen) with its worst (rejected) and
 drops the prompts whose samples all score the same; ``update_actor_dpo`` takes optimizer steps
 of the ``dpo`` settings' loss (``hybridlab.algos.preference``) on those pairs against the
-reference. Registered with the other stages (``stages.py`` imports this module).
+reference. ``stages.py`` registers them with the other stages.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from hybridlab.algos.preference import CHOSEN_TOKENS, dpo_loss_fn
 from hybridlab.batching import GROUP_ROWS
-from hybridlab.dataflow.stages import SEQUENCE_FIELDS, _mean_metrics, register_stage
+from hybridlab.dataflow.fields import SEQUENCE_FIELDS, mean_metrics
 from hybridlab.faults import fault_point
 from hybridlab.protocol import Batch
 
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 PAIR_FIELDS = (*SEQUENCE_FIELDS, "ref_log_prob")
 
 
-@register_stage("pair_best_worst", None, ("token_level_scores", "uid"), (), replaces_rows=True)
 def pair_best_worst(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Online DPO's pairs: each prompt's best-scored sample against its worst (ties dropped)."""
     scores = batch["token_level_scores"].sum(-1)
@@ -42,12 +41,13 @@ def pair_best_worst(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     pairs_batch = batch.take(rows[:2 * pairs])
     pairs_batch.meta[GROUP_ROWS] = 2
     if not pairs:
-        ctx.warn("pair_best_worst: every prompt's samples scored the same; no update this step")
+        why = "every prompt's samples scored the same" if not rows else \
+            f"{len(rows) // 2} pair(s) do not split over the actor's {dp} data-parallel ranks"
+        ctx.warn(f"pair_best_worst: {why}; no update this step")
     return pairs_batch, {"dpo/pairs": pairs, "dpo/dropped_prompts": len(groups) - len(rows) // 2,
                          "dpo/pairs_left_for_dp": len(rows) // 2 - pairs}
 
 
-@register_stage("update_actor_dpo", "actor", PAIR_FIELDS, ("@actor_updated",))
 def update_actor_dpo(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
     """Optimizer steps of the DPO loss (``dpo`` settings) on the pairs, ``ppo_epochs`` times."""
     d, a = ctx.cfg.dpo, ctx.cfg.actor
@@ -59,7 +59,7 @@ def update_actor_dpo(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
     data.tensors[CHOSEN_TOKENS] = torch.full((len(data),), float(chosen))
     loss = dpo_loss_fn(d.loss_types, d.loss_weights, d.beta, d.label_smoothing)
     results = [ctx.group("actor").update_actor(data, loss) for _ in range(a.ppo_epochs)]
-    metrics = _mean_metrics(results)
+    metrics = mean_metrics(results)
     ctx.actor_unchanged = metrics.get("skipped", 0.0) == len(results)
     fault_point("update_actor", ctx.rl.step_count + 1)
     return None, {(k if "/" in k else f"actor/{k}"): v for k, v in metrics.items()}

@@ -24,6 +24,7 @@ from hybridlab.config.schema import ActorConfig, config_fields
 from hybridlab.batching import PROMPT_WIDTH, concat_sequences, on_last_token
 from hybridlab.errors import unknown
 from hybridlab.faults import fault_point
+from hybridlab.dataflow.fields import SEQUENCE_FIELDS, mean_metrics
 from hybridlab.protocol import Batch
 
 if TYPE_CHECKING:
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
 
 StageFn = Callable[["StepContext", Batch], tuple[Batch | None, dict]]
 REWARD_FIELDS = ("responses", "response_mask", "ground_truth", "data_source")  # what scoring reads
-SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,15 +319,6 @@ def _mini_batches(batch: Batch, prompts: int, n: int, epochs: int) -> list[Batch
     return [batch.take(slice(s, s + rows)) for _ in range(epochs) for s in range(0, len(batch), rows)]
 
 
-def _mean_metrics(results: list[list[dict]]) -> dict[str, float]:
-    """Average the mini-batches' metrics; ``skipped`` becomes the number of skipped updates."""
-    flat = [m for per_step in results for m in per_step]
-    out = {k: sum(m[k] for m in flat) / len(flat) for k in flat[0]} if flat else {}
-    if "skipped" in out:  # DP ranks agree (their gradient norm is all-reduced): count mini-batches
-        out["skipped"] = float(sum(max(m.get("skipped", 0.0) for m in per_step) for per_step in results))
-    return out
-
-
 @register_stage("update_critic", "critic", (*SEQUENCE_FIELDS, "values", "returns"), ("@critic_updated",))
 def update_critic(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
     """Optimizer steps of the clipped value loss over mini-batches and epochs."""
@@ -337,7 +328,7 @@ def update_critic(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
     group = ctx.group("critic")
     results = [group.update_critic(mb, loss) for mb in _mini_batches(data, c.ppo_mini_batch_size,
                                                                        ctx.cfg.rollout.n, c.ppo_epochs)]
-    metrics = _mean_metrics(results)
+    metrics = mean_metrics(results)
     return None, {(k if k.startswith("critic/") else f"critic/{k}"): v for k, v in metrics.items()}
 
 
@@ -372,7 +363,7 @@ def update_actor(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
     group = ctx.group("actor")
     results = [group.update_actor(mb, loss) for mb in _mini_batches(data, a.ppo_mini_batch_size,
                                                                       ctx.cfg.rollout.n, a.ppo_epochs)]
-    metrics = _mean_metrics(results)
+    metrics = mean_metrics(results)
     ctx.actor_unchanged = bool(results) and metrics.get("skipped", 0.0) == len(results)
     fault_point("update_actor", ctx.rl.step_count + 1)
     return None, {(k if k.startswith(("actor/", "rollout_corr/")) else f"actor/{k}"): v for k, v in metrics.items()}
@@ -388,4 +379,8 @@ def sync_weights(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
     return None, {"sync/bytes": report.bytes_moved, "sync/seconds": report.seconds, "sync/buckets": report.buckets}
 
 
-from hybridlab.dataflow import preference_stages  # noqa: E402,F401  (registers online DPO's stages)
+# online DPO's stages (preference_stages.py), registered here so that every stage is known at once
+from hybridlab.dataflow.preference_stages import PAIR_FIELDS, pair_best_worst, update_actor_dpo  # noqa: E402
+
+register_stage("pair_best_worst", None, ("token_level_scores", "uid"), ("@pairs",), replaces_rows=True)(pair_best_worst)
+register_stage("update_actor_dpo", "actor", (*PAIR_FIELDS, "@pairs"), ("@actor_updated",))(update_actor_dpo)

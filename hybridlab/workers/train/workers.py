@@ -8,7 +8,8 @@ import torch
 
 from hybridlab.config.schema import ActorConfig
 from hybridlab.controller.worker import Dispatch, Worker, register
-from hybridlab.protocol import Batch
+from hybridlab.batching import GROUP_ROWS
+from hybridlab.protocol import PAD_KEY, Batch
 from hybridlab.workers.train.backend import (LossFn, OptimConfig, TrainEngine, check_precision, engine_class,
                                              resolve_strategy)
 from hybridlab.workers.train.checkpoint import merge_state
@@ -212,6 +213,10 @@ class ActorWorker(TrainWorker):
     @register(Dispatch.DP)
     def update_actor(self, batch: Batch, loss_fn: LossFn) -> dict:
         """Take one optimizer step of ``loss_fn`` over the batch; returns metrics (DP-averaged)."""
+        group = batch.meta.get(GROUP_ROWS, 1)
+        if group > 1 and batch.meta.get(PAD_KEY):  # the DP split padded with copies of real rows
+            raise ValueError(f"rows grouped by {group} ({GROUP_ROWS}) must split evenly over the actor's"
+                             " data-parallel ranks: give a multiple of dp x that many rows")
         return self.engine.train_step(batch, loss_fn, self.micro_batch_size)
 
     @register(Dispatch.DP)
