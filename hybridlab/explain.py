@@ -185,6 +185,11 @@ def explain(cfg: RunConfig, model_dir: str | Path | None = None) -> Explanation:
                if section.micro_batch_tokens else
                f"{u['micro_batches_per_rank']} micro-batch(es) of at most {section.micro_batch_size}"
                f" ({role}.micro_batch_size)")
+        if role == "actor" and "update_actor_dpo" in names:
+            lines.append(f"actor update ({training_strategy(cfg, role)} backend): online DPO, one pair per prompt"
+                         f" whose samples score differently (at most {prompts}), {section.ppo_epochs} optimizer"
+                         f" step(s) on all of them per step; dpo.loss_type {cfg.dpo.loss_type}, beta {cfg.dpo.beta:g}")
+            continue
         lines.append(f"{role} update ({training_strategy(cfg, role)} backend): {prompts} prompts"
                      f" / {section.ppo_mini_batch_size} ({role}.ppo_mini_batch_size)"
                      f" = {u['mini_batches']} mini-batches x {section.ppo_epochs} epoch(s) = {u['optimizer_steps']}"

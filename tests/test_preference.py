@@ -196,3 +196,13 @@ def test_a_grpo_session_switches_to_online_dpo_and_back(ray_local, tiny_dir, tmp
         rl.update("dpo.online=false")
         back = rl.step()
         assert "advantages/mean" in back.metrics and "dpo/pairs" not in back.metrics
+
+
+def test_explain_describes_the_online_dpo_update():
+    from hybridlab.explain import explain
+    from hybridlab.run_config import load_config
+
+    lines = explain(load_config("online_dpo", ["dpo.beta=0.2"])).lines
+    assert [line for line in lines if line.startswith("actor update")] == [
+        "actor update (megatron backend): online DPO, one pair per prompt whose samples score differently (at most"
+        " 32), 1 optimizer step(s) on all of them per step; dpo.loss_type sigmoid, beta 0.2"]
