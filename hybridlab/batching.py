@@ -78,13 +78,18 @@ def concat_sequences(batches: Sequence[Batch]) -> Batch:
 def preference_batch(prompts: Sequence[Sequence[int]], chosen: Sequence[Sequence[int]],
                      rejected: Sequence[Sequence[int]], pad_id: int) -> Batch:
     """Return preference pairs in verl's layout, each pair's chosen row followed by its rejected
-    one, kept together through micro-batching (``meta[GROUP_ROWS]`` 2), with the chosen
-    responses' token total on every row (``chosen_tokens_total``, for the ``sft`` term)."""
-    from hybridlab.algos.preference import CHOSEN_TOKENS
-
+    one, marked as pairs (``as_pairs``)."""
     rows = [p for p in prompts for _ in range(2)]
     responses = [r for pair in zip(chosen, rejected) for r in pair]
-    batch = sequences_batch(rows, responses, pad_id)
-    batch.tensors[CHOSEN_TOKENS] = torch.full((len(rows),), float(sum(len(c) for c in chosen)))
+    return as_pairs(sequences_batch(rows, responses, pad_id))
+
+
+def as_pairs(batch: Batch) -> Batch:
+    """Return ``batch`` (rows chosen, rejected, chosen, ...) marked as preference pairs: kept
+    together through micro-batching (``meta[GROUP_ROWS]`` 2), with the chosen responses' token
+    total on every row (``chosen_tokens_total``, for the ``sft`` term)."""
+    from hybridlab.algos.preference import CHOSEN_TOKENS
+
+    batch.tensors[CHOSEN_TOKENS] = torch.full((len(batch),), float(batch["response_mask"][0::2].sum()))
     batch.meta[GROUP_ROWS] = 2
     return batch

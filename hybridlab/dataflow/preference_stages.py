@@ -11,10 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from hybridlab.algos.preference import CHOSEN_TOKENS, dpo_loss_fn
-from hybridlab.batching import GROUP_ROWS
+from hybridlab.batching import as_pairs
 from hybridlab.dataflow.fields import SEQUENCE_FIELDS, mean_metrics
 from hybridlab.faults import fault_point
 from hybridlab.protocol import Batch
@@ -38,8 +36,7 @@ def pair_best_worst(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
             rows += [members[int(group_scores.argmax())], members[int(group_scores.argmin())]]
     dp = ctx.rl.mapping.roles["actor"].dp
     pairs = len(rows) // 2 // dp * dp  # every data-parallel rank gets whole pairs, as many as the others
-    pairs_batch = batch.take(rows[:2 * pairs])
-    pairs_batch.meta[GROUP_ROWS] = 2
+    pairs_batch = as_pairs(batch.take(rows[:2 * pairs]))
     if not pairs:
         why = "every prompt's samples scored the same" if not rows else \
             f"{len(rows) // 2} pair(s) do not split over the actor's {dp} data-parallel ranks"
@@ -54,9 +51,7 @@ def update_actor_dpo(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
     if len(batch) == 0:
         ctx.actor_unchanged = True
         return None, {}
-    data = batch.select(PAIR_FIELDS)
-    chosen = batch["response_mask"][0::2].sum()
-    data.tensors[CHOSEN_TOKENS] = torch.full((len(data),), float(chosen))
+    data = batch.select((*PAIR_FIELDS, CHOSEN_TOKENS))
     loss = dpo_loss_fn(d.loss_types, d.loss_weights, d.beta, d.label_smoothing)
     results = [ctx.group("actor").update_actor(data, loss) for _ in range(a.ppo_epochs)]
     metrics = mean_metrics(results)

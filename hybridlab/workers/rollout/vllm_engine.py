@@ -216,6 +216,8 @@ def load_adapter(llm, tensors: dict[str, torch.Tensor], config: dict) -> int:
 
     vLLM's own path (``LoRARequest``) reads adapters from a folder; this engine runs in our
     process, so the adapter is built from the tensors directly (as verl does), with no files.
-    vLLM folds the scale into its copy of B in place, so the tensors must be the caller's to give.
+    vLLM folds the scale into B in place: it gets copies, so the caller's tensors (the trainer's
+    own, in a colocated sync) stay as they are.
     """
-    return llm.collective_rpc(_install_adapter, args=(tensors, config))[0]
+    copies = {name: t.clone() for name, t in tensors.items()}
+    return llm.collective_rpc(_install_adapter, args=(copies, config))[0]

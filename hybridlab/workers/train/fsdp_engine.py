@@ -47,7 +47,7 @@ class FSDPEngine:
 
     def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, *, value_head: bool = False,
                  optim: OptimConfig | None = None, seed: int = 0, temperature: float = 1.0, precision: str = "fp32",
-                 lora_settings: lora.LoraSettings | dict | None = None, param_offload: bool = False,
+                 lora_settings: lora.LoraSettings | None = None, param_offload: bool = False,
                  optimizer_offload: bool = False):
         if tp != 1 or pp != 1:
             raise ValueError(f"the fsdp2 backend shards over data-parallel ranks only: tp and pp must be 1"
@@ -58,21 +58,21 @@ class FSDPEngine:
         self.rank, self.dp = dist.get_rank(), dist.get_world_size()
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        torch.manual_seed(seed)  # the same adapter initialisation on every rank
-        model = build_model(model_dir, value_head).to(self.device)
-        layer_classes = set(model._no_split_modules or ())
-        if isinstance(lora_settings, dict):
-            lora_settings = lora.LoraSettings(**lora_settings)
-        self.lora, self.model_dir = lora_settings, model_dir
-        if lora_settings is not None:
-            model = lora.add_adapter(model, lora_settings)
-        mesh = init_device_mesh(self.device.type, (self.dp,))
-        shard = {"mesh": mesh}
         if (param_offload or optimizer_offload) and self.device.type == "cuda" and self.dp > 1:
             # the gradient norm, the state gathers and the sync run collectives on the offloaded
             # host tensors, which nccl cannot take; not built yet
             raise ValueError("fsdp offload (param_offload, optimizer_offload) runs at dp 1 on GPU so far;"
                              f" this role has dp {self.dp}")
+        torch.manual_seed(seed)  # the same adapter initialisation on every rank
+        model = build_model(model_dir, value_head).to(self.device)
+        layer_classes = set(model._no_split_modules or ())
+        self.lora, self.lora_layers, self.adapter_config = lora_settings, {}, None
+        if lora_settings is not None:
+            model = lora.add_adapter(model, lora_settings)
+            lora.check_linear_only(model)
+            self.lora_layers = lora.lora_layers(model)  # HF weight name -> the peft layer wrapping it
+            self.adapter_config = lora_settings.adapter_config(model, model_dir)
+        shard = {"mesh": init_device_mesh(self.device.type, (self.dp,))}
         if param_offload:  # shards (and so the optimizer step) live in host memory between uses
             from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -83,11 +83,8 @@ class FSDPEngine:
                 fully_shard(module, **shard)
         self.model = fully_shard(model, **shard)
         self.params = dict(self.model.named_parameters())  # HF names (peft's names with LoRA)
-        # HF name -> the parameter (LoRA: the frozen base weights), and the layers an adapter wraps
+        # HF name -> the parameter (LoRA: the frozen base weights)
         self.hf_params = {lora.hf_name(n): p for n, p in self.params.items() if lora.saved_name(n) is None}
-        self.lora_layers = lora.lora_layers(self.model) if lora_settings is not None else {}
-        if lora_settings is not None:
-            lora.check_linear_only(self.model)
         # what trains and what a checkpoint holds, by checkpoint name: the whole model, or the adapter
         self.saved = self.hf_params if lora_settings is None else \
             {lora.saved_name(n): p for n, p in self.params.items() if lora.saved_name(n)}
@@ -282,7 +279,7 @@ class FSDPEngine:
             if keep:
                 state["model"][name] = whole
         if self.lora is not None:
-            state["adapter_config"] = self.lora.adapter_config(self.model, self.model_dir)
+            state["adapter_config"] = self.adapter_config
         if moments and isinstance(self.optimizer, torch.optim.AdamW):
             for moment in MOMENTS:
                 state[moment] = {}
@@ -347,12 +344,11 @@ class FSDPEngine:
         return weights if self.rank == 0 else None
 
     def adapter(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Return the adapter's whole weights (PEFT's file names, fresh copies a loader may
-        change in place) and its PEFT config, on every rank (each tensor is all-gathered)."""
+        """Return the adapter's whole weights (PEFT's file names) and its PEFT config, on every
+        rank (each tensor is all-gathered)."""
         if self.lora is None:
             raise RuntimeError("this engine has no LoRA adapter (actor.lora.rank is 0)")
-        tensors = {name: self._whole(p.detach()).clone() for name, p in self.saved.items()}
-        return tensors, self.lora.adapter_config(self.model, self.model_dir)
+        return {name: self._whole(p.detach()) for name, p in self.saved.items()}, self.adapter_config
 
     def without_adapter(self):
         """Return a context in which the model runs as its base (the adapter off): the

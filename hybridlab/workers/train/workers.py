@@ -45,9 +45,7 @@ class TrainWorker(Worker):
             optim = OptimConfig()
         self.micro_batch_size, self.seed, self.model_dir = micro_batch_size, seed, model_dir
         self.lora = lora
-        if lora and strategy == "megatron":
-            raise ValueError("LoRA (actor.lora.rank > 0) runs on the fsdp2 backend; actor.strategy is megatron")
-        self.strategy = "fsdp2" if lora else resolve_strategy(strategy, model_dir)
+        self.strategy = self._backend(strategy)
         if self.shares_actor:  # the actor's base model with its adapter off: no engine of its own
             self._engine = None
             return
@@ -58,6 +56,14 @@ class TrainWorker(Worker):
             model_dir, tp, pp, value_head=self.value_head, optim=None if self.frozen else optim, seed=seed,
             temperature=temperature, precision=precision, **extra)
         self._engine.micro_batch_tokens, self._engine.remove_padding = micro_batch_tokens, remove_padding
+
+    def _backend(self, strategy: str) -> str:
+        """Return the backend a configured ``strategy`` means for this worker (LoRA: fsdp2)."""
+        if not self.lora:
+            return resolve_strategy(strategy, self.model_dir)
+        if strategy == "megatron":
+            raise ValueError("LoRA (actor.lora.rank > 0) runs on the fsdp2 backend; actor.strategy is megatron")
+        return "fsdp2"
 
     @property
     def shares_actor(self) -> bool:
@@ -104,8 +110,7 @@ class TrainWorker(Worker):
             self.engine.precision = check_precision(precision)
         if seed is not None and seed != self.seed:
             raise ValueError(f"the seed is fixed once a worker runs (have {self.seed}, got {seed})")
-        resolved = strategy if strategy is None or self.lora is None else "fsdp2"  # LoRA: always fsdp2
-        if strategy is not None and resolve_strategy(resolved, self.model_dir) != self.strategy:
+        if strategy is not None and self._backend(strategy) != self.strategy:
             raise ValueError(f"the training strategy is fixed once a worker runs (have {self.strategy},"
                              f" got {strategy})")
         if micro_batch_size is not None:
