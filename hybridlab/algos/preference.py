@@ -91,22 +91,26 @@ def _normalised_margin(p: PreferencePairs) -> torch.Tensor:
 
 @register_preference_loss("sigmoid")
 def sigmoid_loss(p: PreferencePairs, s: PreferenceSettings) -> torch.Tensor:
+    """DPO: -log sigmoid(beta x margin), per pair."""
     return -F.logsigmoid(s.beta * _margin(p))
 
 
 @register_preference_loss("hinge")
 def hinge_loss(p: PreferencePairs, s: PreferenceSettings) -> torch.Tensor:
+    """SLiC: relu(1 - beta x margin), per pair."""
     return torch.relu(1 - s.beta * _margin(p))
 
 
 @register_preference_loss("ipo")
 def ipo_loss(p: PreferencePairs, s: PreferenceSettings) -> torch.Tensor:
+    """IPO: (length-normalised margin - 1 / (2 beta))^2, per pair."""
     # IPO on log-ratios averaged per token, as TRL does (so that beta means the same at any length)
     return (_normalised_margin(p) - 1 / (2 * s.beta)) ** 2
 
 
 @register_preference_loss("exo_pair")
 def exo_pair_loss(p: PreferencePairs, s: PreferenceSettings) -> torch.Tensor:
+    """EXO: reverse KL to the label-smoothed target (label_smoothing in (0, 1)), per pair."""
     logits = s.beta * _margin(p)
     eps = torch.tensor(s.label_smoothing, dtype=logits.dtype)
     return (torch.sigmoid(logits) * (F.logsigmoid(logits) - torch.log1p(-eps))
@@ -115,43 +119,51 @@ def exo_pair_loss(p: PreferencePairs, s: PreferenceSettings) -> torch.Tensor:
 
 @register_preference_loss("nca_pair")
 def nca_pair_loss(p: PreferencePairs, s: PreferenceSettings) -> torch.Tensor:
+    """NCA: noise-contrastive alignment of the two rewards, per pair."""
     chosen, rejected = s.beta * p.chosen_logratios, s.beta * p.rejected_logratios
     return -F.logsigmoid(chosen) - 0.5 * F.logsigmoid(-chosen) - 0.5 * F.logsigmoid(-rejected)
 
 
 @register_preference_loss("robust")
 def robust_loss(p: PreferencePairs, s: PreferenceSettings) -> torch.Tensor:
+    """Robust DPO, unbiased under label noise (label_smoothing < 0.5), per pair."""
     logits, eps = s.beta * _margin(p), s.label_smoothing
     return (-(1 - eps) * F.logsigmoid(logits) + eps * F.logsigmoid(-logits)) / (1 - 2 * eps)
 
 
 @register_preference_loss("bco_pair")
 def bco_pair_loss(p: PreferencePairs, s: PreferenceSettings) -> torch.Tensor:
+    """BCO: chosen reward classified positive, rejected negative, per pair."""
     return -F.logsigmoid(s.beta * p.chosen_logratios) - F.logsigmoid(-s.beta * p.rejected_logratios)
 
 
 @register_preference_loss("sppo_hard")
 def sppo_hard_loss(p: PreferencePairs, s: PreferenceSettings) -> torch.Tensor:
+    """SPPO with hard probabilities: squared distances of the log-ratios to +-1/(2 beta), per pair."""
     return (p.chosen_logratios - 0.5 / s.beta) ** 2 + (p.rejected_logratios + 0.5 / s.beta) ** 2
 
 
 @register_preference_loss("apo_zero")
 def apo_zero_loss(p: PreferencePairs, s: PreferenceSettings) -> torch.Tensor:
+    """APO-zero: raise the chosen likelihood, lower the rejected one, per pair."""
     return 1 - torch.sigmoid(s.beta * p.chosen_logratios) + torch.sigmoid(s.beta * p.rejected_logratios)
 
 
 @register_preference_loss("apo_down")
 def apo_down_loss(p: PreferencePairs, s: PreferenceSettings) -> torch.Tensor:
+    """APO-down: lower both likelihoods, the rejected one more, per pair."""
     return torch.sigmoid(s.beta * p.chosen_logratios) + 1 - torch.sigmoid(s.beta * _margin(p))
 
 
 @register_preference_loss("sigmoid_norm")
 def sigmoid_norm_loss(p: PreferencePairs, s: PreferenceSettings) -> torch.Tensor:
+    """DPO on length-normalised log-ratios, per pair."""
     return -F.logsigmoid(s.beta * _normalised_margin(p))
 
 
 @register_preference_loss("sft")
 def sft_loss(p: PreferencePairs, s: PreferenceSettings) -> torch.Tensor:
+    """The chosen responses' mean negative log-likelihood over the batch, as a share per pair."""
     # the chosen tokens' mean NLL over the batch, spread over the batch's pairs so that the mean
     # of every pair's share is it
     tokens = s.batch_tokens if s.batch_tokens is not None else float(p.chosen_tokens.sum())
