@@ -8,7 +8,8 @@ import pytest
 import ray
 import torch
 
-from hybridlab.controller.group import RoleClass, WorkerError
+from hybridlab.controller.calls import WorkerError
+from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping, MappingError
 from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.controller.worker import Dispatch, Worker, register

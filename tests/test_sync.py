@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from hybridlab.controller.group import RoleClass, WorkerError
+from hybridlab.controller.calls import WorkerError
+from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.evaluate import load_hf

@@ -13,29 +13,18 @@ import time
 from typing import Any, Callable, Sequence
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from hybridlab.controller.calls import WorkerError, get_all
 from hybridlab.controller.spares import SparePool, bundle_devices
 from hybridlab.controller.watch import CallWatch, dump_stacks
-from hybridlab.controller.worker import Dispatch, RemoteError, host_actor_class, registered_methods
+from hybridlab.controller.worker import Dispatch, host_actor_class, registered_methods
 from hybridlab.protocol import Batch
 from hybridlab.telemetry.timeline import Span, Timeline
 
 DEFAULT_TIMEOUT_S = 600.0
 INLINE_BYTES = 100 * 1024  # Ray's limit for passing an argument inline rather than via the store
-
-
-class WorkerError(RuntimeError):
-    """A worker call failed: names the role, rank and method, with the remote traceback.
-
-    ``kind`` says how: "raised" (the method raised), "died" (the process is gone), "stuck"
-    (no answer by the call's deadline; its stacks were written) or "timed out" (no answer
-    within an explicit timeout)."""
-
-    def __init__(self, role: str, rank: int, method: str, detail: str, kind: str = "raised"):
-        self.role, self.rank, self.method, self.kind = role, rank, method, kind
-        super().__init__(f"worker {role} rank {rank} {kind} in {method}:\n{detail}")
 
 
 @dataclasses.dataclass
@@ -58,6 +47,14 @@ class HostSet:
     # lock, so every rank runs them in the same order: colocated roles share collectives.
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
+    def add_roles(self, roles: dict[str, "RoleClass"], timeout: float | None = None) -> None:
+        """Construct ``roles`` in these running processes, beside the roles they host (whose
+        workers, weights and engines stay as they are); raises WorkerError if one fails."""
+        specs = {name: (rc.cls, rc.args, rc.kwargs) for name, rc in roles.items()}
+        refs = [h.add_roles.remote(specs) for h in self.hosts]
+        get_all(refs, list(range(len(self.hosts))), ",".join(roles), "__init__", timeout)
+        self.roles = (*self.roles, *roles)
+
     def kill(self, close_timeout: float = 15.0) -> None:
         """Let each worker clean up (``close``), then terminate every process of the set (their
         roles' groups become unusable). A process that does not answer within
@@ -72,23 +69,6 @@ class HostSet:
                 ray.kill(h, no_restart=True)
             except Exception:  # already dead
                 pass
-
-
-def _raise_for(exc: BaseException, role: str, rank: int, method: str) -> None:
-    if isinstance(exc, RayTaskError):
-        cause = exc.cause if isinstance(getattr(exc, "cause", None), RemoteError) else None
-        detail = cause.tb if cause else str(exc)
-        if "ModuleNotFoundError" in detail:
-            detail += ("\nhint: worker classes must be importable in the worker processes: install their"
-                       " module, or call ray.cloudpickle.register_pickle_by_value(module) before starting")
-        raise WorkerError(role, rank, cause.method if cause else method, detail) from None
-    if isinstance(exc, RayActorError):
-        raise WorkerError(role, rank, method, f"the worker process died ({exc.__class__.__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''}); re-create the group",
-                          kind="died") from None
-    if isinstance(exc, GetTimeoutError):
-        raise WorkerError(role, rank, method, "no answer within the timeout", kind="timed out") from None
-    raise exc
 
 
 def _spare_offers(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass], spares: "SparePool | None",
@@ -159,52 +139,31 @@ def spawn_hosts(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass],
     refs = [h.start.remote(rank, len(hosts), master, specs) for rank, h in enumerate(hosts)]
     hostset = HostSet(hosts, placements, tuple(roles))
     try:
-        _get_all(refs, list(range(len(hosts))), ",".join(roles), "__init__", timeout)
+        get_all(refs, list(range(len(hosts))), ",".join(roles), "__init__", timeout)
     except BaseException:
         hostset.kill()
         raise
     return hostset
 
 
-def _get_all(refs: list, ranks: list[int], role: str, method: str, timeout: float | None) -> list:
-    """ray.get all refs within ``timeout``, turning a failure on any rank into a WorkerError.
+class _GenericEntry:
+    """``role.method`` through a host's generic ``call`` entry, for a role that joined the host
+    after it started (its actor class has no direct ``role__method`` for it)."""
 
-    ray.get raises as soon as one rank fails, so a crash is reported even while its peers
-    still wait (e.g. in a collective that can now never finish).
-    """
+    def __init__(self, host, role: str, method: str):
+        self.host, self.header = host, (role, method, True)
+
+    def remote(self, *args, **kwargs):
+        """Submit the call; returns its ObjectRef, as an actor method's ``remote`` does."""
+        return self.host.call.remote(self.header, *args, **kwargs)
+
+
+def _entry(host, role: str, method: str):
+    """Return the host's direct actor method for ``role.method``, or the generic entry."""
     try:
-        return ray.get(refs, timeout=timeout)
-    except GetTimeoutError as exc:
-        _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
-        _drain([r for r in refs if r not in pending], wait_s=0)
-        _raise_for(exc, role, ranks[refs.index(pending[0])] if pending else ranks[0], method)
-    except BaseException as exc:
-        rank = _failing_rank(refs, ranks, exc)
-        _drain(refs)
-        _raise_for(exc, role, rank, method)
-
-
-def _failing_rank(refs: list, ranks: list[int], exc: BaseException) -> int:
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, RemoteError):
-        return cause.rank
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-    for ref in ready:
-        try:
-            ray.get(ref)
-        except BaseException:
-            return ranks[refs.index(ref)]
-    return ranks[0]
-
-
-def _drain(refs: list, wait_s: float = 1.0) -> None:
-    """Collect the other ranks' answers after a failure, so Ray does not report them as unhandled."""
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s) if refs else ([], [])
-    for ref in ready:
-        try:
-            ray.get(ref)
-        except BaseException:
-            pass
+        return getattr(host, f"{role}__{method}")
+    except AttributeError:
+        return _GenericEntry(host, role, method)
 
 
 class GroupFuture:
@@ -234,7 +193,7 @@ class GroupFuture:
                 deadline = g.watch.deadline(g.role, self.method, self.stage)
                 timeout = max(0.0, g.watch.started(self._call) + deadline - time.time())
             try:
-                answers = _get_all(self._refs, self._ranks, g.role, self.method, timeout)
+                answers = get_all(self._refs, self._ranks, g.role, self.method, timeout)
             except WorkerError as err:
                 g.watch.end(self._call, ok=False)
                 if watched and err.kind == "timed out":
@@ -292,7 +251,7 @@ class WorkerGroup:
         self.watch = watch if watch is not None else CallWatch(first_s=timeout)
         self._dp: list[tuple[int, int, bool]] | None = None
         self.methods = registered_methods(cls)
-        self._remote = {name: [getattr(h, f"{role}__{name}") for h in hostset.hosts] for name in self.methods}
+        self._remote = {name: [_entry(h, role, name) for h in hostset.hosts] for name in self.methods}
         for name, (dispatch, blocking, doc) in self.methods.items():
             setattr(self, name, _Method(self, name, dispatch, blocking, doc))
 
@@ -310,7 +269,7 @@ class WorkerGroup:
         """Return each rank's (dp_rank, dp_size, collect), asked once from the workers and cached."""
         if self._dp is None or refresh:
             refs = [h.dp_info.remote(self.role) for h in self.hostset.hosts]
-            self._dp = [tuple(x) for x in _get_all(refs, list(range(self.world_size)), self.role,
+            self._dp = [tuple(x) for x in get_all(refs, list(range(self.world_size)), self.role,
                                                    "dp_info", self.timeout)]
             sizes = {d[1] for d in self._dp}
             collectors = sorted(d[0] for d in self._dp if d[2])
@@ -384,7 +343,7 @@ class WorkerGroup:
     def ping(self, timeout: float = 10.0) -> bool:
         """Return True if every rank answers within ``timeout`` seconds, else False."""
         try:
-            _get_all([h.ping.remote() for h in self.hostset.hosts], list(range(self.world_size)),
+            get_all([h.ping.remote() for h in self.hostset.hosts], list(range(self.world_size)),
                      self.role, "ping", timeout)
             return True
         except WorkerError:

@@ -208,21 +208,26 @@ class WorkerHost:
     def start(self, rank: int, world_size: int, master: tuple[str, int], roles: dict) -> None:
         """Set the rendezvous environment, pin the threads to the devices' cores (when
         ``HYBRIDLAB_BIND_THREADS=1``), then construct each role's worker object."""
-        self.rank = rank
+        self.rank, self.world_size = rank, world_size
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
                            "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])})
         bind_to_devices(self._gpu_ids())
+        self.add_roles(roles)
+        self._start_sampler(",".join(roles))
+
+    def add_roles(self, roles: dict) -> None:
+        """Construct each role's worker object in this process (``role -> (cls, args, kwargs)``),
+        beside the roles it already hosts: at ``start``, or later when a role joins them in place."""
         with collector_paused():  # building imports the engines (megatron-core, vLLM) and the models
             for role, (cls, args, kwargs) in roles.items():
                 try:
                     obj = cls.__new__(cls)
-                    obj.rank, obj.world_size, obj.role = rank, world_size, role
+                    obj.rank, obj.world_size, obj.role = self.rank, self.world_size, role
                     obj.peers = self.workers  # colocated roles reach each other in memory
                     obj.__init__(*args, **kwargs)
                 except BaseException:
-                    raise RemoteError(role, rank, "__init__", traceback.format_exc()) from None
+                    raise RemoteError(role, self.rank, "__init__", traceback.format_exc()) from None
                 self.workers[role] = obj
-        self._start_sampler(",".join(roles))
 
     def _start_sampler(self, roles: str) -> None:
         """Send device samples to the run's telemetry hub, if the session named one."""

@@ -165,11 +165,14 @@ class WorkerSet:
         have = ", ".join(merged) or "none"
         new.validate(self.model, ray.cluster_resources().get("GPU", 0), extra=[
             f"roles.{r}: no worker class was given for this role (have: {have})" for r in new.roles if r not in merged])
-        changed = self.mapping.changed_roles(new) | set(recreate)
+        joining = self._joining(new)
+        staying = {r for hostset in joining.values() for r in hostset.roles}
+        changed = (self.mapping.changed_roles(new) - staying - set(joining)) | set(recreate)
         for mapping in (self.mapping, new):  # a re-created role takes the roles sharing its processes along
             for _, members in mapping.process_sets():
                 if changed & set(members):
                     changed |= set(members)
+        joining = {r: hostset for r, hostset in joining.items() if not changed & {r, *hostset.roles}}
         states = self._save(changed)
         self._teardown(changed)
         self.role_classes = {r: w for r, w in merged.items() if r in new.roles}
@@ -182,10 +185,29 @@ class WorkerSet:
         if self.spares is not None:  # a spare can host a role added by this remap, too
             self.spares.add_roles({r: w.cls for r, w in self.role_classes.items()})
         self._spawn(new, [(pool, members) for pool, members in new.process_sets() if set(members) & changed])
+        for role, hostset in joining.items():  # built in the running processes, beside the roles there
+            hostset.add_roles({role: self.role_classes[role]}, timeout=self.timeout)
+            self.groups[role] = WorkerGroup(role, self.role_classes[role].cls, hostset, self.timeline, self.timeout,
+                                            self.watch)
         self._load(changed, states)
         if refill:
             self.refill_spares()
         return changed
+
+    def _joining(self, new: DeviceMapping) -> dict[str, HostSet]:
+        """Return the roles that ``new`` adds to a running process set -> that set, where they can
+        be built in its processes without re-creating them: the set keeps its pool, its roles keep
+        their layouts, and the pool is split among as many sets as before."""
+        old, out = self.mapping, {}
+        sharing = (lambda mapping, pool: sum(1 for p, _ in mapping.process_sets() if p == pool))
+        for pool, members in new.process_sets():
+            added, kept = [r for r in members if r not in old.roles], {r for r in members if r in old.roles}
+            hostset = next((h for h in self._sets if set(h.roles) == kept), None)
+            if not added or hostset is None or old.pools.get(pool) != new.pools[pool] \
+                    or sharing(old, pool) != sharing(new, pool) or any(old.roles[r] != new.roles[r] for r in kept):
+                continue
+            out.update({r: hostset for r in added})
+        return out
 
     def refill_spares(self) -> None:
         """Start spares in place of those used (they warm up in the background)."""

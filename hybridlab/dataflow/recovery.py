@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 
-from hybridlab.controller.group import WorkerError
+from hybridlab.controller.calls import WorkerError
 from hybridlab.dataflow import checkpoints
 from hybridlab.dataflow.context import StepContext
 from hybridlab.telemetry.metrics import MetricsLog

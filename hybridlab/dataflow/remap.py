@@ -18,7 +18,7 @@ import yaml
 from hybridlab.config import ConfigError, RunConfig, apply_override, build
 from hybridlab.controller.mapping import DeviceMapping, MappingError
 from hybridlab.dataflow.graph import Dataflow
-from hybridlab.dataflow.prompts import PROMPT_FIELDS
+from hybridlab.dataflow.pairs import step_inputs
 from hybridlab.dataflow.roles import ROLE_SPECS, plan_update, role_classes
 from hybridlab.run_config import dataflow_names, default_mapping, validate_config
 from hybridlab.workers.train.checkpoint import merge_state
@@ -121,7 +121,7 @@ def prepare_update(rl: "RLSession", overrides: tuple[str, ...]) -> Change:
     remap = rl.workers is not None and (plan.remap or bool(plan.recreate) or mapping != rl.mapping)
     if remap:
         check(rl, new, mapping)
-    flow = Dataflow(names).validate(new, mapping.roles, PROMPT_FIELDS)
+    flow = Dataflow(names).validate(new, mapping.roles, step_inputs(new))
     return Change(new, flow, mapping, plan.configure, plan.recreate, remap, "update")
 
 
@@ -188,7 +188,8 @@ def apply(rl: "RLSession", cfg: RunConfig, mapping: DeviceMapping, recreate: set
     seconds["teardown_and_start"] = elapsed - carried.save_s - carried.load_s
     rl.mapping = mapping
     sync_bytes = 0
-    if "rollout" in mapping.roles and "actor" in mapping.roles:
+    fresh = changed | (set(mapping.roles) - set(mapping_before["roles"]))  # re-created or new roles
+    if "rollout" in mapping.roles and "actor" in mapping.roles and fresh & {"actor", "rollout"}:
         t = time.perf_counter()
         sync_bytes = rl.sync_weights(reason="remap").bytes_moved  # new engines start from the warm start's weights
         seconds["sync"] = time.perf_counter() - t
