@@ -95,11 +95,16 @@ def cmd_eval(args) -> int:
 
 
 def cmd_data(args) -> int:
-    """Write a task split as a verl-format file; returns the exit status."""
+    """Write a task split as a verl-format file (or as preference pairs in TRL's columns);
+    returns the exit status."""
     from hybridlab.tasks.dataset import save_dataset
+    from hybridlab.tasks.preferences import save_preferences, task_pairs
 
     task = _task_from_args(args)
-    print(save_dataset(task.split(args.split, args.n, seed=args.seed), args.out))
+    if args.preferences:
+        print(save_preferences(task_pairs(task, args.split, args.n, seed=args.seed, chat=args.chat), args.out))
+    else:
+        print(save_dataset(task.split(args.split, args.n, seed=args.seed), args.out))
     return 0
 
 
@@ -295,6 +300,10 @@ def _add_data(sub) -> None:
     d.add_argument("--n", type=int, default=1000)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--out", required=True, help="file ending in .parquet or .jsonl")
+    d.add_argument("--preferences", action="store_true",
+                   help="write preference pairs in TRL's columns (prompt, chosen, rejected): the worked answer"
+                        " against a plausible wrong one")
+    d.add_argument("--chat", action="store_true", help="with --preferences: the pairs as chat messages")
     d.set_defaults(func=cmd_data)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from hybridlab.config import RunConfig
 from hybridlab.controller.mapping import DeviceMapping, rank_label
+from hybridlab.dataflow.pairs import load_pairs, pair_ids
 from hybridlab.dataflow.prompts import load_samples
 from hybridlab.models.chat import prompt_ids, use_template
 from hybridlab.models.spec import ModelSpec
@@ -148,6 +149,28 @@ def draw_mapping(mapping: DeviceMapping) -> list[str]:
     return lines
 
 
+def _step_shape(cfg: RunConfig, tokenizer) -> tuple[list[int], int, int, str]:
+    """Return the training prompts' token lengths (the first 2,000), the sequences per prompt, the
+    most tokens after a prompt, and what a step takes, in words."""
+    prompts = cfg.data.prompts_per_step
+    if cfg.data.preferences:  # offline DPO: the pairs' prompts and their longer response
+        ids = [pair_ids(tokenizer, pair) for pair in load_pairs(cfg)[:2000]]
+        return ([len(p) for p, _, _ in ids], 2, max(max(len(c), len(r)) for _, c, r in ids),
+                f"{prompts} preference pairs (data.prompts_per_step) x 2 (chosen, rejected)")
+    lengths = [len(prompt_ids(tokenizer, s)) for s in load_samples(cfg, "train")[:2000]]
+    return (lengths, cfg.rollout.n, cfg.rollout.max_new_tokens,
+            f"{prompts} prompts (data.prompts_per_step) x {cfg.rollout.n} samples (rollout.n)")
+
+
+def _dpo_update_line(cfg: RunConfig) -> str:
+    """Return the line that says what the actor's DPO update (offline or online) does per step."""
+    prompts = cfg.data.prompts_per_step
+    which = (f"offline DPO, the step's {prompts} pairs" if cfg.data.preferences else
+             f"online DPO, one pair per prompt whose samples score differently (at most {prompts})")
+    return (f"actor update ({training_strategy(cfg, 'actor')} backend): {which}, {cfg.actor.ppo_epochs}"
+            f" optimizer step(s) on all of them per step; dpo.loss_type {cfg.dpo.loss_type}, beta {cfg.dpo.beta:g}")
+
+
 def explain(cfg: RunConfig, model_dir: str | Path | None = None) -> Explanation:
     """Return the Explanation of a valid ``cfg`` (``validate_config`` refuses an invalid one
     first, naming the sizes that do not fit); ``model_dir`` defaults to the config's model."""
@@ -160,9 +183,9 @@ def explain(cfg: RunConfig, model_dir: str | Path | None = None) -> Explanation:
     names = dataflow_names(cfg)
     mapping = DeviceMapping.from_dict(cfg.mapping or default_mapping(cfg, names))
     tokenizer = use_template(AutoTokenizer.from_pretrained(model_dir), cfg.data.chat_template)
-    prompt_lens = [len(prompt_ids(tokenizer, s)) for s in load_samples(cfg, "train")[:2000]]
+    prompts = cfg.data.prompts_per_step
+    prompt_lens, n, new, what = _step_shape(cfg, tokenizer)
     mean_prompt, max_prompt = sum(prompt_lens) / len(prompt_lens), max(prompt_lens)
-    prompts, n, new = cfg.data.prompts_per_step, cfg.rollout.n, cfg.rollout.max_new_tokens
     samples = prompts * n
     seq_len = max_prompt + new
     sizes = {"prompts_per_step": prompts, "samples_per_step": samples, "parameters": params,
@@ -171,7 +194,7 @@ def explain(cfg: RunConfig, model_dir: str | Path | None = None) -> Explanation:
              "tokens_per_step_mean_prompt": round(samples * (mean_prompt + new))}
     lines = [f"model {model_dir.name}: {params / 1e6:.2f}M parameters, vocabulary {spec.vocab_size},"
              f" {spec.layers} layers, hidden {spec.hidden}",
-             f"per step: {prompts} prompts (data.prompts_per_step) x {n} samples (rollout.n) = {samples} sequences",
+             f"per step: {what} = {samples} sequences",
              f"tokens per step: {samples} x (prompt {mean_prompt:.1f} mean / {max_prompt} max + up to {new} new)"
              f" = about {sizes['tokens_per_step_mean_prompt']}, at most {sizes['tokens_per_step_max']}"]
     for role in TRAINERS:
@@ -186,9 +209,7 @@ def explain(cfg: RunConfig, model_dir: str | Path | None = None) -> Explanation:
                f"{u['micro_batches_per_rank']} micro-batch(es) of at most {section.micro_batch_size}"
                f" ({role}.micro_batch_size)")
         if role == "actor" and "update_actor_dpo" in names:
-            lines.append(f"actor update ({training_strategy(cfg, role)} backend): online DPO, one pair per prompt"
-                         f" whose samples score differently (at most {prompts}), {section.ppo_epochs} optimizer"
-                         f" step(s) on all of them per step; dpo.loss_type {cfg.dpo.loss_type}, beta {cfg.dpo.beta:g}")
+            lines.append(_dpo_update_line(cfg))
             continue
         lines.append(f"{role} update ({training_strategy(cfg, role)} backend): {prompts} prompts"
                      f" / {section.ppo_mini_batch_size} ({role}.ppo_mini_batch_size)"

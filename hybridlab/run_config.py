@@ -23,7 +23,7 @@ from hybridlab.backend_checks import backend_problems, training_strategy  # noqa
 from hybridlab.config import ConfigError, RunConfig, apply_override, build, resolve_config_path
 from hybridlab.controller.mapping import ROLES, DeviceMapping
 from hybridlab.dataflow.graph import Dataflow
-from hybridlab.dataflow.prompts import PROMPT_FIELDS
+from hybridlab.dataflow.pairs import step_inputs
 from hybridlab.dataflow.stages import STAGES, get_stage, rollout_log_probs_inexact, wants_sum_pi_squared
 from hybridlab.errors import UserError
 from hybridlab.models.chat import template_file
@@ -38,6 +38,8 @@ from hybridlab.workers.train.backend import STRATEGIES
 def default_dataflow(cfg: RunConfig) -> list[str]:
     """Return the stage names of the standard step for the config's algorithm and reward."""
     algo, est = cfg.algorithm, cfg.algorithm.adv_estimator
+    if cfg.data.preferences:  # offline DPO: the pairs come from the data
+        return ["ref_logprob", "update_actor_dpo", "sync_weights"]
     stages = ["generate", "reward_model" if cfg.reward.kind == "model" else "reward"]
     if cfg.dpo.online:  # pairs from the policy's own samples, the DPO loss against the reference
         return stages + ["pair_best_worst", "ref_logprob", "update_actor_dpo", "sync_weights"]
@@ -74,12 +76,16 @@ def roles_needed(names: list[str]) -> list[str]:
     return [r for r in ROLES if r in used]
 
 
+# The evaluation (greedy accuracy on the test prompts) generates on the rollout and scores on the reward.
+EVAL_ROLES = ("rollout", "reward")
+
+
 def default_mapping(cfg: RunConfig, names: list[str], keep: tuple[str, ...] = ()) -> dict:
-    """Return the hybrid-engine mapping: every needed role (and the roles in ``keep``, which a
-    running session already has) in one set of processes on ``trainer.devices`` devices, data
-    parallel over them."""
+    """Return the hybrid-engine mapping: every role the stages and the evaluation need (and the
+    roles in ``keep``, which a running session already has) in one set of processes on
+    ``trainer.devices`` devices, data parallel over them."""
     devices = cfg.trainer.devices
-    needed = roles_needed(names)
+    needed = [*roles_needed(names), *EVAL_ROLES]
     roles = [r for r in ROLES if r in needed or r in keep]
     return {"pools": {"main": {"devices": devices}},
             "roles": {r: {"pool": "main", "dp": devices, "colocate": "engine"} for r in roles}}
@@ -182,8 +188,10 @@ def _size_problems(cfg: RunConfig) -> list[str]:
               "trainer.devices", "actor.ppo_epochs", "actor.ppo_mini_batch_size", "actor.micro_batch_size",
               "critic.ppo_mini_batch_size", "critic.micro_batch_size")
     _at_least(p, cfg, 0, "actor.micro_batch_tokens", "critic.micro_batch_tokens")
-    uses_critic = any(n in ("values", "update_critic") for n in dataflow_names(cfg))
-    for section in ("actor", "critic") if uses_critic else ("actor",):
+    names = dataflow_names(cfg)
+    uses_critic = any(n in ("values", "update_critic") for n in names)
+    mini_batched = ("actor",) if "update_actor" in names else ()  # DPO updates on the whole batch
+    for section in (*mini_batched, "critic") if uses_critic else mini_batched:
         mini = getattr(cfg, section).ppo_mini_batch_size
         if mini >= 1 and data.prompts_per_step % mini:
             p.append(f"{section}.ppo_mini_batch_size: {mini} prompts does not divide data.prompts_per_step"
@@ -204,6 +212,9 @@ def _warm_start_problems(cfg: RunConfig) -> list[str]:
 
 def _dpo_problems(cfg: RunConfig) -> list[str]:
     d = cfg.dpo
+    if cfg.data.preferences and d.online:
+        return ["dpo.online: online DPO pairs the policy's own samples, but data.preferences reads the pairs from"
+                " the data; turn one of them off"]
     if "pair_best_worst" in dataflow_names(cfg) and cfg.rollout.n < 2:
         return [f"rollout.n: pair_best_worst pairs a prompt's best sample with its worst, so it needs at least 2"
                 f" samples per prompt, got {cfg.rollout.n}"]
@@ -251,7 +262,7 @@ def _dataflow_and_mapping_problems(cfg: RunConfig) -> list[str]:
         mapping = DeviceMapping.from_dict(cfg.mapping or default_mapping(cfg, names))
         p += [f"mapping.{x}" if not x.startswith(("too few", "colocate")) else f"mapping: {x}"
               for x in mapping.problems(_model_config(cfg))]
-        p += Dataflow(names).problems(cfg, mapping.roles, PROMPT_FIELDS)
+        p += Dataflow(names).problems(cfg, mapping.roles, step_inputs(cfg))
         p += _dp_problems(cfg, mapping)
         p += backend_problems(cfg, mapping)
         rollout = mapping.roles.get("rollout")
@@ -295,9 +306,13 @@ def _correction_problems(cfg: RunConfig) -> list[str]:
 def _dp_problems(cfg: RunConfig, mapping) -> list[str]:
     out = []
     n = cfg.rollout.n
+    actor = mapping.roles.get("actor")
+    if cfg.data.preferences and actor is not None and cfg.data.prompts_per_step % actor.dp:
+        out.append(f"data.prompts_per_step: {cfg.data.prompts_per_step} preference pairs per step do not split over"
+                   f" the actor's data-parallel size {actor.dp} (each rank takes whole pairs, as many as the others)")
     for role, section in (("actor", cfg.actor), ("critic", cfg.critic)):
         layout = mapping.roles.get(role)
-        if layout is None:
+        if layout is None or (role == "actor" and cfg.data.preferences):  # DPO updates on the whole batch
             continue
         rows = section.ppo_mini_batch_size * n
         if rows % layout.dp:

@@ -69,6 +69,31 @@ def test_the_log_ratios_are_not_zero(trl_dpo):
     assert pairs.chosen_logratios.abs().min() > 1e-3 and pairs.rejected_logratios.abs().min() > 1e-3
 
 
+def test_pairs_are_tokenized_as_trls_dpo_trainer_does(trl_dpo):
+    """Text pairs (end-of-sequence added where missing), chat pairs with a prompt column and chat
+    pairs whose prompt is their shared first messages: the prompt, chosen and rejected ids equal
+    those of DPOTrainer's dataset preparation."""
+    from datasets import Dataset
+
+    from hybridlab.dataflow.pairs import pair_ids
+    from hybridlab.tasks.preferences import pair_from_row
+
+    trainer = trl_dpo[0]
+    tokenizer = trainer.processing_class
+    user = [{"role": "user", "content": "12+30="}]
+    said = [[{"role": "assistant", "content": text}] for text in ("42", "52 or so")]
+    forms = {"text": [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in zip(*PAIRS.values())]
+             + [{"prompt": "9+9=", "chosen": "18" + tokenizer.eos_token, "rejected": "81"}],
+             "chat": [{"prompt": user, "chosen": said[0], "rejected": said[1]}],
+             "implicit chat prompt": [{"chosen": user + said[0], "rejected": user + said[1]}]}
+    for form, rows in forms.items():
+        theirs = trainer._prepare_dataset(Dataset.from_list(rows), tokenizer, trainer.args, form)
+        for i, row in enumerate(rows):
+            ours = pair_ids(tokenizer, pair_from_row(row, f"row {i}"))
+            assert ours == (theirs[i]["prompt_ids"], theirs[i]["chosen_ids"], theirs[i]["rejected_ids"]), form
+            assert ours[1][-1] == tokenizer.eos_token_id or form != "text"
+
+
 def test_preference_settings_are_checked_by_name():
     assert check_preference_settings(["exo_pair"], None, 0.0, 0.1) == [
         "dpo.label_smoothing: exo_pair needs it in (0, 1), got 0.0"]
@@ -86,7 +111,8 @@ def test_dpo_on_megatron_and_fsdp2_trains_as_trls_dpo_trainer(ray_local, tiny_di
     DPOTrainer on the same pairs, reference and AdamW: the first step's loss and metrics within
     1e-5, the weights after three steps within 1e-4. Megatron packs micro-batches by a token
     budget that fits about one pair (first fit, longest rows first, yet a pair never straddles two
-    micro-batches), FSDP2 runs two data-parallel ranks of two pairs each."""
+    micro-batches), at TP2 for the first loss and PP2 for the second; FSDP2 runs two data-parallel
+    ranks of two pairs each."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
@@ -104,7 +130,7 @@ def test_dpo_on_megatron_and_fsdp2_trains_as_trls_dpo_trainer(ray_local, tiny_di
         for p in ref.parameters():
             p.add_(0.05 * torch.randn_like(p))
     ref.save_pretrained(tmp_path / "ref")
-    for types, weights in ((["sigmoid"], None), (["ipo", "sft"], [1.0, 0.5])):
+    for (types, weights), split in (((["sigmoid"], None), {"tp": 2}), ((["ipo", "sft"], [1.0, 0.5]), {"pp": 2})):
         args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, beta=0.1, report_to=[],
                          bf16=False, use_cpu=True, save_strategy="no", max_steps=3, learning_rate=1e-3, logging_steps=1,
                          lr_scheduler_type="constant", loss_type=types, loss_weights=weights, seed=0)
@@ -125,18 +151,20 @@ def test_dpo_on_megatron_and_fsdp2_trains_as_trls_dpo_trainer(ray_local, tiny_di
         batch = preference_batch(prompts[:half], responses[:half], responses[half:], tokenizer.pad_token_id)
         batch.tensors["ref_log_prob"] = hf_logprobs(str(tmp_path / "ref"), batch).float()
         loss_fn = dpo_loss_fn(types, weights, beta=0.1)
-        for strategy, dp, rows in (("megatron", 1, 2), ("fsdp2", 2, 4)):
+        for strategy, layout, rows in (("megatron", split, 2), ("fsdp2", {"dp": 2}, 4)):
             optim = {"lr": 1e-3, "grad_clip": 1.0, "warmup_steps": 0}
+            model_split = {k: v for k, v in layout.items() if k != "dp"}
             roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=str(tiny_dir), optim=optim,
-                                                                micro_batch_size=rows, strategy=strategy))}
-            with session_for(roles, dp=dp) as s:
+                                                                micro_batch_size=rows, strategy=strategy,
+                                                                **model_split))}
+            with session_for(roles, **layout) as s:
                 actor = s.groups["actor"]
                 if strategy == "megatron":
                     actor.configure(micro_batch_tokens=16, remove_padding=True)
                 metrics = [actor.update_actor(batch, loss_fn)[0] for _ in range(3)]
                 ours = gathered(actor)
             for key in ("loss", *METRICS):
-                assert metrics[0][key] == pytest.approx(first[key], abs=1e-5), (types, strategy, key)
+                assert metrics[0][key] == pytest.approx(first[key], abs=1e-5), (types, strategy, layout, key)
             # the loss's scale (each micro-batch's and rank's share) shows in the gradient norm
             assert metrics[0]["grad_norm"] == pytest.approx(first["grad_norm"], rel=1e-4), (types, strategy)
             assert max_diff(ours, {k: theirs[k] for k in ours}) < 1e-4, (types, strategy)
@@ -151,8 +179,8 @@ def gathered_initial(model_dir) -> dict:
 
 def test_a_grpo_session_switches_to_online_dpo_and_back(ray_local, tiny_dir, tmp_path):
     """A running GRPO session (no reference role) switches live to online DPO: the reference
-    starts (in the actor's process set, which is re-created with the actor's weights and AdamW
-    state carried, as turning on a KL loss does), each step pairs every
+    is built in the running processes of the actor and rollout (neither is re-created, no weights
+    move), each step pairs every
     prompt's best sample with its worst (ties dropped and counted) and takes a DPO step on them,
     and the rollout samples with the updated weights; then back to GRPO."""
     from hybridlab.config import ConfigError
@@ -176,10 +204,14 @@ def test_a_grpo_session_switches_to_online_dpo_and_back(ray_local, tiny_dir, tmp
     with RLSession("grpo", overrides) as rl:
         rl.step()
         assert "ref" not in rl.workers.groups
-        before = actor_state(rl)
+        before, pids = actor_state(rl), [p["pid"] for p in rl.workers.groups["actor"].placements]
         rl.update("dpo.online=true", "dpo.beta=0.2")
-        assert "ref" in rl.workers.groups  # the switch started the reference
-        assert_equal_state(before, actor_state(rl))  # weights and moments carried
+        report = rl.remaps[-1]
+        assert "ref" in rl.workers.groups  # the switch started the reference, in the actor's processes
+        assert (report.roles_added, report.roles_recreated, report.processes_started, report.bytes_moved) == \
+            (["ref"], [], 0, 0)
+        assert [p["pid"] for p in rl.workers.groups["ref"].placements] == pids
+        assert_equal_state(before, actor_state(rl))  # the actor was not touched
         step = rl.step()
         m = step.metrics
         assert [name for name, _ in step.stages][2:5] == ["pair_best_worst", "ref_logprob", "update_actor_dpo"]
@@ -198,6 +230,35 @@ def test_a_grpo_session_switches_to_online_dpo_and_back(ray_local, tiny_dir, tmp
         assert "advantages/mean" in back.metrics and "dpo/pairs" not in back.metrics
 
 
+def test_offline_dpo_trains_on_a_preference_file(ray_local, tiny_dir, tmp_path):
+    """The dpo preset on pairs from a JSONL file in TRL's columns: each step's batch is the pairs
+    (chosen row, then rejected), the reference scores them, the actor takes a DPO step and the
+    rollout gets its weights; on the same four pairs every step, the loss falls and the margin grows."""
+    from hybridlab.dataflow.session import RLSession
+    from hybridlab.tasks import get_task
+    from hybridlab.tasks.preferences import save_preferences, task_pairs
+
+    pairs = task_pairs(get_task("arith"), "train", 4, seed=0)
+    path = save_preferences(pairs, tmp_path / "pairs.jsonl")
+    overrides = [f"model={tiny_dir}", f"data.train_files={path}", "warm_start.max_steps=0", "data.prompts_per_step=4",
+                 "actor.lr=1e-3", "actor.warmup_steps=0", "trainer.progress=false",
+                 f"trainer.run_dir={tmp_path / 'run'}"]
+    with RLSession("dpo", overrides) as rl:
+        steps = [rl.step() for _ in range(3)]
+        assert sorted(rl.workers.groups) == ["actor", "ref", "reward", "rollout"]  # rollout, reward: the evaluation
+        tokenizer = rl.tokenizer
+    first = steps[0]
+    assert [name for name, _ in first.stages] == ["ref_logprob", "update_actor_dpo", "sync_weights"]
+    batch = first.batch
+    chosen = {tokenizer.decode(r[m.bool()]) for r, m in zip(batch["responses"][0::2], batch["response_mask"][0::2])}
+    assert chosen == {p.chosen + tokenizer.eos_token for p in pairs}
+    assert batch["uid"][0::2] == batch["uid"][1::2]  # each pair's two rows share its uid
+    losses = [s.metrics["actor/loss"] for s in steps]
+    assert losses[2] < losses[1] < losses[0], losses
+    assert steps[2].metrics["rewards/margins"] > steps[0].metrics["rewards/margins"]
+    assert all(s.metrics["sync/bytes"] > 0 for s in steps)
+
+
 def test_explain_describes_the_online_dpo_update():
     from hybridlab.explain import explain
     from hybridlab.run_config import load_config
@@ -206,3 +267,8 @@ def test_explain_describes_the_online_dpo_update():
     assert [line for line in lines if line.startswith("actor update")] == [
         "actor update (megatron backend): online DPO, one pair per prompt whose samples score differently (at most"
         " 32), 1 optimizer step(s) on all of them per step; dpo.loss_type sigmoid, beta 0.2"]
+    offline = explain(load_config("dpo", ["data.prompts_per_step=16"]))
+    assert offline.lines[1:3] == [
+        "per step: 16 preference pairs (data.prompts_per_step) x 2 (chosen, rejected) = 32 sequences",
+        "tokens per step: 32 x (prompt 5.8 mean / 6 max + up to 4 new) = about 314, at most 320"]
+    assert "offline DPO, the step's 16 pairs" in offline.lines[3]

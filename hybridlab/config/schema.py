@@ -60,7 +60,8 @@ class WarmStartConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    """Where prompts come from: a task's generator, or verl-format files."""
+    """Where prompts come from: a task's generator, or verl-format files; with ``preferences``,
+    preference pairs instead (TRL's columns, or made from the task)."""
     task: str = "arith"
     task_options: dict = dataclasses.field(default_factory=dict)
     train_files: Optional[str] = None
@@ -70,6 +71,10 @@ class DataConfig:
     prompts_per_step: int = 32
     seed: int = 0
     truncate_prompts: bool = False      # keep the last tokens of a prompt too long for the context (else refused)
+    # offline DPO: each step takes prompts_per_step preference pairs (TRL's columns in train_files,
+    # else made from the task) instead of prompts to generate from
+    preferences: bool = setting(False, change="fixed", why="the training data (prompts or preference pairs) is"
+                                " read when the run starts")
     # a task's prompts as one user message, rendered with the model's chat template (datasets
     # whose prompt column holds chat messages are rendered so whatever this says)
     chat: bool = setting(False, change="fixed", why="the prompts and the warm start are prepared when the run starts")

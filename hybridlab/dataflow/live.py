@@ -16,7 +16,7 @@ from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.dataflow import remap as changes  # what an edit changes, and applying it
 from hybridlab.dataflow.context import run_stage
 from hybridlab.dataflow.graph import Dataflow
-from hybridlab.dataflow.prompts import PROMPT_FIELDS
+from hybridlab.dataflow.pairs import step_inputs
 from hybridlab.protocol import Batch
 
 
@@ -31,10 +31,10 @@ class LiveEdits:
     @dataflow.setter
     def dataflow(self, value: Dataflow | list) -> None:
         flow = value if isinstance(value, Dataflow) else Dataflow(value)
-        flow.validate(self.cfg, self.mapping.roles, PROMPT_FIELDS)
+        flow.validate(self.cfg, self.mapping.roles, step_inputs(self.cfg))
 
         def assign() -> None:
-            flow.validate(self.cfg, self.mapping.roles, PROMPT_FIELDS)  # against the config it now meets
+            flow.validate(self.cfg, self.mapping.roles, step_inputs(self.cfg))  # against the config it now meets
             self._dataflow = flow
             self.cfg = dataclasses.replace(self.cfg, dataflow=flow.names)
             self._drop_pending()

@@ -86,30 +86,25 @@ def prompt_batch(samples: list[Sample], tokenizer, uids: list, fit: PromptFit | 
                  meta={PROMPT_WIDTH: max((len(p) for p in ids), default=0)})
 
 
-class PromptSource:
-    """Shuffled epochs over the training samples, ``per_step`` prompts at a time. Every prompt is
-    tokenized and checked against ``fit`` once, when the source is made."""
+class ShuffledEpochs:
+    """Indices into ``size`` items, drawn in shuffled epochs from a seed; its position saves and
+    restores as plain data (for checkpoints)."""
 
-    def __init__(self, samples: list[Sample], tokenizer, per_step: int, seed: int = 0, fit: PromptFit | None = None):
-        if not samples:
-            raise ValueError("no training prompts")
-        self.samples, self.tokenizer, self.per_step = samples, tokenizer, per_step
-        self.ids = tokenize_prompts(samples, tokenizer, fit)
-        self.rng = random.Random(seed)
+    def __init__(self, size: int, seed: int = 0):
+        self.size, self.rng = size, random.Random(seed)
         self.order: list[int] = []
         self.drawn = 0
 
-    def next(self) -> Batch:
-        """Return the next ``per_step`` prompts, each with a fresh uid (its group id)."""
+    def take(self, n: int) -> list[int]:
+        """Return the next ``n`` indices (a new shuffled epoch starts when one runs out)."""
         picked = []
-        while len(picked) < self.per_step:
+        while len(picked) < n:
             if not self.order:
-                self.order = list(range(len(self.samples)))
+                self.order = list(range(self.size))
                 self.rng.shuffle(self.order)
             picked.append(self.order.pop())
-        uids = list(range(self.drawn, self.drawn + len(picked)))
-        self.drawn += len(picked)
-        return prompt_batch([self.samples[i] for i in picked], self.tokenizer, uids, ids=[self.ids[i] for i in picked])
+        self.drawn += n
+        return picked
 
     def state(self) -> dict:
         """Return the stream's position as plain data (for checkpoints)."""
@@ -121,3 +116,22 @@ class PromptSource:
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
         self.order, self.drawn = list(state["order"]), state["drawn"]
+
+
+class PromptSource(ShuffledEpochs):
+    """Shuffled epochs over the training samples, ``per_step`` prompts at a time. Every prompt is
+    tokenized and checked against ``fit`` once, when the source is made."""
+
+    def __init__(self, samples: list[Sample], tokenizer, per_step: int, seed: int = 0, fit: PromptFit | None = None):
+        if not samples:
+            raise ValueError("no training prompts")
+        super().__init__(len(samples), seed)
+        self.samples, self.tokenizer, self.per_step = samples, tokenizer, per_step
+        self.ids = tokenize_prompts(samples, tokenizer, fit)
+
+    def next(self) -> Batch:
+        """Return the next ``per_step`` prompts, each with a fresh uid (its group id)."""
+        first = self.drawn
+        picked = self.take(self.per_step)
+        return prompt_batch([self.samples[i] for i in picked], self.tokenizer, list(range(first, self.drawn)),
+                            ids=[self.ids[i] for i in picked])

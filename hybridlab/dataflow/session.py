@@ -36,6 +36,7 @@ from hybridlab.dataflow.context import BackgroundRun
 from hybridlab.dataflow.edits import StepBoundary
 from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.live import LiveEdits
+from hybridlab.dataflow.pairs import PairSource, load_pairs
 from hybridlab.dataflow.prompts import PromptFit, PromptSource, load_samples, tokenize_prompts
 from hybridlab.dataflow.roles import role_classes
 from hybridlab.dataflow.step import Stepping, StepResult
@@ -111,10 +112,16 @@ class RLSession(Stepping, LiveEdits):
         # every prompt is checked (empty, not tokenizable, too long) before Ray or a warm start
         self.tokenizer = use_template(AutoTokenizer.from_pretrained(model_dir), self.cfg.data.chat_template)
         self._model_fit = PromptFit.of(self.cfg, model_dir)  # its context; the settings may change live
-        train, self.test_samples = load_samples(self.cfg, "train"), load_samples(self.cfg, "test")
-        check_chat(self.tokenizer, train + self.test_samples, model_dir)
-        self.prompts = PromptSource(train, self.tokenizer, self.cfg.data.prompts_per_step,
-                                    seed=self.cfg.data.seed, fit=self._prompt_fit())
+        self.test_samples = load_samples(self.cfg, "test")
+        if self.cfg.data.preferences:  # offline DPO: each step's batch is pairs, not prompts
+            check_chat(self.tokenizer, self.test_samples, model_dir)
+            self.prompts = PairSource(load_pairs(self.cfg), self.tokenizer, self.cfg.data.prompts_per_step,
+                                      seed=self.cfg.data.seed, context=self._model_fit.context)
+        else:
+            train = load_samples(self.cfg, "train")
+            check_chat(self.tokenizer, train + self.test_samples, model_dir)
+            self.prompts = PromptSource(train, self.tokenizer, self.cfg.data.prompts_per_step,
+                                        seed=self.cfg.data.seed, fit=self._prompt_fit())
         tokenize_prompts(self.test_samples, self.tokenizer, self._prompt_fit())
         try:
             connect(address=self._ray["address"], temp_dir=self._ray["temp_dir"], min_gpus=devices)

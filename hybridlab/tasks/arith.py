@@ -37,6 +37,14 @@ class Arith(Task):
         result = str(_OPS[op](a, b))
         return Sample(prompt=f"{a}{op}{b}=", ground_truth=result, data_source="arith", answer=result)
 
+    def wrong_answer(self, sample: Sample, rng: random.Random) -> str:
+        """An answer off by a slip a model makes: a unit or a carry (1, 2, 10 or 11), either way."""
+        right = int(sample.ground_truth)
+        while True:
+            wrong = right + rng.choice((1, 2, 10, 11)) * rng.choice((-1, 1))
+            if wrong >= 0 or right < 0:  # a negative answer only where the right one is
+                return str(wrong)
+
     def check(self, response: str, ground_truth) -> tuple[bool, bool]:
         text = first_line(response)
         return text == str(ground_truth), bool(_NUMBER.fullmatch(text))

@@ -44,6 +44,11 @@ class Task:
         """Return (correct, well_formed) for a decoded response."""
         raise NotImplementedError
 
+    def wrong_answer(self, sample: Sample, rng: random.Random) -> str:
+        """Return a plausible wrong answer to ``sample``: well formed, close to the right one, and
+        scored wrong by ``check`` (the rejected side of a preference pair)."""
+        raise UserError(f"task {self.name!r} cannot write preference pairs: it has no wrong_answer")
+
     def split(self, split: str, n: int, seed: int = 0) -> list[Sample]:
         """Return ``n`` samples of ``split`` ("train" or "test"); test never overlaps train."""
         if split not in ("train", "test"):

@@ -60,6 +60,17 @@ class Countdown(Task):
         return Sample(prompt=prompt, ground_truth={"target": target, "numbers": numbers},
                       data_source="countdown", answer=expr)
 
+    def wrong_answer(self, sample: Sample, rng: random.Random) -> str:
+        """The worked expression with one operator changed, so it misses the target."""
+        right, target = sample.answer, sample.ground_truth["target"]
+        ops = [i for i, c in enumerate(right) if c in "+-*"]
+        for _ in range(100):
+            i = rng.choice(ops)
+            wrong = right[:i] + rng.choice([c for c in "+-*" if c != right[i]]) + right[i + 1:]
+            if evaluate(wrong)[0] != target:
+                return wrong
+        return f"{right}+1"  # every operator swap hit the target; this misses it by one
+
     def check(self, response: str, ground_truth) -> tuple[bool, bool]:
         text = first_line(response)
         try:

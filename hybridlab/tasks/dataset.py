@@ -9,15 +9,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 from hybridlab.errors import UserError
 from hybridlab.tasks.base import Sample
 
 FORMATS = (".parquet", ".jsonl")
+T = TypeVar("T")
 
 
-def _read_rows(path: Path) -> list[dict]:
+def read_rows(path: Path) -> list[dict]:
+    """Return the rows of a parquet or JSONL file as dicts; errors name the file and the row."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
         try:
@@ -54,51 +56,65 @@ def _prompt_text(value: Any, where: str) -> tuple[str, list | None]:
 
 
 def load_dataset(path: str | os.PathLike, limit: int | None = None) -> list[Sample]:
-    """Return the samples of a verl-style parquet or JSONL file.
+    """Return the samples of a verl-style parquet or JSONL file (at most ``limit``).
 
     Errors name the file, the row (1-based) and the field that is missing or malformed.
     """
+    return parse_rows(path, limit, sample_from_row)
+
+
+def parse_rows(path: str | os.PathLike, limit: int | None, parse: Callable[[dict, str], T]) -> list[T]:
+    """Return ``parse(row, "FILE: row N")`` for the rows of a parquet or JSONL file, at most
+    ``limit``; raises UserError naming the file for a bad format, a missing file or no rows."""
     path = Path(path)
     if path.suffix not in FORMATS:
         raise UserError(f"{path}: unsupported dataset format {path.suffix!r}; use one of: {', '.join(FORMATS)}")
     if not path.is_file():
         raise UserError(f"{path}: no such dataset file")
-    samples = []
-    for i, row in enumerate(_read_rows(path), 1):
-        where = f"{path}: row {i}"
-        for field in ("prompt", "data_source", "reward_model"):
-            if row.get(field) is None:
-                raise UserError(f"{where}: missing field {field!r}")
-        reward_model = row["reward_model"]
-        if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
-            raise UserError(f"{where}: missing field 'reward_model.ground_truth'")
-        if not isinstance(row["data_source"], str):
-            raise UserError(f"{where}: field 'data_source' must be a string")
-        extra = row.get("extra_info") or {}
-        if not isinstance(extra, dict):
-            raise UserError(f"{where}: field 'extra_info' must be a dict, got {type(extra).__name__}")
-        text, messages = _prompt_text(row["prompt"], where)
-        if messages is not None:
-            extra = {**extra, "messages": messages}
-        gt = reward_model["ground_truth"]
-        samples.append(Sample(prompt=text, ground_truth=gt, data_source=row["data_source"],
-                              answer=str(extra.get("answer", "")), extra_info=extra, origin=where))
-        if limit is not None and len(samples) >= limit:
+    out = []
+    for i, row in enumerate(read_rows(path), 1):
+        out.append(parse(row, f"{path}: row {i}"))
+        if limit is not None and len(out) >= limit:
             break
-    if not samples:
+    if not out:
         raise UserError(f"{path}: the dataset has no rows")
-    return samples
+    return out
+
+
+def sample_from_row(row: dict, where: str) -> Sample:
+    """Return the Sample of one verl-column row; raises UserError naming ``where`` and the field."""
+    for field in ("prompt", "data_source", "reward_model"):
+        if row.get(field) is None:
+            raise UserError(f"{where}: missing field {field!r}")
+    reward_model = row["reward_model"]
+    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+        raise UserError(f"{where}: missing field 'reward_model.ground_truth'")
+    if not isinstance(row["data_source"], str):
+        raise UserError(f"{where}: field 'data_source' must be a string")
+    extra = row.get("extra_info") or {}
+    if not isinstance(extra, dict):
+        raise UserError(f"{where}: field 'extra_info' must be a dict, got {type(extra).__name__}")
+    text, messages = _prompt_text(row["prompt"], where)
+    if messages is not None:
+        extra = {**extra, "messages": messages}
+    return Sample(prompt=text, ground_truth=reward_model["ground_truth"], data_source=row["data_source"],
+                  answer=str(extra.get("answer", "")), extra_info=extra, origin=where)
 
 
 def save_dataset(samples: Iterable[Sample], path: str | os.PathLike) -> Path:
     """Write samples as a verl-style parquet or JSONL file (atomically); returns the path."""
+    return write_rows([{"prompt": s.prompt, "data_source": s.data_source,
+                        "reward_model": {"style": "rule", "ground_truth": s.ground_truth},
+                        "extra_info": {"answer": s.answer, **{k: str(v) for k, v in s.extra_info.items()}}}
+                       for s in samples], path)
+
+
+def write_rows(rows: list[dict], path: str | os.PathLike) -> Path:
+    """Write dict rows as parquet or JSONL, by the file's suffix, atomically (a reader never sees a
+    half-written file); returns the path."""
     path = Path(path)
     if path.suffix not in FORMATS:
         raise UserError(f"{path}: unsupported dataset format {path.suffix!r}; use one of: {', '.join(FORMATS)}")
-    rows = [{"prompt": s.prompt, "data_source": s.data_source,
-             "reward_model": {"style": "rule", "ground_truth": s.ground_truth},
-             "extra_info": {"answer": s.answer, **{k: str(v) for k, v in s.extra_info.items()}}}
-            for s in samples]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     if path.suffix == ".parquet":

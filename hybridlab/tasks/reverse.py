@@ -30,6 +30,20 @@ class Reverse(Task):
         return Sample(prompt=f"reverse {text}=", ground_truth=text[::-1], data_source="reverse",
                       answer=text[::-1])
 
+    def wrong_answer(self, sample: Sample, rng: random.Random) -> str:
+        """The reversal with two neighbouring letters swapped, or one letter changed."""
+        right = str(sample.ground_truth)
+        while True:
+            chars = list(right)
+            i = rng.randrange(len(chars))
+            if len(chars) > 1 and rng.random() < 0.5:
+                j = min(i + 1, len(chars) - 1) if i < len(chars) - 1 else i - 1
+                chars[i], chars[j] = chars[j], chars[i]
+            else:
+                chars[i] = rng.choice(self.alphabet)
+            if "".join(chars) != right:
+                return "".join(chars)
+
     def check(self, response: str, ground_truth) -> tuple[bool, bool]:
         text = first_line(response)
         return text == ground_truth, bool(text) and all(c in self.alphabet for c in text)
