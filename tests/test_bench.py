@@ -79,6 +79,25 @@ def test_bench_lora_json(ray_local, capfd):
     assert min(m["peak_rss_mb"] for m in (full, lora, merged)) > 0
 
 
+def test_bench_dpo_json_reads_the_same_pairs_on_both_sides(ray_local, capfd):
+    result = run_bench(["dpo", "--opt", "model=tiny", "--opt", "pairs=4", "--opt", "steps=1", "--opt", "warmup=1",
+                        "--opt", "max_len=12"], capfd)
+    sides = {"ours": result["ours"], "trl": result["trl"]}
+    # one epoch of the same pairs, tokenized alike: the same real tokens on our side and TRL's, both precisions
+    assert len({run["tokens_total"] for side in sides.values() for run in side.values()}) == 1
+    assert result["ours"]["fp32"]["tokens_total"] > 8 * 8
+    for side, key in (("ours", "precision"), ("trl", "trl_precision")):
+        runs = sides[side]
+        assert sorted(runs) == ["bf16", "fp32"]
+        assert runs[result[key]]["tokens_per_s"] == max(r["tokens_per_s"] for r in runs.values())
+    assert result["tokens_per_s"] == result["ours"][result["precision"]]["tokens_per_s"]
+    assert result["trl_tokens_per_s"] == result["trl"][result["trl_precision"]]["tokens_per_s"]
+    assert_ratio(result["ratio"], result["tokens_per_s"], result["trl_tokens_per_s"], 3)
+    assert result["processor"] and result["pairs_per_step"] == 4
+    assert main(["bench", "dpo", "--opt", "pairs=0", "--json"]) == 2
+    assert "benchmark dpo: pairs must be an integer of at least 1, got 0" in capfd.readouterr().err
+
+
 def test_bench_rollout_json(ray_local, capfd):
     result = run_bench(["rollout", "--opt", "model=tiny", "--opt", "prompts=4", "--opt", "max_new_tokens=8"], capfd)
     assert {"ours_tokens_per_s", "vllm_tokens_per_s", "hf_tokens_per_s", "ratio_vs_vllm", "ratio_vs_hf"} <= set(result)

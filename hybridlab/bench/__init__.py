@@ -17,6 +17,7 @@ BENCHES = {
     "soak": "hybridlab.bench.soak",
     "precision": "hybridlab.bench.precision",
     "lora": "hybridlab.bench.lora",
+    "dpo": "hybridlab.bench.dpo",
 }
 
 
