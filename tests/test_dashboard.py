@@ -212,6 +212,7 @@ def test_a_setting_that_needs_a_role_adds_it_to_the_default_mapping_and_the_dash
     rl.update("actor.use_kl_loss=true")  # the default mapping gains the reference model
     report = rl.remaps[-1]
     assert report.roles_added == ["ref"] and report.reason == "update"
+    assert (report.roles_recreated, report.processes_started, report.bytes_moved) == ([], 0, 0)  # joined in place
     assert "ref_logprob" in rl.dataflow.names and "actor/kl_loss" in rl.step().metrics
     board = Dashboard(rl.run_dir)
     board.update()
@@ -245,7 +246,8 @@ def test_hub_file_holds_every_kind_and_replays(rl):
     assert f"step {steps} ·" in board.status.object
     assert len(board.spans.data["worker"]) > 0 and board.devices
     syncs = [r for r in records if r["kind"] == "sync"]
-    assert len(board.sync.data["step"]) == len(syncs) == steps + 1  # one per step, one after the remap
+    # one per step: the remap that added the reference built it beside the actor and moved no weights
+    assert len(board.sync.data["step"]) == len(syncs) == steps
     assert [r["step"] for r in syncs if r["reason"] == "step"] == list(range(1, steps + 1))
 
 

@@ -228,6 +228,8 @@ class WorkerHost:
                 except BaseException:
                     raise RemoteError(role, self.rank, "__init__", traceback.format_exc()) from None
                 self.workers[role] = obj
+        if getattr(self, "sampler", None) is not None:  # a role joined later: its samples name it too
+            self.sampler.role = ",".join(self.workers)
 
     def _start_sampler(self, roles: str) -> None:
         """Send device samples to the run's telemetry hub, if the session named one."""
