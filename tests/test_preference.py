@@ -247,12 +247,17 @@ def test_offline_dpo_trains_on_a_preference_file(ray_local, tiny_dir, tmp_path):
         steps = [rl.step() for _ in range(3)]
         assert sorted(rl.workers.groups) == ["actor", "ref", "reward", "rollout"]  # rollout, reward: the evaluation
         tokenizer = rl.tokenizer
+        rows = rl.decoded(steps[0].batch, limit=2)  # what the notebook's batch table shows: a pair's two rows
+        rows_after_ref = rl.inspect(steps[0], "ref_logprob").rows
     first = steps[0]
     assert [name for name, _ in first.stages] == ["ref_logprob", "update_actor_dpo", "sync_weights"]
     batch = first.batch
     chosen = {tokenizer.decode(r[m.bool()]) for r, m in zip(batch["responses"][0::2], batch["response_mask"][0::2])}
     assert chosen == {p.chosen + tokenizer.eos_token for p in pairs}
     assert batch["uid"][0::2] == batch["uid"][1::2]  # each pair's two rows share its uid
+    pair = next(p for p in pairs if p.prompt == rows[0]["prompt"])
+    assert [(r["prompt"], r["response"]) for r in rows] == [(pair.prompt, pair.chosen), (pair.prompt, pair.rejected)]
+    assert rows_after_ref[0]["response"] == pair.chosen and "ref_logp" in rows_after_ref[0]
     losses = [s.metrics["actor/loss"] for s in steps]
     assert losses[2] < losses[1] < losses[0], losses
     assert steps[2].metrics["rewards/margins"] > steps[0].metrics["rewards/margins"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hybridlab.dataflow.pairs import PAIR_INPUTS
 from hybridlab.dataflow.prompts import PROMPT_FIELDS
 from hybridlab.protocol import Batch
 
@@ -29,7 +30,7 @@ def fields_after(result: "StepResult", stage: str | None) -> set[str] | None:
     names = [name for name, _ in result.stages]
     if stage not in names:
         raise KeyError(f"stage {stage!r} did not run in step {result.step}; its stages: {', '.join(names)}")
-    fields = {"prompt", "index", *PROMPT_FIELDS}
+    fields = {"prompt", "index", *PROMPT_FIELDS, *PAIR_INPUTS}  # what a step starts with: prompts or pairs
     for name, added in result.stages[:names.index(stage) + 1]:
         fields |= set(added)
     return fields
@@ -47,6 +48,10 @@ def batch_rows(batch: Batch, tokenizer: Any, fields: set[str] | None = None) -> 
             row["prompt"] = batch["prompt"][i]
         elif "prompt_ids" in batch:
             row["prompt"] = tokenizer.decode(batch["prompt_ids"][i], skip_special_tokens=True)
+        elif "prompts" in batch:  # preference pairs: the left-padded prompt tokens only
+            width = batch["prompts"].shape[1]
+            real = batch["attention_mask"][i, :width].bool()
+            row["prompt"] = tokenizer.decode(batch["prompts"][i][real].tolist(), skip_special_tokens=True)
         if have("responses") and mask is not None:
             n = int(mask[i].sum())
             row["response"] = tokenizer.decode(batch["responses"][i, :n].tolist(), skip_special_tokens=True)
