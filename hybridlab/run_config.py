@@ -29,7 +29,7 @@ from hybridlab.errors import UserError
 from hybridlab.models.chat import template_file
 from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import CONVERTED, parse_preset
-from hybridlab.tasks import get_task
+from hybridlab.tasks import Task, get_task
 from hybridlab.workers.reward.scoring import load_function
 from hybridlab.workers.rollout.worker import BACKENDS
 from hybridlab.workers.train.backend import STRATEGIES
@@ -263,6 +263,11 @@ def _dataflow_and_mapping_problems(cfg: RunConfig) -> list[str]:
         p += [f"mapping.{x}" if not x.startswith(("too few", "colocate")) else f"mapping: {x}"
               for x in mapping.problems(_model_config(cfg))]
         p += Dataflow(names).problems(cfg, mapping.roles, step_inputs(cfg))
+        has_test_prompts = not cfg.data.train_files or cfg.data.test_files
+        missing = [r for r in EVAL_ROLES if r not in mapping.roles and r not in roles_needed(names)]  # else named
+        if has_test_prompts and missing:
+            p.append(f"mapping: the greedy evaluation of the test prompts generates on the rollout and scores on the"
+                     f" reward role; add {' and '.join(missing)}")
         p += _dp_problems(cfg, mapping)
         p += backend_problems(cfg, mapping)
         rollout = mapping.roles.get("rollout")
@@ -354,7 +359,10 @@ def _check_data_and_model(cfg: RunConfig, p: list[str]) -> None:
             p.append(f"data.{key}: no file {path!r}")
     if not cfg.data.train_files:
         try:
-            get_task(cfg.data.task, **cfg.data.task_options)
+            task = get_task(cfg.data.task, **cfg.data.task_options)
+            if cfg.data.preferences and type(task).wrong_answer is Task.wrong_answer:
+                p.append(f"data.task: task {cfg.data.task!r} has no wrong_answer, so it cannot make preference pairs;"
+                         " give them in data.train_files (TRL's columns)")
         except UserError as exc:
             p.append(f"data.task: {exc}")
     if cfg.warm_start.max_steps and cfg.data.train_files:

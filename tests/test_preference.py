@@ -70,9 +70,9 @@ def test_the_log_ratios_are_not_zero(trl_dpo):
 
 
 def test_pairs_are_tokenized_as_trls_dpo_trainer_does(trl_dpo):
-    """Text pairs (end-of-sequence added where missing), chat pairs with a prompt column and chat
-    pairs whose prompt is their shared first messages: the prompt, chosen and rejected ids equal
-    those of DPOTrainer's dataset preparation."""
+    """Text pairs (end-of-sequence added where missing), text pairs whose prompt is their shared
+    start, chat pairs with a prompt column and chat pairs whose prompt is their shared first
+    messages: the prompt, chosen and rejected ids equal those of DPOTrainer's dataset preparation."""
     from datasets import Dataset
 
     from hybridlab.dataflow.pairs import pair_ids
@@ -84,6 +84,7 @@ def test_pairs_are_tokenized_as_trls_dpo_trainer_does(trl_dpo):
     said = [[{"role": "assistant", "content": text}] for text in ("42", "52 or so")]
     forms = {"text": [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in zip(*PAIRS.values())]
              + [{"prompt": "9+9=", "chosen": "18" + tokenizer.eos_token, "rejected": "81"}],
+             "implicit text prompt": [{"chosen": "Q: 12+30? A: 42", "rejected": "Q: 12+30? A: 52"}],
              "chat": [{"prompt": user, "chosen": said[0], "rejected": said[1]}],
              "implicit chat prompt": [{"chosen": user + said[0], "rejected": user + said[1]}]}
     for form, rows in forms.items():
@@ -91,7 +92,7 @@ def test_pairs_are_tokenized_as_trls_dpo_trainer_does(trl_dpo):
         for i, row in enumerate(rows):
             ours = pair_ids(tokenizer, pair_from_row(row, f"row {i}"))
             assert ours == (theirs[i]["prompt_ids"], theirs[i]["chosen_ids"], theirs[i]["rejected_ids"]), form
-            assert ours[1][-1] == tokenizer.eos_token_id or form != "text"
+            assert ours[1][-1] == tokenizer.eos_token_id or "chat" in form
 
 
 def test_preference_settings_are_checked_by_name():

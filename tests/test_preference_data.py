@@ -9,7 +9,7 @@ import pytest
 from hybridlab.cli import main
 from hybridlab.config import ConfigError
 from hybridlab.errors import UserError
-from hybridlab.tasks import Task, get_task
+from hybridlab.tasks import TASKS, Task, get_task
 from hybridlab.tasks.preferences import PreferencePair, load_preferences, save_preferences, task_pairs
 
 
@@ -62,7 +62,10 @@ def test_the_prompt_is_implicit_in_shared_messages_as_in_trl(tmp_path):
 @pytest.mark.parametrize("row, message", [
     ({"prompt": "1+1=", "rejected": "3"}, "row 2: missing field 'chosen'"),
     ({"prompt": "1+1=", "chosen": "2", "rejected": [GREEN]}, "row 2: fields 'chosen' and 'rejected' must both be"),
-    ({"chosen": "2", "rejected": "3"}, "row 2: field 'prompt' is missing; text pairs need a text prompt"),
+    ({"chosen": "2", "rejected": "3"}, "row 2: no field 'prompt', and 'chosen' and 'rejected' share no text"),
+    ({"prompt": ["1+1="], "chosen": "2", "rejected": "3"}, "row 2: field 'prompt' is a list, not text"),
+    ({"prompt": "1+1=", "data_source": "arith", "reward_model": {"ground_truth": "2"}},
+     "row 2: missing field 'chosen' \\(this row has verl's prompt columns: data.preferences=true reads preference"),
     ({"prompt": "1+1=", "chosen": "", "rejected": "3"}, "row 2: field 'chosen' is empty"),
     ({"prompt": [USER], "chosen": [BLUE], "rejected": [{"role": "assistant"}]},
      r"row 2: field 'rejected'\[0\] must be a message with string 'role' and 'content'"),
@@ -74,6 +77,19 @@ def test_a_bad_row_is_refused_with_its_file_row_and_field(tmp_path, row, message
     path = _write(tmp_path, [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}, row])
     with pytest.raises(UserError, match=f"^{path}: {message}"):
         load_preferences(path)
+
+
+def test_a_text_prompt_is_implicit_as_in_trl_and_rows_are_numbered_by_their_line(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    rows = [{"chosen": "Q: 2+2? A: 4", "rejected": "Q: 2+2? A: 5"}, {"prompt": "1+1=", "chosen": "2"}]
+    path.write_text("\n" + json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n")  # blank lines 1 and 3
+    with pytest.raises(UserError, match=r"pairs.jsonl: row 4: missing field 'rejected'"):  # the editor's line
+        load_preferences(path)
+    path.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"chosen": "Q: hi A: yo", "rejected": "Q: hi A: hey"}))
+    first, second = load_preferences(path)
+    # trl.data_utils.extract_prompt's results on these rows: the space before the answers goes with them
+    assert (first.prompt, first.chosen, first.rejected) == ("Q: 2+2? A:", " 4", " 5")
+    assert (second.prompt, second.chosen, second.rejected) == ("Q: hi A:", " yo", " hey")
 
 
 def test_unreadable_files_are_refused_by_name(tmp_path):
@@ -102,3 +118,38 @@ def test_offline_dpo_settings_are_checked_by_name(tiny_dir, tmp_path):
         load_config("dpo", ["dataflow=[update_actor_dpo, sync_weights]"])
     with pytest.raises(ConfigError, match=r"data.train_files: no file"):
         load_config("dpo", [f"data.train_files={tmp_path / 'none.parquet'}", "warm_start.max_steps=0"])
+    no_reward = "mapping={pools: {p: {devices: 1}}, roles: {actor: {pool: p, colocate: e}, ref: {pool: p, colocate: e}," \
+                " rollout: {pool: p, colocate: e}}}"
+    with pytest.raises(ConfigError) as err:
+        load_config("dpo", [no_reward])
+    assert str(err.value) == ("config is invalid:\n  - mapping: the greedy evaluation of the test prompts generates on"
+                              " the rollout and scores on the reward role; add reward")
+
+    class Plain(Task):  # a task of a user's own, without wrong answers
+        name = "plain_for_test"
+    TASKS[Plain.name] = Plain
+    try:
+        with pytest.raises(ConfigError, match=r"data.task: task 'plain_for_test' has no wrong_answer, so it cannot"
+                                              r" make preference pairs; give them in data.train_files"):
+            load_config("dpo", ["data.task=plain_for_test"])
+    finally:
+        del TASKS[Plain.name]
+
+
+def test_a_chat_pair_needs_a_chat_template_and_a_resume_needs_the_same_data(tiny_dir):
+    from transformers import AutoTokenizer
+
+    from hybridlab.dataflow.pairs import PairSource
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    chat = task_pairs(get_task("arith"), "train", 4, chat=True)
+    source = PairSource(chat, tokenizer, per_step=2)
+    source.next()
+    state = source.state()
+    with pytest.raises(UserError, match=r"the checkpoint's training stream drew from 4 items, but this run's data has"
+                                        r" 5: the training data .* changed since the checkpoint"):
+        PairSource(task_pairs(get_task("arith"), "train", 5, chat=True), tokenizer, per_step=2).set_state(state)
+    tokenizer.chat_template = None
+    with pytest.raises(UserError, match=r"the pair is chat messages, but the tokenizer has no chat template; set"
+                                        r" data.chat_template"):
+        PairSource(chat, tokenizer, per_step=2)

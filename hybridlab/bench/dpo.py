@@ -4,13 +4,14 @@ model, preference pairs, batch, loss, beta, learning rate and threads, one after
 
 The pairs are the reverse task's (``min_len``..``max_len`` letters: prompts and responses of
 varied lengths), written once in TRL's columns and read by both sides. A step is one optimizer
-step on ``pairs`` pairs, the reference scoring them in the same step on both sides (TRL:
-``precompute_ref_log_probs=False``, its default). Tokens are the real (unpadded) tokens of the
-step's chosen and rejected sequences, counted from what each side's batches hold; the first
-``warmup`` steps are not timed. Each side at its best here: both run in fp32 and in bf16 (ours:
-``actor.precision``; TRL: ``bf16`` autocast) and each reports its faster; ours packs micro-batches
-without padding (``actor.remove_padding``, a token budget), TRL pads (its ``padding_free`` is
-disabled in TRL 1.16).
+step of the sigmoid loss on ``pairs`` pairs, the reference scoring them in the same step on both
+sides (TRL: ``precompute_ref_log_probs=False``, its default). Tokens are the real (unpadded)
+tokens of the step's chosen and rejected sequences, counted from what each side's batches hold;
+the first ``warmup`` steps are not timed. TRL runs without gradient checkpointing (its default
+recomputes activations) and with as many threads as our worker process. Each side at its best
+here: both run in fp32 and in bf16 (ours: ``actor.precision``; TRL: ``bf16`` autocast) and each
+reports its faster; ours packs micro-batches without padding (``actor.remove_padding``, a token
+budget), TRL pads (its ``padding_free`` is disabled in TRL 1.16).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from hybridlab.environment import processor, usable_cores
+from hybridlab.environment import processor
 from hybridlab.errors import UserError
 from hybridlab.models.zoo import resolve_model
 from hybridlab.tasks import get_task
@@ -36,7 +37,9 @@ def _ours(model_dir: Path, pairs_file: Path, pairs: int, steps: int, warmup: int
 
     overrides = [f"model={model_dir}", "data.preferences=true", f"data.train_files={pairs_file}",
                  "warm_start.max_steps=0", f"data.prompts_per_step={pairs}", f"actor.lr={lr}", "actor.warmup_steps=0",
-                 f"dpo.beta={beta}", f"actor.precision={precision}", "actor.remove_padding=true", f"actor.micro_batch_tokens={micro_batch_tokens}",
+                 "dpo.loss_type=sigmoid", "dpo.loss_weights=null",  # TRL's default loss, not the preset's
+                 f"dpo.beta={beta}", f"actor.precision={precision}", "actor.remove_padding=true",
+                 f"actor.micro_batch_tokens={micro_batch_tokens}",
                  "dataflow=[ref_logprob, update_actor_dpo]",  # no rollout to feed: TRL has none either
                  "trainer.progress=false", "trainer.telemetry=false", "trainer.tensorboard=false",
                  f"trainer.run_dir={tempfile.mkdtemp(prefix='bench-dpo-')}"]
@@ -47,7 +50,8 @@ def _ours(model_dir: Path, pairs_file: Path, pairs: int, steps: int, warmup: int
             result = rl.step()
             seconds.append(time.perf_counter() - start)
             tokens.append(int(result.batch["attention_mask"].sum()))
-    return _figures(seconds, tokens, warmup)
+        threads = rl.environment["worker_threads"]
+    return {**_figures(seconds, tokens, warmup), "threads": threads}
 
 
 def _figures(seconds: list[float], tokens: list[int], warmup: int) -> dict:
@@ -83,6 +87,7 @@ def _trl(model_dir: Path, pairs_file: Path, pairs: int, steps: int, warmup: int,
     with tempfile.TemporaryDirectory() as out:
         args = DPOConfig(output_dir=out, per_device_train_batch_size=pairs, max_steps=warmup + steps, learning_rate=lr,
                          beta=beta, bf16=bf16, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
+                         gradient_checkpointing=False,  # TRL's default recomputes activations: ~20% slower
                          lr_scheduler_type="constant", warmup_steps=0, seed=0, disable_tqdm=True)
         load = (lambda: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
         trainer = Timed(model=load(), ref_model=load(), args=args, callbacks=[Clock()],
@@ -99,13 +104,13 @@ def run(model: str = "small", pairs: int = 16, steps: int = 6, warmup: int = 2, 
     for name, value, low in (("pairs", pairs, 1), ("steps", steps, 1), ("warmup", warmup, 0)):
         if not isinstance(value, int) or value < low:
             raise UserError(f"benchmark dpo: {name} must be an integer of at least {low}, got {value!r}")
-    threads = min(2, usable_cores())
     model_dir = resolve_model(model)
     workdir = Path(tempfile.mkdtemp(prefix="bench-dpo-data-"))
     task = get_task("reverse", min_len=min_len, max_len=max_len)
     pairs_file = save_preferences(task_pairs(task, "train", pairs * (warmup + steps), seed=0), workdir / "pairs.jsonl")
     ours = {p: _ours(model_dir, pairs_file, pairs, steps, warmup, lr, beta, micro_batch_tokens, p)
             for p in PRECISIONS}
+    threads = ours["fp32"]["threads"]  # TRL gets as many threads as our worker process has
     trl = {p: _trl(model_dir, pairs_file, pairs, steps, warmup, lr, beta, p == "bf16", threads) for p in PRECISIONS}
     mine, best = (max(side, key=lambda p: side[p]["tokens_per_s"]) for side in (ours, trl))
     return {"benchmark": "dpo", "processor": processor(), "threads": threads, "model": model,

@@ -167,7 +167,9 @@ class WorkerSet:
             f"roles.{r}: no worker class was given for this role (have: {have})" for r in new.roles if r not in merged])
         joining = self._joining(new)
         staying = {r for hostset in joining.values() for r in hostset.roles}
-        changed = (self.mapping.changed_roles(new) - staying - set(joining)) | set(recreate)
+        # a role new to the mapping is built fresh either way: its "re-create" never drags its set along
+        changed = self.mapping.changed_roles(new) - staying - set(joining)
+        changed |= set(recreate) & set(self.mapping.roles)
         for mapping in (self.mapping, new):  # a re-created role takes the roles sharing its processes along
             for _, members in mapping.process_sets():
                 if changed & set(members):
@@ -185,11 +187,16 @@ class WorkerSet:
         if self.spares is not None:  # a spare can host a role added by this remap, too
             self.spares.add_roles({r: w.cls for r, w in self.role_classes.items()})
         self._spawn(new, [(pool, members) for pool, members in new.process_sets() if set(members) & changed])
+        self._load(changed, states)
         for role, hostset in joining.items():  # built in the running processes, beside the roles there
-            hostset.add_roles({role: self.role_classes[role]}, timeout=self.timeout)
+            try:
+                with hostset.lock:
+                    hostset.add_roles({role: self.role_classes[role]}, timeout=self.timeout)
+            except BaseException:  # a rank may hold a half-built role: the set cannot be trusted
+                self._teardown(set(hostset.roles) | {role})
+                raise
             self.groups[role] = WorkerGroup(role, self.role_classes[role].cls, hostset, self.timeline, self.timeout,
                                             self.watch)
-        self._load(changed, states)
         if refill:
             self.refill_spares()
         return changed

@@ -75,6 +75,15 @@ class PairSource(ShuffledEpochs):
         self.per_step, self.pad_id = per_step, tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = tokenizer.eos_token_id
+        chat = next((p for p in pairs if p.conversational), None)
+        if chat is not None and not tokenizer.chat_template:
+            raise UserError(f"{chat.origin or 'the task pairs (data.chat=true)'}: the pair is chat messages, but the"
+                            " tokenizer has no chat template; set data.chat_template to a template file or a Jinja"
+                            " template string")
+        text = next((p for p in pairs if not p.conversational), None)
+        if text is not None and tokenizer.eos_token is None:
+            raise UserError(f"{text.origin or 'the task pairs'}: a text pair's responses end with the end-of-sequence"
+                            " token (as TRL's), but the tokenizer has no eos_token")
         self.ids = []
         for i, pair in enumerate(pairs):
             where = pair.origin or f"pair {i}"

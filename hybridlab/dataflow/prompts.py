@@ -109,10 +109,16 @@ class ShuffledEpochs:
     def state(self) -> dict:
         """Return the stream's position as plain data (for checkpoints)."""
         version, internal, gauss = self.rng.getstate()
-        return {"rng": [version, list(internal), gauss], "order": list(self.order), "drawn": self.drawn}
+        return {"rng": [version, list(internal), gauss], "order": list(self.order), "drawn": self.drawn,
+                "size": self.size}
 
     def set_state(self, state: dict) -> None:
-        """Go back to a position ``state()`` returned."""
+        """Go back to a position ``state()`` returned; raises UserError when the stream it came from
+        had another number of items (the training data changed since the checkpoint)."""
+        if state.get("size", self.size) != self.size:  # checkpoints before the size was kept: not checked
+            raise UserError(f"the checkpoint's training stream drew from {state['size']} items, but this run's data"
+                            f" has {self.size}: the training data (data.train_files, data.train_samples, the task)"
+                            " changed since the checkpoint, so the run cannot continue where it stopped")
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
         self.order, self.drawn = list(state["order"]), state["drawn"]

@@ -18,12 +18,14 @@ FORMATS = (".parquet", ".jsonl")
 T = TypeVar("T")
 
 
-def read_rows(path: Path) -> list[dict]:
-    """Return the rows of a parquet or JSONL file as dicts; errors name the file and the row."""
+def read_rows(path: Path) -> list[tuple[int, dict]]:
+    """Return (row number, row) for the rows of a parquet or JSONL file: numbered from 1, a JSONL
+    row by its line (blank lines are skipped but counted, so every error names the same line an
+    editor shows); errors name the file and the row."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
         try:
-            return pq.read_table(path).to_pylist()
+            return list(enumerate(pq.read_table(path).to_pylist(), 1))
         except Exception as exc:  # pyarrow raises several types for corrupt files
             raise UserError(f"{path}: not a readable parquet file ({exc})") from None
     rows = []
@@ -37,7 +39,7 @@ def read_rows(path: Path) -> list[dict]:
                 raise UserError(f"{path}: row {lineno}: not valid JSON ({exc.msg})") from None
             if not isinstance(row, dict):
                 raise UserError(f"{path}: row {lineno}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
+            rows.append((lineno, row))
     return rows
 
 
@@ -72,8 +74,8 @@ def parse_rows(path: str | os.PathLike, limit: int | None, parse: Callable[[dict
     if not path.is_file():
         raise UserError(f"{path}: no such dataset file")
     out = []
-    for i, row in enumerate(read_rows(path), 1):
-        out.append(parse(row, f"{path}: row {i}"))
+    for number, row in read_rows(path):
+        out.append(parse(row, f"{path}: row {number}"))
         if limit is not None and len(out) >= limit:
             break
     if not out:

@@ -1,9 +1,10 @@
 """Preference pairs in TRL's columns: read, write, and made from a task.
 
 A row holds ``chosen`` and ``rejected`` and, usually, ``prompt``; each is text or a list of chat
-messages (``{"role", "content"}``). Without ``prompt`` the two message lists share it: the prompt
-is their longest common prefix of messages (TRL's implicit prompt). Files are parquet or JSONL, as
-for prompt datasets (``tasks.dataset``); errors name the file, the row (1-based) and the field.
+messages (``{"role", "content"}``). Without ``prompt`` the two share it: the prompt is their
+longest common start, in messages or in characters (TRL's implicit prompt, ``extract_prompt``).
+Files are parquet or JSONL, as for prompt datasets (``tasks.dataset``); errors name the file, the
+row (1-based; a JSONL file's line) and the field.
 """
 from __future__ import annotations
 
@@ -45,16 +46,21 @@ def _messages(value: Any, where: str, field: str) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
-def _implicit_prompt(chosen: list, rejected: list, where: str) -> tuple[list, list, list]:
+def _implicit_prompt(chosen, rejected, where: str) -> tuple:
+    """TRL's ``extract_prompt``: the prompt is what ``chosen`` and ``rejected`` share at the start
+    (messages, or characters: a space before the first difference goes with the responses)."""
     shared = 0
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
         shared += 1
+    if isinstance(chosen, str) and shared < min(len(chosen), len(rejected)) and shared and chosen[shared - 1] == " ":
+        shared -= 1
+    unit = "text" if isinstance(chosen, str) else "first message"
     if shared == 0:
-        raise UserError(f"{where}: no field 'prompt', and 'chosen' and 'rejected' share no first message to take"
-                        " it from (give a 'prompt' column, or put the prompt's messages in both)")
+        raise UserError(f"{where}: no field 'prompt', and 'chosen' and 'rejected' share no {unit} to take it from"
+                        " (give a 'prompt' column, or start both with the prompt)")
     if shared == len(chosen) or shared == len(rejected):
-        raise UserError(f"{where}: no field 'prompt', and one of 'chosen'/'rejected' has no message after the"
-                        " messages they share (nothing left to prefer)")
+        raise UserError(f"{where}: no field 'prompt', and one of 'chosen'/'rejected' has nothing after what they"
+                        " share (nothing left to prefer)")
     return chosen[:shared], chosen[shared:], rejected[shared:]
 
 
@@ -63,14 +69,18 @@ def pair_from_row(row: dict, where: str) -> PreferencePair:
     field that is missing or malformed."""
     for field in ("chosen", "rejected"):
         if row.get(field) is None:
-            raise UserError(f"{where}: missing field {field!r}")
+            hint = (" (this row has verl's prompt columns: data.preferences=true reads preference pairs in TRL's"
+                    " columns prompt, chosen, rejected)") if "reward_model" in row or "data_source" in row else ""
+            raise UserError(f"{where}: missing field {field!r}{hint}")
     chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
     if isinstance(chosen, str) != isinstance(rejected, str):
         raise UserError(f"{where}: fields 'chosen' and 'rejected' must both be text or both chat messages")
     if isinstance(chosen, str):
-        if not isinstance(prompt, str):
-            kind = "missing" if prompt is None else f"a {type(prompt).__name__}, not text"
-            raise UserError(f"{where}: field 'prompt' is {kind}; text pairs need a text prompt")
+        if prompt is None:
+            prompt, chosen, rejected = _implicit_prompt(chosen, rejected, where)
+        elif not isinstance(prompt, str):
+            raise UserError(f"{where}: field 'prompt' is a {type(prompt).__name__}, not text; text pairs need a text"
+                            " prompt")
         for field, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
             if not value:
                 raise UserError(f"{where}: field {field!r} is empty")
