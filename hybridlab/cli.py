@@ -100,6 +100,9 @@ def cmd_data(args) -> int:
     from hybridlab.tasks.dataset import save_dataset
     from hybridlab.tasks.preferences import save_preferences, task_pairs
 
+    if args.chat and not args.preferences:
+        raise UserError("--chat writes preference pairs as chat messages, so it needs --preferences (for a run on the"
+                        " task's prompts as chat messages, set data.chat=true)")
     task = _task_from_args(args)
     if args.preferences:
         print(save_preferences(task_pairs(task, args.split, args.n, seed=args.seed, chat=args.chat), args.out))

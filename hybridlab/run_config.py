@@ -24,6 +24,7 @@ from hybridlab.config import ConfigError, RunConfig, apply_override, build, reso
 from hybridlab.controller.mapping import ROLES, DeviceMapping
 from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.pairs import step_inputs
+from hybridlab.dataflow.prompts import has_test_prompts
 from hybridlab.dataflow.stages import STAGES, get_stage, rollout_log_probs_inexact, wants_sum_pi_squared
 from hybridlab.errors import UserError
 from hybridlab.models.chat import template_file
@@ -263,12 +264,11 @@ def _dataflow_and_mapping_problems(cfg: RunConfig) -> list[str]:
         p += [f"mapping.{x}" if not x.startswith(("too few", "colocate")) else f"mapping: {x}"
               for x in mapping.problems(_model_config(cfg))]
         p += Dataflow(names).problems(cfg, mapping.roles, step_inputs(cfg))
-        has_test_prompts = not cfg.data.train_files or cfg.data.test_files
         missing = [r for r in EVAL_ROLES if r not in mapping.roles and r not in roles_needed(names)]  # else named
-        if has_test_prompts and missing:
+        if has_test_prompts(cfg) and missing:
             p.append(f"mapping: the greedy evaluation of the test prompts generates on the rollout and scores on the"
                      f" reward role; add {' and '.join(missing)}")
-        p += _dp_problems(cfg, mapping)
+        p += _dp_problems(cfg, mapping, names)
         p += backend_problems(cfg, mapping)
         rollout = mapping.roles.get("rollout")
         if rollout is not None and rollout.tp > 1 and cfg.rollout.backend != "vllm":
@@ -308,16 +308,16 @@ def _correction_problems(cfg: RunConfig) -> list[str]:
     return out
 
 
-def _dp_problems(cfg: RunConfig, mapping) -> list[str]:
+def _dp_problems(cfg: RunConfig, mapping, names: list[str]) -> list[str]:
     out = []
     n = cfg.rollout.n
     actor = mapping.roles.get("actor")
     if cfg.data.preferences and actor is not None and cfg.data.prompts_per_step % actor.dp:
         out.append(f"data.prompts_per_step: {cfg.data.prompts_per_step} preference pairs per step do not split over"
                    f" the actor's data-parallel size {actor.dp} (each rank takes whole pairs, as many as the others)")
-    for role, section in (("actor", cfg.actor), ("critic", cfg.critic)):
+    for role, section, stage in (("actor", cfg.actor, "update_actor"), ("critic", cfg.critic, "update_critic")):
         layout = mapping.roles.get(role)
-        if layout is None or (role == "actor" and cfg.data.preferences):  # DPO updates on the whole batch
+        if layout is None or stage not in names:  # mini-batches are the update stage's (DPO's takes the batch whole)
             continue
         rows = section.ppo_mini_batch_size * n
         if rows % layout.dp:

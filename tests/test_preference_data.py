@@ -35,6 +35,9 @@ def test_hybridlab_data_writes_the_task_pairs_in_trl_columns(tmp_path, capsys):
         assert load_preferences(out) == task_pairs(get_task("arith"), "train", 20, seed=1, chat=chat)
     row = json.loads((tmp_path / "p.jsonl").read_text().splitlines()[0])
     assert set(row) == {"prompt", "chosen", "rejected"}
+    assert main(["data", "--task", "arith", "--chat", "--out", str(tmp_path / "x.jsonl")]) == 2
+    assert "--chat writes preference pairs as chat messages, so it needs --preferences" in capsys.readouterr().err
+    assert not (tmp_path / "x.jsonl").exists()
     chat = load_preferences(tmp_path / "c.parquet")[0]
     assert chat.conversational and chat.prompt[0]["role"] == "user" and chat.chosen[0]["role"] == "assistant"
 
@@ -140,6 +143,7 @@ def test_a_chat_pair_needs_a_chat_template_and_a_resume_needs_the_same_data(tiny
     from transformers import AutoTokenizer
 
     from hybridlab.dataflow.pairs import PairSource
+    from hybridlab.models.chat import check_chat
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
     chat = task_pairs(get_task("arith"), "train", 4, chat=True)
@@ -149,7 +153,9 @@ def test_a_chat_pair_needs_a_chat_template_and_a_resume_needs_the_same_data(tiny
     with pytest.raises(UserError, match=r"the checkpoint's training stream drew from 4 items, but this run's data has"
                                         r" 5: the training data .* changed since the checkpoint"):
         PairSource(task_pairs(get_task("arith"), "train", 5, chat=True), tokenizer, per_step=2).set_state(state)
-    tokenizer.chat_template = None
-    with pytest.raises(UserError, match=r"the pair is chat messages, but the tokenizer has no chat template; set"
+    tokenizer.chat_template = None  # what the session checks before it makes the source
+    with pytest.raises(UserError, match=r"^the task's prompts \(data.chat=true\): the prompt is a list of chat"
+                                        r" messages, but the tokenizer of .* has no chat template.* set"
                                         r" data.chat_template"):
-        PairSource(chat, tokenizer, per_step=2)
+        check_chat(tokenizer, chat, tiny_dir)
+    check_chat(tokenizer, task_pairs(get_task("arith"), "train", 4), tiny_dir)  # text pairs need no template

@@ -41,10 +41,10 @@ def _ours(model_dir: Path, pairs_file: Path, pairs: int, steps: int, warmup: int
                  f"dpo.beta={beta}", f"actor.precision={precision}", "actor.remove_padding=true",
                  f"actor.micro_batch_tokens={micro_batch_tokens}",
                  "dataflow=[ref_logprob, update_actor_dpo]",  # no rollout to feed: TRL has none either
-                 "trainer.progress=false", "trainer.telemetry=false", "trainer.tensorboard=false",
-                 f"trainer.run_dir={tempfile.mkdtemp(prefix='bench-dpo-')}"]
+                 "trainer.progress=false", "trainer.telemetry=false", "trainer.tensorboard=false"]
     seconds, tokens = [], []
-    with RLSession("dpo", overrides) as rl:
+    with tempfile.TemporaryDirectory(prefix="bench-dpo-") as run_dir, \
+            RLSession("dpo", [*overrides, f"trainer.run_dir={run_dir}"]) as rl:
         for _ in range(warmup + steps):
             start = time.perf_counter()
             result = rl.step()
@@ -105,13 +105,15 @@ def run(model: str = "small", pairs: int = 16, steps: int = 6, warmup: int = 2, 
         if not isinstance(value, int) or value < low:
             raise UserError(f"benchmark dpo: {name} must be an integer of at least {low}, got {value!r}")
     model_dir = resolve_model(model)
-    workdir = Path(tempfile.mkdtemp(prefix="bench-dpo-data-"))
     task = get_task("reverse", min_len=min_len, max_len=max_len)
-    pairs_file = save_preferences(task_pairs(task, "train", pairs * (warmup + steps), seed=0), workdir / "pairs.jsonl")
-    ours = {p: _ours(model_dir, pairs_file, pairs, steps, warmup, lr, beta, micro_batch_tokens, p)
-            for p in PRECISIONS}
-    threads = ours["fp32"]["threads"]  # TRL gets as many threads as our worker process has
-    trl = {p: _trl(model_dir, pairs_file, pairs, steps, warmup, lr, beta, p == "bf16", threads) for p in PRECISIONS}
+    with tempfile.TemporaryDirectory(prefix="bench-dpo-data-") as workdir:
+        pairs_file = save_preferences(task_pairs(task, "train", pairs * (warmup + steps), seed=0),
+                                      Path(workdir) / "pairs.jsonl")
+        ours = {p: _ours(model_dir, pairs_file, pairs, steps, warmup, lr, beta, micro_batch_tokens, p)
+                for p in PRECISIONS}
+        threads = ours["fp32"]["threads"]  # TRL gets as many threads as our worker process has
+        trl = {p: _trl(model_dir, pairs_file, pairs, steps, warmup, lr, beta, p == "bf16", threads)
+               for p in PRECISIONS}
     mine, best = (max(side, key=lambda p: side[p]["tokens_per_s"]) for side in (ours, trl))
     return {"benchmark": "dpo", "processor": processor(), "threads": threads, "model": model,
             "pairs_per_step": pairs, "steps_timed": steps, "task": f"reverse {min_len}-{max_len} letters",

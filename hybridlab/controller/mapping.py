@@ -213,6 +213,10 @@ class DeviceMapping:
             sets.append((r.pool, members))
         return sets
 
+    def sets_in_pool(self, pool: str) -> int:
+        """Return how many process sets share ``pool`` (they split its devices between them)."""
+        return sum(1 for p, _ in self.process_sets() if p == pool)
+
     def changed_roles(self, new: "DeviceMapping") -> set[str]:
         """Return the roles whose processes must be re-created to go from this mapping to ``new``."""
         def set_of(mapping, role):
@@ -220,8 +224,8 @@ class DeviceMapping:
             for pool, members in sets:
                 if role in members:
                     # Sets sharing a pool split its devices; a change in their number changes the split.
-                    sharing = sum(1 for p, _ in sets if p == pool)
-                    return pool, members, mapping.pools[pool], tuple(mapping.roles[m] for m in members), sharing
+                    return (pool, members, mapping.pools[pool], tuple(mapping.roles[m] for m in members),
+                            mapping.sets_in_pool(pool))
             return None
 
         roles = set(self.roles) | set(new.roles)

@@ -147,6 +147,7 @@ class WorkerHost:
         self.workers: dict[str, Worker] = {}
         self.rank = -1
         self.gpu_ids: list[str] | None = None  # set when a spare adopts a bundle's devices
+        self.sampler: DeviceSampler | None = None  # device samples for the run's hub, once started
         self._stacks = _register_stack_dump()
 
     def placement(self) -> dict:
@@ -228,7 +229,7 @@ class WorkerHost:
                 except BaseException:
                     raise RemoteError(role, self.rank, "__init__", traceback.format_exc()) from None
                 self.workers[role] = obj
-        if getattr(self, "sampler", None) is not None:  # a role joined later: its samples name it too
+        if self.sampler is not None:  # a role joined later: its samples name it too
             self.sampler.role = ",".join(self.workers)
 
     def _start_sampler(self, roles: str) -> None:

@@ -109,7 +109,7 @@ class WorkerSet:
         try:
             for pool_name, members in sets:
                 pool = self._pool(mapping, pool_name)
-                sharing = sum(1 for p, _ in mapping.process_sets() if p == pool_name)
+                sharing = mapping.sets_in_pool(pool_name)
                 done.append(spawn_hosts(pool.bundles(), {m: self.role_classes[m] for m in members},
                                         gpus=1.0 / sharing, cpus=pool.cpus_per_device / sharing, env=self.env,
                                         timeout=self.timeout, spares=self.spares))
@@ -206,14 +206,12 @@ class WorkerSet:
         be built in its processes without re-creating them: the set keeps its pool, its roles keep
         their layouts, and the pool is split among as many sets as before."""
         old, out = self.mapping, {}
-        sharing = (lambda mapping, pool: sum(1 for p, _ in mapping.process_sets() if p == pool))
         for pool, members in new.process_sets():
             added, kept = [r for r in members if r not in old.roles], {r for r in members if r in old.roles}
             hostset = next((h for h in self._sets if set(h.roles) == kept), None)
-            if not added or hostset is None or old.pools.get(pool) != new.pools[pool] \
-                    or sharing(old, pool) != sharing(new, pool) or any(old.roles[r] != new.roles[r] for r in kept):
-                continue
-            out.update({r: hostset for r in added})
+            same_place = old.pools.get(pool) == new.pools[pool] and old.sets_in_pool(pool) == new.sets_in_pool(pool)
+            if added and hostset is not None and same_place and all(old.roles[r] == new.roles[r] for r in kept):
+                out.update({r: hostset for r in added})
         return out
 
     def refill_spares(self) -> None:

@@ -16,7 +16,7 @@ from hybridlab.dataflow.prompts import PROMPT_FIELDS, ShuffledEpochs
 from hybridlab.errors import UserError
 from hybridlab.protocol import Batch
 from hybridlab.tasks import get_task
-from hybridlab.tasks.preferences import PreferencePair, load_preferences, task_pairs
+from hybridlab.tasks.preferences import PreferencePair, load_preferences, shared_start, task_pairs
 
 # What a PairSource batch holds: each pair's chosen row then its rejected row, one uid per pair.
 PAIR_INPUTS = (*SEQUENCE_FIELDS, "prompts", "responses", CHOSEN_TOKENS, "uid", "@pairs")
@@ -37,13 +37,6 @@ def load_pairs(cfg) -> list[PreferencePair]:
     return task_pairs(get_task(d.task, **d.task_options), "train", d.train_samples, seed=d.seed, chat=d.chat)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def pair_ids(tokenizer, pair: PreferencePair) -> tuple[list[int], list[int], list[int]]:
     """Return (prompt, chosen, rejected) token ids of one pair (the module's docstring says how)."""
     def ids(text: str) -> list[int]:
@@ -59,13 +52,14 @@ def pair_ids(tokenizer, pair: PreferencePair) -> tuple[list[int], list[int], lis
         prompt = ids(pair.prompt)
         chosen = ids(pair.prompt + pair.chosen + ("" if pair.chosen.endswith(eos) else eos))
         rejected = ids(pair.prompt + pair.rejected + ("" if pair.rejected.endswith(eos) else eos))
-    start = min(_common_prefix(prompt, chosen), _common_prefix(prompt, rejected))
+    start = min(shared_start(prompt, chosen), shared_start(prompt, rejected))
     return prompt[:start], chosen[start:], rejected[start:]
 
 
 class PairSource(ShuffledEpochs):
     """Shuffled epochs over preference pairs, ``per_step`` pairs at a time. Every pair is tokenized
-    and checked against the model's ``context`` once, when the source is made."""
+    and checked against the model's ``context`` once, when the source is made (chat pairs need a
+    chat template: ``models.chat.check_chat`` first)."""
 
     def __init__(self, pairs: list[PreferencePair], tokenizer, per_step: int, seed: int = 0,
                  context: int | None = None):
@@ -75,11 +69,6 @@ class PairSource(ShuffledEpochs):
         self.per_step, self.pad_id = per_step, tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = tokenizer.eos_token_id
-        chat = next((p for p in pairs if p.conversational), None)
-        if chat is not None and not tokenizer.chat_template:
-            raise UserError(f"{chat.origin or 'the task pairs (data.chat=true)'}: the pair is chat messages, but the"
-                            " tokenizer has no chat template; set data.chat_template to a template file or a Jinja"
-                            " template string")
         text = next((p for p in pairs if not p.conversational), None)
         if text is not None and tokenizer.eos_token is None:
             raise UserError(f"{text.origin or 'the task pairs'}: a text pair's responses end with the end-of-sequence"

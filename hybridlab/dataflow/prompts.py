@@ -21,11 +21,17 @@ def load_samples(cfg, split: str) -> list:
     n = cfg.data.train_samples if split == "train" else cfg.data.test_samples
     if files:
         return load_dataset(files, limit=n)
-    if cfg.data.train_files and split == "test":
+    if split == "test" and not has_test_prompts(cfg):
         return []
 
     samples = get_task(cfg.data.task, **cfg.data.task_options).split(split, n, seed=cfg.data.seed)
     return as_chat(samples) if cfg.data.chat else samples
+
+
+def has_test_prompts(cfg) -> bool:
+    """True unless the run reads its training data from files and names no test files (then the
+    greedy evaluation has nothing to score)."""
+    return bool(cfg.data.test_files or not cfg.data.train_files)
 
 
 class PromptFit:

@@ -114,8 +114,9 @@ class RLSession(Stepping, LiveEdits):
         self._model_fit = PromptFit.of(self.cfg, model_dir)  # its context; the settings may change live
         self.test_samples = load_samples(self.cfg, "test")
         if self.cfg.data.preferences:  # offline DPO: each step's batch is pairs, not prompts
-            check_chat(self.tokenizer, self.test_samples, model_dir)
-            self.prompts = PairSource(load_pairs(self.cfg), self.tokenizer, self.cfg.data.prompts_per_step,
+            pairs = load_pairs(self.cfg)
+            check_chat(self.tokenizer, pairs + self.test_samples, model_dir)
+            self.prompts = PairSource(pairs, self.tokenizer, self.cfg.data.prompts_per_step,
                                       seed=self.cfg.data.seed, context=self._model_fit.context)
         else:
             train = load_samples(self.cfg, "train")

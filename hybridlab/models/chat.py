@@ -8,7 +8,7 @@ the trainer see. A plain-text prompt is tokenized as it is.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from hybridlab.errors import UserError
 from hybridlab.tasks import Sample
@@ -51,12 +51,12 @@ def use_template(tokenizer: Any, template: str | None) -> Any:
     return tokenizer
 
 
-def check_chat(tokenizer: Any, samples: list[Sample], model_dir: str | Path) -> None:
+def check_chat(tokenizer: Any, items: Iterable, model_dir: str | Path) -> None:
     """Raise UserError naming the data (file and row) when chat prompts meet a tokenizer without
-    a chat template."""
+    a chat template; ``items`` are Samples or PreferencePairs (anything ``conversational``)."""
     if tokenizer.chat_template:
         return
-    chat = next((s for s in samples if s.extra_info.get("messages") is not None), None)
+    chat = next((s for s in items if s.conversational), None)
     if chat is not None:
         where = chat.origin or "the task's prompts (data.chat=true)"
         raise UserError(f"{where}: the prompt is a list of chat messages, but the tokenizer of {model_dir} has no"

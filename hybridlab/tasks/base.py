@@ -24,6 +24,11 @@ class Sample:
     extra_info: dict = dataclasses.field(default_factory=dict)
     origin: str = dataclasses.field(default="", compare=False)  # "FILE: row N" for errors about it
 
+    @property
+    def conversational(self) -> bool:
+        """True when the prompt is chat messages (rendered with the chat template)."""
+        return self.extra_info.get("messages") is not None
+
 
 class Task:
     """A family of prompts with a rule-based scorer, deterministic from a seed.

@@ -12,9 +12,10 @@ import dataclasses
 import os
 import random
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from hybridlab.errors import UserError
+from hybridlab.models.chat import as_chat
 from hybridlab.tasks.base import Task
 from hybridlab.tasks.dataset import parse_rows, write_rows
 
@@ -46,12 +47,18 @@ def _messages(value: Any, where: str, field: str) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
+def shared_start(a: Sequence, b: Sequence) -> int:
+    """Return how many leading items (characters, messages, token ids) ``a`` and ``b`` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def _implicit_prompt(chosen, rejected, where: str) -> tuple:
     """TRL's ``extract_prompt``: the prompt is what ``chosen`` and ``rejected`` share at the start
     (messages, or characters: a space before the first difference goes with the responses)."""
-    shared = 0
-    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
-        shared += 1
+    shared = shared_start(chosen, rejected)
     if isinstance(chosen, str) and shared < min(len(chosen), len(rejected)) and shared and chosen[shared - 1] == " ":
         shared -= 1
     unit = "text" if isinstance(chosen, str) else "first message"
@@ -115,13 +122,9 @@ def task_pairs(task: Task, split: str, n: int, seed: int = 0, chat: bool = False
     plausible wrong one (rejected, ``task.wrong_answer``); with ``chat``, as one user message and
     one assistant message each."""
     rng = random.Random(f"{task.name}:pairs:{split}:{seed}")
-    pairs = []
-    for sample in task.split(split, n, seed=seed):
-        wrong = task.wrong_answer(sample, rng)
-        if chat:
-            pairs.append(PreferencePair([{"role": "user", "content": sample.prompt}],
-                                        [{"role": "assistant", "content": sample.answer}],
-                                        [{"role": "assistant", "content": wrong}]))
-        else:
-            pairs.append(PreferencePair(sample.prompt, sample.answer, wrong))
-    return pairs
+    samples = task.split(split, n, seed=seed)
+    if not chat:
+        return [PreferencePair(s.prompt, s.answer, task.wrong_answer(s, rng)) for s in samples]
+    said = (lambda text: [{"role": "assistant", "content": text}])  # noqa: E731
+    return [PreferencePair(s.extra_info["messages"], said(s.answer), said(task.wrong_answer(s, rng)))
+            for s in as_chat(samples)]

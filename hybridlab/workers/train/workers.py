@@ -238,10 +238,12 @@ class RefWorker(TrainWorker):
 
     @property
     def shares_actor(self) -> bool:
+        """True in a LoRA run: the reference is the actor's base model, computed in the actor's engine."""
         return bool(self.lora)
 
     @property
     def engine(self) -> TrainEngine:
+        """Return the engine the reference computes with: its own, or in a LoRA run the colocated actor's."""
         if not self.shares_actor:
             return self._engine
         actor = self.peers.get("actor")
