@@ -47,9 +47,11 @@ def sequences_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequen
 
 def on_last_token(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Return [batch, response_len] zeros with each sample's value on its last response token
-    (how outcome rewards are laid out per token)."""
+    (how outcome rewards are laid out per token): the last column where ``response_mask`` is 1,
+    so a multi-turn trajectory's reward lands on the model's last token, not a tool's."""
     out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    last = (response_mask.sum(-1) - 1).clamp(min=0)
+    width = response_mask.shape[-1]
+    last = (width - 1 - response_mask.flip(-1).bool().int().argmax(-1)) * response_mask.bool().any(-1)
     out[torch.arange(len(values)), last] = values.float()
     return out
 

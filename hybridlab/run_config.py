@@ -22,6 +22,7 @@ from hybridlab.algos.rollout_correction import IS_LEVELS, parse_is_threshold, pa
 from hybridlab.backend_checks import backend_problems, training_strategy  # noqa: F401 (imported from here too)
 from hybridlab.config import ConfigError, RunConfig, apply_override, build, resolve_config_path
 from hybridlab.controller.mapping import ROLES, DeviceMapping
+from hybridlab.dataflow.agent_stages import agent_problems, agentic
 from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.pairs import step_inputs
 from hybridlab.dataflow.prompts import has_test_prompts
@@ -41,7 +42,7 @@ def default_dataflow(cfg: RunConfig) -> list[str]:
     algo, est = cfg.algorithm, cfg.algorithm.adv_estimator
     if cfg.data.preferences:  # offline DPO: the pairs come from the data
         return ["ref_logprob", "update_actor_dpo", "sync_weights"]
-    stages = ["generate", "reward_model" if cfg.reward.kind == "model" else "reward"]
+    stages = rollout_stages(cfg)
     if cfg.dpo.online:  # pairs from the policy's own samples, the DPO loss against the reference
         return stages + ["pair_best_worst", "ref_logprob", "update_actor_dpo", "sync_weights"]
     if algo.filter_groups.enable:
@@ -64,6 +65,13 @@ def default_dataflow(cfg: RunConfig) -> list[str]:
     if est == "gae":
         stages.append("update_critic")
     return stages + ["update_actor", "sync_weights"]
+
+
+def rollout_stages(cfg: RunConfig) -> list[str]:
+    """Return the stages that make a step's scored samples: generate (or an agent rollout), then reward."""
+    if agentic(cfg):
+        return ["generate_agent", "agent_reward" if cfg.rollout.agent else "reward"]
+    return ["generate", "reward_model" if cfg.reward.kind == "model" else "reward"]
 
 
 def dataflow_names(cfg: RunConfig) -> list[str]:
@@ -271,6 +279,7 @@ def _dataflow_and_mapping_problems(cfg: RunConfig) -> list[str]:
         p += _dp_problems(cfg, mapping, names)
         p += backend_problems(cfg, mapping)
         rollout = mapping.roles.get("rollout")
+        p += agent_problems(cfg, rollout.tp if rollout is not None else 1)
         if rollout is not None and rollout.tp > 1 and cfg.rollout.backend != "vllm":
             p.append(f"mapping.roles.rollout.tp: tp={rollout.tp} needs rollout.backend=vllm (the"
                      f" {cfg.rollout.backend!r} backend runs a whole model per device); use dp for replicas")
@@ -278,7 +287,7 @@ def _dataflow_and_mapping_problems(cfg: RunConfig) -> list[str]:
         raise
     except Exception as exc:  # MappingError: malformed mapping
         p.append(f"mapping: {exc}")
-    if cfg.trainer.off_policy and names[0] != "generate":
+    if cfg.trainer.off_policy and names[0] != "generate" and not agentic(cfg):
         p.append("trainer.off_policy: the dataflow must start with 'generate' to overlap the next rollout")
     return p
 

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from hybridlab.atomic import atomic_model_dir
 from hybridlab.errors import UserError
 from hybridlab.evaluate import accuracy
-from hybridlab.models.chat import as_chat, prompt_ids
+from hybridlab.models.chat import as_chat, end_of_turn, prompt_ids
 from hybridlab.models.stops import end_of_response, model_stop_ids
 from hybridlab.tasks import Sample, Task
 
@@ -140,7 +140,11 @@ def train(model, tokenizer, task: Task, cfg: SFTConfig, progress: bool = True,
     train_samples, held_out = held_out_split(task, cfg)
     if cfg.chat:
         train_samples, held_out = as_chat(train_samples), as_chat(held_out)
-    examples = encode_examples(tokenizer, train_samples, end_of_response(tokenizer, model_stop_ids(model, tokenizer)))
+    stops = model_stop_ids(model, tokenizer)
+    end = end_of_response(tokenizer, stops)
+    if cfg.chat:  # a chat answer ends its turn as the template does (<|im_end|>), not with end-of-sequence
+        end = end_of_turn(tokenizer, stops) or end
+    examples = encode_examples(tokenizer, train_samples, end)
     checks: list[dict] = []
 
     def check(step: int) -> float:

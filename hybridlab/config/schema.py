@@ -98,6 +98,14 @@ class RolloutConfig:
     dtype: str = setting("float32", change="recreate", workers=("rollout",))
     # vLLM: prefill a prompt once for its n samples (cache emptied every call)
     prefix_caching: bool = setting(False, change="recreate", workers=("rollout",))
+    # Agentic rollouts (hybridlab.agents): the built-in agent's tools ("module:function", comma-separated) ...
+    tools: Optional[str] = None
+    # ... or an agent written against the OpenAI SDK: "module:function" naming async def run(client, sample)
+    agent: Optional[str] = None
+    max_turns: int = 4                  # model turns per trajectory (each up to max_new_tokens)
+    max_trajectory_tokens: int = 128    # tokens after the first prompt: model, tool and template ones together
+    tool_timeout_s: float = 10.0        # a tool call running longer is cut off and answers that it timed out
+    max_in_flight: int = 64             # trajectories running at once on each engine
 
 
 @dataclasses.dataclass

@@ -20,6 +20,7 @@ from hybridlab.controller.calls import WorkerError, get_all
 from hybridlab.controller.spares import SparePool, bundle_devices
 from hybridlab.controller.watch import CallWatch, dump_stacks
 from hybridlab.controller.worker import Dispatch, host_actor_class, registered_methods
+from hybridlab.batching import concat_sequences
 from hybridlab.protocol import Batch
 from hybridlab.telemetry.timeline import Span, Timeline
 
@@ -333,8 +334,11 @@ class WorkerGroup:
             by_dp = {d: r for d, r in zip(dp_of_ref, results) if d is not None}
             ordered = [by_dp[d] for d in range(dp_size)]
             if all(isinstance(r, Batch) for r in ordered):
+                # Sequence batches whose ranks padded their prompts to different widths (agent
+                # rollouts render their own prompts) are left-padded to the widest.
+                join = concat_sequences if all("prompts" in r.tensors for r in ordered) else Batch.concat
                 # Drop the rows computed for padding (only where a result is row-aligned with its chunk).
-                return Batch.concat([r.take(slice(0, len(r) - pads[d])) if pads[d] and len(r) == lengths[d]
+                return join([r.take(slice(0, len(r) - pads[d])) if pads[d] and len(r) == lengths[d]
                                      else r for d, r in enumerate(ordered)])
             return ordered
 

@@ -12,7 +12,8 @@ from hybridlab.protocol import Batch
 from hybridlab.tasks import Sample, get_task
 from hybridlab.tasks.dataset import load_dataset
 
-PROMPT_FIELDS = ("prompt", "prompt_ids", "uid", "ground_truth", "data_source")  # what prompt_batch makes
+# what prompt_batch makes (extra_info: the row's extra_info, its chat messages included, as verl's reward functions get it)
+PROMPT_FIELDS = ("prompt", "prompt_ids", "uid", "ground_truth", "data_source", "extra_info")
 
 
 def load_samples(cfg, split: str) -> list:
@@ -83,12 +84,13 @@ def tokenize_prompts(samples: list[Sample], tokenizer, fit: PromptFit | None = N
 def prompt_batch(samples: list[Sample], tokenizer, uids: list, fit: PromptFit | None = None,
                  ids: list[list[int]] | None = None) -> Batch:
     """Return a Batch of prompts: object fields prompt, prompt_ids (``ids`` if given, else
-    tokenized and checked against ``fit``), uid, ground_truth, data_source; ``meta`` holds the
+    tokenized and checked against ``fit``), uid, ground_truth, data_source, extra_info; ``meta`` holds the
     longest prompt's length, the width every rollout rank pads its part to."""
     ids = ids if ids is not None else tokenize_prompts(samples, tokenizer, fit)
     return Batch(objects={"prompt": [s.prompt for s in samples], "prompt_ids": ids, "uid": list(uids),
                           "ground_truth": [s.ground_truth for s in samples],
-                          "data_source": [s.data_source for s in samples]},
+                          "data_source": [s.data_source for s in samples],
+                          "extra_info": [dict(s.extra_info) for s in samples]},
                  meta={PROMPT_WIDTH: max((len(p) for p in ids), default=0)})
 
 

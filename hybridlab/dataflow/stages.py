@@ -113,7 +113,7 @@ def generation_metrics(cfg, out: Batch) -> dict:
                 ("token_level_scores", "token_level_rewards", "acc", "reward_extra_info"))
 def reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Score each response with the configured rule or function (a raising one scores error_score)."""
-    fields = [*REWARD_FIELDS, *(k for k in ("extra_info",) if k in batch)]
+    fields = [*REWARD_FIELDS, *(k for k in ("extra_info", "final_response") if k in batch)]
     out = ctx.group("reward").compute_reward(batch.select(fields))
     return _finish_reward(ctx, batch, out)
 
@@ -174,7 +174,9 @@ def filter_groups(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
         kept = part if kept is None else concat_sequences([kept, part])  # rounds may pad prompts differently
         if len(set(kept["uid"])) >= want or rounds >= ctx.cfg.algorithm.filter_groups.max_num_gen_batches:
             break
-        current = ctx.rerun_rollout(["generate", "reward"])
+        from hybridlab.run_config import rollout_stages  # run_config imports this module
+
+        current = ctx.rerun_rollout(rollout_stages(ctx.cfg))
     uids = list(dict.fromkeys(kept["uid"]))[:want]
     if not uids:  # nothing informative: train on the last batch rather than on nothing
         ctx.warn("filter_groups: every group had equal rewards; keeping the unfiltered batch")
@@ -384,3 +386,6 @@ from hybridlab.dataflow.preference_stages import PAIR_FIELDS, pair_best_worst, u
 
 register_stage("pair_best_worst", None, ("token_level_scores", "uid"), ("@pairs",), replaces_rows=True)(pair_best_worst)
 register_stage("update_actor_dpo", "actor", (*PAIR_FIELDS, "@pairs"), ("@actor_updated",))(update_actor_dpo)
+
+# agent rollouts' stages (agent_stages.py register themselves; imported here so that every stage is known at once)
+import hybridlab.dataflow.agent_stages  # noqa: E402,F401

@@ -21,7 +21,7 @@ from hybridlab.dataflow.context import BackgroundRun, StepContext
 from hybridlab.dataflow.prompts import prompt_batch
 from hybridlab.dataflow.recovery import with_recovery
 from hybridlab.dataflow.rows import batch_rows
-from hybridlab.dataflow.stages import REWARD_FIELDS
+from hybridlab.dataflow.agent_stages import greedy_scores
 from hybridlab.dataflow.train_loop import run_training
 from hybridlab.protocol import Batch
 from hybridlab.reshard.transfer import sync_mapped
@@ -107,9 +107,7 @@ class Stepping:
         prompts = prompt_batch(samples, self.tokenizer, list(range(len(samples))), self._prompt_fit())
         # under the step lock: a remap or an edit waits for the evaluation as for a step
         with self._edits.lock, self.workers.timeline.staged("evaluate"):  # the dashboard labels calls by stage
-            scored = with_recovery(self, lambda ctx: self.workers.groups["reward"].compute_reward(
-                self.workers.groups["rollout"].generate(prompts, ctx.sampling(n=1, temperature=0.0))
-                .select(REWARD_FIELDS)))
+            scored = with_recovery(self, lambda ctx: greedy_scores(ctx, prompts))
         return {"accuracy": float(scored["acc"].nanmean()), "n": len(samples),
                 "reward_mean": float(scored["token_level_scores"].sum(-1).mean())}
 

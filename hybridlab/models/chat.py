@@ -31,6 +31,23 @@ def prompt_ids(tokenizer: Any, sample: Sample) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
+def end_of_turn(tokenizer: Any, stops: list[int]) -> int | None:
+    """Return the id the chat template ends an assistant turn with (ChatML's ``<|im_end|>``)
+    when the checkpoint stops there (``stops``), else None: a chat warm start ends its answers
+    with it, so that a multi-turn conversation rendered later extends the sampled tokens."""
+    if not tokenizer.chat_template:
+        return None
+    probe = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+    head = tokenizer(tokenizer.apply_chat_template(probe[:1], add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False).input_ids
+    whole = tokenizer(tokenizer.apply_chat_template(probe, tokenize=False), add_special_tokens=False).input_ids
+    body = tokenizer("2", add_special_tokens=False).input_ids
+    end = len(head) + len(body)
+    if whole[:len(head)] == head and whole[len(head):end] == body and len(whole) > end and whole[end] in stops:
+        return whole[end]
+    return None
+
+
 def template_file(template: str) -> Path | None:
     """Return the file a ``data.chat_template`` value names, or None when it is the Jinja text
     itself; raises UserError when it is neither."""

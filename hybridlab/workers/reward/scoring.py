@@ -8,39 +8,21 @@ file ``path/to/file.py:function``.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
-from pathlib import Path
 from typing import Any, Callable
 
 from hybridlab.errors import UserError
 from hybridlab.tasks.base import task_for_source
+from hybridlab.user_code import load_object
 
 ScoreFn = Callable[..., Any]
 
 
 def load_function(spec: str) -> ScoreFn:
     """Return the function named by ``module:function`` or ``file.py:function``."""
-    if ":" not in spec:
-        raise UserError(f"reward.function {spec!r} must look like package.module:function or path/file.py:function")
+    fn = load_object(spec, "reward.function")
     where, name = spec.rsplit(":", 1)
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise UserError(f"reward.function: no file {where!r}")
-        module_spec = importlib.util.spec_from_file_location(f"hybridlab_user_reward_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as exc:
-            raise UserError(f"reward.function: cannot import {where!r}: {exc}") from None
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise UserError(f"reward.function: {where!r} has no function {name!r}")
     if not callable(fn):
         raise UserError(f"reward.function: {where}:{name} is a {type(fn).__name__}, not a function")
     try:

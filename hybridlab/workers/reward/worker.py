@@ -1,6 +1,7 @@
 """RewardWorker: scores responses with rules, a user's function or a reward model.
 
-``compute_reward`` (rules or function) and ``compute_model_reward`` return, per sample: ``token_level_scores`` (the score on the response's
+``compute_reward`` (rules or function) and ``compute_model_reward`` return, per sample (an agent
+trajectory is scored on its last model turn, the object field ``final_response``): ``token_level_scores`` (the score on the response's
 last token, zeros elsewhere), ``acc`` (task accuracy where a rule scorer knows the data
 source), ``reward_error`` (1 where the function raised) and the object fields
 ``reward_error_msg`` and ``reward_extra_info`` (each sample's reward components, a dict). A raising reward function never stops the run: the sample gets
@@ -34,6 +35,8 @@ class RewardWorker(Worker):
         self.reward_models: dict[str, object] = {}
 
     def _texts(self, batch: Batch) -> list[str]:
+        if "final_response" in batch.objects:  # agent trajectories: the last model turn is the answer
+            return list(batch.objects["final_response"])
         lengths = batch["response_mask"].sum(-1).tolist()
         return [self.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
                 for row, n in zip(batch["responses"], lengths)]

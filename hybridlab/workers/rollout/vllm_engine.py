@@ -132,23 +132,36 @@ def _quiet_partial_reload_warnings() -> None:
             logger.addFilter(_not_partial_reload_warning)
 
 
+def sampling_params(cfg: SamplingConfig, stop_ids: list[int], **overrides):
+    """Return vLLM's ``SamplingParams`` for ``cfg`` (``overrides``: e.g. ``n``, ``max_tokens``,
+    ``seed`` of one agent call), with the sampled tokens' log-probs and no detokenizing."""
+    from vllm import SamplingParams
+
+    fields = dict(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0,
+                  max_tokens=cfg.max_tokens, seed=cfg.seed,
+                  # vLLM adds its own end ids; these make it stop exactly where the hf backend does
+                  stop_token_ids=None if cfg.ignore_eos else [*stop_ids, *(cfg.stop_token_ids or [])],
+                  logprobs=0, detokenize=False, ignore_eos=cfg.ignore_eos)
+    return SamplingParams(**{**fields, **overrides})
+
+
+def empty_prefix_cache(llm) -> None:
+    """Drop every cached KV block (the weights may have changed since they were computed);
+    raises RuntimeError when vLLM cannot (blocks still held by unfinished requests)."""
+    if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching and not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM could not empty its prefix cache (blocks still held by unfinished requests)")
+
+
 def generate(llm, prompts: list[list[int]], cfg: SamplingConfig, stop_ids: list[int], adapter: bool = False):
     """Return (responses, log-probs): one token list and one float list per sample, n per prompt,
     each ending at the first of ``stop_ids`` (the checkpoint's end ids) or ``cfg.stop_token_ids``;
     with ``adapter``, sampled through the LoRA adapter ``load_adapter`` installed."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching and not llm.reset_prefix_cache():
-        # the weights may have changed since the last call: their KV must not be reused
-        raise RuntimeError("vLLM could not empty its prefix cache (blocks still held by unfinished requests)")
-    params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0,
-                            max_tokens=cfg.max_tokens, seed=cfg.seed,
-                            # vLLM adds its own end ids; these make it stop exactly where the hf backend does
-                            stop_token_ids=None if cfg.ignore_eos else [*stop_ids, *(cfg.stop_token_ids or [])],
-                            logprobs=0, detokenize=False, ignore_eos=cfg.ignore_eos)
+    empty_prefix_cache(llm)
+    params = sampling_params(cfg, stop_ids)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
-                           lora_request=_adapter_request() if adapter else None)
+                           lora_request=adapter_request() if adapter else None)
     responses, logprobs = [], []
     for out in outputs:
         for completion in out.outputs:
@@ -184,7 +197,7 @@ def lora_slot_rank(rank: int) -> int:
     return fits[0]
 
 
-def _adapter_request():
+def adapter_request():
     from vllm.lora.request import LoRARequest
 
     # never read from this path: the adapter is in the engine already (load_adapter)

@@ -112,6 +112,36 @@ class RolloutWorker(Worker):
             out.tensors.setdefault(key, values)
         return out
 
+    @register(Dispatch.DP)
+    def generate_agent(self, batch: Batch, sampling: SamplingConfig | dict, settings: dict) -> Batch:
+        """Return n agent trajectories per prompt in verl's multi-turn layout (``hybridlab.agents``):
+        the model's tokens have response_mask 1, tool and template tokens 0."""
+        from hybridlab.agents.rollout import AgentSettings, agent_batch, agent_samples, load_spec, run_agents
+        from hybridlab.agents.tool_loop import AgentLimits
+        from hybridlab.models.chat import use_template
+        from hybridlab.workers.rollout.vllm_engine import adapter_request, sampling_params
+
+        if self.backend != "vllm" or self.tp > 1:
+            raise ValueError("agent rollouts need the vllm backend with rollout tp=1 (the engine is driven from"
+                             f" this process's event loop); this group has backend={self.backend!r}, tp={self.tp}")
+        cfg = (SamplingConfig(**sampling) if isinstance(sampling, dict) else sampling).validate()
+        agent = AgentSettings(**settings)
+        key = (agent.tools, agent.agent)
+        if getattr(self, "_agent_spec", (None, None))[0] != key:
+            self._agent_spec = (key, load_spec(agent))
+        tokenizer = use_template(self.tokenizer, agent.chat_template)
+        limits = AgentLimits(agent.max_turns, cfg.max_tokens, agent.max_trajectory_tokens, agent.tool_timeout_s,
+                             self.context)
+        trajectories = run_agents(
+            self.llm, tokenizer, agent_samples(batch), cfg.n,
+            lambda max_tokens, seed: sampling_params(cfg, self.stop_ids, n=1, max_tokens=max_tokens, seed=seed),
+            self._agent_spec[1], limits, agent.version, cfg.seed, agent.max_in_flight,
+            adapter_request() if self.adapter else None)
+        out = agent_batch(trajectories, self.pad_id, agent.max_trajectory_tokens, batch.meta.get(PROMPT_WIDTH))
+        for key, values in batch.repeat(cfg.n).objects.items():
+            out.objects.setdefault(key, values)
+        return out
+
     @property
     def tokenizer(self):
         """The model's tokenizer, loaded on first use."""

@@ -1,0 +1,114 @@
+"""An OpenAI-compatible chat-completions endpoint on loopback, in front of the rollout engine.
+
+An agent written against the OpenAI SDK runs unchanged: it is given an ``openai.AsyncOpenAI``
+whose base URL names its trajectory (``http://127.0.0.1:PORT/trajectories/7/v1``), so each
+call lands in that trajectory's ``ChatClient`` and is recorded token by token. Any model name
+is accepted. Sampling follows the run's settings (``rollout.temperature``, ``top_p``,
+``top_k``: the trainer's log-probs assume them); a request's ``max_tokens`` or
+``max_completion_tokens`` can only lower the per-turn limit. The server is aiohttp on the
+worker's own event loop, beside the engine's pump (vLLM's own OpenAI server needs
+``AsyncLLM``, whose engine runs in another process).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from aiohttp import web
+
+from hybridlab.agents.tool_loop import ChatClient
+from hybridlab.agents.tools import CALL_PATTERN, parse_tool_calls
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=status)
+
+
+def _text(content) -> str:
+    """Return a message's content as text (OpenAI's list of content parts joined)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+def message_problem(messages) -> str | None:
+    """Return what is wrong with a request's ``messages``, or None."""
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty list of chat messages"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return f"messages[{i}] must be an object with a string 'role'"
+    return None
+
+
+def reply_json(text: str | None, prompt_ids: list[int], token_ids: list[int], call_index: int) -> dict:
+    """Return the chat.completion object for a model turn's ``text`` (None: no room was left),
+    with the ids the engine continued and sampled under vLLM's names (``prompt_token_ids``, and
+    ``token_ids`` on the choice, as vLLM's server returns them with ``return_token_ids``)."""
+    calls = [c for c in parse_tool_calls(text or "") if isinstance(c, dict)]
+    message: dict = {"role": "assistant", "content": text or ""}
+    if calls:  # as vLLM's Hermes parser answers: the text before the first call, then the calls
+        import json
+
+        message["content"] = text[:CALL_PATTERN.search(text).start()].strip() or None
+        message["tool_calls"] = [{"id": f"call_{call_index}_{k}", "type": "function",
+                                  "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+                                 for k, c in enumerate(calls)]
+    finish = "length" if text is None else ("tool_calls" if calls else "stop")
+    return {"id": f"chatcmpl-{call_index}", "object": "chat.completion", "created": int(time.time()),
+            "model": "hybridlab-rollout", "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                                                        "logprobs": None, "token_ids": token_ids}],
+            "prompt_token_ids": prompt_ids,
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(token_ids),
+                      "total_tokens": len(prompt_ids) + len(token_ids)}}
+
+
+class Endpoint:
+    """``async with Endpoint(make_client) as endpoint``: serve until the block ends;
+    ``endpoint.clients[i]`` is trajectory i's record."""
+
+    def __init__(self, make_client: Callable[[int], ChatClient]):
+        self.make_client = make_client
+        self.clients: dict[int, ChatClient] = {}
+        self.port = 0
+
+    def base_url(self, trajectory: int) -> str:
+        """Return the OpenAI base URL of trajectory ``trajectory``."""
+        return f"http://127.0.0.1:{self.port}/trajectories/{trajectory}/v1"
+
+    async def __aenter__(self) -> "Endpoint":
+        app = web.Application()
+        app.router.add_post("/trajectories/{trajectory}/v1/chat/completions", self.chat)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.runner.cleanup()
+
+    async def chat(self, request: web.Request) -> web.Response:
+        """POST /trajectories/{i}/v1/chat/completions."""
+        try:
+            trajectory = int(request.match_info["trajectory"])
+            body = await request.json()
+        except ValueError:
+            return _error(400, "the request body must be JSON, and the URL must name a trajectory number")
+        messages = body.get("messages") if isinstance(body, dict) else None
+        problem = message_problem(messages)
+        if problem:
+            return _error(400, problem)
+        if body.get("n", 1) != 1:
+            return _error(400, "n must be 1: each call continues one trajectory (start more trajectories instead)")
+        messages = [{**m, "content": _text(m.get("content"))} for m in messages]
+        client = self.clients.get(trajectory) or self.clients.setdefault(trajectory, self.make_client(trajectory))
+        if client.trajectory is None and body.get("tools"):
+            client.conversation.tools = list(body["tools"])
+        cap = body.get("max_completion_tokens") or body.get("max_tokens")
+        calls_before = client.trajectory.calls if client.trajectory else 0
+        text = await client.complete(messages, limit=cap)
+        ids = client.trajectory.all_ids()
+        turn = client.trajectory.segments[-1].ids if client.trajectory.calls > calls_before else []
+        return web.json_response(reply_json(text, ids[:len(ids) - len(turn)], turn, client.trajectory.calls))

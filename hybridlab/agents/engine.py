@@ -1,0 +1,59 @@
+"""The in-process vLLM engine, driven from an asyncio event loop.
+
+vLLM's ``AsyncLLM`` always runs its engine core in another process, and hybridlab keeps the
+rollout engine in the worker's own process so that weight syncs load tensors in place
+(docs/engine.md). So rather than move to ``AsyncLLM`` and load weights through
+``collective_rpc`` into a second process, agent rollouts drive the same engine's
+``add_request``/``step`` from the worker's event loop: each model call adds a request and
+awaits it; one pump task steps the engine while any request is unfinished and hands each
+finished output to its caller. Between steps the loop runs the other trajectories' tools, so
+a trajectory that waits on a tool never holds back the others, and the engine's continuous
+batching decodes every trajectory that is ready together.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+
+class AsyncEngine:
+    """``await engine.generate(ids, params)`` on an in-process ``vllm.LLM``."""
+
+    def __init__(self, llm: Any, lora_request: Any = None):
+        self.engine, self.lora_request = llm.llm_engine, lora_request
+        self.waiting: dict[str, asyncio.Future] = {}
+        self.ids = itertools.count()
+        self.pump: asyncio.Task | None = None
+        self.steps = 0        # engine steps taken (each decodes every running request by one token)
+
+    async def generate(self, prompt_ids: list[int], params: Any) -> tuple[list[int], list[float]]:
+        """Return (sampled ids, their log-probs) for one ``n=1`` request."""
+        from vllm.inputs import TokensPrompt
+
+        request_id = f"agent-{next(self.ids)}"
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[request_id] = future
+        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), params,
+                                lora_request=self.lora_request)
+        if self.pump is None or self.pump.done():
+            self.pump = asyncio.create_task(self._pump())
+        out = await future
+        completion = out.outputs[0]
+        ids = list(completion.token_ids)
+        return ids, [step[t].logprob for step, t in zip(completion.logprobs, ids)]
+
+    async def _pump(self) -> None:
+        while self.waiting:
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # the engine failed: every waiting call fails with it
+                for future in self.waiting.values():
+                    future.set_exception(exc)
+                self.waiting.clear()
+                raise
+            self.steps += 1
+            for out in outputs:
+                if out.finished:
+                    self.waiting.pop(out.request_id).set_result(out)
+            await asyncio.sleep(0)  # let trajectories whose calls finished run their tools

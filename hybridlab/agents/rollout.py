@@ -1,0 +1,197 @@
+"""Agent rollouts on a rollout worker: n trajectories per prompt, many in flight at once,
+laid out for the trainer.
+
+Two kinds of agent run over one mechanism (``tool_loop.ChatClient``):
+- ``rollout.tools``: the built-in agent (``tool_loop.run_tool_agent``) calls the named tools;
+  the reward stage scores its last turn (``final_response``);
+- ``rollout.agent``: the user's ``async def run(client, sample)`` gets an OpenAI client bound to
+  its trajectory's URL on the loopback endpoint (``endpoint``) and returns the reward.
+
+All trajectories run as asyncio tasks on one event loop over the in-process engine
+(``engine.AsyncEngine``); at most ``max_in_flight`` run at a time.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import inspect
+import math
+from typing import Any, Callable
+
+import torch
+
+from hybridlab.agents.engine import AsyncEngine
+from hybridlab.agents.tool_loop import AgentLimits, ChatClient, drop_trailing_context, run_tool_agent
+from hybridlab.agents.tools import Tool
+from hybridlab.agents.trajectory import MODEL, Trajectory, trajectories_batch
+from hybridlab.errors import UserError
+from hybridlab.protocol import Batch
+
+STAT_FIELDS = ("agent_turns", "agent_tool_calls", "agent_tool_errors", "agent_tool_timeouts", "agent_model_tokens",
+               "agent_tool_tokens", "agent_retokenized", "agent_calls")  # per-trajectory tensors the stage reads
+SAMPLE_FIELDS = ("prompt", "ground_truth", "data_source", "extra_info")  # the row an agent function is given
+
+
+@dataclasses.dataclass
+class AgentSpec:
+    """What drives the trajectories: the built-in agent's tools, or a user's agent function."""
+
+    tools: dict[str, Tool] = dataclasses.field(default_factory=dict)
+    agent: Callable | None = None
+
+
+def check_agent_function(fn: Any, setting: str = "rollout.agent") -> Callable:
+    """Return ``fn`` if it can be called as ``await fn(client, sample)``; raises UserError."""
+    if not inspect.iscoroutinefunction(fn):
+        raise UserError(f"{setting}: {getattr(fn, '__name__', fn)!r} must be an async function:"
+                        " async def run(client, sample) -> float | dict")
+    try:
+        inspect.signature(fn).bind("client", "sample")
+    except TypeError:
+        raise UserError(f"{setting}: {fn.__name__}{inspect.signature(fn)} cannot be called as"
+                        " run(client, sample)") from None
+    return fn
+
+
+def agent_result(value: Any) -> tuple[float, dict]:
+    """Return (reward, the other numeric fields) from what an agent function returned; raises
+    ValueError for anything but a finite number or a dict with a numeric ``reward``."""
+    info = {}
+    if isinstance(value, dict):
+        if "reward" not in value:
+            raise ValueError(f"the agent returned a dict without 'reward' (keys: {', '.join(map(str, value))})")
+        info = {k: float(v) for k, v in value.items() if k != "reward" and isinstance(v, (int, float))}
+        value = value["reward"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"the agent returned {value!r}; expected a finite number or a dict with 'reward'")
+    return float(value), info
+
+
+async def _agent_trajectory(spec: AgentSpec, endpoint: Any, i: int, sample: dict) -> Trajectory:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=endpoint.base_url(i), api_key="hybridlab", max_retries=0)
+    reward, info, error = None, {}, ""
+    try:
+        reward, info = agent_result(await spec.agent(client, sample))
+    except Exception as exc:  # the agent's failure scores reward.error_score; the run goes on
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        await client.close()
+    recorded = endpoint.clients.get(i)
+    if recorded is None or recorded.trajectory is None:
+        trajectory = Trajectory(list(sample["prompt_ids"]))
+        error = error or "the agent made no model call"
+    else:
+        trajectory = recorded.trajectory
+    trajectory.reward, trajectory.info, trajectory.error = reward, info, error
+    return trajectory
+
+
+async def _run_all(spec: AgentSpec, make_client: Callable[[int], ChatClient], samples: list[dict], n: int,
+                   limits: AgentLimits, max_in_flight: int) -> list[Trajectory]:
+    from hybridlab.agents.endpoint import Endpoint  # aiohttp: imported where it serves
+
+    slots = asyncio.Semaphore(max_in_flight)
+    # tools run in these threads; a hung one is abandoned at its timeout, never waited for
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(4, max_in_flight), thread_name_prefix="hybridlab-tool")
+    try:
+        async with Endpoint(make_client) as endpoint:
+            async def one(i: int) -> Trajectory:
+                async with slots:
+                    sample = samples[i // n]
+                    if spec.agent is not None:
+                        trajectory = await _agent_trajectory(spec, endpoint, i, sample)
+                    else:
+                        trajectory = await run_tool_agent(make_client(i), sample["messages"], spec.tools, limits, pool)
+                    drop_trailing_context(trajectory)
+                    trajectory.truncate(limits.budget)
+                    return trajectory
+
+            return list(await asyncio.gather(*(one(i) for i in range(len(samples) * n))))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def run_agents(llm: Any, tokenizer: Any, samples: list[dict], n: int, params: Callable[[int, int | None], Any],
+               spec: AgentSpec, limits: AgentLimits, version: int, seed: int | None,
+               max_in_flight: int = 64, lora_request: Any = None) -> list[Trajectory]:
+    """Return ``n`` trajectories per sample (interleaved: a a b b). A sample is a dict with
+    ``messages`` (the first prompt), ``prompt_ids`` and the dataset row's ``SAMPLE_FIELDS``.
+    ``params(max_tokens, seed)`` gives one call's sampling parameters; ``version`` is the
+    weight version recorded on every model turn."""
+    from hybridlab.workers.rollout.vllm_engine import empty_prefix_cache
+
+    empty_prefix_cache(llm)  # earlier weights' KV must not be reused; within the rollout, turns share it
+    engine = AsyncEngine(llm, lora_request)
+    schemas = [t.schema for t in spec.tools.values()]
+
+    def make_client(i: int) -> ChatClient:
+        return ChatClient(engine, tokenizer, params, limits, version, None if seed is None else seed * 100_003 + i,
+                          schemas)
+
+    return asyncio.run(_run_all(spec, make_client, samples, n, limits, max_in_flight))
+
+
+def agent_batch(trajectories: list[Trajectory], pad_id: int, budget: int, prompt_len: int | None = None) -> Batch:
+    """Return the trajectories in the trainer's layout (``trajectories_batch``) with their
+    statistics (``STAT_FIELDS``), ``agent_reward`` and ``agent_error`` (an agent function's
+    answer; NaN and 0 for the built-in agent), and the object fields ``final_response`` (what
+    a rule reward scores), ``prompt_ids`` (as rendered with the tools), ``agent_tools`` (per
+    tool: calls, errors, seconds), ``agent_error_msg`` and ``agent_info``."""
+    out = trajectories_batch(trajectories, pad_id, budget, prompt_len)
+    stats = {field: [] for field in STAT_FIELDS}
+    for t in trajectories:
+        by_source = t.tokens_by_source()
+        model = by_source.get(MODEL, 0)
+        for field, value in zip(STAT_FIELDS, (t.turns, t.tool_calls, t.tool_errors, t.tool_timeouts, model,
+                                              sum(by_source.values()) - model, t.retokenized, t.calls)):
+            stats[field].append(float(value))
+    out.tensors.update({k: torch.tensor(v) for k, v in stats.items()})
+    out.tensors["agent_reward"] = torch.tensor([math.nan if t.reward is None else t.reward for t in trajectories])
+    out.tensors["agent_error"] = torch.tensor([float(bool(t.error)) for t in trajectories])
+    out.objects.update(final_response=[t.final_text for t in trajectories],
+                       prompt_ids=[t.prompt_ids for t in trajectories],
+                       agent_tools=[dict(t.tools_used) for t in trajectories],
+                       agent_error_msg=[t.error for t in trajectories], agent_info=[t.info for t in trajectories])
+    return out
+
+
+@dataclasses.dataclass
+class AgentSettings:
+    """The ``rollout`` settings of an agent rollout, as the stage sends them to the workers."""
+
+    tools: str | None = None
+    agent: str | None = None
+    max_turns: int = 4
+    max_trajectory_tokens: int = 256
+    tool_timeout_s: float = 10.0
+    max_in_flight: int = 64
+    version: int = 0                     # the policy version (updates applied) generating this rollout
+    chat_template: str | None = None     # data.chat_template: the conversation is rendered with it
+
+
+def load_spec(settings: AgentSettings) -> AgentSpec:
+    """Return the tools or agent function the settings name; raises UserError."""
+    from hybridlab.user_code import load_object
+
+    if settings.agent:
+        return AgentSpec(agent=check_agent_function(load_object(settings.agent, "rollout.agent")))
+    from hybridlab.agents.tools import load_tools
+
+    return AgentSpec(tools=load_tools(settings.tools))
+
+
+def agent_samples(batch: Batch) -> list[dict]:
+    """Return each prompt of ``batch`` as an agent's sample: the dataset row's fields, its
+    ``messages`` (a text prompt as one user message) and ``prompt_ids``."""
+    n = len(batch)
+    rows = {k: batch.objects.get(k, [None] * n) for k in (*SAMPLE_FIELDS, "prompt_ids")}
+    samples = []
+    for i in range(n):
+        row = {k: v[i] for k, v in rows.items()}
+        extra = row["extra_info"] or {}
+        row["messages"] = list(extra.get("messages") or [{"role": "user", "content": row["prompt"]}])
+        samples.append(row)
+    return samples

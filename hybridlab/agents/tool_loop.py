@@ -1,0 +1,89 @@
+"""The built-in agent: the model talks, calls tools in its template's format, reads their
+answers, and talks again, until it answers without a tool call or a limit ends the run."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+from typing import Any
+
+from hybridlab.agents.conversation import Conversation
+from hybridlab.agents.engine import AsyncEngine
+from hybridlab.agents.tools import Tool, call_tool, parse_tool_calls
+from hybridlab.agents.trajectory import MODEL, Trajectory
+
+
+@dataclasses.dataclass
+class AgentLimits:
+    """How far one trajectory may go."""
+
+    max_turns: int = 4            # model turns
+    max_tokens: int = 32          # tokens per model turn
+    budget: int = 128             # tokens after the first prompt: model, tool and template tokens together
+    tool_timeout_s: float = 5.0   # a tool call running longer is cut off (0: no limit)
+    context: int = 512            # the model's context: prompt and response together
+
+
+class ChatClient:
+    """One trajectory's model: ``await client.complete(messages)`` samples the next turn from
+    the in-process engine and records it (``Conversation``)."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, sampling: Any, limits: AgentLimits, version: int,
+                 seed: int | None, tools: list[dict] | None = None):
+        self.engine, self.sampling, self.limits, self.version, self.seed = engine, sampling, limits, version, seed
+        self.conversation = Conversation(tokenizer, tools)
+
+    @property
+    def trajectory(self) -> Trajectory:
+        """The record so far."""
+        return self.conversation.trajectory
+
+    async def complete(self, messages: list[dict], source: str | None = None, limit: int | None = None) -> str | None:
+        """Return the model's next turn's text, or None when the trajectory's token budget or
+        the model's context leaves no room for it (or ``limit``, a caller's cap on the turn, is 0)."""
+        ids = self.conversation.prompt(messages, source)
+        used = len(ids) - len(self.trajectory.prompt_ids)
+        room = min(self.limits.max_tokens, self.limits.budget - used, self.limits.context - len(ids),
+                   self.limits.max_tokens if limit is None else limit)
+        if room <= 0:
+            return None
+        seed = None if self.seed is None else hash((self.seed, self.trajectory.calls)) & 0x7FFFFFFF
+        sampled, logprobs = await self.engine.generate(ids, self.sampling(room, seed))
+        return self.conversation.record_reply(sampled, logprobs, self.version)
+
+
+async def run_tool_agent(client: ChatClient, messages: list[dict], tools: dict[str, Tool],
+                         limits: AgentLimits, pool: concurrent.futures.Executor) -> Trajectory:
+    """Run the built-in agent on a prompt's messages; returns its trajectory, whose
+    ``final_text`` is the last model turn (what the reward scores)."""
+    messages = list(messages)
+    for turn in range(limits.max_turns):
+        text = await client.complete(messages)
+        if text is None:
+            break
+        messages.append({"role": "assistant", "content": text})
+        client.trajectory.final_text = text
+        calls = parse_tool_calls(text)
+        if not calls or turn + 1 == limits.max_turns:
+            break
+        results = await asyncio.gather(*(call_tool(tools, c, limits.tool_timeout_s, pool) for c in calls))
+        for result in results:
+            record_tool_use(client.trajectory, result)
+            messages.append({"role": "tool", "name": result.name, "content": result.content})
+    return client.trajectory
+
+
+def record_tool_use(trajectory: Trajectory, result: Any) -> None:
+    """Count one tool call (and its error or timeout) in the trajectory's statistics."""
+    trajectory.tool_calls += 1
+    trajectory.tool_errors += int(result.error)
+    trajectory.tool_timeouts += int(result.timed_out)
+    calls, errors, seconds = trajectory.tools_used.get(result.name, (0, 0, 0.0))
+    trajectory.tools_used[result.name] = (calls + 1, errors + int(result.error), seconds + result.seconds)
+
+
+def drop_trailing_context(trajectory: Trajectory) -> None:
+    """Remove the context after the model's last turn (no model token follows it, so it
+    trains nothing and costs compute)."""
+    while trajectory.segments and trajectory.segments[-1].source != MODEL:
+        trajectory.segments.pop()

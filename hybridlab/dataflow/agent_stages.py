@@ -1,0 +1,143 @@
+"""The stages of an agentic step: multi-turn trajectories with tools or a user's agent
+(``hybridlab.agents``), and the agent's own reward.
+
+``generate_agent`` replaces ``generate`` in the default dataflow when ``rollout.tools`` or
+``rollout.agent`` is set; with tools the ``reward`` stage scores each trajectory's last model
+turn, with an agent function ``agent_reward`` takes the reward the agent returned.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from hybridlab.agents.rollout import STAT_FIELDS, AgentSettings
+from hybridlab.dataflow.fields import SEQUENCE_FIELDS
+from hybridlab.dataflow.stages import _finish_reward, generation_metrics, register_stage
+from hybridlab.protocol import Batch
+
+if TYPE_CHECKING:
+    from hybridlab.dataflow.context import StepContext
+
+AGENT_OUTPUTS = ("prompts", *SEQUENCE_FIELDS, "rollout_log_probs", "rollout_versions", "final_response",
+                 "agent_reward", "agent_error", *STAT_FIELDS)
+
+
+def agentic(cfg) -> bool:
+    """True when the run's rollouts are agent trajectories (``rollout.tools`` or ``rollout.agent``)."""
+    return bool(cfg.rollout.tools or cfg.rollout.agent)
+
+
+def agent_settings(cfg, version: int) -> dict:
+    """Return the settings ``RolloutWorker.generate_agent`` takes, for policy ``version``."""
+    r = cfg.rollout
+    return dataclasses.asdict(AgentSettings(r.tools, r.agent, r.max_turns, r.max_trajectory_tokens, r.tool_timeout_s,
+                                            r.max_in_flight, version, cfg.data.chat_template))
+
+
+def agent_metrics(out: Batch) -> dict:
+    """Return the ``agent/*`` metrics of a rollout of trajectories: means and totals per step,
+    the share of trajectories that called a tool, and calls, errors and latency per tool."""
+    total = {f: float(out[f].sum()) for f in STAT_FIELDS}
+    n = max(1, len(out))
+    metrics = {"agent/turns_mean": total["agent_turns"] / n, "agent/tool_calls": total["agent_tool_calls"],
+               "agent/tool_errors": total["agent_tool_errors"], "agent/tool_timeouts": total["agent_tool_timeouts"],
+               "agent/model_tokens": total["agent_model_tokens"], "agent/tool_tokens": total["agent_tool_tokens"],
+               "agent/retokenized_share": total["agent_retokenized"] / max(1.0, total["agent_calls"]),
+               "agent/tool_call_share": float((out["agent_tool_calls"] > 0).float().mean()),
+               "agent/errors": float(out["agent_error"].sum())}
+    per_tool: dict[str, list[float]] = {}
+    for used in out["agent_tools"]:
+        for name, (calls, errors, seconds) in used.items():
+            acc = per_tool.setdefault(name, [0.0, 0.0, 0.0])
+            acc[0], acc[1], acc[2] = acc[0] + calls, acc[1] + errors, acc[2] + seconds
+    for name, (calls, errors, seconds) in sorted(per_tool.items()):
+        metrics.update({f"agent/tool/{name}/calls": calls, f"agent/tool/{name}/errors": errors,
+                        f"agent/tool/{name}/latency_s": seconds / max(1.0, calls)})
+    return metrics
+
+
+@register_stage("generate_agent", "rollout", ("prompt_ids", "uid"), AGENT_OUTPUTS, replaces_rows=True)
+def generate_agent(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
+    """Run rollout.n agent trajectories per prompt (tools or an agent function), many at once;
+    the model's tokens are trained, tool and template tokens are context."""
+    if ctx.cfg.trainer.off_policy and not ctx.rerunning:
+        raise ValueError("generate_agent: trainer.off_policy is not supported with agent rollouts yet")
+    out = ctx.group("rollout").generate_agent(batch, ctx.sampling(), agent_settings(ctx.cfg, ctx.rl.step_count))
+    metrics = generation_metrics(ctx.cfg, out)  # response_length/*: the model's tokens per trajectory
+    lengths = out["attention_mask"][:, -out["response_mask"].shape[1]:].sum(-1)
+    metrics["response_length/clip_ratio"] = float((lengths >= ctx.cfg.rollout.max_trajectory_tokens).float().mean())
+    return out, {**metrics, **agent_metrics(out), "rollout/staleness": 0}
+
+
+@register_stage("agent_reward", None, ("agent_reward", "agent_error", "response_mask"),
+                ("token_level_scores", "token_level_rewards", "acc", "reward_extra_info"))
+def agent_reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
+    """Take the reward each agent function returned (one that raised scores reward.error_score)."""
+    from hybridlab.batching import on_last_token
+
+    errors = batch["agent_error"].bool()
+    scores = torch.where(errors, torch.full_like(batch["agent_reward"], ctx.cfg.reward.error_score),
+                         batch["agent_reward"])
+    infos = batch.objects.get("agent_info") or [{} for _ in range(len(batch))]
+    acc = torch.tensor([info.get("acc", math.nan) for info in infos], dtype=torch.float32)
+    if errors.any() and not ctx.rl.reward_error_sources & {"agent"}:  # warned once per run; counted every step
+        ctx.rl.reward_error_sources.add("agent")
+        first = next(m for m, e in zip(batch["agent_error_msg"], errors.tolist()) if e)
+        ctx.warn(f"the agent function failed on {int(errors.sum())} of {len(batch)} trajectories (scored"
+                 f" reward.error_score={ctx.cfg.reward.error_score}; counted in agent/errors, warned once);"
+                 f" first: {first}")
+    out = Batch({"token_level_scores": on_last_token(scores, batch["response_mask"]), "acc": acc},
+                {"reward_extra_info": [{k: v for k, v in info.items() if k != "acc"} for info in infos]})
+    return _finish_reward(ctx, batch, out)
+
+
+def agent_problems(cfg, rollout_tp: int) -> list[str]:
+    """Return what stops the config's agent rollouts from running, each naming its key: both
+    or neither of tools and agent, a tool or agent that cannot be loaded, impossible limits, a
+    rollout that is not vLLM at tp 1, off-policy rollouts."""
+    r, p = cfg.rollout, []
+    if not agentic(cfg):
+        return p
+    if r.tools and r.agent:
+        p.append("rollout.tools and rollout.agent: set one (the built-in agent with tools, or your own agent)")
+    else:
+        from hybridlab.agents.rollout import load_spec
+        from hybridlab.errors import UserError
+
+        try:
+            load_spec(AgentSettings(r.tools, r.agent))
+        except UserError as exc:
+            p.append(str(exc))
+    for key, low in (("max_turns", 1), ("max_in_flight", 1), ("max_trajectory_tokens", r.max_new_tokens)):
+        if getattr(r, key) < low:
+            p.append(f"rollout.{key}: must be at least {low}, got {getattr(r, key)}"
+                     + (" (rollout.max_new_tokens: one model turn must fit)" if key == "max_trajectory_tokens" else ""))
+    if r.tool_timeout_s < 0:
+        p.append(f"rollout.tool_timeout_s: must be >= 0 (0: no limit), got {r.tool_timeout_s}")
+    if r.backend != "vllm" or rollout_tp > 1:
+        p.append(f"rollout.backend / mapping.roles.rollout.tp: agent rollouts run on the vllm backend at tp 1 (got"
+                 f" {r.backend!r}, tp {rollout_tp}); use dp for more engines")
+    if cfg.trainer.off_policy:
+        p.append("trainer.off_policy: agent rollouts are generated on-policy (no look-ahead yet); set it false")
+    return p
+
+
+def greedy_scores(ctx: "StepContext", prompts: Batch) -> Batch:
+    """Return ``token_level_scores`` and ``acc`` of one greedy sample per prompt, generated as
+    the run's steps generate (a plain response, or an agent trajectory) and scored as they are."""
+    from hybridlab.dataflow.stages import REWARD_FIELDS
+
+    sampling = ctx.sampling(n=1, temperature=0.0)
+    rollout, reward = ctx.group("rollout"), ctx.group("reward")
+    if not agentic(ctx.cfg):
+        return reward.compute_reward(rollout.generate(prompts, sampling).select(REWARD_FIELDS))
+    out = rollout.generate_agent(prompts, sampling, agent_settings(ctx.cfg, ctx.rl.step_count))
+    if not ctx.cfg.rollout.agent:
+        return reward.compute_reward(out.select([*REWARD_FIELDS, "final_response"]))
+    scores = torch.where(out["agent_error"].bool(), torch.full_like(out["agent_reward"], ctx.cfg.reward.error_score),
+                         out["agent_reward"])
+    acc = torch.tensor([info.get("acc", math.nan) for info in out["agent_info"]], dtype=torch.float32)
+    return Batch({"token_level_scores": scores.unsqueeze(-1), "acc": acc})

@@ -1,0 +1,241 @@
+"""Agentic rollouts (hybridlab.agents): tools, the token-exact conversation record, the
+OpenAI-compatible endpoint and GRPO on multi-turn trajectories, on real vLLM, Megatron and Ray."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridlab.agents.conversation import Conversation
+from hybridlab.agents.rollout import agent_result, check_agent_function
+from hybridlab.agents.tools import Tool, call_tool, load_tools, parse_tool_calls
+from hybridlab.agents.trajectory import MODEL, TOOL, Trajectory, trajectories_batch
+from hybridlab.batching import on_last_token
+from hybridlab.errors import UserError
+
+AGENTS = Path(__file__).with_name("agent_functions.py")
+
+
+# ------------------------------------------------------------------ tools
+def test_a_tool_schema_comes_from_the_signature_and_docstring():
+    tools = load_tools(f"{AGENTS}:broken,{AGENTS}:sleeps")
+    assert list(tools) == ["broken", "sleeps"]
+    assert tools["sleeps"].schema["function"]["parameters"] == {
+        "type": "object", "properties": {"seconds": {"type": "number", "description": "How long to sleep."}},
+        "required": ["seconds"]}
+
+
+def test_a_tool_without_a_documented_argument_is_refused_naming_the_setting():
+    def undocumented(x: int) -> int:
+        return x
+
+    with pytest.raises(UserError, match=r"rollout.tools: cannot read a tool schema from 'undocumented'"):
+        Tool.from_function(undocumented)
+    with pytest.raises(UserError, match=r"rollout.tools: .*agent_functions.py' has no function 'nothing'"):
+        load_tools(f"{AGENTS}:nothing")
+    with pytest.raises(UserError, match="rollout.tools: two tools are named 'broken'"):
+        load_tools(f"{AGENTS}:broken,{AGENTS}:broken")
+
+
+def test_tool_calls_are_parsed_in_the_hermes_format_and_malformed_ones_named():
+    text = ('<tool_call>\n{"name": "calc", "arguments": {"expression": "2*3"}}\n</tool_call>'
+            '<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"4\\"}"}</tool_call>'
+            '<tool_call>{"name": calc}</tool_call><tool_call>[1]</tool_call>')
+    calls = parse_tool_calls(text)
+    assert calls[:2] == [{"name": "calc", "arguments": {"expression": "2*3"}},
+                         {"name": "calc", "arguments": {"expression": "4"}}]
+    assert calls[2].startswith("error: the tool call is not valid JSON")
+    assert calls[3] == 'error: a tool call must be a JSON object {"name": ..., "arguments": {...}}'
+    assert parse_tool_calls("no call here") == []
+
+
+def test_a_raising_a_hanging_and_an_unknown_tool_answer_the_model_and_never_raise():
+    tools = load_tools(f"{AGENTS}:broken,{AGENTS}:sleeps")
+
+    pool = concurrent.futures.ThreadPoolExecutor(4)
+
+    async def calls():
+        return await asyncio.gather(
+            call_tool(tools, {"name": "broken", "arguments": {"expression": "1/0"}}, 1.0, pool),
+            call_tool(tools, {"name": "sleeps", "arguments": {"seconds": 30}}, 0.3, pool),
+            call_tool(tools, {"name": "sleeps", "arguments": {"seconds": 0}}, 0.3, pool),
+            call_tool(tools, {"name": "search", "arguments": {}}, 1.0, pool),
+            call_tool(tools, {"name": "sleeps", "arguments": {"wrong": 1}}, 1.0, pool),
+            call_tool(tools, "error: the tool call is not valid JSON", 1.0, pool))
+
+    start = time.perf_counter()
+    broken, hung, slept, unknown, bad_args, malformed = asyncio.run(calls())
+    pool.shutdown(wait=False)
+    assert time.perf_counter() - start < 15  # the 30 s call was cut off at its 0.3 s timeout, not waited for
+    assert (broken.content, broken.error, broken.timed_out) == (
+        "error: ZeroDivisionError: division by zero in the tool", True, False)
+    assert (hung.content, hung.error, hung.timed_out) == ("error: sleeps timed out after 0.3 s", True, True)
+    assert (slept.content, slept.error) == ("awake", False)
+    assert unknown.content == "error: no tool named 'search'; the tools are: broken, sleeps"
+    assert bad_args.error and "unexpected keyword argument 'wrong'" in bad_args.content
+    assert malformed.error and malformed.content == "error: the tool call is not valid JSON"
+
+
+def test_an_agent_function_must_be_async_and_return_a_reward():
+    async def run(client, sample):
+        return 1.0
+
+    def sync(client, sample):
+        return 1.0
+
+    assert check_agent_function(run) is run
+    with pytest.raises(UserError, match=r"rollout.agent: 'sync' must be an async function"):
+        check_agent_function(sync)
+    assert agent_result(0.5) == (0.5, {})
+    assert agent_result({"reward": 1, "turns": 3, "note": "x"}) == (1.0, {"turns": 3.0})
+    for bad, message in (({"score": 1}, "without 'reward'"), (None, "returned None"), (math.nan, "returned nan"),
+                         (True, "returned True")):
+        with pytest.raises(ValueError, match=message):
+            agent_result(bad)
+
+
+# ------------------------------------------------------------------ the token record
+def test_a_conversation_records_sampled_ids_and_adds_only_the_new_text(tiny_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    conv = Conversation(tok)
+    user = [{"role": "user", "content": "12+34="}]
+    first = conv.prompt(user)
+    assert first == tok(tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False),
+                        add_special_tokens=False).input_ids
+    sampled = tok("46", add_special_tokens=False).input_ids + [4]  # the turn ends with <|im_end|>, as sampled
+    assert conv.record_reply(sampled, [-0.5] * len(sampled), version=3) == "46"
+    messages = [*user, {"role": "assistant", "content": "46"}, {"role": "tool", "content": "checked"}]
+    ids = conv.prompt(messages)
+    whole = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                add_special_tokens=False).input_ids
+    assert ids == whole and conv.trajectory.retokenized == 0  # ChatML is prefix-stable
+    t = conv.trajectory
+    assert [s.source for s in t.segments] == [MODEL, TOOL] and t.segments[0].ids == sampled
+    # A reply the template renders differently (it ended with </s>, the template writes <|im_end|>):
+    # the sampled ids are kept and only the new message is added, counted as re-tokenized.
+    conv2 = Conversation(tok)
+    conv2.prompt(user)
+    odd = tok("46", add_special_tokens=False).input_ids + [2]
+    conv2.record_reply(odd, [0.0] * len(odd), version=0)
+    ids2 = conv2.prompt(messages)
+    assert ids2[:len(first) + len(odd)] == first + odd and conv2.trajectory.retokenized == 1
+    assert tok.decode(ids2[len(first) + len(odd):]).endswith("<|im_start|>tool\nchecked<|im_end|>\n"
+                                                               "<|im_start|>assistant\n")
+
+
+def test_a_trajectory_trains_only_the_models_tokens_and_its_reward_lands_on_its_last_one():
+    t = Trajectory([7, 8, 9])
+    t.add_model([10, 11], [-0.1, -0.2], version=1)
+    t.add_context([12, 13, 14], TOOL)
+    t.add_model([15], [-0.3], version=2)
+    t.add_context([16], TOOL)
+    b = trajectories_batch([t, Trajectory([5], [])], pad_id=0, response_len=8)
+    assert b["response_mask"][0].tolist() == [1, 1, 0, 0, 0, 1, 0, 0]
+    assert b["attention_mask"][0].tolist() == [1] * 10 + [0]  # prompt, then every token after it
+    assert b["rollout_log_probs"][0].tolist() == pytest.approx([-0.1, -0.2, 0, 0, 0, -0.3, 0, 0])
+    assert b["rollout_versions"][0].tolist() == [1, 1, -1, -1, -1, 2, -1, -1]
+    assert b["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 9]
+    scores = on_last_token(torch.tensor([1.0, 2.0]), b["response_mask"])
+    assert scores[0].tolist() == [0, 0, 0, 0, 0, 1.0, 0, 0] and scores[1].tolist() == [2.0] + [0] * 7
+    t.truncate(4)
+    assert t.response_ids() == [10, 11, 12, 13]
+
+
+# ------------------------------------------------------------------ GRPO on an OpenAI-SDK agent
+AGENT_FLOW = "[generate_agent, agent_reward, old_logprob, advantages, update_actor, sync_weights]"
+
+
+@pytest.fixture(scope="module")
+def chat_trained_dir(tiny_dir, hybridlab_home):
+    """tiny after a short SFT on addition in chat form (about 10 s): answers end their turn with
+    <|im_end|>, as the template does, so conversations are prefix-stable."""
+    from hybridlab import sft
+    from hybridlab.atomic import built_once
+    from hybridlab.evaluate import load_hf
+    from hybridlab.tasks import get_task
+
+    out = hybridlab_home / "fixtures" / "tiny-arith-chat"
+
+    def train() -> None:
+        model, tok = load_hf(tiny_dir)
+        sft.train(model, tok, get_task("arith"), sft.SFTConfig(steps=300, warmup_steps=20, chat=True), progress=False)
+        sft.save_checkpoint(model, tok, out)
+
+    return built_once(out, train)
+
+
+@pytest.fixture(scope="module")
+def agent_rl(ray_local, chat_trained_dir, tmp_path_factory):
+    """A GRPO session on one device whose rollouts are the two_calls agent; yields (session, log path)."""
+    from hybridlab.dataflow.session import RLSession
+    from hybridlab.tasks import get_task
+    from hybridlab.tasks.dataset import write_rows
+
+    root = tmp_path_factory.mktemp("agents")
+    log = root / "calls.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": s.prompt}], "data_source": "arith",
+             "reward_model": {"ground_truth": s.ground_truth}, "extra_info": {"log": str(log)}}
+            for s in get_task("arith").split("train", 16)]
+    write_rows(rows, root / "train.jsonl")
+    session = RLSession("grpo", [f"model={chat_trained_dir}", "warm_start.max_steps=0", "trainer.devices=1",
+                                 f"data.train_files={root / 'train.jsonl'}", "data.prompts_per_step=4", "rollout.n=4",
+                                 "rollout.max_new_tokens=8", f"rollout.agent={AGENTS}:two_calls",
+                                 "rollout.max_trajectory_tokens=64", "actor.ppo_mini_batch_size=4",
+                                 "actor.use_kl_loss=false", f"dataflow={AGENT_FLOW}", "trainer.progress=false",
+                                 f"trainer.run_dir={root / 'run'}"])
+    session.start()
+    yield session, log
+    session.shutdown()
+
+
+def test_an_unchanged_openai_agent_trains_grpo_on_exact_multi_turn_tokens(agent_rl, chat_trained_dir):
+    from transformers import AutoTokenizer
+
+    rl, log = agent_rl
+    tok = AutoTokenizer.from_pretrained(chat_trained_dir)
+    first, second = rl.step(), rl.step()
+    for result in (first, second):
+        b, m = result.batch, result.metrics
+        assert len(b) == 16 and math.isfinite(m["actor/pg_loss"])
+        assert m["agent/turns_mean"] == 2.0 and m["agent/errors"] == 0
+        assert m["agent/model_tokens"] == float(b["response_mask"].sum())
+        # Mask 1 on exactly the model's tokens: the rollout's log-probs there are the actor's after the sync
+        # (vLLM's CPU attention and Megatron's sum in different orders: the single-turn bound, test_rl's 1e-4).
+        gap = (b["old_log_probs"] - b["rollout_log_probs"])[b["response_mask"].bool()].abs()
+        assert gap.max() < 1e-4 and gap.mean() < 1e-5
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(calls) == 32
+    rows = {}
+    b = second.batch
+    width = b["prompts"].shape[1]
+    for i in range(len(b)):
+        ids = b["input_ids"][i][b["attention_mask"][i].bool()].tolist()
+        rows[tuple(ids)] = b["response_mask"][i][:len(ids) - int(b["attention_mask"][i, :width].sum())].tolist()
+    stable = 0
+    for record in calls[16:]:
+        one, two = record["calls"]
+        whole = two["prompt_token_ids"] + two["token_ids"]
+        # the trajectory the trainer saw is the ids the endpoint continued and sampled, nothing re-tokenized
+        assert tuple(whole) in rows
+        assert whole[:len(one["prompt_token_ids"]) + len(one["token_ids"])] == one["prompt_token_ids"] + one["token_ids"]
+        mask = rows[tuple(whole)]
+        start = len(one["prompt_token_ids"])
+        expected = [1] * len(one["token_ids"]) + [0] * (len(two["prompt_token_ids"]) - start - len(one["token_ids"]))
+        assert mask == expected + [1] * len(two["token_ids"])
+        rendered = tok.apply_chat_template(record["messages"], tokenize=False)
+        if one["token_ids"][-1] != 2 and two["token_ids"][-1] == 4:  # both turns end where the template ends them
+            stable += 1
+            assert tok(rendered, add_special_tokens=False).input_ids == whole + tok("\n").input_ids
+    print(f"{stable} of 16 conversations prefix-stable")
+    assert stable >= 8  # the chat warm start ends its turns with <|im_end|>
+    # A first turn that ended with </s> (the template writes <|im_end|>) makes the second call re-tokenized.
+    ended_with_eos = sum(record["calls"][0]["token_ids"][-1] == 2 for record in calls[16:])
+    assert second.metrics["agent/retokenized_share"] == ended_with_eos / 32
