@@ -21,19 +21,26 @@ def load_hf(model_dir):
     return model, tokenizer
 
 
-def greedy_texts(model, tokenizer, prompts: Sequence[list[int]], max_new_tokens: int,
-                 batch_size: int = 256) -> list[str]:
-    """Return each prompt's (token ids) greedy response, decoded up to the checkpoint's first end
-    id (any it lists, as the rollout stops) without special tokens."""
+def greedy_ids(model, tokenizer, prompts: Sequence[list[int]], max_new_tokens: int,
+               batch_size: int = 256) -> list[list[int]]:
+    """Return each prompt's (token ids) greedy response ids, up to and including the checkpoint's
+    first end id (any it lists, as the rollout stops)."""
     model.eval()
     cfg = SamplingConfig(temperature=0, max_tokens=max_new_tokens)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stops = model_stop_ids(model, tokenizer)
-    out: list[str] = []
+    out: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
-        responses, _ = generate_ids(model, list(prompts[start:start + batch_size]), cfg, pad, stops)
-        out += [tokenizer.decode(r, skip_special_tokens=True) for r in responses]
+        out += generate_ids(model, list(prompts[start:start + batch_size]), cfg, pad, stops)[0]
     return out
+
+
+def greedy_texts(model, tokenizer, prompts: Sequence[list[int]], max_new_tokens: int,
+                 batch_size: int = 256) -> list[str]:
+    """Return each prompt's (token ids) greedy response, decoded up to the checkpoint's first end
+    id (any it lists, as the rollout stops) without special tokens."""
+    return [tokenizer.decode(r, skip_special_tokens=True)
+            for r in greedy_ids(model, tokenizer, prompts, max_new_tokens, batch_size)]
 
 
 def accuracy(model, tokenizer, task: Task, samples: Sequence[Sample], max_new_tokens: int = 16) -> dict:

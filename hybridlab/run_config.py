@@ -22,7 +22,7 @@ from hybridlab.algos.rollout_correction import IS_LEVELS, parse_is_threshold, pa
 from hybridlab.backend_checks import backend_problems, training_strategy  # noqa: F401 (imported from here too)
 from hybridlab.config import ConfigError, RunConfig, apply_override, build, resolve_config_path
 from hybridlab.controller.mapping import ROLES, DeviceMapping
-from hybridlab.dataflow.agent_stages import agent_problems, agentic
+from hybridlab.dataflow.agent_stages import agent_problems, agentic, rollout_stages
 from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.pairs import step_inputs
 from hybridlab.dataflow.prompts import has_test_prompts
@@ -65,13 +65,6 @@ def default_dataflow(cfg: RunConfig) -> list[str]:
     if est == "gae":
         stages.append("update_critic")
     return stages + ["update_actor", "sync_weights"]
-
-
-def rollout_stages(cfg: RunConfig) -> list[str]:
-    """Return the stages that make a step's scored samples: generate (or an agent rollout), then reward."""
-    if agentic(cfg):
-        return ["generate_agent", "agent_reward" if cfg.rollout.agent else "reward"]
-    return ["generate", "reward_model" if cfg.reward.kind == "model" else "reward"]
 
 
 def dataflow_names(cfg: RunConfig) -> list[str]:

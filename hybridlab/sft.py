@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 from tqdm.auto import tqdm
 
+from hybridlab.agents.traces import trace_accuracy
 from hybridlab.atomic import atomic_model_dir
 from hybridlab.errors import UserError
 from hybridlab.evaluate import accuracy
@@ -46,6 +47,7 @@ class SFTConfig:
     eval_every: int = 25                      # steps between held-out checks (with a target)
     eval_samples: int = 200                   # held-out training prompts for the check
     chat: bool = False                        # prompts as one user message in the chat template
+    tools: Optional[list] = None              # tool schemas a traced task's conversations are rendered with
 
     def validate(self) -> None:
         """Raise UserError naming the first field with an impossible value."""
@@ -91,16 +93,39 @@ def encode_examples(tokenizer, samples: list[Sample], end: int) -> list[tuple[li
     return out
 
 
-def collate(examples: list[tuple[list[int], int]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a batch; returns input_ids, attention_mask and labels (-100 outside answers)."""
+def answer_end(model, tokenizer, chat: bool) -> int:
+    """Return the id a worked answer ends with: the end-of-sequence id the checkpoint stops at,
+    or in chat form the template's end of turn (<|im_end|>) when the checkpoint stops there."""
+    stops = model_stop_ids(model, tokenizer)
+    end = end_of_response(tokenizer, stops)
+    return (end_of_turn(tokenizer, stops) or end) if chat else end
+
+
+def worked_examples(tokenizer, task: Task, samples: list[Sample], end: int,
+                    tools: list | None = None) -> list[tuple[list[int], int | list[int]]]:
+    """Return what the warm start trains on: (ids, prompt length) per worked answer, or for a
+    tool-use task (one with ``trace``) (ids, loss mask) per worked conversation, tokenized as an
+    agent rollout records it (``hybridlab.agents.traces``)."""
+    if not hasattr(task, "trace"):
+        return encode_examples(tokenizer, samples, end)
+    from hybridlab.agents.traces import encode_trace
+
+    return [encode_trace(tokenizer, task.trace(s), end, tools) for s in samples]
+
+
+def collate(examples: list[tuple[list[int], int | list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a batch of (ids, prompt length) or (ids, loss mask) examples; returns input_ids,
+    attention_mask and labels (-100 outside answers: after the prompt, or where the mask is 0)."""
     width = max(len(ids) for ids, _ in examples)
     input_ids = torch.full((len(examples), width), pad_id)
     labels = torch.full((len(examples), width), -100)
     mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, (ids, prompt_len) in enumerate(examples):
-        input_ids[i, :len(ids)] = torch.tensor(ids)
+    for i, (ids, trained) in enumerate(examples):
+        row = torch.tensor(ids)
+        input_ids[i, :len(ids)] = row
         mask[i, :len(ids)] = 1
-        labels[i, prompt_len:len(ids)] = torch.tensor(ids[prompt_len:])
+        keep = torch.arange(len(ids)) >= trained if isinstance(trained, int) else torch.tensor(trained).bool()
+        labels[i, :len(ids)] = torch.where(keep, row, -100)
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
@@ -140,15 +165,14 @@ def train(model, tokenizer, task: Task, cfg: SFTConfig, progress: bool = True,
     train_samples, held_out = held_out_split(task, cfg)
     if cfg.chat:
         train_samples, held_out = as_chat(train_samples), as_chat(held_out)
-    stops = model_stop_ids(model, tokenizer)
-    end = end_of_response(tokenizer, stops)
-    if cfg.chat:  # a chat answer ends its turn as the template does (<|im_end|>), not with end-of-sequence
-        end = end_of_turn(tokenizer, stops) or end
-    examples = encode_examples(tokenizer, train_samples, end)
+    end = answer_end(model, tokenizer, cfg.chat)
+    examples = worked_examples(tokenizer, task, train_samples, end, cfg.tools)
+    held_traces = worked_examples(tokenizer, task, held_out, end, cfg.tools) if hasattr(task, "trace") else None
     checks: list[dict] = []
 
     def check(step: int) -> float:
-        acc = held_out_accuracy(model, tokenizer, task, held_out)
+        acc = (trace_accuracy(model, tokenizer, held_traces) if held_traces is not None
+               else held_out_accuracy(model, tokenizer, task, held_out))
         model.train()
         checks.append({"step": step, "accuracy": acc})
         if on_check is not None:

@@ -21,9 +21,9 @@ async def two_calls(client, sample):
     messages.append({"role": "assistant", "content": answer})
     if sample["extra_info"].get("log"):
         with open(sample["extra_info"]["log"], "a") as log:
-            log.write(json.dumps({"messages": messages, "calls": [
-                {"prompt_token_ids": c.model_extra["prompt_token_ids"], "token_ids": c.choices[0].model_extra["token_ids"]}
-                for c in (first, second)]}) + "\n")
+            calls = [{"prompt_token_ids": c.model_extra["prompt_token_ids"],
+                      "token_ids": c.choices[0].model_extra["token_ids"]} for c in (first, second)]
+            log.write(json.dumps({"messages": messages, "calls": calls}) + "\n")
     right = float(answer.strip() == str(sample["ground_truth"]))
     return {"reward": right, "acc": right, "tool_turns": 1}
 
@@ -53,3 +53,18 @@ def sleeps(seconds: float) -> str:
     """
     time.sleep(seconds)
     return "awake"
+
+
+class TwoRounds:
+    """A text environment: any first answer earns 0.25 and is asked again; the second ends the
+    episode and earns 1 more when it is the right answer."""
+
+    def reset(self, sample):
+        self.truth = str(sample["ground_truth"])
+        return sample["extra_info"]["messages"][-1]["content"]
+
+    async def step(self, text):
+        if not hasattr(self, "asked"):
+            self.asked = True
+            return "Are you sure? Answer again.", 0.25, False
+        return "", float(text.strip() == self.truth), True

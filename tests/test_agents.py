@@ -225,13 +225,18 @@ def test_an_unchanged_openai_agent_trains_grpo_on_exact_multi_turn_tokens(agent_
         whole = two["prompt_token_ids"] + two["token_ids"]
         # the trajectory the trainer saw is the ids the endpoint continued and sampled, nothing re-tokenized
         assert tuple(whole) in rows
-        assert whole[:len(one["prompt_token_ids"]) + len(one["token_ids"])] == one["prompt_token_ids"] + one["token_ids"]
+        first_call = one["prompt_token_ids"] + one["token_ids"]
+        assert whole[:len(first_call)] == first_call
         mask = rows[tuple(whole)]
         start = len(one["prompt_token_ids"])
         expected = [1] * len(one["token_ids"]) + [0] * (len(two["prompt_token_ids"]) - start - len(one["token_ids"]))
         assert mask == expected + [1] * len(two["token_ids"])
         rendered = tok.apply_chat_template(record["messages"], tokenize=False)
-        if one["token_ids"][-1] != 2 and two["token_ids"][-1] == 4:  # both turns end where the template ends them
+        # each turn's text (as the endpoint answers it) tokenizes back to what was sampled: no special token
+        # inside it, and split as the tokenizer splits it (BPE may merge otherwise)
+        canonical = all(tok(tok.decode(t["token_ids"][:-1], skip_special_tokens=True),
+                            add_special_tokens=False).input_ids == t["token_ids"][:-1] for t in (one, two))
+        if canonical and one["token_ids"][-1] != 2 and two["token_ids"][-1] == 4:  # turns end as the template ends them
             stable += 1
             assert tok(rendered, add_special_tokens=False).input_ids == whole + tok("\n").input_ids
     print(f"{stable} of 16 conversations prefix-stable")
@@ -239,3 +244,114 @@ def test_an_unchanged_openai_agent_trains_grpo_on_exact_multi_turn_tokens(agent_
     # A first turn that ended with </s> (the template writes <|im_end|>) makes the second call re-tokenized.
     ended_with_eos = sum(record["calls"][0]["token_ids"][-1] == 2 for record in calls[16:])
     assert second.metrics["agent/retokenized_share"] == ended_with_eos / 32
+
+
+def test_a_raising_agent_scores_error_score_is_counted_and_warned_once(agent_rl):
+    rl, _ = agent_rl
+    rl.update(f"rollout.agent={AGENTS}:fails_on_odd", "reward.error_score=-1")
+    try:
+        with pytest.warns(RuntimeWarning, match=r"the agent function failed on \d+ of 16 trajectories .*first:"
+                                                 r" RuntimeError: the agent's own bug"):
+            first = rl.step()
+        b = first.batch
+        odd = torch.tensor([int(t) % 2 == 1 for t in b["ground_truth"]])
+        assert odd.any() and not odd.all()
+        assert first.metrics["agent/errors"] == float(odd.sum())
+        assert b["token_level_scores"].sum(-1).tolist() == [-1.0 if o else 1.0 for o in odd.tolist()]
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # counted every step, warned once
+            second = rl.step()
+        assert second.metrics["agent/errors"] > 0
+    finally:
+        rl.update(f"rollout.agent={AGENTS}:two_calls", "reward.error_score=0.0")
+
+
+def test_a_text_environment_answers_each_turn_and_its_rewards_add_up(agent_rl):
+    rl, _ = agent_rl
+    rl.update("rollout.agent=null", f"rollout.env={AGENTS}:TwoRounds")
+    try:
+        result = rl.step()
+    finally:
+        rl.update("rollout.env=null", f"rollout.agent={AGENTS}:two_calls")
+    b, m = result.batch, result.metrics
+    assert m["agent/turns_mean"] == 2.0 and m["agent/errors"] == 0 and m["agent/tool_tokens"] > 0
+    right = torch.tensor([f.strip() == t for f, t in zip(b["final_response"], b["ground_truth"])]).float()
+    assert b["token_level_scores"].sum(-1).tolist() == pytest.approx((0.25 + right).tolist())
+    # the environment's question between the turns is context: two runs of model tokens per row
+    for row in b["response_mask"].tolist():
+        starts = [i for i, v in enumerate(row) if v and (i == 0 or not row[i - 1])]
+        assert len(starts) == 2
+
+
+SPLIT = {"pools": {"train": {"devices": 1}, "gen": {"devices": 2}},
+         "roles": {"actor": {"pool": "train"}, "rollout": {"pool": "gen", "dp": 2, "colocate": "g"},
+                   "reward": {"pool": "gen", "dp": 2, "colocate": "g"}}}
+
+
+def test_agent_training_goes_on_through_a_remap_and_a_resume(agent_rl):
+    from hybridlab.dataflow.session import RLSession
+
+    rl, _ = agent_rl
+    rl.remap(SPLIT)  # the actor alone, two rollout engines beside it
+    moved = rl.step()
+    gap = (moved.batch["old_log_probs"] - moved.batch["rollout_log_probs"])[moved.batch["response_mask"].bool()].abs()
+    assert len(moved.batch) == 16 and moved.metrics["agent/turns_mean"] == 2.0 and gap.max() < 1e-4
+    rl.save_checkpoint()
+    done, run_dir = rl.step_count, rl.cfg.trainer.run_dir
+    rl.shutdown()
+    resumed = RLSession.resume(run_dir)
+    try:
+        result = resumed.step()
+        assert resumed.step_count == done + 1 and len(result.batch) == 16
+        assert result.metrics["agent/turns_mean"] == 2.0 and result.metrics["agent/errors"] == 0
+    finally:
+        resumed.shutdown()
+
+
+# ------------------------------------------------------------------ config checks, the calc task
+@pytest.mark.parametrize("overrides, message", [
+    ([f"rollout.tools={AGENTS}:broken", f"rollout.agent={AGENTS}:two_calls"],
+     "rollout.tools, rollout.agent and rollout.env: set one"),
+    ([f"rollout.env={AGENTS}:two_calls"], r"rollout.env: 'two_calls' must be a class with reset\(sample\)"),
+    ([f"rollout.agent={AGENTS}:broken"], r"rollout.agent: 'broken' must be an async function"),
+    ([f"rollout.tools={AGENTS}:missing"], r"rollout.tools: .* has no function 'missing'"),
+    ([f"rollout.tools={AGENTS}:broken", "rollout.max_trajectory_tokens=4"],
+     r"rollout.max_trajectory_tokens: must be at least 8, got 4 \(rollout.max_new_tokens: one model turn must fit\)"),
+    ([f"rollout.tools={AGENTS}:broken", "rollout.backend=hf"], "agent rollouts run on the vllm backend at tp 1"),
+    ([f"rollout.tools={AGENTS}:broken", "trainer.off_policy=true"],
+     "trainer.off_policy: agent rollouts are generated on-policy"),
+    (["data.task=calc", "data.chat=true"], r"data.task: 'calc' is a tool-use task; set rollout.tools=hybridlab"),
+    (["data.task=calc", "rollout.tools=hybridlab.tasks.calc:calc"], "data.chat: 'calc' is a tool-use conversation"),
+])
+def test_agent_settings_are_checked_when_the_config_loads(overrides, message):
+    from hybridlab.config import ConfigError
+    from hybridlab.run_config import load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_the_calc_task_scores_the_reply_and_its_trace_trains_only_the_models_turns(tiny_dir):
+    from transformers import AutoTokenizer
+
+    from hybridlab.agents.traces import encode_trace, model_turns
+    from hybridlab.tasks import get_task
+    from hybridlab.tasks.calc import calc
+
+    task = get_task("calc")
+    sample = task.split("train", 1)[0]
+    a, b = sample.prompt.rstrip("=").split("*")
+    assert sample.ground_truth == str(int(a) * int(b)) and 3 <= len(a) <= 4 and len(b) == 3
+    assert calc(f"{a}*{b}") == sample.ground_truth and calc("2*(3+4)-5") == "9"
+    with pytest.raises(ValueError, match="calc takes integers with \\+ - \\* only"):
+        calc("__import__('os')")
+    assert task.score(sample.ground_truth + "\n", sample.ground_truth) == 1.0 and task.score("12", "13") == 0.0
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    ids, mask = encode_trace(tok, task.trace(sample), end=4)
+    turns = [tok.decode(ids[start:stop]) for start, stop in model_turns(mask)]
+    assert turns == [f'<tool_call>{{"name": "calc", "arguments": {{"expr": "{a}*{b}"}}}}</tool_call><|im_end|>',
+                     f"{sample.ground_truth}<|im_end|>"]
+    whole = tok.apply_chat_template(task.trace(sample), tokenize=False)
+    assert tok.decode(ids) + "\n" == whole  # the zoo's ChatML renders the trace as the rollout records it

@@ -20,8 +20,8 @@ def test_bench_dispatch_json(ray_local, capfd):
 
 def test_unknown_benchmark_lists_names(capfd):
     assert main(["bench", "nope", "--json"]) == 2
-    assert ("unknown benchmark 'nope'; choose one of: dispatch, dpo, e2e, learn, lora, precision, remap, rollout,"
-            " soak, sync, train") in capfd.readouterr().err
+    assert ("unknown benchmark 'nope'; choose one of: agent, dispatch, dpo, e2e, learn, lora, precision, remap,"
+            " rollout, soak, sync, train") in capfd.readouterr().err
 
 
 def test_a_benchmark_and_the_runs_it_starts_stay_on_loopback():
@@ -92,6 +92,26 @@ def test_bench_dpo_json_reads_the_same_pairs_on_both_sides(ray_local, capfd):
     assert result["processor"] and result["pairs_per_step"] == 4
     assert main(["bench", "dpo", "--opt", "pairs=0", "--json"]) == 2
     assert "benchmark dpo: pairs must be an integer of at least 1, got 0" in capfd.readouterr().err
+
+
+def test_bench_agent_json_generates_the_planned_tokens_in_every_mode(capfd):
+    from hybridlab.bench.agent import make_plans
+
+    result = run_bench(["agent", "--opt", "model=tiny", "--opt", "trajectories=6", "--opt", "in_flight=3",
+                        "--opt", "max_turns=3", "--opt", "max_call_tokens=6", "--opt", "latency_ms=20",
+                        "--opt", "jitter_ms=10"], capfd)
+    plans = make_plans(6, 3, 6, 20, 10, 0)
+    planned = sum(t for plan in plans for t, _ in plan)
+    assert result["model_tokens"] == planned and result["model_calls"] == sum(len(p) for p in plans)
+    assert sorted(result["modes"]) == ["async", "async_no_latency", "lockstep", "raw_no_latency"]
+    assert {m["tokens_generated"] for m in result["modes"].values()} == {planned}  # the same work on every side
+    modes = result["modes"]
+    assert_ratio(result["speedup"], modes["lockstep"]["seconds"], modes["async"]["seconds"], 3)
+    assert result["endpoint_overhead"] == round(modes["async_no_latency"]["seconds"]
+                                                / modes["raw_no_latency"]["seconds"] - 1, 4)
+    assert result["trajectories_per_s"] == modes["async"]["trajectories_per_s"] and result["processor"]
+    assert main(["bench", "agent", "--opt", "jitter_ms=80", "--json"]) == 2
+    assert "benchmark agent: need 0 <= jitter_ms <= latency_ms, got jitter_ms=80" in capfd.readouterr().err
 
 
 def test_bench_rollout_json(ray_local, capfd):

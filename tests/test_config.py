@@ -25,6 +25,7 @@ PRESET_STAGES = {  # preset -> the stage list it resolves to (its `dataflow` key
     "cispo": _ON_POLICY, "clip_cov": _ON_POLICY, "gmpo": _ON_POLICY, "gpg": _ON_POLICY, "grpo": _ON_POLICY,
     "gspo": _ON_POLICY, "kl_cov": _ON_POLICY, "sapo": _ON_POLICY,
     "online_dpo": ["generate", "reward", "pair_best_worst", "ref_logprob", "update_actor_dpo", "sync_weights"],
+    "agent_calc": ["generate_agent", "reward", "rollout_as_old_logprob", "advantages", "update_actor", "sync_weights"],
     "dpo": ["ref_logprob", "update_actor_dpo", "sync_weights"],
     "dapo": ["generate", "reward", "filter_groups", "old_logprob", "advantages", "update_actor", "sync_weights"],
     "ppo": ["generate", "reward", "old_logprob", "ref_logprob", "values", "kl_reward", "advantages", "update_critic",

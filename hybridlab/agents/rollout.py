@@ -1,11 +1,12 @@
 """Agent rollouts on a rollout worker: n trajectories per prompt, many in flight at once,
 laid out for the trainer.
 
-Two kinds of agent run over one mechanism (``tool_loop.ChatClient``):
+Three kinds of agent run over one mechanism (``tool_loop.ChatClient``):
 - ``rollout.tools``: the built-in agent (``tool_loop.run_tool_agent``) calls the named tools;
   the reward stage scores its last turn (``final_response``);
 - ``rollout.agent``: the user's ``async def run(client, sample)`` gets an OpenAI client bound to
-  its trajectory's URL on the loopback endpoint (``endpoint``) and returns the reward.
+  its trajectory's URL on the loopback endpoint (``endpoint``) and returns the reward;
+- ``rollout.env``: a gym-style text environment (``env_loop``) answers each turn and rewards it.
 
 All trajectories run as asyncio tasks on one event loop over the in-process engine
 (``engine.AsyncEngine``); at most ``max_in_flight`` run at a time.
@@ -22,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from hybridlab.agents.engine import AsyncEngine
+from hybridlab.agents.env_loop import check_env_class, run_env
 from hybridlab.agents.tool_loop import AgentLimits, ChatClient, drop_trailing_context, run_tool_agent
 from hybridlab.agents.tools import Tool
 from hybridlab.agents.trajectory import MODEL, Trajectory, trajectories_batch
@@ -35,10 +37,12 @@ SAMPLE_FIELDS = ("prompt", "ground_truth", "data_source", "extra_info")  # the r
 
 @dataclasses.dataclass
 class AgentSpec:
-    """What drives the trajectories: the built-in agent's tools, or a user's agent function."""
+    """What drives the trajectories: the built-in agent's tools, a user's agent function, or a
+    text environment's class."""
 
     tools: dict[str, Tool] = dataclasses.field(default_factory=dict)
     agent: Callable | None = None
+    env: type | None = None
 
 
 def check_agent_function(fn: Any, setting: str = "rollout.agent") -> Callable:
@@ -103,6 +107,8 @@ async def _run_all(spec: AgentSpec, make_client: Callable[[int], ChatClient], sa
                     sample = samples[i // n]
                     if spec.agent is not None:
                         trajectory = await _agent_trajectory(spec, endpoint, i, sample)
+                    elif spec.env is not None:
+                        trajectory = await run_env(make_client(i), spec.env, sample, limits)
                     else:
                         trajectory = await run_tool_agent(make_client(i), sample["messages"], spec.tools, limits, pool)
                     drop_trailing_context(trajectory)
@@ -164,6 +170,7 @@ class AgentSettings:
 
     tools: str | None = None
     agent: str | None = None
+    env: str | None = None
     max_turns: int = 4
     max_trajectory_tokens: int = 256
     tool_timeout_s: float = 10.0
@@ -173,11 +180,13 @@ class AgentSettings:
 
 
 def load_spec(settings: AgentSettings) -> AgentSpec:
-    """Return the tools or agent function the settings name; raises UserError."""
+    """Return the tools, agent function or environment class the settings name; raises UserError."""
     from hybridlab.user_code import load_object
 
     if settings.agent:
         return AgentSpec(agent=check_agent_function(load_object(settings.agent, "rollout.agent")))
+    if settings.env:
+        return AgentSpec(env=check_env_class(load_object(settings.env, "rollout.env", "class")))
     from hybridlab.agents.tools import load_tools
 
     return AgentSpec(tools=load_tools(settings.tools))

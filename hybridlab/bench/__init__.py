@@ -18,6 +18,7 @@ BENCHES = {
     "precision": "hybridlab.bench.precision",
     "lora": "hybridlab.bench.lora",
     "dpo": "hybridlab.bench.dpo",
+    "agent": "hybridlab.bench.agent",
 }
 
 

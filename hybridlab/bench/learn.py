@@ -36,14 +36,26 @@ def _seeds(seeds) -> list[int]:
     return out
 
 
-def run_seed(seed: int, overrides: list[str], workdir: Path) -> dict:
-    """Run the default ``hybridlab train`` with ``trainer.seed=seed`` in a child process; returns
-    its figures (the run directory is kept under ``workdir``)."""
+def curves(run_dir: Path) -> dict:
+    """Return the run's greedy test accuracy by step (``curve``) and, for agent runs, the share
+    of trajectories that called a tool, first and last step (``tool_call_share``)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    out: dict = {"curve": [[r["step"], round(r["eval/accuracy"], 4)] for r in records if "eval/accuracy" in r]}
+    shares = [r["agent/tool_call_share"] for r in records if "agent/tool_call_share" in r]
+    if shares:
+        out["tool_call_share"] = {"first": shares[0], "last": shares[-1]}
+    return out
+
+
+def run_seed(seed: int, overrides: list[str], workdir: Path, config: str | None = None) -> dict:
+    """Run ``hybridlab train`` (the default run, or ``config``) with ``trainer.seed=seed`` in a
+    child process; returns its figures (the run directory is kept under ``workdir``)."""
     run_dir = workdir / f"seed{seed}"
     ray_tmp = tempfile.mkdtemp(prefix="hlray-", dir="/tmp")
     start = time.perf_counter()
     try:
-        out = subprocess.run([sys.executable, "-m", "hybridlab.cli", "train", f"trainer.seed={seed}",
+        out = subprocess.run([sys.executable, "-m", "hybridlab.cli", "train", *([config] if config else []),
+                              f"trainer.seed={seed}",
                               f"trainer.run_dir={run_dir}", "trainer.progress=false", *overrides,
                               "--ray-temp-dir", ray_tmp], capture_output=True, text=True)
     finally:
@@ -60,26 +72,27 @@ def run_seed(seed: int, overrides: list[str], workdir: Path) -> dict:
             "rl_seconds": s["rl_seconds"], "warm_start_steps": warm.get("steps"),
             "warm_start_held_out_accuracy": warm.get("held_out_accuracy"),
             "warm_start_seconds": warm.get("seconds"), "stopped_by": s["stopped_by"],
-            "processor": s["environment"]["processor"], "run_dir": str(run_dir)}
+            "processor": s["environment"]["processor"], "run_dir": str(run_dir), **curves(run_dir)}
 
 
-def run(seeds="0,1,2", out: str | None = None, overrides: str = "") -> dict:
+def run(seeds="0,1,2", out: str | None = None, overrides: str = "", config: str | None = None) -> dict:
     """Return ``{"processor", "runs": [per seed], "gain_min", "seconds_max", "goal_met"}``;
     ``out`` keeps the run directories (default: a temporary folder), ``overrides`` adds
-    ``key=value`` settings separated by spaces (e.g. to try another recipe)."""
+    ``key=value`` settings separated by spaces (e.g. to try another recipe), ``config`` runs a
+    preset or YAML file instead of the default run (e.g. ``agent_calc``)."""
     seed_list = _seeds(seeds)
     extra = overrides.split() if overrides else []
     workdir = Path(out) if out else Path(tempfile.mkdtemp(prefix="hybridlab-learn-"))
     workdir.mkdir(parents=True, exist_ok=True)
     runs = []
     for seed in seed_list:
-        runs.append(run_seed(seed, extra, workdir))
+        runs.append(run_seed(seed, extra, workdir, config))
         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)  # progress while the others run
     ok = [r for r in runs if "error" not in r]
     env = describe()
     return {
         "benchmark": "learn", "processor": env["processor"], "threads": usable_cores(),
-        "packages": env["packages"], "seeds": seed_list, "overrides": extra, "runs": runs,
+        "packages": env["packages"], "config": config, "seeds": seed_list, "overrides": extra, "runs": runs,
         "gain_min": min((r["gain"] for r in ok), default=None),
         "seconds_max": max((r["seconds"] for r in runs), default=None),
         "goal": {"gain_points": GOAL_POINTS, "seconds": GOAL_SECONDS},

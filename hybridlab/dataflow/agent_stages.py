@@ -2,8 +2,9 @@
 (``hybridlab.agents``), and the agent's own reward.
 
 ``generate_agent`` replaces ``generate`` in the default dataflow when ``rollout.tools`` or
-``rollout.agent`` is set; with tools the ``reward`` stage scores each trajectory's last model
-turn, with an agent function ``agent_reward`` takes the reward the agent returned.
+``rollout.agent`` or ``rollout.env`` is set; with tools the ``reward`` stage scores each
+trajectory's last model turn, with an agent function or an environment ``agent_reward`` takes
+the reward the trajectory earned.
 """
 from __future__ import annotations
 
@@ -26,15 +27,28 @@ AGENT_OUTPUTS = ("prompts", *SEQUENCE_FIELDS, "rollout_log_probs", "rollout_vers
 
 
 def agentic(cfg) -> bool:
-    """True when the run's rollouts are agent trajectories (``rollout.tools`` or ``rollout.agent``)."""
-    return bool(cfg.rollout.tools or cfg.rollout.agent)
+    """True when the run's rollouts are agent trajectories (``rollout.tools``, ``rollout.agent``
+    or ``rollout.env``)."""
+    return bool(cfg.rollout.tools or cfg.rollout.agent or cfg.rollout.env)
+
+
+def own_reward(cfg) -> bool:
+    """True when the trajectories carry their reward (an agent function's or an environment's)."""
+    return bool(cfg.rollout.agent or cfg.rollout.env)
+
+
+def rollout_stages(cfg) -> list[str]:
+    """Return the stages that make a step's scored samples: generate (or an agent rollout), then reward."""
+    if agentic(cfg):
+        return ["generate_agent", "agent_reward" if own_reward(cfg) else "reward"]
+    return ["generate", "reward_model" if cfg.reward.kind == "model" else "reward"]
 
 
 def agent_settings(cfg, version: int) -> dict:
     """Return the settings ``RolloutWorker.generate_agent`` takes, for policy ``version``."""
     r = cfg.rollout
-    return dataclasses.asdict(AgentSettings(r.tools, r.agent, r.max_turns, r.max_trajectory_tokens, r.tool_timeout_s,
-                                            r.max_in_flight, version, cfg.data.chat_template))
+    return dataclasses.asdict(AgentSettings(r.tools, r.agent, r.env, r.max_turns, r.max_trajectory_tokens,
+                                            r.tool_timeout_s, r.max_in_flight, version, cfg.data.chat_template))
 
 
 def agent_metrics(out: Batch) -> dict:
@@ -75,7 +89,8 @@ def generate_agent(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
 @register_stage("agent_reward", None, ("agent_reward", "agent_error", "response_mask"),
                 ("token_level_scores", "token_level_rewards", "acc", "reward_extra_info"))
 def agent_reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
-    """Take the reward each agent function returned (one that raised scores reward.error_score)."""
+    """Take the reward each agent function or environment returned (one that raised scores
+    reward.error_score)."""
     from hybridlab.batching import on_last_token
 
     errors = batch["agent_error"].bool()
@@ -86,7 +101,8 @@ def agent_reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     if errors.any() and not ctx.rl.reward_error_sources & {"agent"}:  # warned once per run; counted every step
         ctx.rl.reward_error_sources.add("agent")
         first = next(m for m, e in zip(batch["agent_error_msg"], errors.tolist()) if e)
-        ctx.warn(f"the agent function failed on {int(errors.sum())} of {len(batch)} trajectories (scored"
+        ctx.warn(f"the agent {'environment' if ctx.cfg.rollout.env else 'function'} failed on"
+                 f" {int(errors.sum())} of {len(batch)} trajectories (scored"
                  f" reward.error_score={ctx.cfg.reward.error_score}; counted in agent/errors, warned once);"
                  f" first: {first}")
     out = Batch({"token_level_scores": on_last_token(scores, batch["response_mask"]), "acc": acc},
@@ -99,16 +115,25 @@ def agent_problems(cfg, rollout_tp: int) -> list[str]:
     or neither of tools and agent, a tool or agent that cannot be loaded, impossible limits, a
     rollout that is not vLLM at tp 1, off-policy rollouts."""
     r, p = cfg.rollout, []
+    from hybridlab.tasks import TASKS
+
+    task_tools = getattr(TASKS.get(cfg.data.task), "tools", ()) if not cfg.data.train_files else ()
+    if task_tools and not agentic(cfg):
+        p.append(f"data.task: {cfg.data.task!r} is a tool-use task; set rollout.tools={','.join(task_tools)} and"
+                 f" data.chat=true (the agent_calc preset does)")
+    if task_tools and not cfg.data.chat:
+        p.append(f"data.chat: {cfg.data.task!r} is a tool-use conversation; set data.chat=true")
     if not agentic(cfg):
         return p
-    if r.tools and r.agent:
-        p.append("rollout.tools and rollout.agent: set one (the built-in agent with tools, or your own agent)")
+    if sum(map(bool, (r.tools, r.agent, r.env))) > 1:
+        p.append("rollout.tools, rollout.agent and rollout.env: set one (the built-in agent with tools, your own"
+                 " agent, or a text environment)")
     else:
         from hybridlab.agents.rollout import load_spec
         from hybridlab.errors import UserError
 
         try:
-            load_spec(AgentSettings(r.tools, r.agent))
+            load_spec(AgentSettings(r.tools, r.agent, r.env))
         except UserError as exc:
             p.append(str(exc))
     for key, low in (("max_turns", 1), ("max_in_flight", 1), ("max_trajectory_tokens", r.max_new_tokens)):
@@ -135,7 +160,7 @@ def greedy_scores(ctx: "StepContext", prompts: Batch) -> Batch:
     if not agentic(ctx.cfg):
         return reward.compute_reward(rollout.generate(prompts, sampling).select(REWARD_FIELDS))
     out = rollout.generate_agent(prompts, sampling, agent_settings(ctx.cfg, ctx.rl.step_count))
-    if not ctx.cfg.rollout.agent:
+    if not own_reward(ctx.cfg):
         return reward.compute_reward(out.select([*REWARD_FIELDS, "final_response"]))
     scores = torch.where(out["agent_error"].bool(), torch.full_like(out["agent_reward"], ctx.cfg.reward.error_score),
                          out["agent_reward"])

@@ -159,11 +159,20 @@ def _finish_reward(ctx: "StepContext", batch: Batch, out: Batch) -> tuple[Batch,
                  {"reward_extra_info": components}), metrics
 
 
+def _scoring_stages(names: list[str]) -> list[str]:
+    """Return the stages of a dataflow that make its scored samples (what filter_groups runs again):
+    those before filter_groups, or (run by hand) those up to the first reward-role stage."""
+    if "filter_groups" in names:
+        return names[:names.index("filter_groups")]
+    return names[:1 + next(i for i, n in enumerate(names) if get_stage(n).role == "reward")]
+
+
 @register_stage("filter_groups", None, ("token_level_scores", "uid"), (), replaces_rows=True,
                 needs=("rollout", "reward"))
 def filter_groups(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """DAPO dynamic sampling: keep groups whose rewards differ, generating more prompts to refill."""
     want = ctx.cfg.data.prompts_per_step
+    rollout = _scoring_stages(ctx.rl.dataflow.names)
     kept, rounds, seen = None, 0, 0
     current = batch
     while True:
@@ -174,9 +183,7 @@ def filter_groups(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
         kept = part if kept is None else concat_sequences([kept, part])  # rounds may pad prompts differently
         if len(set(kept["uid"])) >= want or rounds >= ctx.cfg.algorithm.filter_groups.max_num_gen_batches:
             break
-        from hybridlab.run_config import rollout_stages  # run_config imports this module
-
-        current = ctx.rerun_rollout(rollout_stages(ctx.cfg))
+        current = ctx.rerun_rollout(rollout)
     uids = list(dict.fromkeys(kept["uid"]))[:want]
     if not uids:  # nothing informative: train on the last batch rather than on nothing
         ctx.warn("filter_groups: every group had equal rewards; keeping the unfiltered batch")
@@ -386,6 +393,3 @@ from hybridlab.dataflow.preference_stages import PAIR_FIELDS, pair_best_worst, u
 
 register_stage("pair_best_worst", None, ("token_level_scores", "uid"), ("@pairs",), replaces_rows=True)(pair_best_worst)
 register_stage("update_actor_dpo", "actor", (*PAIR_FIELDS, "@pairs"), ("@actor_updated",))(update_actor_dpo)
-
-# agent rollouts' stages (agent_stages.py register themselves; imported here so that every stage is known at once)
-import hybridlab.dataflow.agent_stages  # noqa: E402,F401

@@ -14,6 +14,15 @@ from hybridlab.models.chat import use_template
 from hybridlab.tasks import get_task
 
 
+def tool_schemas(cfg: RunConfig) -> list[dict] | None:
+    """Return the schemas of rollout.tools (what the rollout renders conversations with), or None."""
+    if not cfg.rollout.tools:
+        return None
+    from hybridlab.agents.tools import load_tools
+
+    return [tool.schema for tool in load_tools(cfg.rollout.tools).values()]
+
+
 def warm_start(cfg: RunConfig, run_dir: Path, base: Path, emit: Callable[[str, dict], None]) -> tuple[Path, dict | None]:
     """Train ``base`` (a model directory) and save it under ``run_dir/warm_start``; returns the
     checkpoint directory and the record written to ``warm_start.json`` (a run directory that
@@ -30,7 +39,7 @@ def warm_start(cfg: RunConfig, run_dir: Path, base: Path, emit: Callable[[str, d
     sft_cfg = sft.SFTConfig(steps=ws.max_steps, max_seconds=float("inf"), lr=ws.lr, batch_size=ws.batch_size,
                             warmup_steps=min(ws.warmup_steps, ws.max_steps // 5), seed=cfg.trainer.seed,
                             target_accuracy=ws.target_accuracy, eval_every=ws.eval_every,
-                            eval_samples=ws.eval_samples, chat=cfg.data.chat)
+                            eval_samples=ws.eval_samples, chat=cfg.data.chat, tools=tool_schemas(cfg))
     emit("phase", {"phase": "warm start", "step": 0, "max_steps": ws.max_steps})
 
     def on_check(step: int, accuracy: float) -> None:

@@ -145,6 +145,16 @@ def sampling_params(cfg: SamplingConfig, stop_ids: list[int], **overrides):
     return SamplingParams(**{**fields, **overrides})
 
 
+def per_request_seeds() -> bool:
+    """True where vLLM can seed requests that join a running batch. On the CPU, vLLM 0.32 fails
+    ("CPU Generator does not use offset") when it rewinds a seeded request's generator after a
+    step that prefilled only part of its prompt, which agent rollouts hit as later turns join
+    running ones; there the requests share the engine's seeded stream instead."""
+    from vllm.platforms import current_platform
+
+    return not current_platform.is_cpu()
+
+
 def empty_prefix_cache(llm) -> None:
     """Drop every cached KV block (the weights may have changed since they were computed);
     raises RuntimeError when vLLM cannot (blocks still held by unfinished requests)."""

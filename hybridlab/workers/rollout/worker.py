@@ -119,7 +119,7 @@ class RolloutWorker(Worker):
         from hybridlab.agents.rollout import AgentSettings, agent_batch, agent_samples, load_spec, run_agents
         from hybridlab.agents.tool_loop import AgentLimits
         from hybridlab.models.chat import use_template
-        from hybridlab.workers.rollout.vllm_engine import adapter_request, sampling_params
+        from hybridlab.workers.rollout.vllm_engine import adapter_request, per_request_seeds, sampling_params
 
         if self.backend != "vllm" or self.tp > 1:
             raise ValueError("agent rollouts need the vllm backend with rollout tp=1 (the engine is driven from"
@@ -135,7 +135,7 @@ class RolloutWorker(Worker):
         trajectories = run_agents(
             self.llm, tokenizer, agent_samples(batch), cfg.n,
             lambda max_tokens, seed: sampling_params(cfg, self.stop_ids, n=1, max_tokens=max_tokens, seed=seed),
-            self._agent_spec[1], limits, agent.version, cfg.seed, agent.max_in_flight,
+            self._agent_spec[1], limits, agent.version, cfg.seed if per_request_seeds() else None, agent.max_in_flight,
             adapter_request() if self.adapter else None)
         out = agent_batch(trajectories, self.pad_id, agent.max_trajectory_tokens, batch.meta.get(PROMPT_WIDTH))
         for key, values in batch.repeat(cfg.n).objects.items():
