@@ -68,3 +68,8 @@ class TwoRounds:
             self.asked = True
             return "Are you sure? Answer again.", 0.25, False
         return "", float(text.strip() == self.truth), True
+
+
+def times_out_itself() -> str:
+    """A tool that raises a TimeoutError of its own."""
+    raise TimeoutError("the service did not answer")

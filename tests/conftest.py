@@ -30,7 +30,7 @@ use_loopback()
 # follow in file order; a stale list costs balance, never correctness.
 LONGEST = ["test_remap.py", "test_bench.py", "test_resume.py", "test_train.py", "test_bench_e2e.py",
            "test_controller.py", "test_rl.py", "test_worker_faults.py", "test_notebook.py", "test_lab_browser.py",
-           "test_dashboard.py", "test_docs.py", "test_families.py", "test_fsdp.py", "test_sync.py", "test_train_cli.py",
+           "test_dashboard.py", "test_docs.py", "test_agents.py", "test_families.py", "test_fsdp.py", "test_sync.py", "test_train_cli.py",
            "test_widgets.py", "test_lora.py", "test_sft.py", "test_chat.py", "test_multinode.py", "test_bad_updates.py", "test_rollout.py", "test_zoo.py",
            "test_binding.py"]
 

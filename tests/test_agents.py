@@ -3,7 +3,6 @@ OpenAI-compatible endpoint and GRPO on multi-turn trajectories, on real vLLM, Me
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import math
 import time
@@ -56,28 +55,28 @@ def test_tool_calls_are_parsed_in_the_hermes_format_and_malformed_ones_named():
 
 
 def test_a_raising_a_hanging_and_an_unknown_tool_answer_the_model_and_never_raise():
-    tools = load_tools(f"{AGENTS}:broken,{AGENTS}:sleeps")
-
-    pool = concurrent.futures.ThreadPoolExecutor(4)
+    tools = load_tools(f"{AGENTS}:broken,{AGENTS}:sleeps,{AGENTS}:times_out_itself")
 
     async def calls():
         return await asyncio.gather(
-            call_tool(tools, {"name": "broken", "arguments": {"expression": "1/0"}}, 1.0, pool),
-            call_tool(tools, {"name": "sleeps", "arguments": {"seconds": 30}}, 0.3, pool),
-            call_tool(tools, {"name": "sleeps", "arguments": {"seconds": 0}}, 0.3, pool),
-            call_tool(tools, {"name": "search", "arguments": {}}, 1.0, pool),
-            call_tool(tools, {"name": "sleeps", "arguments": {"wrong": 1}}, 1.0, pool),
-            call_tool(tools, "error: the tool call is not valid JSON", 1.0, pool))
+            call_tool(tools, {"name": "broken", "arguments": {"expression": "1/0"}}, 1.0),
+            call_tool(tools, {"name": "sleeps", "arguments": {"seconds": 30}}, 0.3),
+            call_tool(tools, {"name": "sleeps", "arguments": {"seconds": 0}}, 0.3),
+            call_tool(tools, {"name": "search", "arguments": {}}, 1.0),
+            call_tool(tools, {"name": "sleeps", "arguments": {"wrong": 1}}, 1.0),
+            call_tool(tools, "error: the tool call is not valid JSON", 1.0),
+            call_tool(tools, {"name": "times_out_itself", "arguments": {}}, 5.0))
 
     start = time.perf_counter()
-    broken, hung, slept, unknown, bad_args, malformed = asyncio.run(calls())
-    pool.shutdown(wait=False)
+    broken, hung, slept, unknown, bad_args, malformed, own_timeout = asyncio.run(calls())
     assert time.perf_counter() - start < 15  # the 30 s call was cut off at its 0.3 s timeout, not waited for
     assert (broken.content, broken.error, broken.timed_out) == (
         "error: ZeroDivisionError: division by zero in the tool", True, False)
     assert (hung.content, hung.error, hung.timed_out) == ("error: sleeps timed out after 0.3 s", True, True)
     assert (slept.content, slept.error) == ("awake", False)
-    assert unknown.content == "error: no tool named 'search'; the tools are: broken, sleeps"
+    assert unknown.content == "error: no tool named 'search'; the tools are: broken, sleeps, times_out_itself"
+    # a tool whose own TimeoutError is its answer, not the call's time limit
+    assert (own_timeout.content, own_timeout.timed_out) == ("error: TimeoutError: the service did not answer", False)
     assert bad_args.error and "unexpected keyword argument 'wrong'" in bad_args.content
     assert malformed.error and malformed.content == "error: the tool call is not valid JSON"
 
@@ -129,6 +128,28 @@ def test_a_conversation_records_sampled_ids_and_adds_only_the_new_text(tiny_dir)
     assert ids2[:len(first) + len(odd)] == first + odd and conv2.trajectory.retokenized == 1
     assert tok.decode(ids2[len(first) + len(odd):]).endswith("<|im_start|>tool\nchecked<|im_end|>\n"
                                                                "<|im_start|>assistant\n")
+
+
+THINKING_LAST = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and loop.last %}"
+                 "<think></think>{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_rewrites_earlier_turns_keeps_the_new_messages_whole(tiny_dir):
+    """Like Qwen3's, this template writes a reasoning block on the last assistant turn only, so a
+    rendering after a base conversation does not extend the base: the new messages come alone."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    tok.chat_template = THINKING_LAST
+    conv = Conversation(tok)
+    user = [{"role": "user", "content": "12+34="}]
+    conv.prompt(user)
+    conv.record_reply(tok("46", add_special_tokens=False).input_ids + [2], [0.0] * 3, version=0)
+    # an agent that trimmed its history: only the tool message after its last assistant message is new
+    ids = conv.prompt([{"role": "assistant", "content": "46"}, {"role": "tool", "content": "408"}])
+    added = tok.decode(ids[len(conv.trajectory.prompt_ids) + 3:])
+    assert added == "<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n" and conv.trajectory.retokenized == 1
 
 
 def test_a_trajectory_trains_only_the_models_tokens_and_its_reward_lands_on_its_last_one():
@@ -240,6 +261,17 @@ def test_an_unchanged_openai_agent_trains_grpo_on_exact_multi_turn_tokens(agent_
             stable += 1
             assert tok(rendered, add_special_tokens=False).input_ids == whole + tok("\n").input_ids
     print(f"{stable} of 16 conversations prefix-stable")
+    # the trajectory inspector: every token by source, the model's with their log-prob and version
+    from hybridlab.notebook.trajectories import token_rows
+
+    view = rl.inspect(second)
+    assert view.rows and view.trajectories.pick.value == 0
+    tokens = token_rows(b, 0, tok)
+    sources = [t["source"] for t in tokens]
+    assert sources.count("model") == int(b["response_mask"][0].sum()) and sources.count("tool") > 0
+    assert {t["version"] for t in tokens if t["source"] == "model"} == {1}  # step 2 sampled after one update
+    assert view.trajectories.view.value.count("class='tok-model'") == sources.count("model")
+    assert "".join(t["text"] for t in tokens) == tok.decode(b["input_ids"][0][b["attention_mask"][0].bool()])
     assert stable >= 8  # the chat warm start ends its turns with <|im_end|>
     # A first turn that ended with </s> (the template writes <|im_end|>) makes the second call re-tokenized.
     ended_with_eos = sum(record["calls"][0]["token_ids"][-1] == 2 for record in calls[16:])

@@ -12,8 +12,9 @@ off the recorded text, when the rendering starts with it (a prefix-stable templa
 Llama 3 and most others on plain turns). Where it does not (a template that rewrites earlier
 turns, such as Qwen3's dropping of earlier reasoning, or an agent that edited its history),
 the recorded tokens are kept, as verl's and SkyRL's token-in-token-out agent loops do, and
-only the messages after the last model turn are rendered, after a fixed two-message base that
-is then cut off; the call is counted in ``Trajectory.retokenized``
+only the messages after the call's last assistant message are rendered, after a fixed
+two-message base that is then cut off (or alone, where the template renders the base
+differently when more follows); the call is counted in ``Trajectory.retokenized``
 (``agent/retokenized_share``). We keep the tokens the model actually saw rather than the
 re-rendered text because training on anything else is training on what the model did not
 sample.
@@ -53,17 +54,24 @@ class Conversation:
         if self.trajectory is None:
             self.trajectory, self.text, self.answered = Trajectory(self._ids(text)), text, len(messages)
             return list(self.trajectory.prompt_ids)
-        new = list(messages[self.answered:])
         if text.startswith(self.text):
-            delta = text[len(self.text):]
+            new, delta = list(messages[self.answered:]), text[len(self.text):]
         else:
             self.trajectory.retokenized += 1
-            delta = self.render([*_BASE, *new], True)[len(self.render(_BASE, False)):]
+            new = _after_last_reply(messages)
+            delta = self._render_alone(new)
         role = new[-1].get("role") if new else None
         self.trajectory.add_context(self._ids(delta), source or _SOURCES.get(role, TEMPLATE))
         self.text += delta
         self.answered = len(messages)
         return self.trajectory.all_ids()
+
+    def _render_alone(self, new: list[dict]) -> str:
+        """Return the text of ``new`` messages and the generation prompt, rendered after a fixed
+        base conversation that is then cut off (a template that changes the base when more follows,
+        such as Qwen3's reasoning on the last turn: the new messages rendered alone)."""
+        whole, base = self.render([*_BASE, *new], True), self.render(_BASE, False)
+        return whole[len(base):] if whole.startswith(base) else self.render(new, True)
 
     def record_reply(self, ids: Sequence[int], logprobs: Sequence[float], version: int) -> str:
         """Record a model turn's sampled ids; returns its text (special tokens dropped), the
@@ -73,3 +81,9 @@ class Conversation:
         self.text += self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
         self.answered += 1
         return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def _after_last_reply(messages: Sequence[dict]) -> list[dict]:
+    """Return the messages after the last assistant message (all of them when there is none)."""
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+    return list(messages[last + 1:])

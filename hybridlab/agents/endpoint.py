@@ -4,10 +4,14 @@ An agent written against the OpenAI SDK runs unchanged: it is given an ``openai.
 whose base URL names its trajectory (``http://127.0.0.1:PORT/trajectories/7/v1``), so each
 call lands in that trajectory's ``ChatClient`` and is recorded token by token. Any model name
 is accepted. Sampling follows the run's settings (``rollout.temperature``, ``top_p``,
-``top_k``: the trainer's log-probs assume them); a request's ``max_tokens`` or
-``max_completion_tokens`` can only lower the per-turn limit. The server is aiohttp on the
-worker's own event loop, beside the engine's pump (vLLM's own OpenAI server needs
-``AsyncLLM``, whose engine runs in another process).
+``top_k``: the trainer's log-probs assume them; a request's ``temperature``, ``top_p``,
+``seed`` and ``stop`` are ignored); a request's ``max_tokens`` or ``max_completion_tokens`` can
+only lower the per-turn limit; ``n`` must be 1 and ``stream`` is refused. The server is aiohttp
+on the event loop the worker runs for each rollout, beside the engine's pump (vLLM's own
+OpenAI server needs ``AsyncLLM``, whose engine runs in another process). A turn that is not
+prefix-stable for the agent's messages (an assistant message sent back as ``tool_calls``
+without the model's text, under a template that renders them otherwise) is handled as
+``conversation`` describes.
 """
 from __future__ import annotations
 
@@ -41,8 +45,28 @@ def message_problem(messages) -> str | None:
     return None
 
 
-def reply_json(text: str | None, prompt_ids: list[int], token_ids: list[int], call_index: int) -> dict:
-    """Return the chat.completion object for a model turn's ``text`` (None: no room was left),
+def request_problem(body) -> str | None:
+    """Return what is wrong with a chat-completions request body, or None."""
+    if not isinstance(body, dict):
+        return "the request body must be a JSON object"
+    problem = message_problem(body.get("messages"))
+    if problem:
+        return problem
+    if body.get("n", 1) != 1:
+        return "n must be 1: each call continues one trajectory (start more trajectories instead)"
+    if body.get("stream"):
+        return "stream is not supported: call without streaming"
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            return f"{key} must be a positive integer, got {value!r}"
+    return None
+
+
+def reply_json(text: str | None, prompt_ids: list[int], token_ids: list[int], call_index: int,
+               cut: bool = False) -> dict:
+    """Return the chat.completion object for a model turn's ``text`` (None: no turn was left;
+    ``cut``: the turn stopped at its token limit, finish_reason "length"),
     with the ids the engine continued and sampled under vLLM's names (``prompt_token_ids``, and
     ``token_ids`` on the choice, as vLLM's server returns them with ``return_token_ids``)."""
     calls = [c for c in parse_tool_calls(text or "") if isinstance(c, dict)]
@@ -54,7 +78,7 @@ def reply_json(text: str | None, prompt_ids: list[int], token_ids: list[int], ca
         message["tool_calls"] = [{"id": f"call_{call_index}_{k}", "type": "function",
                                   "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
                                  for k, c in enumerate(calls)]
-    finish = "length" if text is None else ("tool_calls" if calls else "stop")
+    finish = "length" if text is None or cut else ("tool_calls" if calls else "stop")
     return {"id": f"chatcmpl-{call_index}", "object": "chat.completion", "created": int(time.time()),
             "model": "hybridlab-rollout", "choices": [{"index": 0, "message": message, "finish_reason": finish,
                                                         "logprobs": None, "token_ids": token_ids}],
@@ -96,13 +120,16 @@ class Endpoint:
             body = await request.json()
         except ValueError:
             return _error(400, "the request body must be JSON, and the URL must name a trajectory number")
-        messages = body.get("messages") if isinstance(body, dict) else None
-        problem = message_problem(messages)
+        problem = request_problem(body)
         if problem:
             return _error(400, problem)
-        if body.get("n", 1) != 1:
-            return _error(400, "n must be 1: each call continues one trajectory (start more trajectories instead)")
-        messages = [{**m, "content": _text(m.get("content"))} for m in messages]
+        try:
+            return web.json_response(await self._complete(trajectory, body))
+        except Exception as exc:  # the agent sees what failed, not a bare 500
+            return _error(500, f"the rollout could not answer: {type(exc).__name__}: {exc}")
+
+    async def _complete(self, trajectory: int, body: dict) -> dict:
+        messages = [{**m, "content": _text(m.get("content"))} for m in body["messages"]]
         client = self.clients.get(trajectory) or self.clients.setdefault(trajectory, self.make_client(trajectory))
         if client.trajectory is None and body.get("tools"):
             client.conversation.tools = list(body["tools"])
@@ -111,4 +138,5 @@ class Endpoint:
         text = await client.complete(messages, limit=cap)
         ids = client.trajectory.all_ids()
         turn = client.trajectory.segments[-1].ids if client.trajectory.calls > calls_before else []
-        return web.json_response(reply_json(text, ids[:len(ids) - len(turn)], turn, client.trajectory.calls))
+        cut = bool(turn) and len(turn) >= client.last_room
+        return reply_json(text, ids[:len(ids) - len(turn)], turn, client.trajectory.calls, cut)

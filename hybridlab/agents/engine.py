@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import uuid
 from typing import Any
 
 
@@ -23,22 +24,29 @@ class AsyncEngine:
     def __init__(self, llm: Any, lora_request: Any = None):
         self.engine, self.lora_request = llm.llm_engine, lora_request
         self.waiting: dict[str, asyncio.Future] = {}
+        self.prefix = f"agent-{uuid.uuid4().hex[:8]}-"  # ids no other engine user (or earlier rollout) holds
         self.ids = itertools.count()
         self.pump: asyncio.Task | None = None
         self.steps = 0        # engine steps taken (each decodes every running request by one token)
 
     async def generate(self, prompt_ids: list[int], params: Any) -> tuple[list[int], list[float]]:
-        """Return (sampled ids, their log-probs) for one ``n=1`` request."""
+        """Return (sampled ids, their log-probs) for one ``n=1`` request. A cancelled call
+        aborts its request in the engine."""
         from vllm.inputs import TokensPrompt
 
-        request_id = f"agent-{next(self.ids)}"
-        future = asyncio.get_running_loop().create_future()
-        self.waiting[request_id] = future
+        request_id = f"{self.prefix}{next(self.ids)}"
         self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), params,
                                 lora_request=self.lora_request)
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[request_id] = future
         if self.pump is None or self.pump.done():
             self.pump = asyncio.create_task(self._pump())
-        out = await future
+        try:
+            out = await future
+        except asyncio.CancelledError:
+            if self.waiting.pop(request_id, None) is not None:
+                self.engine.abort_request([request_id])
+            raise
         completion = out.outputs[0]
         ids = list(completion.token_ids)
         return ids, [step[t].logprob for step, t in zip(completion.logprobs, ids)]
@@ -48,12 +56,14 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # the engine failed: every waiting call fails with it
-                for future in self.waiting.values():
-                    future.set_exception(exc)
-                self.waiting.clear()
+                waiting, self.waiting = self.waiting, {}
+                for future in waiting.values():
+                    if not future.done():
+                        future.set_exception(exc)
                 raise
             self.steps += 1
             for out in outputs:
-                if out.finished:
-                    self.waiting.pop(out.request_id).set_result(out)
+                future = self.waiting.pop(out.request_id, None) if out.finished else None
+                if future is not None and not future.done():
+                    future.set_result(out)
             await asyncio.sleep(0)  # let trajectories whose calls finished run their tools

@@ -41,15 +41,19 @@ async def _call(fn: Any, *args: Any) -> Any:
 async def run_env(client: ChatClient, env_class: type, sample: dict, limits: AgentLimits) -> Trajectory:
     """Run one episode of ``env_class`` on ``sample``; returns its trajectory with the summed
     reward (``error`` set when the environment raised or answered out of shape)."""
-    env, total = env_class(), 0.0
+    total = 0.0
     try:
+        env = env_class()
         messages = [{"role": "user", "content": str(await _call(env.reset, sample))}]
         for _ in range(limits.max_turns):
             text = await client.complete(messages, source=ENV)
             if text is None:
                 break
             client.trajectory.final_text = text
-            observation, reward, done = await _call(env.step, text)
+            answer = await _call(env.step, text)
+            if not (isinstance(answer, tuple) and len(answer) == 3):
+                raise TypeError(f"{env_class.__name__}.step returned {answer!r}; expected (observation, reward, done)")
+            observation, reward, done = answer
             total += float(reward)
             if done:
                 break

@@ -14,7 +14,7 @@ All trajectories run as asyncio tasks on one event loop over the in-process engi
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import copy
 import dataclasses
 import inspect
 import math
@@ -72,13 +72,15 @@ def agent_result(value: Any) -> tuple[float, dict]:
     return float(value), info
 
 
-async def _agent_trajectory(spec: AgentSpec, endpoint: Any, i: int, sample: dict) -> Trajectory:
+async def _agent_trajectory(spec: AgentSpec, endpoint: Any, i: int, sample: dict, timeout_s: float) -> Trajectory:
     import openai
 
     client = openai.AsyncOpenAI(base_url=endpoint.base_url(i), api_key="hybridlab", max_retries=0)
     reward, info, error = None, {}, ""
     try:
-        reward, info = agent_result(await spec.agent(client, sample))
+        reward, info = agent_result(await asyncio.wait_for(spec.agent(client, sample), timeout_s or None))
+    except asyncio.TimeoutError:
+        error = f"the agent ran past rollout.agent_timeout_s={timeout_s:g} s"
     except Exception as exc:  # the agent's failure scores reward.error_score; the run goes on
         error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -98,26 +100,28 @@ async def _run_all(spec: AgentSpec, make_client: Callable[[int], ChatClient], sa
     from hybridlab.agents.endpoint import Endpoint  # aiohttp: imported where it serves
 
     slots = asyncio.Semaphore(max_in_flight)
-    # tools run in these threads; a hung one is abandoned at its timeout, never waited for
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(4, max_in_flight), thread_name_prefix="hybridlab-tool")
-    try:
-        async with Endpoint(make_client) as endpoint:
-            async def one(i: int) -> Trajectory:
-                async with slots:
-                    sample = samples[i // n]
+    async with Endpoint(make_client) as endpoint:
+        async def one(i: int) -> Trajectory:
+            async with slots:
+                sample = copy.deepcopy(samples[i // n])  # each trajectory may change its own
+                try:
                     if spec.agent is not None:
-                        trajectory = await _agent_trajectory(spec, endpoint, i, sample)
+                        trajectory = await _agent_trajectory(spec, endpoint, i, sample, limits.agent_timeout_s)
                     elif spec.env is not None:
-                        trajectory = await run_env(make_client(i), spec.env, sample, limits)
+                        trajectory = await asyncio.wait_for(run_env(make_client(i), spec.env, sample, limits),
+                                                            limits.agent_timeout_s or None)
                     else:
-                        trajectory = await run_tool_agent(make_client(i), sample["messages"], spec.tools, limits, pool)
-                    drop_trailing_context(trajectory)
-                    trajectory.truncate(limits.budget)
-                    return trajectory
+                        trajectory = await run_tool_agent(make_client(i), sample["messages"], spec.tools, limits)
+                except asyncio.TimeoutError:
+                    trajectory = Trajectory(list(sample["prompt_ids"]), error="the environment ran past"
+                                            f" rollout.agent_timeout_s={limits.agent_timeout_s:g} s")
+                except Exception as exc:  # a first prompt that cannot be rendered
+                    trajectory = Trajectory(list(sample["prompt_ids"]), error=f"{type(exc).__name__}: {exc}")
+                drop_trailing_context(trajectory)
+                trajectory.truncate(limits.budget)
+                return trajectory
 
-            return list(await asyncio.gather(*(one(i) for i in range(len(samples) * n))))
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        return list(await asyncio.gather(*(one(i) for i in range(len(samples) * n))))
 
 
 def run_agents(llm: Any, tokenizer: Any, samples: list[dict], n: int, params: Callable[[int, int | None], Any],
@@ -166,30 +170,33 @@ def agent_batch(trajectories: list[Trajectory], pad_id: int, budget: int, prompt
 
 @dataclasses.dataclass
 class AgentSettings:
-    """The ``rollout`` settings of an agent rollout, as the stage sends them to the workers."""
+    """The ``rollout`` settings of an agent rollout, as the stage sends them to the workers
+    (``agent_stages.agent_settings``; the defaults are the config's)."""
 
-    tools: str | None = None
-    agent: str | None = None
-    env: str | None = None
-    max_turns: int = 4
-    max_trajectory_tokens: int = 256
-    tool_timeout_s: float = 10.0
-    max_in_flight: int = 64
-    version: int = 0                     # the policy version (updates applied) generating this rollout
-    chat_template: str | None = None     # data.chat_template: the conversation is rendered with it
+    tools: str | None
+    agent: str | None
+    env: str | None
+    max_turns: int
+    max_trajectory_tokens: int
+    tool_timeout_s: float
+    agent_timeout_s: float
+    max_in_flight: int
+    version: int                         # the policy version (updates applied) generating this rollout
+    chat_template: str | None            # data.chat_template: the conversation is rendered with it
 
 
-def load_spec(settings: AgentSettings) -> AgentSpec:
-    """Return the tools, agent function or environment class the settings name; raises UserError."""
+def load_spec(tools: str | None, agent: str | None, env: str | None) -> AgentSpec:
+    """Return the tools, agent function or environment class that ``rollout.tools``,
+    ``rollout.agent`` or ``rollout.env`` names; raises UserError."""
     from hybridlab.user_code import load_object
 
-    if settings.agent:
-        return AgentSpec(agent=check_agent_function(load_object(settings.agent, "rollout.agent")))
-    if settings.env:
-        return AgentSpec(env=check_env_class(load_object(settings.env, "rollout.env", "class")))
+    if agent:
+        return AgentSpec(agent=check_agent_function(load_object(agent, "rollout.agent")))
+    if env:
+        return AgentSpec(env=check_env_class(load_object(env, "rollout.env", "class")))
     from hybridlab.agents.tools import load_tools
 
-    return AgentSpec(tools=load_tools(settings.tools))
+    return AgentSpec(tools=load_tools(tools))
 
 
 def agent_samples(batch: Batch) -> list[dict]:

@@ -3,7 +3,6 @@ answers, and talks again, until it answers without a tool call or a limit ends t
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 from typing import Any
 
@@ -15,13 +14,14 @@ from hybridlab.agents.trajectory import MODEL, Trajectory
 
 @dataclasses.dataclass
 class AgentLimits:
-    """How far one trajectory may go."""
+    """How far one trajectory may go (the ``rollout`` settings of the same names)."""
 
-    max_turns: int = 4            # model turns
-    max_tokens: int = 32          # tokens per model turn
-    budget: int = 128             # tokens after the first prompt: model, tool and template tokens together
-    tool_timeout_s: float = 5.0   # a tool call running longer is cut off (0: no limit)
-    context: int = 512            # the model's context: prompt and response together
+    max_turns: int                # model turns (rollout.max_turns)
+    max_tokens: int               # tokens per model turn (rollout.max_new_tokens)
+    budget: int                   # tokens after the first prompt, every source (rollout.max_trajectory_tokens)
+    tool_timeout_s: float         # a tool call running longer is cut off (0: no limit)
+    context: int                  # the model's context: prompt and response together
+    agent_timeout_s: float = 0.0  # an agent function running longer is cut off (0: no limit)
 
 
 class ChatClient:
@@ -32,6 +32,8 @@ class ChatClient:
                  seed: int | None, tools: list[dict] | None = None):
         self.engine, self.sampling, self.limits, self.version, self.seed = engine, sampling, limits, version, seed
         self.conversation = Conversation(tokenizer, tools)
+        self.lock = asyncio.Lock()  # one call at a time: each continues the record the last one left
+        self.last_room = 0          # the token limit of the last call (its turn was cut off when it used it all)
 
     @property
     def trajectory(self) -> Trajectory:
@@ -39,37 +41,48 @@ class ChatClient:
         return self.conversation.trajectory
 
     async def complete(self, messages: list[dict], source: str | None = None, limit: int | None = None) -> str | None:
-        """Return the model's next turn's text, or None when the trajectory's token budget or
-        the model's context leaves no room for it (or ``limit``, a caller's cap on the turn, is 0)."""
-        ids = self.conversation.prompt(messages, source)
-        used = len(ids) - len(self.trajectory.prompt_ids)
-        room = min(self.limits.max_tokens, self.limits.budget - used, self.limits.context - len(ids),
-                   self.limits.max_tokens if limit is None else limit)
-        if room <= 0:
-            return None
-        seed = None if self.seed is None else hash((self.seed, self.trajectory.calls)) & 0x7FFFFFFF
-        sampled, logprobs = await self.engine.generate(ids, self.sampling(room, seed))
-        return self.conversation.record_reply(sampled, logprobs, self.version)
+        """Return the model's next turn's text, or None when no turn is left: the trajectory has
+        made rollout.max_turns calls, or its token budget or the model's context has no room
+        (``limit``: a caller's lower cap on this turn's tokens)."""
+        async with self.lock:
+            ids = self.conversation.prompt(messages, source)
+            used = len(ids) - len(self.trajectory.prompt_ids)
+            room = min(self.limits.max_tokens, self.limits.budget - used, self.limits.context - len(ids),
+                       self.limits.max_tokens if limit is None else limit)
+            if self.trajectory.calls >= self.limits.max_turns:
+                room = 0
+            self.last_room = max(room, 0)
+            if room <= 0:
+                return None
+            seed = None if self.seed is None else hash((self.seed, self.trajectory.calls)) & 0x7FFFFFFF
+            sampled, logprobs = await self.engine.generate(ids, self.sampling(room, seed))
+            return self.conversation.record_reply(sampled, logprobs, self.version)
 
 
 async def run_tool_agent(client: ChatClient, messages: list[dict], tools: dict[str, Tool],
-                         limits: AgentLimits, pool: concurrent.futures.Executor) -> Trajectory:
+                         limits: AgentLimits) -> Trajectory:
     """Run the built-in agent on a prompt's messages; returns its trajectory, whose
-    ``final_text`` is the last model turn (what the reward scores)."""
+    ``final_text`` is the last model turn (what the reward scores; ``error`` set when a turn
+    could not be rendered)."""
     messages = list(messages)
-    for turn in range(limits.max_turns):
-        text = await client.complete(messages)
-        if text is None:
-            break
-        messages.append({"role": "assistant", "content": text})
-        client.trajectory.final_text = text
-        calls = parse_tool_calls(text)
-        if not calls or turn + 1 == limits.max_turns:
-            break
-        results = await asyncio.gather(*(call_tool(tools, c, limits.tool_timeout_s, pool) for c in calls))
-        for result in results:
-            record_tool_use(client.trajectory, result)
-            messages.append({"role": "tool", "name": result.name, "content": result.content})
+    try:
+        for turn in range(limits.max_turns):
+            text = await client.complete(messages)
+            if text is None:
+                break
+            messages.append({"role": "assistant", "content": text})
+            client.trajectory.final_text = text
+            calls = parse_tool_calls(text)
+            if not calls or turn + 1 == limits.max_turns:
+                break
+            results = await asyncio.gather(*(call_tool(tools, c, limits.tool_timeout_s) for c in calls))
+            for result in results:
+                record_tool_use(client.trajectory, result)
+                messages.append({"role": "tool", "name": result.name, "content": result.content})
+    except Exception as exc:  # e.g. a template that cannot render a message: this trajectory ends, the run goes on
+        if client.trajectory is None:
+            raise
+        client.trajectory.error = f"{type(exc).__name__}: {exc}"
     return client.trajectory
 
 

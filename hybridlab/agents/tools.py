@@ -10,16 +10,17 @@ calls it in the Hermes format that Qwen's templates use::
 
 A call never stops the run: a tool that raises answers with its error text, one that runs past
 ``timeout_s`` is cut off and answers that it timed out, and a malformed call or an unknown tool
-name gets an error message back, so the model can learn from it.
+name gets an error message back, so the model can learn from it. What a tool returns is its
+answer: a string as it is, anything else as JSON (``None`` answers ``null``).
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import inspect
 import json
 import re
+import threading
 import time
 from typing import Any, Callable
 
@@ -113,11 +114,34 @@ def _as_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
-async def call_tool(tools: dict[str, Tool], call: dict | str, timeout_s: float,
-                    pool: concurrent.futures.Executor | None = None) -> ToolResult:
+def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
+    """Return a future of ``fn()`` run in a daemon thread of its own: a hung tool is abandoned
+    at its timeout and never holds up the worker's exit (a pool's threads are joined at exit)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(value)
+
+    def run() -> None:
+        try:
+            value, error = fn(), None
+        except BaseException as exc:  # handed to the caller
+            value, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the rollout's loop has closed: nobody waits for this answer any more
+            pass
+
+    threading.Thread(target=run, daemon=True, name="hybridlab-tool").start()
+    return future
+
+
+async def call_tool(tools: dict[str, Tool], call: dict | str, timeout_s: float) -> ToolResult:
     """Run one parsed call (``parse_tool_calls``); returns its result, never raises.
 
-    A plain function runs in ``pool`` (threads), so a slow one does not hold up other
+    A plain function runs in a thread of its own, so a slow one does not hold up other
     trajectories; an ``async def`` tool runs on the event loop. Past ``timeout_s`` (0: no
     limit) the call is abandoned: its answer says so (a thread cannot be killed; it finishes
     in the background and its result is dropped).
@@ -129,16 +153,17 @@ async def call_tool(tools: dict[str, Tool], call: dict | str, timeout_s: float,
         return ToolResult(call["name"], f"error: no tool named {call['name']!r}; the tools are: "
                           f"{', '.join(tools) or '(none)'}", error=True)
     start = time.perf_counter()
-    try:
-        if inspect.iscoroutinefunction(tool.fn):
-            work = tool.fn(**call["arguments"])
-        else:
-            work = asyncio.get_running_loop().run_in_executor(pool, lambda: tool.fn(**call["arguments"]))
-        value = await asyncio.wait_for(work, timeout_s or None)
-        return ToolResult(tool.name, _as_text(value), seconds=time.perf_counter() - start)
-    except asyncio.TimeoutError:
+    if inspect.iscoroutinefunction(tool.fn):
+        work = asyncio.ensure_future(tool.fn(**call["arguments"]))
+    else:
+        work = _in_daemon_thread(lambda: tool.fn(**call["arguments"]))
+    done, _ = await asyncio.wait([work], timeout=timeout_s or None)
+    seconds = time.perf_counter() - start
+    if not done:
+        work.cancel()
         return ToolResult(tool.name, f"error: {tool.name} timed out after {timeout_s:g} s", error=True,
-                          timed_out=True, seconds=time.perf_counter() - start)
-    except Exception as exc:  # a tool's failure is the model's information, not the run's end
-        return ToolResult(tool.name, f"error: {type(exc).__name__}: {exc}", error=True,
-                          seconds=time.perf_counter() - start)
+                          timed_out=True, seconds=seconds)
+    if work.exception() is not None:  # a tool's failure is the model's information, not the run's end
+        exc = work.exception()
+        return ToolResult(tool.name, f"error: {type(exc).__name__}: {exc}", error=True, seconds=seconds)
+    return ToolResult(tool.name, _as_text(work.result()), seconds=seconds)

@@ -15,6 +15,7 @@ import torch
 from hybridlab.protocol import Batch
 
 MODEL, TOOL, ENV, USER, TEMPLATE = "model", "tool", "env", "user", "template"  # sources of response tokens
+SOURCES = ("", MODEL, TOOL, ENV, USER, TEMPLATE)  # the codes of ``token_sources`` (0: padding)
 
 
 @dataclasses.dataclass
@@ -102,7 +103,8 @@ def trajectories_batch(trajectories: Sequence[Trajectory], pad_id: int, response
                        prompt_len: int | None = None) -> Batch:
     """Return the trajectories in verl's layout (``hybridlab.batching``): ``prompts``,
     ``responses``, ``input_ids``, ``attention_mask`` (every real token), ``position_ids``,
-    ``response_mask`` (the model's tokens), ``rollout_log_probs`` and ``rollout_versions``."""
+    ``response_mask`` (the model's tokens), ``rollout_log_probs``, ``rollout_versions`` and
+    ``token_sources`` (each response token's source, coded by ``SOURCES``)."""
     from hybridlab.batching import sequences_batch
 
     responses = [t.response_ids() for t in trajectories]
@@ -111,10 +113,13 @@ def trajectories_batch(trajectories: Sequence[Trajectory], pad_id: int, response
     shape = out["responses"].shape
     mask, logprobs = torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.float32)
     versions = torch.full(shape, -1, dtype=torch.long)
+    sources = torch.zeros(shape, dtype=torch.int8)
     for i, t in enumerate(trajectories):
         n = len(responses[i])
         mask[i, :n] = torch.tensor(t.response_mask(), dtype=torch.long)
         logprobs[i, :n] = torch.tensor(t.response_logprobs(), dtype=torch.float32)
         versions[i, :n] = torch.tensor(t.response_versions(), dtype=torch.long)
-    out.tensors.update(response_mask=mask, rollout_log_probs=logprobs, rollout_versions=versions)
+        sources[i, :n] = torch.tensor([SOURCES.index(s.source) for s in t.segments for _ in s.ids], dtype=torch.int8)
+    out.tensors.update(response_mask=mask, rollout_log_probs=logprobs, rollout_versions=versions,
+                       token_sources=sources)
     return out

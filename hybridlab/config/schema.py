@@ -107,6 +107,7 @@ class RolloutConfig:
     max_turns: int = 4                  # model turns per trajectory (each up to max_new_tokens)
     max_trajectory_tokens: int = 128    # tokens after the first prompt: model, tool and template ones together
     tool_timeout_s: float = 10.0        # a tool call running longer is cut off and answers that it timed out
+    agent_timeout_s: float = 300.0      # an agent function (or environment) running longer scores reward.error_score
     max_in_flight: int = 64             # trajectories running at once on each engine
 
 

@@ -22,8 +22,8 @@ from hybridlab.protocol import Batch
 if TYPE_CHECKING:
     from hybridlab.dataflow.context import StepContext
 
-AGENT_OUTPUTS = ("prompts", *SEQUENCE_FIELDS, "rollout_log_probs", "rollout_versions", "final_response",
-                 "agent_reward", "agent_error", *STAT_FIELDS)
+AGENT_OUTPUTS = ("prompts", *SEQUENCE_FIELDS, "rollout_log_probs", "rollout_versions", "token_sources",
+                 "final_response", "agent_reward", "agent_error", *STAT_FIELDS)
 
 
 def agentic(cfg) -> bool:
@@ -48,7 +48,8 @@ def agent_settings(cfg, version: int) -> dict:
     """Return the settings ``RolloutWorker.generate_agent`` takes, for policy ``version``."""
     r = cfg.rollout
     return dataclasses.asdict(AgentSettings(r.tools, r.agent, r.env, r.max_turns, r.max_trajectory_tokens,
-                                            r.tool_timeout_s, r.max_in_flight, version, cfg.data.chat_template))
+                                            r.tool_timeout_s, r.agent_timeout_s, r.max_in_flight, version,
+                                            cfg.data.chat_template))
 
 
 def agent_metrics(out: Batch) -> dict:
@@ -75,8 +76,8 @@ def agent_metrics(out: Batch) -> dict:
 
 @register_stage("generate_agent", "rollout", ("prompt_ids", "uid"), AGENT_OUTPUTS, replaces_rows=True)
 def generate_agent(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
-    """Run rollout.n agent trajectories per prompt (tools or an agent function), many at once;
-    the model's tokens are trained, tool and template tokens are context."""
+    """Run rollout.n agent trajectories per prompt (tools, an agent function or an environment),
+    many at once; the model's tokens are trained, tool and template tokens are context."""
     if ctx.cfg.trainer.off_policy and not ctx.rerunning:
         raise ValueError("generate_agent: trainer.off_policy is not supported with agent rollouts yet")
     out = ctx.group("rollout").generate_agent(batch, ctx.sampling(), agent_settings(ctx.cfg, ctx.rl.step_count))
@@ -84,6 +85,15 @@ def generate_agent(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     lengths = out["attention_mask"][:, -out["response_mask"].shape[1]:].sum(-1)
     metrics["response_length/clip_ratio"] = float((lengths >= ctx.cfg.rollout.max_trajectory_tokens).float().mean())
     return out, {**metrics, **agent_metrics(out), "rollout/staleness": 0}
+
+
+def own_scores(batch: Batch, error_score: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (score, accuracy) per trajectory of an agent function or environment: its reward
+    (``error_score`` where it failed) and the ``acc`` it returned (NaN where it returned none)."""
+    errors = batch["agent_error"].bool()
+    scores = torch.where(errors, torch.full_like(batch["agent_reward"], error_score), batch["agent_reward"])
+    infos = batch.objects.get("agent_info") or [{} for _ in range(len(batch))]
+    return scores, torch.tensor([info.get("acc", math.nan) for info in infos], dtype=torch.float32)
 
 
 @register_stage("agent_reward", None, ("agent_reward", "agent_error", "response_mask"),
@@ -94,10 +104,8 @@ def agent_reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     from hybridlab.batching import on_last_token
 
     errors = batch["agent_error"].bool()
-    scores = torch.where(errors, torch.full_like(batch["agent_reward"], ctx.cfg.reward.error_score),
-                         batch["agent_reward"])
+    scores, acc = own_scores(batch, ctx.cfg.reward.error_score)
     infos = batch.objects.get("agent_info") or [{} for _ in range(len(batch))]
-    acc = torch.tensor([info.get("acc", math.nan) for info in infos], dtype=torch.float32)
     if errors.any() and not ctx.rl.reward_error_sources & {"agent"}:  # warned once per run; counted every step
         ctx.rl.reward_error_sources.add("agent")
         first = next(m for m, e in zip(batch["agent_error_msg"], errors.tolist()) if e)
@@ -111,9 +119,10 @@ def agent_reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
 
 
 def agent_problems(cfg, rollout_tp: int) -> list[str]:
-    """Return what stops the config's agent rollouts from running, each naming its key: both
-    or neither of tools and agent, a tool or agent that cannot be loaded, impossible limits, a
-    rollout that is not vLLM at tp 1, off-policy rollouts."""
+    """Return what stops the config's agent rollouts from running, each naming its key: a
+    tool-use task without its tools, more than one of tools, agent and env, a tool, agent or
+    environment that cannot be loaded, impossible limits, a rollout that is not vLLM at tp 1,
+    off-policy rollouts."""
     r, p = cfg.rollout, []
     from hybridlab.tasks import TASKS
 
@@ -133,15 +142,16 @@ def agent_problems(cfg, rollout_tp: int) -> list[str]:
         from hybridlab.errors import UserError
 
         try:
-            load_spec(AgentSettings(r.tools, r.agent, r.env))
+            load_spec(r.tools, r.agent, r.env)
         except UserError as exc:
             p.append(str(exc))
     for key, low in (("max_turns", 1), ("max_in_flight", 1), ("max_trajectory_tokens", r.max_new_tokens)):
         if getattr(r, key) < low:
             p.append(f"rollout.{key}: must be at least {low}, got {getattr(r, key)}"
                      + (" (rollout.max_new_tokens: one model turn must fit)" if key == "max_trajectory_tokens" else ""))
-    if r.tool_timeout_s < 0:
-        p.append(f"rollout.tool_timeout_s: must be >= 0 (0: no limit), got {r.tool_timeout_s}")
+    for key in ("tool_timeout_s", "agent_timeout_s"):
+        if getattr(r, key) < 0:
+            p.append(f"rollout.{key}: must be >= 0 (0: no limit), got {getattr(r, key)}")
     if r.backend != "vllm" or rollout_tp > 1:
         p.append(f"rollout.backend / mapping.roles.rollout.tp: agent rollouts run on the vllm backend at tp 1 (got"
                  f" {r.backend!r}, tp {rollout_tp}); use dp for more engines")
@@ -162,7 +172,5 @@ def greedy_scores(ctx: "StepContext", prompts: Batch) -> Batch:
     out = rollout.generate_agent(prompts, sampling, agent_settings(ctx.cfg, ctx.rl.step_count))
     if not own_reward(ctx.cfg):
         return reward.compute_reward(out.select([*REWARD_FIELDS, "final_response"]))
-    scores = torch.where(out["agent_error"].bool(), torch.full_like(out["agent_reward"], ctx.cfg.reward.error_score),
-                         out["agent_reward"])
-    acc = torch.tensor([info.get("acc", math.nan) for info in out["agent_info"]], dtype=torch.float32)
+    scores, acc = own_scores(out, ctx.cfg.reward.error_score)
     return Batch({"token_level_scores": scores.unsqueeze(-1), "acc": acc})

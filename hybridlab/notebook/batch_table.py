@@ -47,9 +47,11 @@ class BatchTable(widgets.VBox):
         self.table.value = f"<table style='border-collapse:collapse'><tr>{head}</tr>{body}</table>"
 
 
-def inspect(rl: "RLSession", result: "StepResult | Batch", stage: str | None = None, limit: int = 64) -> BatchTable:
+def inspect(rl: "RLSession", result: "StepResult | Batch", stage: str | None = None,
+            limit: int = 64) -> "BatchTable | AgentInspector":
     """Return a BatchTable of the first ``limit`` samples (the title says how many of how many)
-    of a step's batch as it was after ``stage`` (default: after the whole step), or of a Batch."""
+    of a step's batch as it was after ``stage`` (default: after the whole step), or of a Batch;
+    for agent trajectories, with a TrajectoryView of them below it (``AgentInspector``)."""
     if isinstance(result, StepResult):
         batch, fields = result.batch, fields_after(result, stage)
         title = f"step {result.step}" + (f", after stage {stage!r}" if stage else "")
@@ -59,5 +61,23 @@ def inspect(rl: "RLSession", result: "StepResult | Batch", stage: str | None = N
         batch, fields, title = result, None, "batch"
     if len(batch) > limit:
         title += f" (first {limit} of {len(batch)} samples)"
-    return BatchTable(batch_rows(batch[:limit], rl.tokenizer, fields), title)
+    table = BatchTable(batch_rows(batch[:limit], rl.tokenizer, fields), title)
+    if "token_sources" not in batch or (fields is not None and "token_sources" not in fields):
+        return table
+    from hybridlab.notebook.trajectories import TrajectoryView
+
+    return AgentInspector(table, TrajectoryView(batch[:limit], rl.tokenizer))
+
+
+class AgentInspector(widgets.VBox):
+    """An agent step's batch: the table of rows, then the trajectory chosen, token by token."""
+
+    def __init__(self, table: BatchTable, trajectories):
+        self.table, self.trajectories = table, trajectories
+        super().__init__([table, trajectories])
+
+    @property
+    def rows(self) -> list[dict]:
+        """The table's rows (as ``BatchTable.rows``)."""
+        return self.table.rows
 

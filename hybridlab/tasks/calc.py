@@ -4,7 +4,7 @@ A tiny model cannot multiply 3- and 4-digit numbers in its head; with the tool i
 copy: the operands into the call, then the tool's answer into its reply. The task's worked
 answer is a whole tool-use conversation (``trace``), which the warm start trains on token by
 token as the rollout will see it; RL then rewards the final reply. Run it with the
-``agent-calc`` preset (``hybridlab train agent-calc``), which sets ``data.chat=true`` and
+``agent_calc`` preset (``hybridlab train agent_calc``), which sets ``data.chat=true`` and
 ``rollout.tools=hybridlab.tasks.calc:calc``.
 """
 from __future__ import annotations

@@ -126,12 +126,12 @@ class RolloutWorker(Worker):
                              f" this process's event loop); this group has backend={self.backend!r}, tp={self.tp}")
         cfg = (SamplingConfig(**sampling) if isinstance(sampling, dict) else sampling).validate()
         agent = AgentSettings(**settings)
-        key = (agent.tools, agent.agent)
+        key = (agent.tools, agent.agent, agent.env)
         if getattr(self, "_agent_spec", (None, None))[0] != key:
-            self._agent_spec = (key, load_spec(agent))
+            self._agent_spec = (key, load_spec(*key))
         tokenizer = use_template(self.tokenizer, agent.chat_template)
         limits = AgentLimits(agent.max_turns, cfg.max_tokens, agent.max_trajectory_tokens, agent.tool_timeout_s,
-                             self.context)
+                             self.context, agent.agent_timeout_s)
         trajectories = run_agents(
             self.llm, tokenizer, agent_samples(batch), cfg.n,
             lambda max_tokens, seed: sampling_params(cfg, self.stop_ids, n=1, max_tokens=max_tokens, seed=seed),
