@@ -75,7 +75,7 @@ def run_async(llm: Any, tokenizer: Any, params, plans: list, prompt: str, in_fli
     from hybridlab.agents.rollout import AgentSpec, run_agents
     from hybridlab.agents.tool_loop import AgentLimits
 
-    limits = AgentLimits(max_turns=64, max_tokens=10_000, budget=10_000,
+    limits = AgentLimits(max_turns=64, max_tokens=10_000, budget=10_000, tool_timeout_s=0.0,
                          context=llm.llm_engine.model_config.max_model_len)
     start = time.perf_counter()
     trajectories = run_agents(llm, tokenizer, _samples(plans, prompt, latency), 1, params,
