@@ -183,7 +183,7 @@ def _unpack(packed: dict, objects: dict, meta: dict) -> Batch:
     tensors = {}
     for k, (arr, tag, shape) in packed.items():
         if isinstance(arr, bytes):
-            tag, dtype = tag.split("|")
+            tag, dtype = tag.split("|", 1)  # a one-byte dtype's str starts with "|" too ("|i1", "|b1")
             t = torch.from_numpy(np.frombuffer(arr, dtype=dtype).copy().reshape(shape))
         else:
             t = torch.from_numpy(arr) if arr.flags.writeable else _readonly_tensor(arr)

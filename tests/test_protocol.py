@@ -51,6 +51,15 @@ def test_pickle_keeps_dtypes_and_values():
     assert b.nbytes == 3 * 2 * 8 + 3 * 2
 
 
+def test_pickle_keeps_one_byte_dtypes():
+    """numpy writes a one-byte dtype as "|i1" (no byte order): the small-tensor path must read it."""
+    b = Batch({"sources": torch.tensor([[1, 2], [0, 5]], dtype=torch.int8), "ok": torch.tensor([True, False]),
+               "bytes": torch.tensor([7, 255], dtype=torch.uint8)})
+    back = pickle.loads(pickle.dumps(b))
+    for key in ("sources", "ok", "bytes"):
+        assert back[key].dtype == b[key].dtype and torch.equal(back[key], b[key])
+
+
 def test_pickle_large_tensors_through_buffers():
     b = Batch({"x": torch.randn(5000, 4), "h": torch.randn(5000, 4).to(torch.bfloat16)})
     back = pickle.loads(pickle.dumps(b, protocol=5))
