@@ -77,7 +77,6 @@ class Conversation:
         """Record a model turn's sampled ids; returns its text (special tokens dropped), the
         content of the assistant message that the next call's messages are expected to carry."""
         self.trajectory.add_model(ids, logprobs, version)
-        self.trajectory.calls += 1
         self.text += self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
         self.answered += 1
         return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)

@@ -134,9 +134,9 @@ class Endpoint:
         if client.trajectory is None and body.get("tools"):
             client.conversation.tools = list(body["tools"])
         cap = body.get("max_completion_tokens") or body.get("max_tokens")
-        calls_before = client.trajectory.calls if client.trajectory else 0
+        turns_before = client.trajectory.turns if client.trajectory else 0
         text = await client.complete(messages, limit=cap)
         ids = client.trajectory.all_ids()
-        turn = client.trajectory.segments[-1].ids if client.trajectory.calls > calls_before else []
+        turn = client.trajectory.segments[-1].ids if client.trajectory.turns > turns_before else []
         cut = bool(turn) and len(turn) >= client.last_room
-        return reply_json(text, ids[:len(ids) - len(turn)], turn, client.trajectory.calls, cut)
+        return reply_json(text, ids[:len(ids) - len(turn)], turn, client.trajectory.turns, cut)

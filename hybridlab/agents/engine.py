@@ -27,7 +27,6 @@ class AsyncEngine:
         self.prefix = f"agent-{uuid.uuid4().hex[:8]}-"  # ids no other engine user (or earlier rollout) holds
         self.ids = itertools.count()
         self.pump: asyncio.Task | None = None
-        self.steps = 0        # engine steps taken (each decodes every running request by one token)
 
     async def generate(self, prompt_ids: list[int], params: Any) -> tuple[list[int], list[float]]:
         """Return (sampled ids, their log-probs) for one ``n=1`` request. A cancelled call
@@ -61,7 +60,6 @@ class AsyncEngine:
                     if not future.done():
                         future.set_exception(exc)
                 raise
-            self.steps += 1
             for out in outputs:
                 future = self.waiting.pop(out.request_id, None) if out.finished else None
                 if future is not None and not future.done():

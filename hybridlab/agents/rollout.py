@@ -31,7 +31,7 @@ from hybridlab.errors import UserError
 from hybridlab.protocol import Batch
 
 STAT_FIELDS = ("agent_turns", "agent_tool_calls", "agent_tool_errors", "agent_tool_timeouts", "agent_model_tokens",
-               "agent_tool_tokens", "agent_retokenized", "agent_calls")  # per-trajectory tensors the stage reads
+               "agent_tool_tokens", "agent_retokenized")  # per-trajectory tensors the stage reads
 SAMPLE_FIELDS = ("prompt", "ground_truth", "data_source", "extra_info")  # the row an agent function is given
 
 
@@ -165,7 +165,7 @@ def agent_batch(trajectories: list[Trajectory], pad_id: int, budget: int, prompt
         by_source = t.tokens_by_source()
         model = by_source.get(MODEL, 0)
         for field, value in zip(STAT_FIELDS, (t.turns, t.tool_calls, t.tool_errors, t.tool_timeouts, model,
-                                              sum(by_source.values()) - model, t.retokenized, t.calls)):
+                                              sum(by_source.values()) - model, t.retokenized)):
             stats[field].append(float(value))
     out.tensors.update({k: torch.tensor(v) for k, v in stats.items()})
     out.tensors["agent_reward"] = torch.tensor([math.nan if t.reward is None else t.reward for t in trajectories])

@@ -49,12 +49,12 @@ class ChatClient:
             used = len(ids) - len(self.trajectory.prompt_ids)
             room = min(self.limits.max_tokens, self.limits.budget - used, self.limits.context - len(ids),
                        self.limits.max_tokens if limit is None else limit)
-            if self.trajectory.calls >= self.limits.max_turns:
+            if self.trajectory.turns >= self.limits.max_turns:
                 room = 0
             self.last_room = max(room, 0)
             if room <= 0:
                 return None
-            seed = None if self.seed is None else hash((self.seed, self.trajectory.calls)) & 0x7FFFFFFF
+            seed = None if self.seed is None else hash((self.seed, self.trajectory.turns)) & 0x7FFFFFFF
             sampled, logprobs = await self.engine.generate(ids, self.sampling(room, seed))
             return self.conversation.record_reply(sampled, logprobs, self.version)
 

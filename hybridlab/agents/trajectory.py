@@ -41,8 +41,7 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_timeouts: int = 0
-    retokenized: int = 0      # calls whose rendered prompt did not extend the recorded tokens
-    calls: int = 0            # model calls (chat completions)
+    retokenized: int = 0      # calls whose rendered prompt did not extend the recorded tokens (of ``turns``)
     error: str = ""           # the agent raised: its message (the trajectory scores error_score)
     final_text: str = ""      # the last model turn's text (what a rule reward scores)
     tools_used: dict = dataclasses.field(default_factory=dict)   # tool name -> [calls, errors, seconds]

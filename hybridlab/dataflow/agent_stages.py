@@ -16,7 +16,7 @@ import torch
 
 from hybridlab.agents.rollout import STAT_FIELDS, AgentSettings
 from hybridlab.dataflow.fields import SEQUENCE_FIELDS
-from hybridlab.dataflow.stages import _finish_reward, generation_metrics, register_stage
+from hybridlab.dataflow.stages import _finish_reward, generation_metrics, register_stage, reward_inputs
 from hybridlab.protocol import Batch
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ def agent_metrics(out: Batch) -> dict:
     metrics = {"agent/turns_mean": total["agent_turns"] / n, "agent/tool_calls": total["agent_tool_calls"],
                "agent/tool_errors": total["agent_tool_errors"], "agent/tool_timeouts": total["agent_tool_timeouts"],
                "agent/model_tokens": total["agent_model_tokens"], "agent/tool_tokens": total["agent_tool_tokens"],
-               "agent/retokenized_share": total["agent_retokenized"] / max(1.0, total["agent_calls"]),
+               "agent/retokenized_share": total["agent_retokenized"] / max(1.0, total["agent_turns"]),
                "agent/tool_call_share": float((out["agent_tool_calls"] > 0).float().mean()),
                "agent/errors": float(out["agent_error"].sum())}
     per_tool: dict[str, list[float]] = {}
@@ -163,14 +163,13 @@ def agent_problems(cfg, rollout_tp: int) -> list[str]:
 def greedy_scores(ctx: "StepContext", prompts: Batch) -> Batch:
     """Return ``token_level_scores`` and ``acc`` of one greedy sample per prompt, generated as
     the run's steps generate (a plain response, or an agent trajectory) and scored as they are."""
-    from hybridlab.dataflow.stages import REWARD_FIELDS
-
     sampling = ctx.sampling(n=1, temperature=0.0)
     rollout, reward = ctx.group("rollout"), ctx.group("reward")
     if not agentic(ctx.cfg):
-        return reward.compute_reward(rollout.generate(prompts, sampling).select(REWARD_FIELDS))
+        generated = rollout.generate(prompts, sampling)
+        return reward.compute_reward(generated.select(reward_inputs(generated)))
     out = rollout.generate_agent(prompts, sampling, agent_settings(ctx.cfg, ctx.rl.step_count))
     if not own_reward(ctx.cfg):
-        return reward.compute_reward(out.select([*REWARD_FIELDS, "final_response"]))
+        return reward.compute_reward(out.select(reward_inputs(out)))
     scores, acc = own_scores(out, ctx.cfg.reward.error_score)
     return Batch({"token_level_scores": scores.unsqueeze(-1), "acc": acc})

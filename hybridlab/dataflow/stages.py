@@ -34,6 +34,12 @@ StageFn = Callable[["StepContext", Batch], tuple[Batch | None, dict]]
 REWARD_FIELDS = ("responses", "response_mask", "ground_truth", "data_source")  # what scoring reads
 
 
+def reward_inputs(batch: Batch) -> list[str]:
+    """Return the fields a batch's scoring reads: ``REWARD_FIELDS``, plus the row's ``extra_info``
+    and an agent trajectory's ``final_response`` where the batch has them."""
+    return [*REWARD_FIELDS, *(k for k in ("extra_info", "final_response") if k in batch)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """One node of the dataflow: ``fn`` runs against ``role``'s workers (None: the controller)."""
@@ -113,8 +119,7 @@ def generation_metrics(cfg, out: Batch) -> dict:
                 ("token_level_scores", "token_level_rewards", "acc", "reward_extra_info"))
 def reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Score each response with the configured rule or function (a raising one scores error_score)."""
-    fields = [*REWARD_FIELDS, *(k for k in ("extra_info", "final_response") if k in batch)]
-    out = ctx.group("reward").compute_reward(batch.select(fields))
+    out = ctx.group("reward").compute_reward(batch.select(reward_inputs(batch)))
     return _finish_reward(ctx, batch, out)
 
 
@@ -159,12 +164,12 @@ def _finish_reward(ctx: "StepContext", batch: Batch, out: Batch) -> tuple[Batch,
                  {"reward_extra_info": components}), metrics
 
 
-def _scoring_stages(names: list[str]) -> list[str]:
+def _scoring_stages(names: list[str], cfg) -> list[str]:
     """Return the stages of a dataflow that make its scored samples (what filter_groups runs again):
-    those before filter_groups, or (run by hand) those up to the first reward-role stage."""
+    those before filter_groups, or (run by hand) those up to the first that writes scores."""
     if "filter_groups" in names:
         return names[:names.index("filter_groups")]
-    return names[:1 + next(i for i, n in enumerate(names) if get_stage(n).role == "reward")]
+    return names[:1 + next(i for i, n in enumerate(names) if "token_level_scores" in get_stage(n).outputs(cfg))]
 
 
 @register_stage("filter_groups", None, ("token_level_scores", "uid"), (), replaces_rows=True,
@@ -172,7 +177,7 @@ def _scoring_stages(names: list[str]) -> list[str]:
 def filter_groups(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """DAPO dynamic sampling: keep groups whose rewards differ, generating more prompts to refill."""
     want = ctx.cfg.data.prompts_per_step
-    rollout = _scoring_stages(ctx.rl.dataflow.names)
+    rollout = _scoring_stages(ctx.rl.dataflow.names, ctx.cfg)
     kept, rounds, seen = None, 0, 0
     current = batch
     while True:
@@ -201,7 +206,7 @@ def remax_baseline(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     prompts = batch.select(["prompt_ids", "uid", "ground_truth", "data_source"]).take(sorted(firsts))
     prompts.meta[PROMPT_WIDTH] = max(len(p) for p in prompts["prompt_ids"])  # rollout DP ranks pad alike
     greedy = ctx.group("rollout").generate(prompts, ctx.sampling(n=1, temperature=0.0))
-    scored = ctx.group("reward").compute_reward(greedy.select(REWARD_FIELDS))
+    scored = ctx.group("reward").compute_reward(greedy.select(reward_inputs(greedy)))
     by_uid = dict(zip(greedy["uid"], scored["token_level_scores"].sum(-1).tolist()))
     baselines = torch.tensor([by_uid[u] for u in batch["uid"]], dtype=torch.float32)
     return Batch({"reward_baselines": baselines}), {"reward/greedy_baseline_mean": float(baselines.mean())}
