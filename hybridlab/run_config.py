@@ -280,8 +280,9 @@ def _dataflow_and_mapping_problems(cfg: RunConfig) -> list[str]:
         raise
     except Exception as exc:  # MappingError: malformed mapping
         p.append(f"mapping: {exc}")
-    if cfg.trainer.off_policy and names[0] != "generate" and not agentic(cfg):
-        p.append("trainer.off_policy: the dataflow must start with 'generate' to overlap the next rollout")
+    first = "generate_agent" if agentic(cfg) else "generate"
+    if cfg.trainer.off_policy and names[0] != first:
+        p.append(f"trainer.off_policy: the dataflow must start with {first!r} to overlap the next rollout")
     return p
 
 

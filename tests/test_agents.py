@@ -317,6 +317,26 @@ def test_a_text_environment_answers_each_turn_and_its_rewards_add_up(agent_rl):
         assert len(starts) == 2
 
 
+def test_off_policy_agent_rollouts_are_generated_a_step_ahead_and_carry_the_version_that_sampled_them(agent_rl):
+    rl, _ = agent_rl
+    rl.update("trainer.off_policy=true")
+    try:
+        before = rl.step_count
+        first, second = rl.step(), rl.step()  # the second step's trajectories were submitted during the first
+    finally:
+        rl.update("trainer.off_policy=false")
+    for result, staleness in ((first, 0), (second, 1)):
+        b, m = result.batch, result.metrics
+        assert m["rollout/staleness"] == staleness and m["agent/turns_mean"] == 2.0 and m["agent/errors"] == 0
+        assert math.isfinite(m["actor/pg_loss"])
+        # every model token was sampled by the weights of step `before` (version = updates applied),
+        # context tokens carry no version
+        versions = b["rollout_versions"][b["response_mask"].bool()]
+        assert set(versions.tolist()) == {before}
+        assert set(b["rollout_versions"][~b["response_mask"].bool()].tolist()) <= {-1}
+    assert not set(first.batch["uid"]) & set(second.batch["uid"])  # the look-ahead took the next prompts
+
+
 SPLIT = {"pools": {"train": {"devices": 1}, "gen": {"devices": 2}},
          "roles": {"actor": {"pool": "train"}, "rollout": {"pool": "gen", "dp": 2, "colocate": "g"},
                    "reward": {"pool": "gen", "dp": 2, "colocate": "g"}}}
@@ -352,8 +372,9 @@ def test_agent_training_goes_on_through_a_remap_and_a_resume(agent_rl):
     ([f"rollout.tools={AGENTS}:broken", "rollout.max_trajectory_tokens=4"],
      r"rollout.max_trajectory_tokens: must be at least 8, got 4 \(rollout.max_new_tokens: one model turn must fit\)"),
     ([f"rollout.tools={AGENTS}:broken", "rollout.backend=hf"], "agent rollouts run on the vllm backend at tp 1"),
-    ([f"rollout.tools={AGENTS}:broken", "trainer.off_policy=true"],
-     "trainer.off_policy: agent rollouts are generated on-policy"),
+    ([f"rollout.tools={AGENTS}:broken", "trainer.off_policy=true",
+      "dataflow=[generate, reward, old_logprob, advantages, update_actor, sync_weights]"],
+     "trainer.off_policy: the dataflow must start with 'generate_agent'"),
     (["data.task=calc", "data.chat=true"], r"data.task: 'calc' is a tool-use task; set rollout.tools=hybridlab"),
     (["data.task=calc", "rollout.tools=hybridlab.tasks.calc:calc"], "data.chat: 'calc' is a tool-use conversation"),
 ])

@@ -78,13 +78,19 @@ def agent_metrics(out: Batch) -> dict:
 def generate_agent(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Run rollout.n agent trajectories per prompt (tools, an agent function or an environment),
     many at once; the model's tokens are trained, tool and template tokens are context."""
+    rollout = ctx.group("rollout")
+    # Every model turn records the policy version: the updates the engine's weights have had when
+    # the rollout starts, this step's count (the rollout worker runs it before this step's sync).
+    settings = agent_settings(ctx.cfg, ctx.rl.step_count)
     if ctx.cfg.trainer.off_policy and not ctx.rerunning:
-        raise ValueError("generate_agent: trainer.off_policy is not supported with agent rollouts yet")
-    out = ctx.group("rollout").generate_agent(batch, ctx.sampling(), agent_settings(ctx.cfg, ctx.rl.step_count))
+        out, staleness = ctx.rl.ahead.take(
+            ctx, batch, lambda prompts, sampling: rollout.generate_agent.submit(prompts, sampling, settings))
+    else:
+        out, staleness = rollout.generate_agent(batch, ctx.sampling(), settings), 0
     metrics = generation_metrics(ctx.cfg, out)  # response_length/*: the model's tokens per trajectory
     lengths = out["attention_mask"][:, -out["response_mask"].shape[1]:].sum(-1)
     metrics["response_length/clip_ratio"] = float((lengths >= ctx.cfg.rollout.max_trajectory_tokens).float().mean())
-    return out, {**metrics, **agent_metrics(out), "rollout/staleness": 0}
+    return out, {**metrics, **agent_metrics(out), "rollout/staleness": staleness}
 
 
 def own_scores(batch: Batch, error_score: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,8 +127,7 @@ def agent_reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
 def agent_problems(cfg, rollout_tp: int) -> list[str]:
     """Return what stops the config's agent rollouts from running, each naming its key: a
     tool-use task without its tools, more than one of tools, agent and env, a tool, agent or
-    environment that cannot be loaded, impossible limits, a rollout that is not vLLM at tp 1,
-    off-policy rollouts."""
+    environment that cannot be loaded, impossible limits, a rollout that is not vLLM at tp 1."""
     r, p = cfg.rollout, []
     from hybridlab.tasks import TASKS
 
@@ -155,8 +160,6 @@ def agent_problems(cfg, rollout_tp: int) -> list[str]:
     if r.backend != "vllm" or rollout_tp > 1:
         p.append(f"rollout.backend / mapping.roles.rollout.tp: agent rollouts run on the vllm backend at tp 1 (got"
                  f" {r.backend!r}, tp {rollout_tp}); use dp for more engines")
-    if cfg.trainer.off_policy:
-        p.append("trainer.off_policy: agent rollouts are generated on-policy (no look-ahead yet); set it false")
     return p
 
 

@@ -2,7 +2,7 @@
 ahead so that generation overlaps training."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from hybridlab.protocol import Batch
 
@@ -19,20 +19,23 @@ class RolloutAhead:
     def __init__(self):
         self.pending: list = []   # (GroupFuture, step it was submitted at), oldest first
 
-    def take(self, ctx: "StepContext", batch: Batch) -> tuple[Batch, int]:
+    def take(self, ctx: "StepContext", batch: Batch,
+             submit: Callable[[Batch, dict], object] | None = None) -> tuple[Batch, int]:
         """Return (the responses for this step, their staleness in updates: steps since their
         submission) and top up the rollouts ahead with this step's prompts (``batch``) and, on
-        the first step, further draws."""
+        the first step, further draws. ``submit(prompts, sampling)`` starts one rollout and
+        returns its future (default: the rollout group's ``generate``)."""
         step, depth = ctx.rl.step_count, ctx.cfg.trainer.max_staleness
-        rollout, seed = ctx.group("rollout"), ctx.sampling()["seed"]
+        seed = ctx.sampling()["seed"]
+        submit = submit or ctx.group("rollout").generate.submit
         if not self.pending:  # nothing ahead yet: this step's prompts now, the next ones ahead
-            self.pending.append((rollout.generate.submit(batch, ctx.sampling()), step))
+            self.pending.append((submit(batch, ctx.sampling()), step))
             batch = ctx.rl.prompts.next()
         future, submitted = self.pending.pop(0)
         out = future.result()
         while len(self.pending) < depth:
             ahead = len(self.pending) + 1
-            self.pending.append((rollout.generate.submit(batch, ctx.sampling(seed=seed + ahead)), step))
+            self.pending.append((submit(batch, ctx.sampling(seed=seed + ahead)), step))
             if len(self.pending) < depth:
                 batch = ctx.rl.prompts.next()
         return out, step - submitted
