@@ -3,6 +3,7 @@ engines needed: the records are what a run writes; the live run is in test_dashb
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -96,6 +97,50 @@ def test_every_panel_receives_its_records_and_every_source_rolls_over(tmp_path, 
     assert "color:#c62828" not in rows[2] and ">update_actor<" in rows[2]
     assert board.running.button is None                                    # no control: no button
     assert "per step" in board.explanation.object
+
+
+def agent_step(step: int, tools: list[dict]) -> dict:
+    """A step's metrics record as an agent run writes it: agent_metrics of two trajectories,
+    the first of 3 turns, the second of 1, using the tools in ``tools`` (one dict per trajectory)."""
+    import torch
+
+    from hybridlab.dataflow.agent_stages import agent_metrics
+    from hybridlab.protocol import Batch
+
+    out = Batch({"agent_turns": torch.tensor([3.0, 1.0]), "agent_tool_calls": torch.tensor([2.0, 0.0]),
+                 "agent_tool_errors": torch.tensor([1.0, 0.0]), "agent_tool_timeouts": torch.tensor([0.0, 0.0]),
+                 "agent_model_tokens": torch.tensor([30.0, 10.0]), "agent_tool_tokens": torch.tensor([12.0, 0.0]),
+                 "agent_retokenized": torch.tensor([1.0, 0.0]), "agent_error": torch.tensor([0, 0])},
+                {"agent_tools": tools})
+    return {**step_record(step, time.time() - 50 + step), **agent_metrics(out)}
+
+
+def test_the_agent_panel_waits_with_a_reason_then_plots_turns_tokens_and_each_tools_calls(tmp_path):
+    run_dir = write_run(tmp_path / "run", [{"kind": "run", "name": "r", "mapping": {}}, step_record(1, time.time())])
+    board = dash.Dashboard(run_dir, control=False)
+    board.update()
+    agent = board.agent
+    assert agent.note.visible and not agent.figures.visible and "no agent metrics yet" in agent.note.object
+    for record in (agent_step(2, [{"calc": (2, 1, 0.5)}, {}]),  # the run goes on with agent rollouts
+                   agent_step(3, [{"calc": (1, 0, 0.25)}, {"search": (4, 0, 2.0)}])):
+        with (run_dir / "telemetry.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        board.update()
+    assert not agent.note.visible and agent.figures.visible
+    data = agent.source.data
+    assert (data["step"], data["turns_mean"], data["turns_max"]) == ([2, 3], [2.0, 2.0], [3.0, 3.0])
+    assert data["retokenized_pct"] == [25.0, 25.0]                      # 1 of 4 model calls
+    assert (data["model_tokens"], data["context_tokens"]) == ([40.0, 40.0], [12.0, 12.0])
+    calc, search = agent.tools["calc"].data, agent.tools["search"].data
+    assert (calc["calls"], calc["errors"], calc["latency_ms"]) == ([2.0, 1.0], [1.0, 0.0], [250.0, 250.0])
+    # a tool first seen at step 3 streams from there; a step without calls has no latency
+    assert (search["step"], search["calls"], search["latency_ms"]) == ([3], [4.0], [500.0])
+    with (run_dir / "telemetry.jsonl").open("a") as f:
+        f.write(json.dumps(agent_step(4, [{"calc": (1, 0, 0.1)}, {}])) + "\n")
+    board.update()
+    assert search["calls"][-1] == 0.0 and math.isnan(search["latency_ms"][-1])
+    assert {r.label["value"] for r in agent.calls.legend[0].items} == {"calc", "calc failed", "search",
+                                                                      "search failed"}
 
 
 def test_the_stack_button_asks_the_controller_and_shows_the_files(tmp_path):

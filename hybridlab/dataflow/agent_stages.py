@@ -57,7 +57,8 @@ def agent_metrics(out: Batch) -> dict:
     the share of trajectories that called a tool, and calls, errors and latency per tool."""
     total = {f: float(out[f].sum()) for f in STAT_FIELDS}
     n = max(1, len(out))
-    metrics = {"agent/turns_mean": total["agent_turns"] / n, "agent/tool_calls": total["agent_tool_calls"],
+    metrics = {"agent/turns_mean": total["agent_turns"] / n, "agent/turns_max": float(out["agent_turns"].max()),
+               "agent/tool_calls": total["agent_tool_calls"],
                "agent/tool_errors": total["agent_tool_errors"], "agent/tool_timeouts": total["agent_tool_timeouts"],
                "agent/model_tokens": total["agent_model_tokens"], "agent/tool_tokens": total["agent_tool_tokens"],
                "agent/retokenized_share": total["agent_retokenized"] / max(1.0, total["agent_turns"]),
