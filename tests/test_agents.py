@@ -321,7 +321,7 @@ def test_off_policy_agent_rollouts_are_generated_a_step_ahead_and_carry_the_vers
     rl, _ = agent_rl
     rl.update("trainer.off_policy=true")
     try:
-        before = rl.step_count
+        before = rl.rollout_version  # the updates the engine's weights have had
         first, second = rl.step(), rl.step()  # the second step's trajectories were submitted during the first
     finally:
         rl.update("trainer.off_policy=false")
@@ -335,6 +335,7 @@ def test_off_policy_agent_rollouts_are_generated_a_step_ahead_and_carry_the_vers
         assert set(versions.tolist()) == {before}
         assert set(b["rollout_versions"][~b["response_mask"].bool()].tolist()) <= {-1}
     assert not set(first.batch["uid"]) & set(second.batch["uid"])  # the look-ahead took the next prompts
+    assert rl.rollout_version == before + 2
 
 
 SPLIT = {"pools": {"train": {"devices": 1}, "gen": {"devices": 2}},

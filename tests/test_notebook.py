@@ -40,6 +40,33 @@ def test_teaching_notebook_runs(name, trained_dir, tmp_path, monkeypatch):
     run_notebook(name, trained_dir, tmp_path, monkeypatch)  # its cells assert what they show
 
 
+@pytest.fixture(scope="module")
+def calc_warm_dir(tiny_dir, hybridlab_home):
+    """tiny after 150 SFT steps on the calc task's tool-use conversations (about 35 s): it calls
+    the tool, though it rarely copies every digit yet (the preset's warm start goes on to 15%)."""
+    from hybridlab import sft
+    from hybridlab.agents.tools import load_tools
+    from hybridlab.atomic import built_once
+    from hybridlab.evaluate import load_hf
+    from hybridlab.tasks import get_task
+    from hybridlab.tasks.calc import TOOL
+
+    out = hybridlab_home / "fixtures" / "tiny-calc-tools"
+
+    def train() -> None:
+        model, tok = load_hf(tiny_dir)
+        schemas = [tool.schema for tool in load_tools(TOOL).values()]
+        sft.train(model, tok, get_task("calc"), sft.SFTConfig(steps=150, warmup_steps=20, batch_size=32, chat=True,
+                                                              tools=schemas), progress=False)
+        sft.save_checkpoint(model, tok, out)
+
+    return built_once(out, train)
+
+
+def test_agents_notebook_runs(calc_warm_dir, tmp_path, monkeypatch):
+    run_notebook("06_agents_and_tools.ipynb", calc_warm_dir, tmp_path, monkeypatch)  # its cells assert
+
+
 def test_notebooks_are_committed_without_outputs():
     import nbformat
 

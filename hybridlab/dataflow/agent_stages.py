@@ -80,9 +80,9 @@ def generate_agent(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Run rollout.n agent trajectories per prompt (tools, an agent function or an environment),
     many at once; the model's tokens are trained, tool and template tokens are context."""
     rollout = ctx.group("rollout")
-    # Every model turn records the policy version: the updates the engine's weights have had when
-    # the rollout starts, this step's count (the rollout worker runs it before this step's sync).
-    settings = agent_settings(ctx.cfg, ctx.rl.step_count)
+    # Every model turn records the policy version the engines hold when the rollout starts: the
+    # rollout worker runs it, ahead or not, before any later sync reaches it.
+    settings = agent_settings(ctx.cfg, ctx.rl.rollout_version)
     if ctx.cfg.trainer.off_policy and not ctx.rerunning:
         out, staleness = ctx.rl.ahead.take(
             ctx, batch, lambda prompts, sampling: rollout.generate_agent.submit(prompts, sampling, settings))
@@ -172,7 +172,7 @@ def greedy_scores(ctx: "StepContext", prompts: Batch) -> Batch:
     if not agentic(ctx.cfg):
         generated = rollout.generate(prompts, sampling)
         return reward.compute_reward(generated.select(reward_inputs(generated)))
-    out = rollout.generate_agent(prompts, sampling, agent_settings(ctx.cfg, ctx.rl.step_count))
+    out = rollout.generate_agent(prompts, sampling, agent_settings(ctx.cfg, ctx.rl.rollout_version))
     if not own_reward(ctx.cfg):
         return reward.compute_reward(out.select(reward_inputs(out)))
     scores, acc = own_scores(out, ctx.cfg.reward.error_score)

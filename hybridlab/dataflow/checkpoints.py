@@ -77,7 +77,8 @@ def save(rl: "RLSession", train_state: dict) -> Path:
         # the config as it is now: live updates and remaps since the start carry over
         (tmp / "config.yaml").write_text(yaml.safe_dump(rl.cfg.to_dict(), sort_keys=False))
         write_json(tmp / "session.json", {
-            "step": rl.step_count, "time": time.time(), "mapping": rl.mapping.to_dict(),
+            "step": rl.step_count, "actor_version": rl.actor_version, "time": time.time(),
+            "mapping": rl.mapping.to_dict(),
             "prompts": rl.prompts.state(), "kl_ctrl": dict(vars(rl.kl_ctrl)), "history": rl.history,
             "faults": {"bad_updates": rl.bad_updates, "bad_steps_in_a_row": rl.bad_steps_in_a_row,
                        "worker_restarts": rl.worker_restarts},
@@ -120,6 +121,7 @@ def restore(rl: "RLSession", checkpoint: Path, record: dict) -> None:
         if role in rl.workers.groups and folder.is_dir():
             rl.workers.groups[role].load_state([ray.put([read_role(folder)])])
     rl.step_count = record["step"]
+    rl.actor_version = record.get("actor_version", record["step"])  # the sync below gives it to the rollout
     rl.history = record["history"]
     rl.prompts.set_state(record["prompts"])
     rl.bad_updates = record["faults"]["bad_updates"]

@@ -379,6 +379,7 @@ def update_actor(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
                                                                       ctx.cfg.rollout.n, a.ppo_epochs)]
     metrics = mean_metrics(results)
     ctx.actor_unchanged = bool(results) and metrics.get("skipped", 0.0) == len(results)
+    ctx.rl.actor_version += not ctx.actor_unchanged
     fault_point("update_actor", ctx.rl.step_count + 1)
     return None, {(k if k.startswith(("actor/", "rollout_corr/")) else f"actor/{k}"): v for k, v in metrics.items()}
 
@@ -393,8 +394,7 @@ def sync_weights(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
     return None, {"sync/bytes": report.bytes_moved, "sync/seconds": report.seconds, "sync/buckets": report.buckets}
 
 
-# online DPO's stages (preference_stages.py), registered here so that every stage is known at once
-from hybridlab.dataflow.preference_stages import PAIR_FIELDS, pair_best_worst, update_actor_dpo  # noqa: E402
+from hybridlab.dataflow.preference_stages import PAIR_FIELDS, pair_best_worst, update_actor_dpo  # noqa: E402  online DPO
 
 register_stage("pair_best_worst", None, ("token_level_scores", "uid"), ("@pairs",), replaces_rows=True)(pair_best_worst)
 register_stage("update_actor_dpo", "actor", (*PAIR_FIELDS, "@pairs"), ("@actor_updated",))(update_actor_dpo)

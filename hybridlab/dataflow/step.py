@@ -93,6 +93,7 @@ class Stepping:
         lora = self.cfg.actor.lora
         report = sync_mapped(self.workers.groups, self.mapping, self.spec,
                              adapter=lora.rank > 0 and lora.sync == "adapter")
+        self.rollout_version = self.actor_version
         self._emit("sync", {"step": self.step_count + (reason == "step"), "bytes": report.bytes_moved,
                             "buckets": report.buckets, "seconds": report.seconds, "mode": report.mode,
                             "reason": reason, "bytes_per_pair": report.plan.get("bytes_per_pair", {})})
