@@ -352,12 +352,14 @@ def test_agent_training_goes_on_through_a_remap_and_a_resume(agent_rl):
     gap = (moved.batch["old_log_probs"] - moved.batch["rollout_log_probs"])[moved.batch["response_mask"].bool()].abs()
     assert len(moved.batch) == 16 and moved.metrics["agent/turns_mean"] == 2.0 and gap.max() < 1e-4
     rl.save_checkpoint()
-    done, run_dir = rl.step_count, rl.cfg.trainer.run_dir
+    done, run_dir, version = rl.step_count, rl.cfg.trainer.run_dir, rl.actor_version
     rl.shutdown()
     resumed = RLSession.resume(run_dir)
     try:
+        assert (resumed.actor_version, resumed.rollout_version) == (version, version)
         result = resumed.step()
         assert resumed.step_count == done + 1 and len(result.batch) == 16
+        assert set(result.batch["rollout_versions"][result.batch["response_mask"].bool()].tolist()) == {version}
         assert result.metrics["agent/turns_mean"] == 2.0 and result.metrics["agent/errors"] == 0
     finally:
         resumed.shutdown()

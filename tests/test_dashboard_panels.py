@@ -73,7 +73,7 @@ def test_every_panel_receives_its_records_and_every_source_rolls_over(tmp_path, 
                      "memory_mb": 900.0 + step, "rss_mb": 900.0 + step, "pid": 1},
                     {"kind": "sync", "step": step, "time": t, "bytes": 2**20 * 3, "buckets": 2, "seconds": 0.5,
                      "mode": "collective", "reason": "step", "bytes_per_pair": {"0->0": 2**20, "0->1": 2 * 2**20}},
-                    step_record(step, t)]
+                    {**agent_step(step, [{"calc": (1, 0, 0.1)}, {}]), "time": t}]
     records.append({"kind": "running", "time": t0 + 21, "calls": [
         {"role": "rollout", "ranks": [0], "method": "generate", "stage": "generate", "start": time.time() - 30,
          "deadline_s": 10.0, "late": True},
@@ -87,6 +87,7 @@ def test_every_panel_receives_its_records_and_every_source_rolls_over(tmp_path, 
     assert len(board.memory.markers.data["t"]) == 6
     assert board.busy.sources["gpu0"].data["busy"] == [0.75] * 6 and set(board.busy.sources) == {"gpu0", "gpu1"}
     assert board.rollout.source.data["step"] == list(range(15, 21))
+    assert board.agent.source.data["step"] == board.agent.tools["calc"].data["step"] == list(range(15, 21))
     assert board.rollout.source.data["tokens_per_s"][-1] == 200.0
     assert board.rollout.source.data["straggler_pct"][-1] == 25.0
     matrix = board.reshard.matrix.data
@@ -116,31 +117,39 @@ def agent_step(step: int, tools: list[dict]) -> dict:
 
 
 def test_the_agent_panel_waits_with_a_reason_then_plots_turns_tokens_and_each_tools_calls(tmp_path):
-    run_dir = write_run(tmp_path / "run", [{"kind": "run", "name": "r", "mapping": {}}, step_record(1, time.time())])
-    board = dash.Dashboard(run_dir, control=False)
-    board.update()
-    agent = board.agent
-    assert agent.note.visible and not agent.figures.visible and "no agent metrics yet" in agent.note.object
-    for record in (agent_step(2, [{"calc": (2, 1, 0.5)}, {}]),  # the run goes on with agent rollouts
-                   agent_step(3, [{"calc": (1, 0, 0.25)}, {"search": (4, 0, 2.0)}])):
-        with (run_dir / "telemetry.jsonl").open("a") as f:
-            f.write(json.dumps(record) + "\n")
+    steps = [agent_step(2, [{"calc": (2, 1, 0.5)}, {}]), agent_step(3, [{"calc": (1, 0, 0.25)}, {"search": (4, 0, 2.0)}]),
+             agent_step(4, [{"calc": (1, 0, 0.1)}, {}])]
+    views = []
+    for polls in ([[0], [1], [2]], [[0, 1, 2]]):  # live, a poll per step, or opened after the run: the same plots
+        run_dir = write_run(tmp_path / f"run{len(polls)}", [{"kind": "run", "name": "r", "mapping": {}},
+                                                            step_record(1, time.time())])
+        board = dash.Dashboard(run_dir, control=False)
         board.update()
-    assert not agent.note.visible and agent.figures.visible
-    data = agent.source.data
-    assert (data["step"], data["turns_mean"], data["turns_max"]) == ([2, 3], [2.0, 2.0], [3.0, 3.0])
-    assert data["retokenized_pct"] == [25.0, 25.0]                      # 1 of 4 model calls
-    assert (data["model_tokens"], data["context_tokens"]) == ([40.0, 40.0], [12.0, 12.0])
-    calc, search = agent.tools["calc"].data, agent.tools["search"].data
-    assert (calc["calls"], calc["errors"], calc["latency_ms"]) == ([2.0, 1.0], [1.0, 0.0], [250.0, 250.0])
-    # a tool first seen at step 3 streams from there; a step without calls has no latency
-    assert (search["step"], search["calls"], search["latency_ms"]) == ([3], [4.0], [500.0])
-    with (run_dir / "telemetry.jsonl").open("a") as f:
-        f.write(json.dumps(agent_step(4, [{"calc": (1, 0, 0.1)}, {}])) + "\n")
-    board.update()
-    assert search["calls"][-1] == 0.0 and math.isnan(search["latency_ms"][-1])
+        agent = board.agent
+        assert agent.note.visible and not agent.figures.visible and "no agent metrics yet" in agent.note.object
+        for poll in polls:
+            with (run_dir / "telemetry.jsonl").open("a") as f:
+                f.writelines(json.dumps(steps[i]) + "\n" for i in poll)
+            board.update()
+        assert not agent.note.visible and agent.figures.visible
+        views.append((dict(agent.source.data), {name: dict(src.data) for name, src in agent.tools.items()}))
+    (data, tools), (once, tools_once) = views
+    assert data == once and json.dumps(tools) == json.dumps(tools_once)  # NaN-safe equality
+    assert (data["step"], data["turns_mean"], data["turns_max"]) == ([2, 3, 4], [2.0] * 3, [3.0] * 3)
+    assert data["retokenized_pct"] == [25.0] * 3                        # 1 of 4 model calls
+    assert (data["model_tokens"], data["context_tokens"]) == ([40.0] * 3, [12.0] * 3)
+    calc, search = tools["calc"], tools["search"]
+    assert (calc["calls"], calc["errors"], calc["latency_ms"]) == ([2.0, 1.0, 1.0], [1.0, 0.0, 0.0], [250.0, 250.0, 100.0])
+    # a tool's line starts at its first call; a later step without calls has 0 calls and no latency
+    assert (search["step"], search["calls"], search["latency_ms"][0]) == ([3, 4], [4.0, 0.0], 500.0)
+    assert math.isnan(search["latency_ms"][1])
     assert {r.label["value"] for r in agent.calls.legend[0].items} == {"calc", "calc failed", "search",
                                                                       "search failed"}
+    with (run_dir / "telemetry.jsonl").open("a") as f:  # a worker died in step 4: the run went back to step 3
+        f.write(json.dumps({"kind": "restart", "step": 4, "role": "rollout", "rank": 0, "failure": "died",
+                            "recreated": ["rollout"], "rolled_back_to": 3, "time": time.time()}) + "\n")
+    board.update()
+    assert agent.source.data["step"] == [2, 3] and agent.tools["search"].data["step"] == [3]
 
 
 def test_the_stack_button_asks_the_controller_and_shows_the_files(tmp_path):

@@ -21,8 +21,7 @@ class RolloutAhead:
 
     def take(self, ctx: "StepContext", batch: Batch,
              submit: Callable[[Batch, dict], object] | None = None) -> tuple[Batch, int]:
-        """Return (the responses for this step, their staleness in updates: steps since their
-        submission) and top up the rollouts ahead with this step's prompts (``batch``) and, on
+        """Return (the responses for this step, their staleness: steps since their submission) and top up the rollouts ahead with this step's prompts (``batch``) and, on
         the first step, further draws. ``submit(prompts, sampling)`` starts one rollout and
         returns its future (default: the rollout group's ``generate``)."""
         step, depth = ctx.rl.step_count, ctx.cfg.trainer.max_staleness

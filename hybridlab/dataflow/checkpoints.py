@@ -121,7 +121,9 @@ def restore(rl: "RLSession", checkpoint: Path, record: dict) -> None:
         if role in rl.workers.groups and folder.is_dir():
             rl.workers.groups[role].load_state([ray.put([read_role(folder)])])
     rl.step_count = record["step"]
-    rl.actor_version = record.get("actor_version", record["step"])  # the sync below gives it to the rollout
+    # the sync below gives it to the rollout; a checkpoint from before versions were saved has
+    # one per step (off by the steps whose every update was skipped)
+    rl.actor_version = record.get("actor_version", record["step"])
     rl.history = record["history"]
     rl.prompts.set_state(record["prompts"])
     rl.bad_updates = record["faults"]["bad_updates"]

@@ -22,7 +22,7 @@ class StepContext:
         self.kl_ctrl = rl.kl_ctrl
         self.warnings: list[str] = []
         self.rerunning = False   # inside rerun_rollout: generate now, never from the look-ahead
-        self.actor_unchanged = False  # every actor update of this step was skipped (NaN/inf)
+        self.actor_unchanged = False  # the actor update changed nothing (every update skipped for NaN/inf, or none)
         self.started: list = []       # the stages started so far (recovery: did an update begin?)
 
     def stage_starting(self, stage) -> None:
@@ -32,6 +32,12 @@ class StepContext:
         for role in worker_kill(stage.name, step):
             kill_processes([p["pid"] for p in self.group(role).placements],
                            f"{role} as stage {stage.name} of step {step} starts")
+
+    def stage_finished(self, stage) -> None:
+        """Called as each stage ends: a stage that updates the actor (``@actor_updated``) and
+        changed its weights advances the session's ``actor_version``."""
+        if "@actor_updated" in stage.outputs(self.cfg) and not self.actor_unchanged:
+            self.rl.actor_version += 1
 
     @property
     def timeline(self):
@@ -88,6 +94,7 @@ def run_stage(rl: "RLSession", name: str, batch: Batch) -> Batch:
     ctx = StepContext(rl)
     ctx.rerunning = True  # generate now, on these prompts (never the off-policy look-ahead)
     new, metrics = stage.fn(ctx, batch)
+    ctx.stage_finished(stage)
     out = merge(batch, new, stage.replaces_rows)
     out.meta = {**out.meta, "metrics": {**batch.meta.get("metrics", {}), name: metrics}}
     return out

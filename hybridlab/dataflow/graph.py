@@ -134,6 +134,8 @@ def _timed(stage: Stage, ctx: Any, batch: Batch):
         ctx.stage_starting(stage)
     start = time.perf_counter()
     new, metrics = stage.fn(ctx, batch)
+    if hasattr(ctx, "stage_finished"):
+        ctx.stage_finished(stage)
     return new, metrics, time.perf_counter() - start
 
 

@@ -56,6 +56,5 @@ def update_actor_dpo(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
     results = [ctx.group("actor").update_actor(data, loss) for _ in range(a.ppo_epochs)]
     metrics = mean_metrics(results)
     ctx.actor_unchanged = metrics.get("skipped", 0.0) == len(results)
-    ctx.rl.actor_version += not ctx.actor_unchanged
     fault_point("update_actor", ctx.rl.step_count + 1)
     return None, {(k if "/" in k else f"actor/{k}"): v for k, v in metrics.items()}

@@ -73,7 +73,7 @@ class RLSession(Stepping, LiveEdits):
         self._ray = dict(address=ray_address, temp_dir=ray_temp_dir)
         self.workers = None
         self.step_count = 0
-        self.actor_version = 0    # the actor's weights: RL steps whose update changed them
+        self.actor_version = 0    # updates of the actor's weights: stages writing @actor_updated that changed them
         self.rollout_version = 0  # the actor_version the rollout engines hold (set by each sync)
         self.history: list[dict] = []  # the metrics of the newest HISTORY_STEPS steps
         self.ahead = RolloutAhead()  # off-policy: the next steps' rollouts, submitted ahead

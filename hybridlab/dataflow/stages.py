@@ -378,8 +378,7 @@ def update_actor(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
     results = [group.update_actor(mb, loss) for mb in _mini_batches(data, a.ppo_mini_batch_size,
                                                                       ctx.cfg.rollout.n, a.ppo_epochs)]
     metrics = mean_metrics(results)
-    ctx.actor_unchanged = bool(results) and metrics.get("skipped", 0.0) == len(results)
-    ctx.rl.actor_version += not ctx.actor_unchanged
+    ctx.actor_unchanged = not results or metrics.get("skipped", 0.0) == len(results)
     fault_point("update_actor", ctx.rl.step_count + 1)
     return None, {(k if k.startswith(("actor/", "rollout_corr/")) else f"actor/{k}"): v for k, v in metrics.items()}
 

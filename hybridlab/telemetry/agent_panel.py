@@ -64,15 +64,19 @@ class AgentPanel:
                             "model_tokens": [r.get("agent/model_tokens", 0.0) for r in rows],
                             "context_tokens": [r.get("agent/tool_tokens", 0.0) for r in rows]},
                            rollover=ROLLOVER["agent"])
-        for name in sorted({n for r in rows for n in tool_names(r)} - set(self.tools)):
+        first = {}  # a tool's line starts at the first step that called it, however the steps were polled
+        for i, r in enumerate(rows):
+            for name in tool_names(r):
+                first.setdefault(name, i)
+        for name in sorted(set(first) - set(self.tools)):
             self._add_tool(name)
-        for name, source in self.tools.items():  # a tool not called in a step: 0 calls, no latency
-            key = f"{TOOL_PREFIX}{name}/"
-            calls = [r.get(key + "calls", 0.0) for r in rows]
-            source.stream({"step": [r["step"] for r in rows], "calls": calls,
-                           "errors": [r.get(key + "errors", 0.0) for r in rows],
+        for name, source in self.tools.items():  # a step that did not call the tool: 0 calls, no latency
+            key, own = f"{TOOL_PREFIX}{name}/", rows[first.get(name, 0) if not source.data["step"] else 0:]
+            calls = [r.get(key + "calls", 0.0) for r in own]
+            source.stream({"step": [r["step"] for r in own], "calls": calls,
+                           "errors": [r.get(key + "errors", 0.0) for r in own],
                            "latency_ms": [1000 * r[key + "latency_s"] if c else float("nan")
-                                          for r, c in zip(rows, calls)]}, rollover=ROLLOVER["agent"])
+                                          for r, c in zip(own, calls)]}, rollover=ROLLOVER["agent"])
 
     def _add_tool(self, name: str) -> None:
         from bokeh.models import ColumnDataSource

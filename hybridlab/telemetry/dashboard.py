@@ -236,7 +236,8 @@ class Dashboard:
         if back is not None:
             for records in unstreamed:
                 records[:] = [x for x in records if x["step"] <= back]
-            for source in (self.curves, self.evals, self.sync, self.rollout.source, *self.busy.sources.values()):
+            for source in (self.curves, self.evals, self.sync, self.rollout.source, self.mismatch.source,
+                           *self.busy.sources.values(), self.agent.source, *self.agent.tools.values()):
                 keep = [i for i, step in enumerate(source.data["step"]) if step <= back]
                 source.data = {k: [v[i] for i in keep] for k, v in source.data.items()}
         self.reward_fig.add_layout(Span(location=r.get("step", self.step) + 0.5, dimension="height",
