@@ -44,7 +44,7 @@ def weights(rl) -> dict[str, torch.Tensor]:
 
 def test_a_nan_update_is_skipped_counted_and_not_synced(rl):
     assert "actor/skipped" in rl.step().metrics and rl.bad_updates == 0
-    before = weights(rl)
+    before, version = weights(rl), rl.actor_version
     POISONED.add(rl.step_count + 1)
     with pytest.warns(RuntimeWarning, match="2 update\\(s\\) skipped for a NaN or inf loss or gradient norm"):
         m = rl.step().metrics
@@ -52,8 +52,10 @@ def test_a_nan_update_is_skipped_counted_and_not_synced(rl):
     assert m["sync/skipped"] == 1 and m["sync/bytes"] == 0
     after = weights(rl)
     assert all(torch.equal(before[k], after[k]) for k in before)  # the weights stay as they were
+    assert rl.actor_version == rl.rollout_version == version     # and so does the policy version
     m = rl.step().metrics  # a clean step: updates and syncs again; the count stays
     assert m["actor/skipped"] == 0 and m["faults/bad_updates"] == 2 and m["sync/bytes"] > 0
+    assert rl.actor_version == rl.rollout_version == version + 1
     assert rl.bad_steps_in_a_row == 0
 
 
