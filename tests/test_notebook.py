@@ -43,7 +43,8 @@ def test_teaching_notebook_runs(name, trained_dir, tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def calc_warm_dir(tiny_dir, hybridlab_home):
     """tiny after 150 SFT steps on the calc task's tool-use conversations (about 35 s): it calls
-    the tool, though it rarely copies every digit yet (the preset's warm start goes on to 5% of held-out conversations)."""
+    the tool, though it rarely copies every digit yet (the preset's warm start goes on to 5% of
+    held-out conversations)."""
     from hybridlab import sft
     from hybridlab.agents.tools import load_tools
     from hybridlab.atomic import built_once
