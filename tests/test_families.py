@@ -1,4 +1,4 @@
-"""The model families users bring (Qwen3, Llama 3, Mistral) on Megatron, checked against
+"""The model families users bring (Qwen3, Qwen3-MoE, Llama 3, Mistral) on Megatron, checked against
 transformers; every config setting the build would not reproduce is refused by name."""
 import json
 
@@ -44,7 +44,7 @@ def test_qwen2_keeps_its_qkv_bias_and_a_qwen3_layer_type_is_named():
     with pytest.raises(UserError, match="layer_types 'chunked_attention'"):
         ModelSpec.from_hf(config_of("qwen3", layer_types=["full_attention", "chunked_attention"] * 2))
     with pytest.raises(UserError, match="unsupported architecture 'gpt2': hybridlab converts llama, mistral, qwen2, "
-                                        "qwen3 checkpoints"):
+                                        "qwen3, qwen3_moe checkpoints"):
         ModelSpec.from_hf({"model_type": "gpt2"})
 
 
@@ -79,7 +79,7 @@ TRAINED_AT_TP2: dict = {}  # weights after one step, compared with other layouts
 
 @pytest.fixture(scope="module")
 def families(ray_local):
-    return {name: str(resolve_model(f"tiny-{name}")) for name in ("qwen3", "llama3", "mistral")}
+    return {name: str(resolve_model(f"tiny-{name}")) for name in ("qwen3", "llama3", "mistral", "qwen3moe")}
 
 
 def logprob_gap(model_dir, lp) -> float:
@@ -125,6 +125,35 @@ def test_qwen3_pp2_logprobs_and_step_equal_tp1(families):
         assert max((other[k] - results[1][k]).abs().max() for k in results[1]) < 1e-4
 
 
+def test_qwen3moe_spec_reads_the_experts_and_which_layers_are_sparse():
+    spec = ModelSpec.from_hf(config_of("qwen3moe"))
+    assert (spec.moe.experts, spec.moe.top_k, spec.moe.intermediate, spec.moe.norm_topk_prob) == (4, 2, 64, True)
+    assert spec.moe.sparse_layers == (1, 2, 3) and spec.moe.aux_loss_coef == 0.01
+    assert ModelSpec.from_hf(config_of("qwen3moe", mlp_only_layers=[], decoder_sparse_step=2)).moe.sparse_layers == (1, 3)
+    assert "the expert MLP width 64 is not divisible by tp=128" in spec.layout_problems(128, 1)
+
+
+def test_qwen3moe_logprobs_and_a_step_agree_at_tp1_tp2_and_pp2(families):
+    """Routed experts, a dense first layer and tied embeddings at TP 1, TP 2 and PP 2:
+    transformers' log-probs before a step, and after it the same gradient norm (the
+    load-balancing loss included: each TP rank routes every token, and the experts' gradient
+    is counted once) and the same weights."""
+    moe = families["qwen3moe"]
+    results = {}
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=moe, tp=tp, pp=pp, optim=OPTIM,
+                                                             micro_batch_size=4))}
+        with session_for(roles, tp=tp, pp=pp) as s:
+            assert logprob_gap(moe, s.groups["actor"].compute_log_prob(BATCH)["old_log_probs"]) < 1e-5
+            grad_norm = s.groups["actor"].sft_step(BATCH)[0]["grad_norm"]
+            results[tp, pp] = grad_norm, gathered(s.groups["actor"])
+    norm, weights = results[1, 1]
+    assert any(".mlp.experts.3.down_proj" in k for k in weights) and "model.layers.0.mlp.gate_proj.weight" in weights
+    for layout in ((2, 1), (1, 2)):
+        assert results[layout][0] == pytest.approx(norm, rel=1e-5), layout
+        assert max((results[layout][1][k] - weights[k]).abs().max() for k in weights) < 1e-4, layout
+
+
 def test_an_unconverted_architecture_goes_to_fsdp2_and_megatron_refuses_it_by_name(tmp_path):
     """``auto`` trains what Megatron cannot reproduce with FSDP2; ``megatron`` asked for names
     the architecture or the setting before any worker starts; what transformers cannot build is
@@ -144,7 +173,7 @@ def test_an_unconverted_architecture_goes_to_fsdp2_and_megatron_refuses_it_by_na
         cfg = load_config(overrides=[f"model={tmp_path / name}"])
         assert training_strategy(cfg, "actor") == training_strategy(cfg, "critic") == "fsdp2"
     with pytest.raises(ConfigError, match="model: unsupported architecture 'gpt2': hybridlab converts llama, mistral,"
-                                          r" qwen2, qwen3 checkpoints to Megatron \(the fsdp2 backend trains other"
+                                          r" qwen2, qwen3, qwen3_moe checkpoints to Megatron \(the fsdp2 backend trains other"
                                           r" architectures\) \(actor.strategy=megatron; auto or fsdp2 trains it"):
         load_config(overrides=[f"model={tmp_path / 'gpt2'}", "actor.strategy=megatron"])
     with pytest.raises(ConfigError, match="model: this qwen3 checkpoint cannot be converted to Megatron: rope type"
@@ -175,7 +204,7 @@ def test_a_prompt_past_mistrals_sliding_window_is_named(families):
         tokenize_prompts([Sample(prompt="1+2=" * 40, ground_truth="3", data_source="arith")], tokenizer, fit)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama3", "mistral"])
+@pytest.mark.parametrize("name", ["qwen3", "llama3", "mistral", "qwen3moe"])
 def test_vllm_greedy_tokens_after_steps_and_a_sync_equal_transformers(families, name, tmp_path):
     """Steps on the actor, the weights resharded into a colocated vLLM engine: its greedy
     tokens equal transformers' on the same weights (exported), and differ from before."""

@@ -89,3 +89,19 @@ def test_buckets_respect_the_limit_and_keep_fused_groups_together():
                           ["mlp.gate_proj.weight", "mlp.up_proj.weight"]):
                 present = [p + f in g for f in fused]
                 assert all(present) or not any(present)
+
+
+def test_a_layers_experts_share_one_bucket():
+    """vLLM holds a layer's experts in one fused tensor that a reload re-creates whole: experts
+    loaded in two calls lose the first call's (the engine then generated only token 0)."""
+    from hybridlab.models.zoo import model_config
+    from hybridlab.reshard.plan import buckets
+
+    spec = ModelSpec.from_hf(model_config("tiny", "qwen3moe"))
+    expert_bytes = 3 * 64 * 128 * 4
+    groups = buckets(spec, expert_bytes)  # a limit of one expert: each layer's group still holds all four
+    shapes = hf_shapes(spec)
+    assert sorted(n for g in groups for n in g) == sorted(shapes)
+    for layer in spec.moe.sparse_layers:
+        holding = [g for g in groups if any(n.startswith(f"model.layers.{layer}.mlp.experts.") for n in g)]
+        assert len(holding) == 1 and sum(".mlp.experts." in n for n in holding[0]) == 4 * 3

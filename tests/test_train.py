@@ -63,7 +63,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-llama", "small"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama", "small", "tiny-qwen3moe"])
 def test_hf_megatron_round_trip_is_exact(name):
     path = resolve_model(name)
     spec, hf = ModelSpec.from_hf(path), load_hf_state(path)

@@ -47,7 +47,7 @@ def test_preset_sizes(name, low, high):
 
 def test_unknown_preset_lists_presets():
     with pytest.raises(UserError, match=r"a zoo name is a preset \(tiny, small, mid\), optionally with a family"
-                                        r" \(-llama, -llama3, -qwen3, -mistral, -gemma3, -phi3; without one: qwen2\)"):
+                                        r" \(-llama, -llama3, -qwen3, -mistral, -qwen3moe, -gemma3, -phi3; without one: qwen2\)"):
         zoo.resolve_model("huge")
     with pytest.raises(UserError, match="unknown zoo model 'tiny-gpt2'"):
         zoo.resolve_model("tiny-gpt2")

@@ -1,6 +1,6 @@
 """What a Hugging Face checkpoint's config says about its architecture, read into a ModelSpec.
 
-The Megatron build (``workers/train/model.py``) reproduces four dense families exactly. Each
+The Megatron build (``workers/train/model.py``) reproduces four dense families and Qwen3-MoE exactly. Each
 family is a row of ``FAMILIES``; every config setting that would change the model's numbers
 and that the build does not reproduce is refused here, by name, before any worker starts:
 training a model that silently differs from the checkpoint is worse than not training it.
@@ -23,6 +23,7 @@ class Family:
 
     qkv_bias: bool = False   # biases on q/k/v (not on the output projection)
     qk_norm: bool = False    # RMSNorm over each query and key head before RoPE
+    moe: bool = False        # routed experts in place of the MLP (in the layers the config names)
 
 
 FAMILIES: dict[str, Family] = {
@@ -30,6 +31,7 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family(),
     "qwen2": Family(qkv_bias=True),
     "qwen3": Family(qk_norm=True),
+    "qwen3_moe": Family(qk_norm=True, moe=True),
 }
 SUPPORTED = tuple(FAMILIES)
 # RoPE variants whose frequencies the build computes (with transformers' own functions); the
@@ -61,6 +63,11 @@ class ModelSpec:
     # tensors' HF names and shapes are read from its weight files into tensor_shapes
     converted: bool = True
     tensor_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    moe: "MoESpec | None" = None             # routed experts (Qwen3-MoE), else None
+
+    def is_sparse(self, layer: int) -> bool:
+        """Return True if layer ``layer`` (0-based, global) routes tokens to experts."""
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     @classmethod
     def read(cls, model_dir: str | Path) -> "ModelSpec":
@@ -94,7 +101,8 @@ class ModelSpec:
                    intermediate=config.intermediate_size, eps=config.rms_norm_eps, rope_theta=theta,
                    tied=bool(config.tie_word_embeddings), qkv_bias=family.qkv_bias,
                    max_positions=config.max_position_embeddings, qk_norm=family.qk_norm,
-                   rope=tuple(sorted(rope.items())), sliding_window=_window(config))
+                   rope=tuple(sorted(rope.items())), sliding_window=_window(config),
+                   moe=MoESpec.from_hf(config) if family.moe else None)
 
     @property
     def context(self) -> int:
@@ -118,6 +126,8 @@ class ModelSpec:
             out.append(f"the MLP width {self.intermediate} is not divisible by tp={tp}")
         if self.layers % pp:
             out.append(f"{self.layers} layers are not divisible by pp={pp}")
+        if self.moe is not None and self.moe.intermediate % tp:
+            out.append(f"the expert MLP width {self.moe.intermediate} is not divisible by tp={tp}")
         return out
 
     def check_layout(self, tp: int, pp: int) -> None:
@@ -125,6 +135,29 @@ class ModelSpec:
         problems = self.layout_problems(tp, pp)
         if problems:
             raise UserError(f"cannot split this {self.arch} model as tp={tp}, pp={pp}: " + "; ".join(problems))
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESpec:
+    """Routed experts as a Qwen3-MoE config sets them: each token goes to ``top_k`` of
+    ``experts`` MLPs of width ``intermediate`` in the ``sparse_layers``; the others are dense."""
+
+    experts: int
+    top_k: int
+    intermediate: int
+    norm_topk_prob: bool          # renormalise the top-k probabilities to sum to 1
+    sparse_layers: tuple[int, ...]
+    aux_loss_coef: float          # weight of the load-balancing loss in training
+
+    @classmethod
+    def from_hf(cls, config: Any) -> "MoESpec":
+        """Return the experts of a Qwen3-MoE config (transformers' rule for which layers are sparse)."""
+        step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or ())
+        sparse = tuple(i for i in range(config.num_hidden_layers)
+                       if i not in dense and config.num_experts > 0 and (i + 1) % step == 0)
+        return cls(experts=config.num_experts, top_k=config.num_experts_per_tok,
+                   intermediate=config.moe_intermediate_size, norm_topk_prob=bool(config.norm_topk_prob),
+                   sparse_layers=sparse, aux_loss_coef=float(config.router_aux_loss_coef))
 
 
 def _as_config(config: Any):
@@ -210,7 +243,7 @@ def _window(config: Any) -> int | None:
     types = getattr(config, "layer_types", None)
     if types is not None and "sliding_attention" not in types:
         return None
-    if types is None and config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+    if types is None and config.model_type in ("qwen2", "qwen3", "qwen3_moe") and not getattr(config, "use_sliding_window", False):
         return None
     return int(window) if window else None
 

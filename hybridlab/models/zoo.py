@@ -1,4 +1,4 @@
-"""The local model zoo: small Qwen2/3-, Llama- and Mistral-style checkpoints built from a seed.
+"""The local model zoo: small Qwen2/3-, Qwen3-MoE-, Llama- and Mistral-style checkpoints built from a seed.
 
 Nothing is downloaded. ``build`` trains a byte-level BPE tokenizer on task text and
 initialises a model with ``torch.manual_seed(seed)``, then saves an ordinary Hugging Face
@@ -18,9 +18,10 @@ from hybridlab.tasks import get_task
 
 # Zoo names: a preset, then a family: tiny (Qwen2), tiny-llama, tiny-llama3 (Llama with Llama 3's
 # rope scaling), tiny-qwen3 (QK-norm, head_dim twice hidden/heads as Qwen3-0.6B), tiny-mistral
-# (a sliding window of half the context).
-ARCHS = ("qwen2", "llama", "llama3", "qwen3", "mistral", "gemma3", "phi3")
-CONVERTED = ARCHS[:5]  # the others have no Megatron conversion: the fsdp2 backend trains them
+# (a sliding window of half the context), tiny-qwen3moe (Qwen3-MoE: 4 experts, 2 per token, the first
+# layer dense).
+ARCHS = ("qwen2", "llama", "llama3", "qwen3", "mistral", "qwen3moe", "gemma3", "phi3")
+CONVERTED = ARCHS[:6]  # the others have no Megatron conversion: the fsdp2 backend trains them
 VOCAB_SIZE = 320  # divisible by 64, so any TP up to 64 splits the vocabulary evenly
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")  # ids 0 to 4
 END_OF_TURN = 4  # <|im_end|>: the chat template ends each turn with it, and generation stops there
@@ -109,6 +110,12 @@ def model_config(preset: str, arch: str):
         return Qwen2Config(tie_word_embeddings=True, **common)
     if arch == "qwen3":
         return Qwen3Config(tie_word_embeddings=True, head_dim=2 * p.hidden // p.heads, **common)
+    if arch == "qwen3moe":  # experts a quarter of the dense width, so two per token cost half the MLP
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(tie_word_embeddings=True, head_dim=2 * p.hidden // p.heads, num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=p.intermediate // 4, norm_topk_prob=True,
+                              mlp_only_layers=[0], router_aux_loss_coef=0.01, **common)
     if arch == "gemma3":  # text-only Gemma 3: GeLU-tanh, QK-norm, sliding and full layers, tied embeddings
         from transformers import Gemma3TextConfig
 

@@ -1,6 +1,6 @@
 """The resharding plan: which slices of which tensors each rollout rank needs, from where.
 
-Both Megatron and vLLM shard every tensor of a Qwen2/3, Llama or Mistral model as a contiguous range of
+Both Megatron and vLLM shard every tensor of a Qwen2/3(-MoE), Llama or Mistral model as a contiguous range of
 its HF form along one dimension (rows of q/k/v/gate/up/embeddings/lm_head, columns of o/down;
 norms whole). So a plan is interval arithmetic: for each rollout rank and tensor, the range it
 needs, cut into pieces by the trainer ranks that hold them. Pure functions, no processes.
@@ -97,9 +97,14 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
                        p + "self_attn.q_proj.weight": (spec.heads * d, h),
                        p + "self_attn.k_proj.weight": (spec.kv_heads * d, h),
                        p + "self_attn.v_proj.weight": (spec.kv_heads * d, h),
-                       p + "self_attn.o_proj.weight": (h, spec.heads * d),
-                       p + "mlp.gate_proj.weight": (spec.intermediate, h), p + "mlp.up_proj.weight": (spec.intermediate, h),
-                       p + "mlp.down_proj.weight": (h, spec.intermediate)})
+                       p + "self_attn.o_proj.weight": (h, spec.heads * d)})
+        mlps = [(p + "mlp.", spec.intermediate)]
+        if spec.is_sparse(i):
+            shapes[p + "mlp.gate.weight"] = (spec.moe.experts, h)
+            mlps = [(f"{p}mlp.experts.{e}.", spec.moe.intermediate) for e in range(spec.moe.experts)]
+        for m, width in mlps:
+            shapes.update({m + "gate_proj.weight": (width, h), m + "up_proj.weight": (width, h),
+                           m + "down_proj.weight": (h, width)})
         if spec.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
         if spec.qkv_bias:
@@ -130,8 +135,10 @@ def stage_of(name: str, spec: ModelSpec, pp: int) -> int:
 def buckets(spec: ModelSpec, bucket_bytes: int, itemsize: int = 4) -> list[list[str]]:
     """Return HF tensor names grouped into buckets of about ``bucket_bytes`` (full tensors).
 
-    The engine fuses q/k/v and gate/up when loading, so those travel together; only such a
-    group larger than the limit on its own makes a bucket exceed it.
+    The engine fuses q/k/v and gate/up when loading, so those travel together, and it holds a
+    layer's experts in one fused tensor that a reload re-creates whole, so all of a layer's
+    experts travel together; only such a group larger than the limit on its own makes a bucket
+    exceed it.
     """
     import math
 
@@ -140,7 +147,8 @@ def buckets(spec: ModelSpec, bucket_bytes: int, itemsize: int = 4) -> list[list[
     for name in shapes:
         short = name.split(".")[-2]
         prefix = name.rsplit(".", 2)[0]
-        key = f"{prefix}.qkv" if short in ("q_proj", "k_proj", "v_proj") else \
+        key = name.split(".experts.")[0] + ".experts" if ".mlp.experts." in name else \
+            f"{prefix}.qkv" if short in ("q_proj", "k_proj", "v_proj") else \
             f"{prefix}.gate_up" if short in ("gate_proj", "up_proj") else name
         groups.setdefault(key, []).append(name)
     out, current, size = [], [], 0

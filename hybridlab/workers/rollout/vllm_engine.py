@@ -1,6 +1,7 @@
 """vLLM in the worker's own process: start, generate from token ids, reload weights in place."""
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -187,7 +188,29 @@ def reload_weights(llm, named: list[tuple[str, torch.Tensor]], tied: bool) -> in
     if tied:  # the engine keeps a prepacked copy of the tied output layer: send it explicitly
         named += [("lm_head.weight", t) for n, t in named if n == "model.embed_tokens.weight"]
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+    experts = {n.split(".experts.")[0] + ".experts" for n, _ in named if ".mlp.experts." in n}
+    if experts:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            llm.apply_model(functools.partial(_prepack_reloaded_experts, layers=experts))
     return len(named)
+
+
+def _prepack_reloaded_experts(model: torch.nn.Module, layers: set[str]) -> None:
+    """Re-run the CPU MoE kernel's weight prepacking on the reloaded layers' experts.
+
+    vLLM 0.32 prepacks a layer's experts into the CPU grouped-gemm layout only on the first
+    load: a reload (``UnquantizedFusedMoEMethod._setup_kernel`` on a weight update) copies the
+    new weights in plain layout and skips the kernel's ``process_weights_after_loading``, so the
+    kernel would read plain weights as packed (a synced MoE model then generated garbage). The
+    sync sends a layer's experts in one reload (``reshard.plan.buckets``), so each layer named
+    here holds freshly loaded, unpacked weights.
+    """
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None and name.rsplit(".routed_experts", 1)[0] in layers:
+            kernel.fused_experts.process_weights_after_loading(module)
 
 
 # ------------------------------------------------------------------------------- LoRA

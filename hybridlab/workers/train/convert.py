@@ -1,8 +1,11 @@
-"""Hugging Face (Qwen2/3, Llama, Mistral) <-> megatron-core weights, for any TP x PP layout.
+"""Hugging Face (Qwen2/3, Qwen3-MoE, Llama, Mistral) <-> megatron-core weights, any TP x PP layout.
 
 Megatron's local layer spec fuses QKV per key/value group as [q heads of the group; k; v] and
 fc1 as [gate; up] *per TP shard*, keeps norms as separate modules, and numbers each pipeline
-stage's layers from 0. The functions here are pure (no process groups): ``hf_to_megatron``
+stage's layers from 0. A sparse (MoE) layer holds the router (``mlp.router``, HF's ``mlp.gate``,
+whole on every TP rank) and its experts as ``mlp.experts.local_experts.{k}``, each an MLP cut
+over TP as the dense one; with expert parallelism a rank holds ``experts / ep`` of them, so
+local expert ``k`` of EP rank ``r`` is expert ``r * experts / ep + k``. The functions here are pure (no process groups): ``hf_to_megatron``
 cuts one rank's shard out of full HF tensors; ``megatron_to_hf`` joins the TP shards of one
 pipeline stage back into HF tensors. Optimizer moments shaped like the weights convert the
 same way, which is what makes checkpoints layout-independent.
@@ -41,12 +44,23 @@ def _split_qkv(spec: ModelSpec, fused: torch.Tensor) -> tuple[torch.Tensor, torc
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
+def local_experts(spec: ModelSpec, ep: int, ep_rank: int) -> range:
+    """Return the global indices of the experts EP rank ``ep_rank`` of ``ep`` holds."""
+    per = spec.moe.experts // ep
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
 def hf_to_megatron(hf: dict[str, torch.Tensor], spec: ModelSpec, tp: int, tp_rank: int, pp: int,
-                   pp_rank: int, head: bool = True) -> dict[str, torch.Tensor]:
-    """Return the Megatron state dict of rank (tp_rank, pp_rank) cut from full HF tensors;
-    ``head=False`` leaves out the output layer (a critic's value head replaces it)."""
+                   pp_rank: int, head: bool = True, ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """Return the Megatron state dict of rank (tp_rank, pp_rank, ep_rank) cut from full HF
+    tensors; ``head=False`` leaves out the output layer (a critic's value head replaces it)."""
     def shard(t: torch.Tensor, dim: int) -> torch.Tensor:
         return t.chunk(tp, dim=dim)[tp_rank].clone()
+
+    def mlp(src: str, dst: str) -> None:  # an HF gate/up/down MLP -> Megatron fc1 [gate; up], fc2
+        out[dst + "linear_fc1.weight"] = torch.cat([shard(hf[src + "gate_proj.weight"], 0),
+                                                     shard(hf[src + "up_proj.weight"], 0)])
+        out[dst + "linear_fc2.weight"] = shard(hf[src + "down_proj.weight"], 1)
 
     out: dict[str, torch.Tensor] = {}
     first, last = pp_rank == 0, pp_rank == pp - 1
@@ -66,10 +80,12 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], spec: ModelSpec, tp: int, tp_ran
             out[dst + "self_attention.q_layernorm.weight"] = hf[attn + "q_norm.weight"].clone()
             out[dst + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"].clone()
         out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"].clone()
-        mlp = src + "mlp."
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
-            [shard(hf[mlp + "gate_proj.weight"], 0), shard(hf[mlp + "up_proj.weight"], 0)])
-        out[dst + "mlp.linear_fc2.weight"] = shard(hf[mlp + "down_proj.weight"], 1)
+        if spec.is_sparse(layer):
+            out[dst + "mlp.router.weight"] = hf[src + "mlp.gate.weight"].clone()
+            for k, expert in enumerate(local_experts(spec, ep, ep_rank)):
+                mlp(f"{src}mlp.experts.{expert}.", f"{dst}mlp.experts.local_experts.{k}.")
+        else:
+            mlp(src + "mlp.", dst + "mlp.")
     if last:
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
         if head and (not spec.tied or pp > 1):  # tied + PP>1: the last stage keeps its own embedding copy
@@ -101,16 +117,24 @@ def megatron_to_hf(shards: list[dict[str, torch.Tensor]], spec: ModelSpec, pp: i
                                 s[src + f"self_attention.linear_qkv.{kind}"]) for s in shards]
             for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
                 out[attn + f"{proj}.{kind}"] = torch.cat([p[i] for p in parts])
-        if src + "mlp.linear_fc1.weight" in have:
-            fc1 = [s[src + "mlp.linear_fc1.weight"].chunk(2) for s in shards]
-            out[dst + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in fc1])
-            out[dst + "mlp.up_proj.weight"] = torch.cat([u for _, u in fc1])
+        mlps = [("mlp.", "mlp.")]
+        if spec.is_sparse(layer):
+            mlps = [(f"mlp.experts.local_experts.{k}.", f"mlp.experts.{e}.")
+                    for k, e in enumerate(local_experts(spec, 1, 0))]
+            if src + "mlp.router.weight" in have:
+                out[dst + "mlp.gate.weight"] = have[src + "mlp.router.weight"]
+        for mega, hf in mlps:
+            if src + mega + "linear_fc1.weight" in have:
+                fc1 = [s[src + mega + "linear_fc1.weight"].chunk(2) for s in shards]
+                out[dst + hf + "gate_proj.weight"] = torch.cat([g for g, _ in fc1])
+                out[dst + hf + "up_proj.weight"] = torch.cat([u for _, u in fc1])
+            if src + mega + "linear_fc2.weight" in have:
+                out[dst + hf + "down_proj.weight"] = join(src + mega + "linear_fc2.weight", 1)
         for mega, hf, dim in (("input_layernorm.weight", "input_layernorm.weight", None),
                               ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", None),
                               ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight", None),
                               ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight", None),
-                              ("self_attention.linear_proj.weight", "self_attn.o_proj.weight", 1),
-                              ("mlp.linear_fc2.weight", "mlp.down_proj.weight", 1)):
+                              ("self_attention.linear_proj.weight", "self_attn.o_proj.weight", 1)):
             if src + mega in have:
                 out[dst + hf] = have[src + mega] if dim is None else join(src + mega, dim)
     if "decoder.final_layernorm.weight" in have:
@@ -139,11 +163,12 @@ def megatron_names(spec: ModelSpec, pp: int, pp_rank: int, hf_names: list[str]) 
                       "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
                       "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
                       "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
-                      "mlp.down_proj.weight": "mlp.linear_fc2.weight"}.get(part)
+                      "mlp.gate.weight": "mlp.router.weight"}.get(part)
             if mapped is None and part.startswith("self_attn."):
                 mapped = "self_attention.linear_qkv." + part.rsplit(".", 1)[1]
-            elif mapped is None:
-                mapped = "mlp.linear_fc1.weight"
+            elif mapped is None:  # mlp.[experts.E.]{gate,up,down}_proj.weight
+                fc = "linear_fc2.weight" if part.endswith("down_proj.weight") else "linear_fc1.weight"
+                mapped = (f"mlp.experts.local_experts.{part.split('.')[2]}." if ".experts." in part else "mlp.") + fc
             out.append(f"decoder.layers.{local}.{mapped}")
     return list(dict.fromkeys(out))
 

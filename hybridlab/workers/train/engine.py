@@ -65,7 +65,7 @@ def vocab_parallel_logprobs_entropy(logits: torch.Tensor, target: torch.Tensor, 
 
 
 def _replicated(name: str) -> bool:
-    return "layernorm" in name or name.startswith("output_layer.linear")
+    return "layernorm" in name or name.startswith("output_layer.linear") or name.endswith("mlp.router.weight")
 
 
 def attention_mask_4d(mask: torch.Tensor) -> torch.Tensor:
@@ -141,7 +141,9 @@ class MegatronEngine:
             params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                                      max_seqlen_kv=longest)
             ids = packed["input_ids"]
-            output = model(ids, torch.arange(ids.shape[1]).unsqueeze(0), None, packed_seq_params=params)
+            padding = torch.arange(ids.shape[1]).unsqueeze(0) >= packed["real_tokens"]
+            output = model(ids, torch.arange(ids.shape[1]).unsqueeze(0), None, packed_seq_params=params,
+                           **self._moe_padding(padding))
             return output, partial(self._loss, loss_fn, micro)
         mask = micro["attention_mask"]
         position_ids = micro.get("position_ids")
@@ -149,8 +151,13 @@ class MegatronEngine:
             position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
         # Without padding the mask is plain causal, which the attention kernel applies itself.
         mask_4d = None if bool(mask.all()) else attention_mask_4d(mask)
-        output = model(micro["input_ids"], position_ids, mask_4d)
+        output = model(micro["input_ids"], position_ids, mask_4d, **self._moe_padding(~mask.bool()))
         return output, partial(self._loss, loss_fn, micro)
+
+    def _moe_padding(self, padding: torch.Tensor) -> dict:
+        """Return the model's padding_mask argument (True: padding) for an MoE model with padding:
+        padding then stays out of the routing, the token counts and the load-balancing loss."""
+        return {"padding_mask": padding} if self.spec.moe is not None and bool(padding.any()) else {}
 
     def _autocast(self):
         """bf16: matmuls in bf16, weights, gradients and optimizer state stay fp32 (autocast).
@@ -270,6 +277,12 @@ class MegatronEngine:
             for name, p in self.model.named_parameters():
                 if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
                     dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+        if self.spec.moe is not None and ps.get_tensor_model_parallel_world_size() > 1:
+            # Every TP rank routes the whole sequence (model.py, no sequence parallelism), so each
+            # token reaches the experts once per TP rank: their gradients add up tp times.
+            for name, p in self.model.named_parameters():
+                if p.grad is not None and ".experts." in name:
+                    p.grad.div_(ps.get_tensor_model_parallel_world_size())
         # Losses are shares of the global mini-batch loss, so DP gradients add up (no mean).
         if ps.get_data_parallel_world_size() > 1 and params:
             flat = _flatten_dense_tensors([p.grad for p in params])

@@ -66,14 +66,15 @@ def pack(tensors: dict[str, torch.Tensor], pad_to: int = 0, pad_id: int = 0) -> 
     """Return the packed model inputs of one micro-batch: ``input_ids`` [1, T] (its rows' real
     tokens end to end), ``cu_seqlens`` (int32, row starts plus T), ``max_seqlen`` and
     ``response_index`` [rows, response_len]: where in the packed sequence sits the logit that
-    predicts each response token. ``pad_to`` > T appends a padding segment up to that length
-    (pipeline stages exchange activations of one fixed shape)."""
+    predicts each response token; ``real_tokens``: T. ``pad_to`` > T appends a padding segment
+    up to that length (pipeline stages exchange activations of one fixed shape)."""
     mask = tensors["attention_mask"].bool()
     lengths = mask.sum(1)
     ids = tensors["input_ids"][mask]  # row-major: row 0's real tokens, then row 1's, ...
     where = (mask.flatten().long().cumsum(0) - 1).clamp(min=0).view(mask.shape)
     resp_len = tensors["responses"].shape[1]
     response_index = where[:, -resp_len - 1:-1]
+    real_tokens = ids.numel()
     if pad_to > ids.numel():
         extra = pad_to - ids.numel()
         ids = torch.cat([ids, ids.new_full((extra,), pad_id)])
@@ -81,7 +82,7 @@ def pack(tensors: dict[str, torch.Tensor], pad_to: int = 0, pad_id: int = 0) -> 
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = lengths.cumsum(0)
     return {"input_ids": ids.unsqueeze(0), "cu_seqlens": cu, "max_seqlen": int(lengths.max()),
-            "response_index": response_index}
+            "response_index": response_index, "real_tokens": real_tokens}
 
 
 def grouped_plan(lengths: list[int], width: int, rows: int, tokens: int, packed: bool, group: int) -> list[list[int]]:
