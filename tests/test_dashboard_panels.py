@@ -152,6 +152,31 @@ def test_the_agent_panel_waits_with_a_reason_then_plots_turns_tokens_and_each_to
     assert agent.source.data["step"] == [2, 3] and agent.tools["search"].data["step"] == [3]
 
 
+def test_the_moe_panel_waits_with_a_reason_then_plots_balance_and_the_latest_tokens_per_expert(tmp_path):
+    def moe_step(step: int, tokens: list[float]) -> dict:
+        mean = sum(tokens) / len(tokens)
+        return {**step_record(step, time.time() - 50 + step), "actor/moe/load_balancing_loss": 1.0 + step / 100,
+                "actor/moe/expert_load_max": max(tokens) / mean,
+                **{f"actor/moe/expert_tokens/{e}": n for e, n in enumerate(tokens)}}
+
+    run_dir = write_run(tmp_path / "run", [{"kind": "run", "name": "r", "mapping": {}}, step_record(1, time.time())])
+    board = dash.Dashboard(run_dir, control=False)
+    board.update()
+    moe = board.moe
+    assert moe.note.visible and not moe.figures.visible and "no routed experts" in moe.note.object
+    with (run_dir / "telemetry.jsonl").open("a") as f:
+        f.writelines(json.dumps(moe_step(s, t)) + "\n" for s, t in ((2, [10, 30, 20, 20]), (3, [25, 25, 10, 40])))
+    board.update()
+    assert not moe.note.visible and moe.figures.visible
+    assert moe.source.data == {"step": [2, 3], "loss": [1.02, 1.03], "load_max": [1.5, 1.6]}
+    assert moe.experts.data == {"expert": [0, 1, 2, 3], "tokens": [25, 25, 10, 40]}  # the latest update
+    with (run_dir / "telemetry.jsonl").open("a") as f:  # a worker died in step 3: the run went back to step 2
+        f.write(json.dumps({"kind": "restart", "step": 3, "role": "actor", "rank": 0, "failure": "died",
+                            "recreated": ["actor"], "rolled_back_to": 2, "time": time.time()}) + "\n")
+    board.update()
+    assert moe.source.data["step"] == [2]
+
+
 def test_the_stack_button_asks_the_controller_and_shows_the_files(tmp_path):
     from hybridlab.telemetry.live import LiveReporter
 

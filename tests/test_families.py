@@ -129,24 +129,62 @@ def test_qwen3moe_spec_reads_the_experts_and_which_layers_are_sparse():
     spec = ModelSpec.from_hf(config_of("qwen3moe"))
     assert (spec.moe.experts, spec.moe.top_k, spec.moe.intermediate, spec.moe.norm_topk_prob) == (4, 2, 64, True)
     assert spec.moe.sparse_layers == (1, 2, 3) and spec.moe.aux_loss_coef == 0.01
-    assert ModelSpec.from_hf(config_of("qwen3moe", mlp_only_layers=[], decoder_sparse_step=2)).moe.sparse_layers == (1, 3)
+    every_second = config_of("qwen3moe", mlp_only_layers=[], decoder_sparse_step=2)
+    assert ModelSpec.from_hf(every_second).moe.sparse_layers == (1, 3)
     assert "the expert MLP width 64 is not divisible by tp=128" in spec.layout_problems(128, 1)
+
+
+def routing_reference(model_dir, batch, micro_batch_size: int) -> dict[str, float]:
+    """The routing metrics of one update computed from transformers' model: tokens per expert
+    (top-k of each real token's router softmax, summed over sparse layers), the busiest
+    expert's load over the mean, and Megatron's load-balancing loss, E / (k T^2) sum_e
+    tokens_e * sum_t p_te per micro-batch of T real tokens, averaged over micro-batches and layers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    spec = ModelSpec.from_hf(model_dir)
+    k, experts = spec.moe.top_k, spec.moe.experts
+    inputs: dict[int, torch.Tensor] = {}
+    for layer in spec.moe.sparse_layers:
+        model.model.layers[layer].mlp.register_forward_pre_hook(
+            lambda module, args, layer=layer: inputs.__setitem__(layer, args[0]))
+    with torch.no_grad():
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+              position_ids=batch["position_ids"])
+    counts, losses, loads = torch.zeros(experts), [], []
+    for layer in spec.moe.sparse_layers:
+        gate = model.model.layers[layer].mlp.gate.weight
+        layer_counts = torch.zeros(experts)
+        for start in range(0, len(batch), micro_batch_size):
+            real = batch["attention_mask"][start:start + micro_batch_size].bool()
+            probs = torch.softmax(inputs[layer][start:start + micro_batch_size][real] @ gate.T, -1)
+            routed = torch.zeros_like(probs).scatter(1, probs.topk(k, -1).indices, 1.0).sum(0)
+            layer_counts += routed
+            losses.append(float(experts / (k * len(probs) ** 2) * (routed * probs.sum(0)).sum()))
+        counts += layer_counts
+        loads.append(float(layer_counts.max() / layer_counts.mean()))
+    return {**{f"moe/expert_tokens/{e}": float(n) for e, n in enumerate(counts)},
+            "moe/expert_load_max": max(loads), "moe/load_balancing_loss": sum(losses) / len(losses)}
 
 
 def test_qwen3moe_logprobs_and_a_step_agree_at_tp1_tp2_and_pp2(families):
     """Routed experts, a dense first layer and tied embeddings at TP 1, TP 2 and PP 2:
     transformers' log-probs before a step, and after it the same gradient norm (the
     load-balancing loss included: each TP rank routes every token, and the experts' gradient
-    is counted once) and the same weights."""
+    is counted once) and the same weights. Each layout's routing metrics (tokens per expert,
+    the load-balancing loss) equal those computed from transformers' routers."""
     moe = families["qwen3moe"]
+    reference = routing_reference(moe, BATCH, micro_batch_size=4)
+    assert sum(v for k, v in reference.items() if "tokens" in k) == 3 * 2 * int(BATCH["attention_mask"].sum())
     results = {}
     for tp, pp in ((1, 1), (2, 1), (1, 2)):
         roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=moe, tp=tp, pp=pp, optim=OPTIM,
                                                              micro_batch_size=4))}
         with session_for(roles, tp=tp, pp=pp) as s:
             assert logprob_gap(moe, s.groups["actor"].compute_log_prob(BATCH)["old_log_probs"]) < 1e-5
-            grad_norm = s.groups["actor"].sft_step(BATCH)[0]["grad_norm"]
-            results[tp, pp] = grad_norm, gathered(s.groups["actor"])
+            metrics = s.groups["actor"].sft_step(BATCH)[0]
+            results[tp, pp] = metrics["grad_norm"], gathered(s.groups["actor"])
+        assert {k: metrics[k] for k in reference} == pytest.approx(reference, rel=1e-5), (tp, pp)
     norm, weights = results[1, 1]
     assert any(".mlp.experts.3.down_proj" in k for k in weights) and "model.layers.0.mlp.gate_proj.weight" in weights
     for layout in ((2, 1), (1, 2)):
@@ -245,14 +283,15 @@ def test_vllm_greedy_tokens_after_steps_and_a_sync_equal_transformers(families, 
     assert (after["rollout_log_probs"].double() - hf_logprobs(exported, after))[mask].abs().max() < 1e-4
 
 
-def test_a_qwen3_run_remaps_tp_1_to_2_and_resumes_with_its_state_exact(families, tmp_path):
+@pytest.mark.parametrize("name", ["qwen3", "qwen3moe"])
+def test_a_run_remaps_tp_1_to_2_and_resumes_with_its_state_exact(families, name, tmp_path):
     """Two GRPO steps on the checkpoint as a user gives it (`model=DIR`); a remap of the actor
     to TP 2 and a resume from a checkpoint both carry the weights and AdamW moments bit for bit
-    (QK-norm and tied embeddings included), and the run goes on."""
+    (QK-norm, tied embeddings and the experts and routers included), and the run goes on."""
     from hybridlab.dataflow.session import RLSession
     from tests.test_remap import ACTOR_TP2, SEPARATE, actor_state, assert_equal_state
 
-    overrides = [f"model={families['qwen3']}", "warm_start.max_steps=0", "data.prompts_per_step=4", "rollout.n=2",
+    overrides = [f"model={families[name]}", "warm_start.max_steps=0", "data.prompts_per_step=4", "rollout.n=2",
                  "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=4", "data.test_samples=8",
                  "trainer.progress=false", f"mapping={SEPARATE}"]
     with RLSession("grpo", [*overrides, f"trainer.run_dir={tmp_path / 'run'}"]) as rl:
@@ -262,6 +301,9 @@ def test_a_qwen3_run_remaps_tp_1_to_2_and_resumes_with_its_state_exact(families,
         assert rl.remap(ACTOR_TP2).roles_recreated == ["actor"]
         assert_equal_state(before, actor_state(rl))
         assert any(k.endswith("q_norm.weight") for k in before)
+        if name == "qwen3moe":
+            assert any(k.endswith("experts.3.down_proj.weight") for k in before) and any(
+                k.endswith("mlp.gate.weight") for k in before)
         rl.step()
         saved = actor_state(rl)
         rl.save_checkpoint()

@@ -243,7 +243,8 @@ def _window(config: Any) -> int | None:
     types = getattr(config, "layer_types", None)
     if types is not None and "sliding_attention" not in types:
         return None
-    if types is None and config.model_type in ("qwen2", "qwen3", "qwen3_moe") and not getattr(config, "use_sliding_window", False):
+    qwen = config.model_type in ("qwen2", "qwen3", "qwen3_moe")
+    if types is None and qwen and not getattr(config, "use_sliding_window", False):
         return None
     return int(window) if window else None
 

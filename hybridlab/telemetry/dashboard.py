@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridlab.telemetry.agent_panel import AgentPanel
+from hybridlab.telemetry.moe_panel import MoEPanel
 from hybridlab.telemetry.hub import find_hub, read_records
 from hybridlab.telemetry.panels import BusyPanel, MemoryPanel, MismatchPanel, ReshardPanel, RolloutPanel, RunningPanel
 
@@ -101,15 +102,16 @@ class Dashboard:
         self.memory = MemoryPanel(self._clock)
         self.memory.fig.x_range = self.gantt_fig.x_range  # the phases above are the memory's phase markers
         self.busy, self.rollout, self.reshard = BusyPanel(), RolloutPanel(), ReshardPanel()
-        self.mismatch, self.agent = MismatchPanel(), AgentPanel()
-        self.panels = [self.running, self.memory, self.busy, self.rollout, self.reshard, self.mismatch, self.agent]
+        self.mismatch, self.agent, self.moe = MismatchPanel(), AgentPanel(), MoEPanel()
+        self.panels = [self.running, self.memory, self.busy, self.rollout, self.reshard, self.mismatch, self.agent,
+                       self.moe]
         self.explanation = pn.pane.Markdown("", name="explanation", sizing_mode="stretch_width")
         row = dict(sizing_mode="stretch_width")
         self.layout = pn.Column(
             self.status, self.mapping_pane, self.running.layout,
             pn.Row(self.reward_fig, self.sync_fig, **row), self.gantt_fig, self.memory.alarm, self.memory.fig,
             pn.Row(self.device_fig, self.busy.fig, **row), pn.Row(self.rollout.lengths, self.rollout.speed, **row),
-            self.agent.layout,
+            self.agent.layout, self.moe.layout,
             pn.Row(self.reshard.fig, pn.Column(self.reshard.caption, **row), **row), self.mismatch.fig,
             pn.Card(self.explanation, title="config explained", collapsed=True, **row), **row)
 
@@ -237,7 +239,8 @@ class Dashboard:
             for records in unstreamed:
                 records[:] = [x for x in records if x["step"] <= back]
             for source in (self.curves, self.evals, self.sync, self.rollout.source, self.mismatch.source,
-                           *self.busy.sources.values(), self.agent.source, *self.agent.tools.values()):
+                           *self.busy.sources.values(), self.agent.source, *self.agent.tools.values(),
+                           self.moe.source):
                 keep = [i for i, step in enumerate(source.data["step"]) if step <= back]
                 source.data = {k: [v[i] for i in keep] for k, v in source.data.items()}
         self.reward_fig.add_layout(Span(location=r.get("step", self.step) + 0.5, dimension="height",

@@ -13,7 +13,8 @@ from pathlib import Path
 from hybridlab.telemetry.live import request_stacks
 from hybridlab.telemetry.memory import leak_check
 
-ROLLOVER = {"memory": 3600, "markers": 2000, "busy": 5000, "lengths": 5000, "matrix": 4096, "mismatch": 5000, "agent": 5000}
+ROLLOVER = {"memory": 3600, "markers": 2000, "busy": 5000, "lengths": 5000, "matrix": 4096, "mismatch": 5000,
+            "agent": 5000, "moe": 5000}
 COMMON = dict(height=240, sizing_mode="stretch_width", toolbar_location="above")
 STACK_CHARS = 6000     # of each stack file shown on the page (the file has all of it)
 

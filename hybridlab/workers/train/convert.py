@@ -5,9 +5,11 @@ fc1 as [gate; up] *per TP shard*, keeps norms as separate modules, and numbers e
 stage's layers from 0. A sparse (MoE) layer holds the router (``mlp.router``, HF's ``mlp.gate``,
 whole on every TP rank) and its experts as ``mlp.experts.local_experts.{k}``, each an MLP cut
 over TP as the dense one; with expert parallelism a rank holds ``experts / ep`` of them, so
-local expert ``k`` of EP rank ``r`` is expert ``r * experts / ep + k``. The functions here are pure (no process groups): ``hf_to_megatron``
-cuts one rank's shard out of full HF tensors; ``megatron_to_hf`` joins the TP shards of one
-pipeline stage back into HF tensors. Optimizer moments shaped like the weights convert the
+local expert ``k`` of EP rank ``r`` is expert ``r * experts / ep + k``.
+
+The functions here are pure (no process groups): ``hf_to_megatron`` cuts one rank's shard out
+of full HF tensors; ``megatron_to_hf`` joins the TP shards of one pipeline stage (all of its
+experts) back into HF tensors. Optimizer moments shaped like the weights convert the
 same way, which is what makes checkpoints layout-independent.
 """
 from __future__ import annotations

@@ -22,6 +22,7 @@ from hybridlab.workers.train.backend import (LossFn, OptimConfig, check_precisio
 from hybridlab.workers.train.convert import load_hf_state
 from hybridlab.reshard.sources import local_slices, stream_colocated
 from hybridlab.workers.train.model import build_model, init_parallel
+from hybridlab.workers.train.moe_stats import RoutingStats
 
 
 
@@ -96,6 +97,7 @@ class MegatronEngine:
         self.micro_batch_tokens, self.remove_padding = 0, False
         self.padded_token_share = 0.0   # of the last forward or update
         self.optimizer = None
+        self.routing = RoutingStats(self.model, self.spec.layers, self.spec.moe.experts) if self.spec.moe else None
         if optim is not None:
             self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], optim)
         else:
@@ -244,7 +246,9 @@ class MegatronEngine:
             raise RuntimeError("this engine is frozen (no optimizer): it cannot train")
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        store, _ = self._run(batch, micro_batch_size, loss_fn)
+        if self.routing is not None:
+            self.routing.reset()
+        store, micros = self._run(batch, micro_batch_size, loss_fn)
         padded_token_share = self.padded_token_share
         self._finalize_grads()
         grad_norm = self._clip_grads(self.optim_cfg.grad_clip)
@@ -256,6 +260,8 @@ class MegatronEngine:
         metrics = self._reduce_metrics(store)
         metrics.update(grad_norm=grad_norm, lr=lr, skipped=0.0 if finite else 1.0,
                        padded_token_share=padded_token_share)
+        if self.routing is not None:
+            metrics.update(self.routing.metrics(self.ps, self.spec.moe.sparse_layers, len(micros)))
         return metrics
 
     # ------------------------------------------------------------------ grads
