@@ -38,7 +38,12 @@ def _strategy_problems(cfg: RunConfig, mapping: DeviceMapping) -> list[str]:
     p: list[str] = []
     for role, layout in mapping.roles.items():
         section = {"actor": "actor", "ref": "actor", "critic": "critic"}.get(role)
-        if section is None or getattr(cfg, section).strategy not in STRATEGIES or layout.tp * layout.pp == 1:
+        if section is None or getattr(cfg, section).strategy not in STRATEGIES:
+            continue
+        if layout.ep > 1 and (training_strategy(cfg, section) == "fsdp2" or section == "actor" and cfg.actor.lora.rank):
+            p.append(f"mapping.roles.{role}: ep={layout.ep} is Megatron's expert parallelism, and {section} trains on"
+                     f" the fsdp2 backend; use {section}.strategy=megatron (an MoE family it converts) or ep: 1")
+        if layout.tp * layout.pp == 1:
             continue
         if section == "actor" and cfg.actor.lora.rank > 0:
             p.append(f"mapping.roles.{role}: tp={layout.tp}, pp={layout.pp}, but LoRA (actor.lora.rank) runs on the"

@@ -167,8 +167,9 @@ def routing_reference(model_dir, batch, micro_batch_size: int) -> dict[str, floa
             "moe/expert_load_max": max(loads), "moe/load_balancing_loss": sum(losses) / len(losses)}
 
 
-def test_qwen3moe_logprobs_and_a_step_agree_at_tp1_tp2_and_pp2(families):
-    """Routed experts, a dense first layer and tied embeddings at TP 1, TP 2 and PP 2:
+def test_qwen3moe_logprobs_and_a_step_agree_at_tp1_tp2_pp2_and_ep2(families):
+    """Routed experts, a dense first layer and tied embeddings at TP 1, TP 2, PP 2 and EP 2 (two
+    data-parallel ranks with two experts each):
     transformers' log-probs before a step, and after it the same gradient norm (the
     load-balancing loss included: each TP rank routes every token, and the experts' gradient
     is counted once) and the same weights. Each layout's routing metrics (tokens per expert,
@@ -177,17 +178,17 @@ def test_qwen3moe_logprobs_and_a_step_agree_at_tp1_tp2_and_pp2(families):
     reference = routing_reference(moe, BATCH, micro_batch_size=4)
     assert sum(v for k, v in reference.items() if "tokens" in k) == 3 * 2 * int(BATCH["attention_mask"].sum())
     results = {}
-    for tp, pp in ((1, 1), (2, 1), (1, 2)):
-        roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=moe, tp=tp, pp=pp, optim=OPTIM,
+    for tp, pp, ep in ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)):
+        roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=moe, tp=tp, pp=pp, ep=ep, optim=OPTIM,
                                                              micro_batch_size=4))}
-        with session_for(roles, tp=tp, pp=pp) as s:
+        with session_for(roles, tp=tp, pp=pp, dp=ep, ep=ep) as s:
             assert logprob_gap(moe, s.groups["actor"].compute_log_prob(BATCH)["old_log_probs"]) < 1e-5
             metrics = s.groups["actor"].sft_step(BATCH)[0]
-            results[tp, pp] = metrics["grad_norm"], gathered(s.groups["actor"])
-        assert {k: metrics[k] for k in reference} == pytest.approx(reference, rel=1e-5), (tp, pp)
-    norm, weights = results[1, 1]
+            results[tp, pp, ep] = metrics["grad_norm"], gathered(s.groups["actor"])
+        assert {k: metrics[k] for k in reference} == pytest.approx(reference, rel=1e-5), (tp, pp, ep)
+    norm, weights = results[1, 1, 1]
     assert any(".mlp.experts.3.down_proj" in k for k in weights) and "model.layers.0.mlp.gate_proj.weight" in weights
-    for layout in ((2, 1), (1, 2)):
+    for layout in ((2, 1, 1), (1, 2, 1), (1, 1, 2)):
         assert results[layout][0] == pytest.approx(norm, rel=1e-5), layout
         assert max((results[layout][1][k] - weights[k]).abs().max() for k in weights) < 1e-4, layout
 
@@ -283,13 +284,20 @@ def test_vllm_greedy_tokens_after_steps_and_a_sync_equal_transformers(families, 
     assert (after["rollout_log_probs"].double() - hf_logprobs(exported, after))[mask].abs().max() < 1e-4
 
 
+ACTOR_EP2 = {"pools": {"train": {"devices": 2}, "gen": {"devices": 1}},
+             "roles": {"actor": {"pool": "train", "dp": 2, "ep": 2},
+                       "rollout": {"pool": "gen", "colocate": "g"}, "reward": {"pool": "gen", "colocate": "g"}}}
+
+
 @pytest.mark.parametrize("name", ["qwen3", "qwen3moe"])
-def test_a_run_remaps_tp_1_to_2_and_resumes_with_its_state_exact(families, name, tmp_path):
+def test_a_run_remaps_the_actor_and_resumes_with_its_state_exact(families, name, tmp_path):
     """Two GRPO steps on the checkpoint as a user gives it (`model=DIR`); a remap of the actor
-    to TP 2 and a resume from a checkpoint both carry the weights and AdamW moments bit for bit
-    (QK-norm, tied embeddings and the experts and routers included), and the run goes on."""
+    (Qwen3 to TP 2; Qwen3-MoE to EP 2, its experts split over two data-parallel ranks) and a
+    resume from a checkpoint both carry the weights and AdamW moments bit for bit (QK-norm,
+    tied embeddings and the experts and routers included), the next sync lands (the rollout's
+    log-probs are the actor's), and the run goes on."""
     from hybridlab.dataflow.session import RLSession
-    from tests.test_remap import ACTOR_TP2, SEPARATE, actor_state, assert_equal_state
+    from tests.test_remap import ACTOR_TP2, SEPARATE, actor_state, assert_equal_state, fixed_batch
 
     overrides = [f"model={families[name]}", "warm_start.max_steps=0", "data.prompts_per_step=4", "rollout.n=2",
                  "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=4", "data.test_samples=8",
@@ -298,13 +306,17 @@ def test_a_run_remaps_tp_1_to_2_and_resumes_with_its_state_exact(families, name,
         for _ in range(2):
             rl.step()
         before = actor_state(rl)
-        assert rl.remap(ACTOR_TP2).roles_recreated == ["actor"]
+        assert rl.remap(ACTOR_EP2 if name == "qwen3moe" else ACTOR_TP2).roles_recreated == ["actor"]
         assert_equal_state(before, actor_state(rl))
         assert any(k.endswith("q_norm.weight") for k in before)
         if name == "qwen3moe":
             assert any(k.endswith("experts.3.down_proj.weight") for k in before) and any(
                 k.endswith("mlp.gate.weight") for k in before)
         rl.step()
+        batch = fixed_batch(rl)
+        mask = batch["response_mask"].bool()
+        actor = rl.workers.groups["actor"].compute_log_prob(batch)["old_log_probs"]
+        assert (actor - batch["rollout_log_probs"])[mask].abs().max() < 1e-4
         saved = actor_state(rl)
         rl.save_checkpoint()
     with RLSession.resume(tmp_path / "run") as resumed:

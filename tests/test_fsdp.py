@@ -71,6 +71,11 @@ def test_fsdp2_refusals_and_the_auto_choice(tmp_path):
         load_config("grpo", ["actor.strategy=fsdp2", "trainer.devices=2",
                              "mapping={pools: {p: {devices: 2}}, roles: {actor: {pool: p, tp: 2},"
                              " rollout: {pool: p, tp: 2, colocate: e}, reward: {pool: p, dp: 2, colocate: e}}}"])
+    with pytest.raises(ConfigError, match=r"mapping.roles.actor: ep=2 is Megatron's expert parallelism, and actor"
+                                          r" trains on the fsdp2 backend; use actor.strategy=megatron"):
+        load_config("grpo", ["model=tiny-qwen3moe", "actor.strategy=fsdp2", "trainer.devices=2",
+                             "mapping={pools: {p: {devices: 2}}, roles: {actor: {pool: p, dp: 2, ep: 2},"
+                             " rollout: {pool: p, dp: 2, colocate: e}, reward: {pool: p, dp: 2, colocate: e}}}"])
     with pytest.raises(ConfigError, match=r"critic.strategy: 'deepspeed' is not one of auto, megatron, fsdp2"):
         load_config("ppo", ["critic.strategy=deepspeed"])
     with pytest.raises(ConfigError, match="actor.strategy: the zoo's gemma3 models have no Megatron conversion"):

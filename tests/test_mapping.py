@@ -31,7 +31,7 @@ def test_yaml_round_trip_and_structure():
     ("rollout: {pool: gen, dp: 3}", "roles.rollout: tp x pp x dp = 1x1x3 = 3, but pool 'gen' has 2 devices"),
     ("rollout: {pool: gen, tp: 3}", "roles.rollout.tp: the model's 4 attention heads are not divisible by tp=3"),
     ("rollout: {pool: gen, pp: 2}", "roles.rollout.pp: rollout does not use pipeline parallelism"),
-    ("rollout: {pool: gen, dpp: 2}", "roles.rollout: unknown field(s) dpp; allowed: pool, tp, pp, dp, colocate"),
+    ("rollout: {pool: gen, dpp: 2}", "roles.rollout: unknown field(s) dpp; allowed: pool, tp, pp, dp, colocate, ep"),
     ("rollout: {pool: gen, dp: 0}", "roles.rollout.dp: must be a positive integer"),
     ("rollout: {pool: gen, dp: 2, colocate: hybrid}", "colocate 'hybrid': roles actor, ref, rollout share"),
     ("rollout: {pool: gen, dp: 2}\n  judge: {pool: gen, dp: 2}", "roles.judge: unknown role; roles are: actor"),
@@ -51,8 +51,8 @@ def test_colocated_training_roles_must_share_their_layout():
                                  "roles": {"actor": {"pool": "p", "tp": 2, "dp": 2, "colocate": "e"},
                                            "ref": {"pool": "p", "dp": 4, "colocate": "e"},
                                            "rollout": {"pool": "p", "dp": 4, "colocate": "e"}}})
-    assert m.problems() == ["colocate 'e': training roles in one process must share tp and pp"
-                            " (actor tp=2 pp=1, ref tp=1 pp=1)"]
+    assert m.problems() == ["colocate 'e': training roles in one process must share tp, pp and ep"
+                            " (actor tp=2 pp=1 ep=1, ref tp=1 pp=1 ep=1)"]
 
 
 def test_layer_and_kv_head_checks_and_device_count():
@@ -78,3 +78,22 @@ def test_changed_roles_include_colocated_partners_and_pool_sharers():
     data = old.to_dict()
     del data["roles"]["critic"]
     assert old.changed_roles(DeviceMapping.from_dict(data)) == {"actor", "ref", "critic"}
+
+
+def test_expert_parallelism_is_checked_against_the_roles_dp_and_the_models_experts():
+    moe = {**MODEL, "num_experts": 6}
+    mapping = lambda actor, rollout=None: DeviceMapping.from_dict(  # noqa: E731
+        {"pools": {"p": {"devices": 4}}, "roles": {"actor": {"pool": "p", **actor},
+                                                   **({"rollout": {"pool": "p", **rollout}} if rollout else {})}})
+    assert mapping({"dp": 4, "ep": 2}).problems(model=moe) == []
+    assert "ep" not in mapping({"dp": 4}).to_dict()["roles"]["actor"]  # dense runs' YAML is unchanged
+    assert mapping({"dp": 2, "tp": 2, "ep": 4}).problems() == [
+        "roles.actor.ep: ep=4 must divide dp=2 (expert-parallel ranks are data-parallel ranks that share out the"
+        " experts)"]
+    assert mapping({"dp": 4, "ep": 4}).problems(model=moe) == [
+        "roles.actor.ep: the model's 6 experts are not divisible by ep=4"]
+    assert mapping({"dp": 4, "ep": 2}).problems(model=MODEL) == [
+        "roles.actor.ep: ep=2, but the model has no routed experts (expert parallelism splits them)"]
+    assert mapping({"dp": 4}, {"dp": 4, "ep": 2}).problems() == [
+        "roles.rollout.ep: only training roles (actor, ref, critic) use expert parallelism; set ep: 1"]
+    assert mapping({"dp": 4, "ep": 0}).problems() == ["roles.actor.ep: must be a positive integer, got 0"]

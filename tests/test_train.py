@@ -41,8 +41,8 @@ def hf_logprobs(model_dir, batch, sum_pi_squared: bool = False):
     return (picked, log_probs.exp().square().sum(-1)) if sum_pi_squared else picked
 
 
-def session_for(roles: dict, tp=1, pp=1, dp=1, colocate=True):
-    layout = {"pool": "p", "tp": tp, "pp": pp, "dp": dp}
+def session_for(roles: dict, tp=1, pp=1, dp=1, colocate=True, ep=1):
+    layout = {"pool": "p", "tp": tp, "pp": pp, "dp": dp, "ep": ep}
     mapping = DeviceMapping.from_dict({"pools": {"p": {"devices": tp * pp * dp}},
                                        "roles": {r: {**layout, **({"colocate": "e"} if colocate else {})}
                                                  for r in roles}})

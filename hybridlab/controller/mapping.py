@@ -11,6 +11,9 @@ process starts::
       ref:     {pool: main, tp: 2, dp: 2, colocate: engine}
       reward:  {pool: main, dp: 4}
 
+A training role of an MoE model may add ``ep`` (expert parallelism, Megatron's): its data-parallel
+ranks then hold ``experts / ep`` of each layer's experts each, so ``ep`` divides ``dp``.
+
 Roles with the same ``colocate`` name share worker processes (the hybrid engine). Roles on
 one pool without a shared ``colocate`` get their own processes on the same devices, each
 claiming a fraction of a device. Roles on different pools use disjoint devices.
@@ -52,6 +55,7 @@ class RoleLayout:
     pp: int = 1
     dp: int = 1
     colocate: str | None = None
+    ep: int = 1           # expert parallelism (MoE training roles): ranks of a DP group sharing the experts
 
     @property
     def world_size(self) -> int:
@@ -126,8 +130,8 @@ class DeviceMapping:
 
     def to_dict(self) -> dict:
         """Return the mapping as plain data (the YAML form)."""
-        def clean(obj):
-            return {k: v for k, v in dataclasses.asdict(obj).items() if v is not None}
+        def clean(obj):  # unset fields left out (ep 1 too: the YAML of dense runs is unchanged)
+            return {k: v for k, v in dataclasses.asdict(obj).items() if v is not None and (k, v) != ("ep", 1)}
         return {"pools": {n: clean(p) for n, p in self.pools.items()},
                 "roles": {n: clean(r) for n, r in self.roles.items()}}
 
@@ -156,7 +160,7 @@ class DeviceMapping:
             where = f"roles.{name}"
             if name not in ROLES:
                 out.append(f"{where}: unknown role; roles are: {', '.join(ROLES)}")
-            bad = [k for k in ("tp", "pp", "dp") if not isinstance(getattr(r, k), int) or getattr(r, k) < 1]
+            bad = [k for k in ("tp", "pp", "dp", "ep") if not isinstance(getattr(r, k), int) or getattr(r, k) < 1]
             for k in bad:
                 out.append(f"{where}.{k}: must be a positive integer, got {getattr(r, k)!r}")
             if r.pool not in self.pools:
@@ -166,6 +170,12 @@ class DeviceMapping:
                            f" {self.pools[r.pool].devices} devices; they must be equal")
             if name in ("rollout", "reward") and r.pp != 1:
                 out.append(f"{where}.pp: {name} does not use pipeline parallelism; set pp: 1")
+            if not bad and r.ep > 1 and name not in TRAINING_ROLES:
+                out.append(f"{where}.ep: only training roles ({', '.join(TRAINING_ROLES)}) use expert parallelism;"
+                           " set ep: 1")
+            elif not bad and r.dp % r.ep:
+                out.append(f"{where}.ep: ep={r.ep} must divide dp={r.dp} (expert-parallel ranks are data-parallel"
+                           " ranks that share out the experts)")
             if model is not None and not bad:
                 out.extend(_model_problems(name, r, model))
         for group, members in self.colocation_groups().items():
@@ -174,10 +184,11 @@ class DeviceMapping:
                 out.append(f"colocate {group!r}: roles {', '.join(members)} share processes so they must use one pool,"
                            f" but they are on {', '.join(sorted(pools))}")
             # Megatron's parallel state is per process: colocated training roles share one layout.
-            trainers = {m: (self.roles[m].tp, self.roles[m].pp) for m in members if m in TRAINING_ROLES}
+            trainers = {m: (self.roles[m].tp, self.roles[m].pp, self.roles[m].ep) for m in members
+                        if m in TRAINING_ROLES}
             if len(set(trainers.values())) > 1:
-                shapes = ", ".join(f"{m} tp={tp} pp={pp}" for m, (tp, pp) in trainers.items())
-                out.append(f"colocate {group!r}: training roles in one process must share tp and pp ({shapes})")
+                shapes = ", ".join(f"{m} tp={tp} pp={pp} ep={ep}" for m, (tp, pp, ep) in trainers.items())
+                out.append(f"colocate {group!r}: training roles in one process must share tp, pp and ep ({shapes})")
         if cluster_gpus is not None:
             need = sum(p.devices for p in self.pools.values() if isinstance(p.devices, int))
             if need > cluster_gpus:
@@ -241,6 +252,7 @@ class DeviceMapping:
 def _model_problems(role: str, r: RoleLayout, model: Any) -> list[str]:
     get = (lambda k: model.get(k)) if isinstance(model, dict) else (lambda k: getattr(model, k, None))
     heads, kv, layers = get("num_attention_heads"), get("num_key_value_heads"), get("num_hidden_layers")
+    experts = get("num_experts") or get("num_local_experts")
     where, out = f"roles.{role}", []
     # Megatron splits key/value groups across TP ranks; vLLM may instead replicate them.
     kv_ok = (lambda: kv % r.tp == 0 or r.tp % kv == 0) if role == "rollout" else (lambda: kv % r.tp == 0)
@@ -250,6 +262,10 @@ def _model_problems(role: str, r: RoleLayout, model: Any) -> list[str]:
         out.append(f"{where}.tp: the model's {kv} key/value heads are not divisible by tp={r.tp}")
     if layers and r.pp > 1 and layers % r.pp:
         out.append(f"{where}.pp: the model's {layers} layers are not divisible by pp={r.pp}")
+    if r.ep > 1 and not experts:
+        out.append(f"{where}.ep: ep={r.ep}, but the model has no routed experts (expert parallelism splits them)")
+    elif r.ep > 1 and experts % r.ep:
+        out.append(f"{where}.ep: the model's {experts} experts are not divisible by ep={r.ep}")
     return out
 
 

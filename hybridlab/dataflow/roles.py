@@ -52,7 +52,7 @@ class RoleSpec:
     recreate: tuple[str, ...] = ()                # config keys that re-create the role
     # (both as the schema declares them: ``hybridlab.config.schema.setting``)
     stateful: bool = False                        # weights and optimizer carried across re-creation
-    layout: tuple[str, ...] = ()                  # what it takes from the mapping's role: "tp", "pp"
+    layout: tuple[str, ...] = ()                  # what it takes from the mapping's role: "tp", "pp", "ep"
 
     def worker_class(self) -> type:
         """Return the worker class (imported on first use: workers pull in heavy engines)."""
@@ -70,13 +70,13 @@ class RoleSpec:
 ROLE_SPECS: dict[str, RoleSpec] = {spec.name: spec for spec in (
     RoleSpec("actor", "hybridlab.workers.train.workers:ActorWorker", _train_settings("actor"),
              live=setting_keys("live", "actor"), stateful=True, recreate=setting_keys("recreate", "actor"),
-             layout=("tp", "pp")),
+             layout=("tp", "pp", "ep")),
     RoleSpec("ref", "hybridlab.workers.train.workers:RefWorker", _train_settings("actor", with_optim=False),
              live=setting_keys("live", "ref"), recreate=setting_keys("recreate", "ref"),
-             layout=("tp", "pp")),
+             layout=("tp", "pp", "ep")),
     RoleSpec("critic", "hybridlab.workers.train.workers:CriticWorker", _train_settings("critic"),
              live=setting_keys("live", "critic"), stateful=True, recreate=setting_keys("recreate", "critic"),
-             layout=("tp", "pp")),
+             layout=("tp", "pp", "ep")),
     RoleSpec("rollout", "hybridlab.workers.rollout.worker:RolloutWorker",
              lambda cfg: {"backend": cfg.rollout.backend, "kv_cache_mb": cfg.rollout.kv_cache_mb,
                           "seed": cfg.trainer.seed, "truncate_prompts": cfg.data.truncate_prompts,

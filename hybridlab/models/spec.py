@@ -110,8 +110,8 @@ class ModelSpec:
         sliding window when shorter (within the window, windowed attention is full attention)."""
         return min(self.max_positions, self.sliding_window or self.max_positions)
 
-    def layout_problems(self, tp: int, pp: int) -> list[str]:
-        """Return why this model cannot run at tp x pp (empty if it can)."""
+    def layout_problems(self, tp: int, pp: int, ep: int = 1) -> list[str]:
+        """Return why this model cannot run at tp x pp (x ep) (empty if it can)."""
         out = []
         if not self.converted and tp * pp > 1:
             return [f"hybridlab has no Megatron conversion for {self.arch}; the fsdp2 backend that trains it"
@@ -128,13 +128,18 @@ class ModelSpec:
             out.append(f"{self.layers} layers are not divisible by pp={pp}")
         if self.moe is not None and self.moe.intermediate % tp:
             out.append(f"the expert MLP width {self.moe.intermediate} is not divisible by tp={tp}")
+        if ep > 1 and self.moe is None:
+            out.append(f"ep={ep}, but the model has no routed experts")
+        elif ep > 1 and self.moe.experts % ep:
+            out.append(f"{self.moe.experts} experts are not divisible by ep={ep}")
         return out
 
-    def check_layout(self, tp: int, pp: int) -> None:
-        """Raise UserError if the model cannot be split tp x pp."""
-        problems = self.layout_problems(tp, pp)
+    def check_layout(self, tp: int, pp: int, ep: int = 1) -> None:
+        """Raise UserError if the model cannot be split tp x pp (x ep)."""
+        problems = self.layout_problems(tp, pp, ep)
         if problems:
-            raise UserError(f"cannot split this {self.arch} model as tp={tp}, pp={pp}: " + "; ".join(problems))
+            split = f"tp={tp}, pp={pp}" + (f", ep={ep}" if ep > 1 else "")
+            raise UserError(f"cannot split this {self.arch} model as {split}: " + "; ".join(problems))
 
 
 @dataclasses.dataclass(frozen=True)

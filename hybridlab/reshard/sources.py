@@ -21,8 +21,34 @@ from hybridlab.workers.train.convert import megatron_names, megatron_to_hf
 
 def _stage_params(engine, hf_names: list[str]) -> dict[str, torch.Tensor]:
     params = dict(engine.model.named_parameters())
-    names = megatron_names(engine.spec, engine.pp, engine.ps.get_pipeline_model_parallel_rank(), hf_names)
+    ep, ps = getattr(engine, "ep", 1), engine.ps
+    names = megatron_names(engine.spec, engine.pp, ps.get_pipeline_model_parallel_rank(), hf_names, ep,
+                           ps.get_expert_model_parallel_rank() if ep > 1 else 0)
     return {n: params[n].detach() for n in names if n in params}
+
+
+def all_experts(engine, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Return ``named`` (Megatron names) with the experts of every rank of this rank's expert-
+    parallel group, numbered globally (``local_experts.{k}`` of EP rank r is expert
+    ``r * experts / ep + k``), so the conversion sees whole layers; unchanged without EP."""
+    import torch.distributed as dist
+
+    ep = getattr(engine, "ep", 1)
+    if ep == 1:
+        return named
+    group, per = engine.ps.get_expert_model_parallel_group(), engine.spec.moe.experts // ep
+    out = {}
+    for name, tensor in named.items():
+        head, sep, tail = name.partition(".experts.local_experts.")
+        if not sep:
+            out[name] = tensor
+            continue
+        parts = [torch.empty_like(tensor) for _ in range(ep)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        k, rest = tail.split(".", 1)
+        for r, part in enumerate(parts):
+            out[f"{head}{sep}{r * per + int(k)}.{rest}"] = part
+    return out
 
 
 def local_slices(engine, hf_names: list[str]) -> dict[str, torch.Tensor]:
@@ -33,7 +59,8 @@ def local_slices(engine, hf_names: list[str]) -> dict[str, torch.Tensor]:
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     # One shard of a tp-way split is itself a model with tp-times fewer heads: convert it alone.
     local = dataclasses.replace(spec, heads=spec.heads // tp, kv_heads=spec.kv_heads // tp)
-    out = megatron_to_hf([_stage_params(engine, hf_names)], local, engine.pp, ps.get_pipeline_model_parallel_rank())
+    out = megatron_to_hf([all_experts(engine, _stage_params(engine, hf_names))], local, engine.pp,
+                         ps.get_pipeline_model_parallel_rank())
     return {k: v for k, v in out.items() if k in hf_names and (tp_rank == 0 or split_dim(k) >= 0)}
 
 
@@ -60,6 +87,7 @@ def gather_stage(engine, named: dict[str, torch.Tensor], everyone: bool = False)
 
     ps = engine.ps
     tp = ps.get_tensor_model_parallel_world_size()
+    named = all_experts(engine, named)
     shards = [dict() for _ in range(tp)]
     for name, tensor in named.items():
         parts = [torch.empty_like(tensor) for _ in range(tp)] if tp > 1 else [tensor]

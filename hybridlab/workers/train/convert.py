@@ -146,9 +146,12 @@ def megatron_to_hf(shards: list[dict[str, torch.Tensor]], spec: ModelSpec, pp: i
     return out
 
 
-def megatron_names(spec: ModelSpec, pp: int, pp_rank: int, hf_names: list[str]) -> list[str]:
-    """Return the Megatron parameter names of stage ``pp_rank`` that hold the given HF tensors."""
+def megatron_names(spec: ModelSpec, pp: int, pp_rank: int, hf_names: list[str], ep: int = 1,
+                   ep_rank: int = 0) -> list[str]:
+    """Return the Megatron parameter names of stage ``pp_rank`` (and EP rank ``ep_rank``) that
+    hold the given HF tensors; experts of other EP ranks are left out."""
     layers = list(_stage_layers(spec, pp, pp_rank))
+    mine = local_experts(spec, ep, ep_rank) if spec.moe is not None else range(0)
     out = []
     for name in hf_names:
         if name == "model.embed_tokens.weight" and pp_rank == 0:
@@ -170,7 +173,12 @@ def megatron_names(spec: ModelSpec, pp: int, pp_rank: int, hf_names: list[str]) 
                 mapped = "self_attention.linear_qkv." + part.rsplit(".", 1)[1]
             elif mapped is None:  # mlp.[experts.E.]{gate,up,down}_proj.weight
                 fc = "linear_fc2.weight" if part.endswith("down_proj.weight") else "linear_fc1.weight"
-                mapped = (f"mlp.experts.local_experts.{part.split('.')[2]}." if ".experts." in part else "mlp.") + fc
+                if ".experts." not in part:
+                    mapped = "mlp." + fc
+                elif int(part.split(".")[2]) in mine:
+                    mapped = f"mlp.experts.local_experts.{int(part.split('.')[2]) - mine.start}.{fc}"
+                else:
+                    continue
             out.append(f"decoder.layers.{local}.{mapped}")
     return list(dict.fromkeys(out))
 

@@ -80,14 +80,15 @@ class MegatronEngine:
     """This rank's share of a model under megatron-core, with optional optimizer."""
 
     def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, *, value_head: bool = False,
-                 optim: OptimConfig | None = None, seed: int = 0, temperature: float = 1.0, precision: str = "fp32"):
+                 optim: OptimConfig | None = None, seed: int = 0, temperature: float = 1.0, precision: str = "fp32",
+                 ep: int = 1):
         self.precision = check_precision(precision)
         self.spec = ModelSpec.from_hf(model_dir)
-        self.spec.check_layout(tp, pp)
-        init_parallel(tp, pp, seed)
+        self.spec.check_layout(tp, pp, ep)
+        init_parallel(tp, pp, seed, ep)
         from megatron.core import parallel_state as ps
 
-        self.ps, self.tp, self.pp = ps, tp, pp
+        self.ps, self.tp, self.pp, self.ep = ps, tp, pp, ep
         self.value_head, self.temperature = value_head, temperature
         torch.manual_seed(seed)
         self.model = build_model(self.spec, tp, pp, load_hf_state(model_dir), value_head=value_head)
@@ -121,12 +122,14 @@ class MegatronEngine:
 
     def export_slices(self, hf_names: list[str], dp_ranks: list[int]) -> tuple[int, int, int, dict] | None:
         """Return (tp, pp, dp rank, this rank's HF-named slices of the bucket) if its DP rank
-        feeds a rollout replica, else None; no communication."""
+        feeds a rollout replica, else None; no communication, except that with expert
+        parallelism every rank first gathers its EP group's experts (each holds some)."""
         ps = self.ps
+        slices = local_slices(self, hf_names) if self.ep > 1 else None
         if ps.get_data_parallel_rank() not in dp_ranks:
             return None
         return (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                ps.get_data_parallel_rank(), local_slices(self, hf_names))
+                ps.get_data_parallel_rank(), slices if slices is not None else local_slices(self, hf_names))
 
     def stream_colocated(self, buckets: list[list[str]], load) -> dict:
         """Gather each bucket on every rank and hand it to ``load`` (``reshard.sources``)."""
@@ -208,8 +211,10 @@ class MegatronEngine:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         # Pipeline stages exchange activations of one shape: packs are padded alike at PP > 1.
-        micros = packing.micro_batches(batch.tensors, micro_batch_size, self.micro_batch_tokens,
-                                       self.remove_padding, one_length=self.pp > 1,
+        tensors, tokens, packed = batch.tensors, self.micro_batch_tokens, self.remove_padding
+        if self.ep > 1:  # the experts' all-gather needs one micro-batch shape on every rank of the EP group
+            tensors, tokens, packed = packing.pad_rows(tensors, self._ep_rows(len(batch))), 0, False
+        micros = packing.micro_batches(tensors, micro_batch_size, tokens, packed, one_length=self.pp > 1,
                                        group=batch.meta.get(packing.GROUP_ROWS, 1))
         totals = global_totals(batch, self.ps.get_data_parallel_group(), self.ps.get_data_parallel_world_size())
         inputs = [{**m.tensors, **totals, "num_microbatches": len(micros), "sum_pi_squared": sum_pi_squared,
@@ -222,6 +227,15 @@ class MegatronEngine:
                 model=[self.model], num_microbatches=len(inputs), seq_length=shape[1],
                 micro_batch_size=shape[0], forward_only=loss_fn is None)
         return store, micros
+
+    def _ep_rows(self, rows: int) -> int:
+        """Return the most rows any rank of this rank's expert-parallel group holds (padded micro-
+        batches of that many rows have one shape and count on every rank of the group)."""
+        import torch.distributed as dist
+
+        most = torch.tensor([rows])
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.ps.get_expert_model_parallel_group())
+        return int(most)
 
     # -------------------------------------------------------------- public API
     @torch.no_grad()
@@ -289,18 +303,23 @@ class MegatronEngine:
             for name, p in self.model.named_parameters():
                 if p.grad is not None and ".experts." in name:
                     p.grad.div_(ps.get_tensor_model_parallel_world_size())
-        # Losses are shares of the global mini-batch loss, so DP gradients add up (no mean).
-        if ps.get_data_parallel_world_size() > 1 and params:
-            flat = _flatten_dense_tensors([p.grad for p in params])
-            dist.all_reduce(flat, group=ps.get_data_parallel_group())
-            for p, g in zip(params, _unflatten_dense_tensors(flat, [p.grad for p in params])):
-                p.grad.copy_(g)
+        # Losses are shares of the global mini-batch loss, so DP gradients add up (no mean). An
+        # expert-parallel rank's experts saw the tokens of its whole EP group already: their
+        # gradients add up over the ranks holding the same experts (the expert-DP group) only.
+        experts = {id(p) for n, p in self.model.named_parameters() if ".experts." in n} if self.ep > 1 else set()
+        for members, group in (([p for p in params if id(p) not in experts], ps.get_data_parallel_group()),
+                               ([p for p in params if id(p) in experts], ps.get_expert_data_parallel_group())):
+            if members and dist.get_world_size(group) > 1:
+                flat = _flatten_dense_tensors([p.grad for p in members])
+                dist.all_reduce(flat, group=group)
+                for p, g in zip(members, _unflatten_dense_tensors(flat, [p.grad for p in members])):
+                    p.grad.copy_(g)
 
     def _clip_grads(self, max_norm: float) -> float:
         import torch.distributed as dist
 
         ps = self.ps
-        total = torch.zeros(1)
+        total, experts = torch.zeros(1), torch.zeros(1)
         last_shared = (ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_pipeline_last_stage()
                        and self.spec.tied and not self.value_head)
         shared = self.model.shared_embedding_or_output_weight() if last_shared else None
@@ -310,8 +329,13 @@ class MegatronEngine:
             # Norms and the value head are replicated on TP ranks (count them once); everything
             # else is a shard. (Megatron's tensor_model_parallel attribute is unset when weights
             # are created on the CPU without initialization, so names decide.)
-            if not _replicated(name) or ps.get_tensor_model_parallel_rank() == 0:
+            if self.ep > 1 and ".experts." in name:  # each EP rank holds other experts
+                experts += p.grad.float().pow(2).sum()
+            elif not _replicated(name) or ps.get_tensor_model_parallel_rank() == 0:
                 total += p.grad.float().pow(2).sum()
+        if self.ep > 1:
+            dist.all_reduce(experts, group=ps.get_expert_model_parallel_group())
+            total += experts
         for size, group in ((ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()),
                             (ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_group())):
             if size > 1:

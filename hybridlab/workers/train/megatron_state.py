@@ -33,7 +33,8 @@ def _local(engine, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF tensors -> this rank's shards in Megatron names (a critic's head under output_layer.linear)."""
     ps = engine.ps
     out = hf_to_megatron(named, engine.spec, engine.tp, ps.get_tensor_model_parallel_rank(), engine.pp,
-                         ps.get_pipeline_model_parallel_rank(), head=not engine.value_head)
+                         ps.get_pipeline_model_parallel_rank(), head=not engine.value_head, ep=engine.ep,
+                         ep_rank=ps.get_expert_model_parallel_rank())
     for k in ("weight", "bias"):
         if f"value_head.linear.{k}" in named:
             out[f"output_layer.linear.{k}"] = named[f"value_head.linear.{k}"].clone()

@@ -9,10 +9,10 @@ from hybridlab.workers.train import cpu_compat
 from hybridlab.workers.train.convert import hf_to_megatron
 
 
-def init_parallel(tp: int, pp: int, seed: int = 0) -> None:
-    """Join torch.distributed (env rendezvous) and set up Megatron's TP/PP/DP groups once.
+def init_parallel(tp: int, pp: int, seed: int = 0, ep: int = 1) -> None:
+    """Join torch.distributed (env rendezvous) and set up Megatron's TP/PP/DP (and expert) groups once.
 
-    Roles colocated in one process share this state, so they must use the same tp and pp.
+    Roles colocated in one process share this state, so they must use the same tp, pp and ep.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -21,14 +21,16 @@ def init_parallel(tp: int, pp: int, seed: int = 0) -> None:
     cpu_compat.enable()
     Worker.init_distributed()
     if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
-            raise ValueError(f"this process already runs Megatron with tp={have[0]}, pp={have[1]}; colocated"
-                             f" training roles must share one layout (asked tp={tp}, pp={pp})")
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size())
+        if have != (tp, pp, ep):
+            raise ValueError(f"this process already runs Megatron with tp={have[0]}, pp={have[1]}, ep={have[2]};"
+                             f" colocated training roles must share one layout (asked tp={tp}, pp={pp}, ep={ep})")
         return
-    if dist.get_world_size() % (tp * pp):
-        raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tp x pp = {tp * pp}")
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if dist.get_world_size() % (tp * pp * ep):
+        raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tp x pp x ep = {tp * pp * ep}")
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

@@ -108,11 +108,8 @@ def micro_batches(tensors: dict[str, torch.Tensor], rows: int, tokens: int = 0, 
         rows, tokens = max(1, tokens // width), 0
     groups = grouped_plan(mask.sum(1).tolist(), width, rows, tokens, packed, group)
     if not packed and n % len(groups[0]):
-        pad = len(groups) * len(groups[0]) - n
-        tensors = {k: torch.cat([v, v[:1].expand(pad, *v.shape[1:])]) for k, v in tensors.items()}
-        if "response_mask" in tensors:
-            tensors["response_mask"][n:] = 0
-        groups[-1] = list(range(groups[-1][0], n + pad))
+        tensors = pad_rows(tensors, len(groups) * len(groups[0]))
+        groups[-1] = list(range(groups[-1][0], len(groups) * len(groups[0])))
     parts = [{k: v.index_select(0, torch.as_tensor(g)) for k, v in tensors.items()} for g in groups]
     if not packed:
         return [MicroBatch(part, group, len(group) * width) for part, group in zip(parts, groups)]
@@ -121,6 +118,19 @@ def micro_batches(tensors: dict[str, torch.Tensor], rows: int, tokens: int = 0, 
     for part, group in zip(parts, groups):
         inputs = pack(part, pad_to)
         out.append(MicroBatch(part, group, inputs["input_ids"].shape[1], inputs))
+    return out
+
+
+def pad_rows(tensors: dict[str, torch.Tensor], total: int) -> dict[str, torch.Tensor]:
+    """Return the rows with filler rows appended up to ``total``: copies of row 0 that are all
+    padding (attention and response masks 0), so no loss, routing or count ever sees them."""
+    n = len(tensors["attention_mask"])
+    if total <= n:
+        return tensors
+    out = {k: torch.cat([v, v[:1].expand(total - n, *v.shape[1:])]) for k, v in tensors.items()}
+    for key in ("attention_mask", "response_mask"):
+        if key in out:
+            out[key][n:] = 0
     return out
 
 

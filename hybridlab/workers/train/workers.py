@@ -38,7 +38,8 @@ class TrainWorker(Worker):
     def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, optim: OptimConfig | dict | None = None,
                  seed: int = 0, temperature: float = 1.0, micro_batch_size: int = ActorConfig.micro_batch_size,
                  precision: str = "fp32", micro_batch_tokens: int = 0, remove_padding: bool = False,
-                 strategy: str = ActorConfig.strategy, fsdp: dict | None = None, lora: dict | None = None):
+                 strategy: str = ActorConfig.strategy, fsdp: dict | None = None, lora: dict | None = None,
+                 ep: int = 1):
         if isinstance(optim, dict):
             optim = OptimConfig(**optim)
         if optim is None and not self.frozen:
@@ -49,7 +50,7 @@ class TrainWorker(Worker):
         if self.shares_actor:  # the actor's base model with its adapter off: no engine of its own
             self._engine = None
             return
-        extra = {}
+        extra = {"ep": ep} if ep > 1 else {}  # expert parallelism: megatron only (refused for fsdp2 on load)
         if self.strategy == "fsdp2":
             extra = {**(fsdp or {}), "lora_settings": LoraSettings.from_config(lora) if lora else None}
         self._engine = engine_class(self.strategy)(
