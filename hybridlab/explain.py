@@ -106,9 +106,17 @@ def _update_sizes(cfg: RunConfig, role: str, dp: int, seq_len: int) -> dict:
             "micro_batches_per_rank": math.ceil(per_rank / rows), "micro_rows": min(per_rank, rows)}
 
 
-def estimate_memory(cfg: RunConfig, mapping: DeviceMapping, params: int, vocab: int, seq_len: int) -> dict:
+def expert_parameter_count(spec) -> int:
+    """Return how many of a model's parameters are routed experts' (0 for a dense model)."""
+    moe = getattr(spec, "moe", None)
+    return 0 if moe is None else len(moe.sparse_layers) * moe.experts * 3 * moe.intermediate * spec.hidden
+
+
+def estimate_memory(cfg: RunConfig, mapping: DeviceMapping, params: int, vocab: int, seq_len: int,
+                    experts: int = 0) -> dict:
     """Return process set (its roles joined by '+') -> estimated resident MB of each of its
-    processes, from ``MEMORY``, the model's size and the layout (reward models: not counted)."""
+    processes, from ``MEMORY``, the model's size (``experts`` of its ``params`` are routed
+    experts, split further over a role's ``ep``) and the layout (reward models: not counted)."""
     m, out = MEMORY, {}
     for _, members in mapping.process_sets():
         mb = m["process_mb"] + sum(m[kind] for kind in {RUNTIME.get(r, "reward_mb") for r in members})
@@ -118,7 +126,7 @@ def estimate_memory(cfg: RunConfig, mapping: DeviceMapping, params: int, vocab: 
             # FSDP2 shards weights, gradients and moments over the DP ranks (plus one layer
             # gathered at a time, not counted); Megatron over TP x PP
             fsdp = role in BACKEND_ROLES and training_strategy(cfg, section) == "fsdp2"
-            shard = params / (lay.dp if fsdp else lay.tp * lay.pp)
+            shard = params / lay.dp if fsdp else (params - experts + experts / lay.ep) / (lay.tp * lay.pp)
             # LoRA: the actor's base is frozen (its adapter, a few % of it, is not counted) and the
             # reference is that same base model
             lora = section == "actor" and cfg.actor.lora.rank > 0
@@ -223,7 +231,7 @@ def explain(cfg: RunConfig, model_dir: str | Path | None = None) -> Explanation:
                      + ("; ref is the actor's base model with the adapter off, in the actor's processes"
                         if "ref" in mapping.roles else ""))
     lines += ["device mapping:", *draw_mapping(mapping)]
-    memory = estimate_memory(cfg, mapping, params, spec.vocab_size, seq_len)
+    memory = estimate_memory(cfg, mapping, params, spec.vocab_size, seq_len, expert_parameter_count(spec))
     lines.append("estimated resident memory per process (runtime base + model state, activations not"
                  " counted; see hybridlab.explain.MEMORY):")
     lines += [f"  {name}: {mb:.0f} MB" for name, mb in memory.items()]

@@ -15,6 +15,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.explain import estimate_memory
 from hybridlab.run_config import load_config
@@ -96,3 +98,20 @@ if __name__ == "__main__":  # python tests/test_explain.py [PRESET [ROWS SEQ]]: 
         estimate = _model_terms_mb(role, m["params"], m["vocab"], rows, seq)
         print(f"  {role}: measured {m[f'{role}_mb']:.1f} MB, estimated {estimate:.1f} MB"
               f" (ratio {m[f'{role}_mb'] / estimate:.3f})")
+
+
+def test_expert_parallelism_divides_only_the_experts_in_the_estimate():
+    from hybridlab.explain import expert_parameter_count
+    from hybridlab.models.spec import ModelSpec
+    from hybridlab.models.zoo import resolve_model
+    from hybridlab.workers.train.convert import load_hf_state
+
+    path = resolve_model("tiny-qwen3moe")
+    experts = expert_parameter_count(ModelSpec.from_hf(path))
+    assert experts == sum(t.numel() for k, t in load_hf_state(path).items() if ".mlp.experts." in k) > 0
+    cfg = load_config(None, [f"model={path}"])
+    layout = lambda ep: DeviceMapping.from_dict({"pools": {"main": {"devices": 2}},  # noqa: E731
+                                                 "roles": {"actor": {"pool": "main", "dp": 2, "ep": ep}}})
+    one, two = (estimate_memory(cfg, layout(ep), 10**6, 320, 64, experts)["actor"] for ep in (1, 2))
+    per_param = 16  # fp32 weights, gradients and two AdamW moments
+    assert one - two == pytest.approx(experts / 2 * per_param / 2**20, abs=0.15)

@@ -167,13 +167,16 @@ def routing_reference(model_dir, batch, micro_batch_size: int) -> dict[str, floa
             "moe/expert_load_max": max(loads), "moe/load_balancing_loss": sum(losses) / len(losses)}
 
 
-def test_qwen3moe_logprobs_and_a_step_agree_at_tp1_tp2_pp2_and_ep2(families):
+def test_qwen3moe_logprobs_and_a_step_agree_at_tp1_tp2_pp2_and_ep2(families, tmp_path):
     """Routed experts, a dense first layer and tied embeddings at TP 1, TP 2, PP 2 and EP 2 (two
     data-parallel ranks with two experts each):
     transformers' log-probs before a step, and after it the same gradient norm (the
     load-balancing loss included: each TP rank routes every token, and the experts' gradient
     is counted once) and the same weights. Each layout's routing metrics (tokens per expert,
-    the load-balancing loss) equal those computed from transformers' routers."""
+    the load-balancing loss) equal those computed from transformers' routers, and the trained
+    shards exported back to an HF checkpoint give their log-probs in transformers."""
+    from hybridlab.workers.train import checkpoint
+
     moe = families["qwen3moe"]
     reference = routing_reference(moe, BATCH, micro_batch_size=4)
     assert sum(v for k, v in reference.items() if "tokens" in k) == 3 * 2 * int(BATCH["attention_mask"].sum())
@@ -185,6 +188,8 @@ def test_qwen3moe_logprobs_and_a_step_agree_at_tp1_tp2_pp2_and_ep2(families):
             assert logprob_gap(moe, s.groups["actor"].compute_log_prob(BATCH)["old_log_probs"]) < 1e-5
             metrics = s.groups["actor"].sft_step(BATCH)[0]
             results[tp, pp, ep] = metrics["grad_norm"], gathered(s.groups["actor"])
+            trained = s.groups["actor"].compute_log_prob(BATCH)["old_log_probs"]
+            assert logprob_gap(checkpoint.export_hf(s.groups["actor"], moe, tmp_path / f"{tp}{pp}{ep}"), trained) < 1e-5
         assert {k: metrics[k] for k in reference} == pytest.approx(reference, rel=1e-5), (tp, pp, ep)
     norm, weights = results[1, 1, 1]
     assert any(".mlp.experts.3.down_proj" in k for k in weights) and "model.layers.0.mlp.gate_proj.weight" in weights

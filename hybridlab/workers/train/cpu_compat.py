@@ -38,15 +38,6 @@ class _CpuTorch(types.ModuleType):
         return value
 
 
-def moe_without_transformer_engine() -> None:
-    """megatron-core 0.16's router reads ``te_general_gemm``, which its moe_utils defines only when
-    Transformer Engine imports (a NameError otherwise, on any device): None selects its own matmul."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 def enable() -> bool:
     """Install the CPU redirections once; returns True if they are active (no CUDA here)."""
     global _ENABLED

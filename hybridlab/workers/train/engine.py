@@ -22,7 +22,7 @@ from hybridlab.workers.train.backend import (LossFn, OptimConfig, check_precisio
 from hybridlab.workers.train.convert import load_hf_state
 from hybridlab.reshard.sources import local_slices, stream_colocated
 from hybridlab.workers.train.model import build_model, init_parallel
-from hybridlab.workers.train.moe_stats import RoutingStats
+from hybridlab.workers.train.moe import RoutingStats
 
 
 

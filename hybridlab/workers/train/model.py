@@ -5,7 +5,7 @@ import torch
 
 from hybridlab.controller.worker import Worker
 from hybridlab.models.spec import ModelSpec, rope_inv_freq
-from hybridlab.workers.train import cpu_compat
+from hybridlab.workers.train import cpu_compat, moe
 from hybridlab.workers.train.convert import hf_to_megatron
 
 
@@ -49,32 +49,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = t
         qk_layernorm=spec.qk_norm, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=dtype,
         pipeline_dtype=dtype, use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=False, rotary_interleaved=False, attention_softmax_in_fp32=True,
-        bf16=dtype == torch.bfloat16, **_moe_settings(spec, tp, dp))
-
-
-def _moe_settings(spec: ModelSpec, tp: int, dp: int) -> dict:
-    """Return the TransformerConfig fields of a model's routed experts (empty if dense).
-
-    Qwen3-MoE softmaxes the router logits over all experts and keeps the top k, renormalised
-    when ``norm_topk_prob``. Megatron's router computes the same probabilities either way:
-    softmax over the top-k logits (renormalised) or top-k of the full softmax (pre_softmax).
-    The allgather dispatcher is the one whose collectives run over gloo.
-
-    The load-balancing loss is Megatron's (per sparse layer, summed), weighted by the
-    checkpoint's ``router_aux_loss_coef`` as a mean over the step's micro-batches. Two scalings
-    keep it that: without sequence parallelism every TP rank routes all tokens, and Megatron,
-    which counts them once per TP rank, computes ``1/tp`` of the loss; and the engine sums
-    gradients over DP ranks (the main loss is a share of the global batch's), where Megatron
-    averages the aux loss per rank.
-    """
-    moe = spec.moe
-    if moe is None:
-        return {}
-    return dict(num_moe_experts=moe.experts, moe_router_topk=moe.top_k, moe_ffn_hidden_size=moe.intermediate,
-                moe_layer_freq=[int(spec.is_sparse(i)) for i in range(spec.layers)],
-                moe_router_pre_softmax=not moe.norm_topk_prob, moe_router_score_function="softmax",
-                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=moe.aux_loss_coef * tp / dp,
-                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_router_dtype="fp32")
+        bf16=dtype == torch.bfloat16, **moe.megatron_settings(spec, tp, dp))
 
 
 def _sdpa_attention_class():
@@ -128,26 +103,6 @@ def _sdpa_attention_class():
     return SDPAttention
 
 
-class _OneRankGroup:
-    """What MoELayer's training check sees in place of the TP group (it reads only ``size()``)."""
-
-    def size(self) -> int:
-        return 1
-
-
-def _allow_moe_tensor_parallel_without_sequence_parallel(model: torch.nn.Module) -> None:
-    """Let MoE layers train at TP > 1 without sequence parallelism, which Megatron refuses as
-    slow. Megatron's local norms (``WrappedTorchNorm``, without Apex) cannot run sequence
-    parallel, so here every TP rank routes the whole sequence: the allgather dispatcher then
-    hands each expert shard the tokens of every TP rank and the combine sums them back, which is
-    exact (tested against TP 1) but does not divide the experts' work over TP ranks."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            module.attn_tp_group = _OneRankGroup()
-
-
 class ValueHead(torch.nn.Module):
     """Scalar head replacing the LM output layer of a critic (replicated on every TP rank)."""
 
@@ -168,7 +123,7 @@ def build_model(spec: ModelSpec, tp: int, pp: int, hf_state: dict[str, torch.Ten
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     config = transformer_config(spec, tp, pp, dp=ps.get_data_parallel_world_size())
-    cpu_compat.moe_without_transformer_engine()
+    moe.without_transformer_engine()
     if spec.moe is None:
         layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
         layers = [layer_spec]
@@ -184,7 +139,7 @@ def build_model(spec: ModelSpec, tp: int, pp: int, hf_state: dict[str, torch.Ten
                      parallel_output=True, share_embeddings_and_output_weights=spec.tied and not value_head,
                      position_embedding_type="rope", rotary_base=int(spec.rope_theta))
     if spec.moe is not None and tp > 1:
-        _allow_moe_tensor_parallel_without_sequence_parallel(model)
+        moe.route_whole_sequence_on_every_tp_rank(model)
     inv_freq = rope_inv_freq(spec)  # scaled RoPE (llama3, linear): transformers' frequencies
     if inv_freq is not None:
         model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq)
