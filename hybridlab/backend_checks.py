@@ -34,8 +34,27 @@ def training_strategy(cfg: RunConfig, section: str) -> str:
     return resolve_strategy(strategy, cfg.model)
 
 
+def _model_type(model: str) -> str | None:
+    """Return the model_type of a checkpoint directory or zoo name (None if unreadable)."""
+    import json
+
+    try:
+        if Path(model).is_dir():
+            return json.loads((Path(model) / "config.json").read_text()).get("model_type")
+        return {"qwen3moe": "qwen3_moe"}.get(parse_preset(model)[1], parse_preset(model)[1])
+    except (OSError, ValueError, UserError):
+        return None
+
+
 def _strategy_problems(cfg: RunConfig, mapping: DeviceMapping) -> list[str]:
     p: list[str] = []
+    for section in ("actor", "critic"):
+        if (section in mapping.roles or section == "actor" and "ref" in mapping.roles) \
+                and getattr(cfg, section).strategy in STRATEGIES and _model_type(cfg.model) == "qwen3_moe" \
+                and training_strategy(cfg, section) == "fsdp2":
+            p.append(f"{section}.strategy: the fsdp2 backend does not train Qwen3-MoE (transformers 5 fuses each"
+                     " layer's experts into one tensor, which its weight sync and checkpoints do not map); use"
+                     f" {section}.strategy=megatron or auto")
     for role, layout in mapping.roles.items():
         section = {"actor": "actor", "ref": "actor", "critic": "critic"}.get(role)
         if section is None or getattr(cfg, section).strategy not in STRATEGIES:

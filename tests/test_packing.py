@@ -52,3 +52,23 @@ def test_micro_batches_put_outputs_back_in_batch_order_and_count_padding():
     assert [m.rows for m in micros] == [[0, 1], [2, 3]]
     micros = packing.micro_batches(batch.tensors, rows=3, tokens=21)
     assert [m.rows for m in micros] == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_even_micro_batches_spread_the_rows_and_fill_with_padding_only():
+    """Expert parallelism: a rank with 5 of at most 8 rows runs 2 micro-batches of 4 rows like its
+    peers, each with real rows; the fillers are all padding and their outputs are dropped."""
+    from hybridlab.workers.train.packing import even_micro_batches, gather_rows
+    from tests.test_train import random_batch
+
+    batch = random_batch(5)
+    micros = even_micro_batches(batch.tensors, rows=4, total=8)
+    assert [m.rows for m in micros] == [[0, 1, 2, 5], [3, 4, 6, 7]]  # real rows first, fillers numbered after
+    for m in micros:
+        real = [r < 5 for r in m.rows]
+        assert m.tensors["attention_mask"][torch.tensor(real)].sum(1).gt(0).all()
+        assert m.tensors["attention_mask"][~torch.tensor(real)].sum() == 0
+        assert m.tensors["response_mask"][~torch.tensor(real)].sum() == 0
+    lengths = gather_rows([m.tensors["attention_mask"].sum(1) for m in micros], micros, 5)
+    assert torch.equal(lengths, batch["attention_mask"].sum(1))
+    pairs = even_micro_batches(random_batch(6).tensors, rows=4, total=8, group=2)  # runs of 2 rows kept whole
+    assert [m.rows for m in pairs] == [[0, 1, 2, 3], [4, 5, 6, 7]]

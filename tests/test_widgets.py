@@ -58,11 +58,13 @@ def test_an_invalid_mapping_shows_its_problems_and_changes_nothing(rl):
     editor = rl.mapping_editor()
     before, processes = rl.mapping, pids(rl)
     editor.role("actor").tp.value = 3
+    editor.role("actor").ep.value = 2  # the editor passes ep on (1 is left out of the mapping)
     editor.pool("main").devices.value = 3
     editor.role("rollout").dp.value = 3
     editor.role("reward").dp.value = 3
     editor.validate_button.click()
     assert "roles.actor.tp: the model&#x27;s 4 attention heads are not divisible by tp=3" in editor.status.value
+    assert "roles.actor.ep: ep=2 must divide dp=1" in editor.status.value
     assert "Traceback" not in editor.status.value
     editor.apply_button.click()
     assert "Not applied" in editor.status.value and "not divisible by tp=3" in editor.status.value

@@ -33,21 +33,24 @@ class _RoleRow:
                                    layout=widgets.Layout(width="90px"))
         self.pool = widgets.Combobox(value=layout.pool if layout else (pools[0] if pools else ""), options=pools,
                                      placeholder=f"{role} pool", layout=widgets.Layout(width="120px"))
-        self.tp, self.pp, self.dp = (widgets.BoundedIntText(value=getattr(layout, k) if layout else 1, min=1,
-                                                            max=4096, layout=SMALL) for k in ("tp", "pp", "dp"))
+        self.tp, self.pp, self.dp, self.ep = (
+            widgets.BoundedIntText(value=getattr(layout, k) if layout else 1, min=1, max=4096, layout=SMALL)
+            for k in ("tp", "pp", "dp", "ep"))
         self.colocate = widgets.Text(value=(layout.colocate or "") if layout else "", placeholder=f"{role} group",
                                      layout=widgets.Layout(width="120px"))
-        self.box = widgets.HBox([self.on, self.pool, self.tp, self.pp, self.dp, self.colocate])
+        self.box = widgets.HBox([self.on, self.pool, self.tp, self.pp, self.dp, self.ep, self.colocate])
 
     def as_dict(self) -> dict:
         out = {"pool": self.pool.value.strip(), "tp": self.tp.value, "pp": self.pp.value, "dp": self.dp.value}
+        if self.ep.value > 1:  # expert parallelism (MoE training roles); 1 is left out, as to_dict does
+            out["ep"] = self.ep.value
         if self.colocate.value.strip():
             out["colocate"] = self.colocate.value.strip()
         return out
 
 
 class MappingEditor(widgets.VBox):
-    """Edit pools (name, devices) and roles (pool, tp, pp, dp, colocation group); the drawing
+    """Edit pools (name, devices) and roles (pool, tp, pp, dp, ep, colocation group); the drawing
     follows every change; **Validate** lists the problems; **Apply** remaps the session."""
 
     def __init__(self, rl: "RLSession"):
@@ -62,7 +65,8 @@ class MappingEditor(widgets.VBox):
         header = widgets.HTML("<b>roles</b> (the same colocation group: the same processes)")
         columns = widgets.HBox([widgets.HTML(f"<small><b>{text}</b></small>", layout=widgets.Layout(width=width))
                                 for text, width in (("role", "94px"), ("pool", "124px"), ("tp", "74px"),
-                                                    ("pp", "74px"), ("dp", "74px"), ("colocation group", "124px"))])
+                                                    ("pp", "74px"), ("dp", "74px"), ("ep", "74px"),
+                                                    ("colocation group", "124px"))])
         self.drawing = widgets.HTML()
         self.status = widgets.HTML()
         self.validate_button = widgets.Button(description="Validate", icon="check")
@@ -95,7 +99,7 @@ class MappingEditor(widgets.VBox):
         self.redraw()
 
     def role(self, name: str) -> _RoleRow:
-        """Return the row of role ``name`` (its widgets: on, pool, tp, pp, dp, colocate)."""
+        """Return the row of role ``name`` (its widgets: on, pool, tp, pp, dp, ep, colocate)."""
         for row in self.role_rows:
             if row.role == name:
                 return row

@@ -27,26 +27,31 @@ def _stage_params(engine, hf_names: list[str]) -> dict[str, torch.Tensor]:
     return {n: params[n].detach() for n in names if n in params}
 
 
-def all_experts(engine, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def all_experts(engine, named: dict[str, torch.Tensor], everyone: bool = True) -> dict[str, torch.Tensor]:
     """Return ``named`` (Megatron names) with the experts of every rank of this rank's expert-
     parallel group, numbered globally (``local_experts.{k}`` of EP rank r is expert
-    ``r * experts / ep + k``), so the conversion sees whole layers; unchanged without EP."""
+    ``r * experts / ep + k``), so the conversion sees whole layers; unchanged without EP. Not
+    ``everyone``: only EP rank 0 (DP rank 0) gets them, the others none (checkpoints gather
+    there: no rank holds the whole model's experts for nothing)."""
     import torch.distributed as dist
 
     ep = getattr(engine, "ep", 1)
     if ep == 1:
         return named
     group, per = engine.ps.get_expert_model_parallel_group(), engine.spec.moe.experts // ep
-    out = {}
-    for name, tensor in named.items():
+    root = engine.ps.get_expert_model_parallel_rank() == 0
+    out = {name: t for name, t in named.items() if ".experts.local_experts." not in name}
+    # Every rank of the group holds the same local names: sorted, they pair up in each collective.
+    for name in sorted(set(named) - set(out)):
+        tensor = named[name].contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(ep)] if everyone or root else None
+        if everyone:
+            dist.all_gather(parts, tensor, group=group)
+        else:
+            dist.gather(tensor, parts, dst=dist.get_process_group_ranks(group)[0], group=group)
         head, sep, tail = name.partition(".experts.local_experts.")
-        if not sep:
-            out[name] = tensor
-            continue
-        parts = [torch.empty_like(tensor) for _ in range(ep)]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
         k, rest = tail.split(".", 1)
-        for r, part in enumerate(parts):
+        for r, part in enumerate(parts or ()):
             out[f"{head}{sep}{r * per + int(k)}.{rest}"] = part
     return out
 
@@ -87,7 +92,7 @@ def gather_stage(engine, named: dict[str, torch.Tensor], everyone: bool = False)
 
     ps = engine.ps
     tp = ps.get_tensor_model_parallel_world_size()
-    named = all_experts(engine, named)
+    named = all_experts(engine, named, everyone)
     shards = [dict() for _ in range(tp)]
     for name, tensor in named.items():
         parts = [torch.empty_like(tensor) for _ in range(tp)] if tp > 1 else [tensor]

@@ -1,5 +1,5 @@
 """The dashboard's MoE panel: how an MoE actor's routers spread tokens over the experts
-(``actor/moe/*`` metrics of ``workers/train/moe_stats.py``): the load-balancing loss and the
+(``actor/moe/*`` metrics of ``workers/train/moe.py``): the load-balancing loss and the
 busiest expert's load per step, and the tokens each expert received in the latest update."""
 from __future__ import annotations
 

@@ -162,7 +162,10 @@ class MegatronEngine:
     def _moe_padding(self, padding: torch.Tensor) -> dict:
         """Return the model's padding_mask argument (True: padding) for an MoE model with padding:
         padding then stays out of the routing, the token counts and the load-balancing loss."""
-        return {"padding_mask": padding} if self.spec.moe is not None and bool(padding.any()) else {}
+        # A micro-batch of filler rows only (expert parallelism, when a rank holds fewer rows than
+        # micro-batches) is routed unmasked: Megatron's loss would divide by its zero real tokens.
+        moe = self.spec.moe is not None and bool(padding.any()) and not bool(padding.all())
+        return {"padding_mask": padding} if moe else {}
 
     def _autocast(self):
         """bf16: matmuls in bf16, weights, gradients and optimizer state stay fp32 (autocast).
@@ -211,11 +214,12 @@ class MegatronEngine:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         # Pipeline stages exchange activations of one shape: packs are padded alike at PP > 1.
-        tensors, tokens, packed = batch.tensors, self.micro_batch_tokens, self.remove_padding
-        if self.ep > 1:  # the experts' all-gather needs one micro-batch shape on every rank of the EP group
-            tensors, tokens, packed = packing.pad_rows(tensors, self._ep_rows(len(batch))), 0, False
-        micros = packing.micro_batches(tensors, micro_batch_size, tokens, packed, one_length=self.pp > 1,
-                                       group=batch.meta.get(packing.GROUP_ROWS, 1))
+        group = batch.meta.get(packing.GROUP_ROWS, 1)
+        if self.ep > 1:  # the experts' all-gather needs one micro-batch count and shape on the EP group
+            micros = packing.even_micro_batches(batch.tensors, micro_batch_size, self._ep_rows(len(batch)), group)
+        else:
+            micros = packing.micro_batches(batch.tensors, micro_batch_size, self.micro_batch_tokens,
+                                           self.remove_padding, one_length=self.pp > 1, group=group)
         totals = global_totals(batch, self.ps.get_data_parallel_group(), self.ps.get_data_parallel_world_size())
         inputs = [{**m.tensors, **totals, "num_microbatches": len(micros), "sum_pi_squared": sum_pi_squared,
                    **({"packed": m.packed} if m.packed else {})} for m in micros]

@@ -134,6 +134,27 @@ def pad_rows(tensors: dict[str, torch.Tensor], total: int) -> dict[str, torch.Te
     return out
 
 
+def even_micro_batches(tensors: dict[str, torch.Tensor], rows: int, total: int, group: int = 1) -> list[MicroBatch]:
+    """Return ``ceil(total / rows)`` padded micro-batches of ``rows`` rows each: the batch's rows
+    spread over them in consecutive runs (runs of ``group`` rows kept whole), the rest filler rows
+    that are all padding (placed after the real rows in the index, so ``gather_rows`` drops them).
+    Ranks holding different row counts, up to ``total``, then run micro-batches of one count and
+    shape, as expert parallelism's all-gathers need, each with real rows while there are enough."""
+    n, width = tensors["attention_mask"].shape
+    count = -(-total // rows)
+    blank = pad_rows({k: v[:1] for k, v in tensors.items()}, 2)
+    blank = {k: v[1:] for k, v in blank.items()}  # one row of padding only
+    out, fillers = [], n
+    for run in torch.tensor_split(torch.arange(n // group), count):
+        real = (run.unsqueeze(1) * group + torch.arange(group)).reshape(-1)
+        extra = rows - len(real)
+        part = {k: torch.cat([v.index_select(0, real), blank[k].expand(extra, *v.shape[1:])])
+                for k, v in tensors.items()}
+        out.append(MicroBatch(part, real.tolist() + list(range(fillers, fillers + extra)), rows * width))
+        fillers += extra
+    return out
+
+
 def padded_share(micros: list[MicroBatch], real_tokens: int) -> float:
     """Return the share of computed tokens that were padding (0 when every token was real)."""
     computed = sum(m.computed_tokens for m in micros)
