@@ -211,11 +211,12 @@ def explain(cfg: RunConfig, model_dir: str | Path | None = None) -> Explanation:
         lay, section = mapping.roles[role], getattr(cfg, role)
         u = _update_sizes(cfg, role, lay.dp, seq_len)
         sizes[role] = u
+        by_tokens = section.micro_batch_tokens and lay.ep == 1  # expert parallelism: padded rows (engine)
         cut = (f"at most {u['micro_batches_per_rank']} micro-batch(es) of at most {section.micro_batch_tokens} tokens"
                f" ({role}.micro_batch_tokens{', packed' if section.remove_padding else ''})"
-               if section.micro_batch_tokens else
-               f"{u['micro_batches_per_rank']} micro-batch(es) of at most {section.micro_batch_size}"
-               f" ({role}.micro_batch_size)")
+               if by_tokens else
+               f"{math.ceil(u['sequences_per_rank'] / section.micro_batch_size)} micro-batch(es) of at most"
+               f" {section.micro_batch_size} ({role}.micro_batch_size{', padded: ep > 1' if lay.ep > 1 else ''})")
         if role == "actor" and "update_actor_dpo" in names:
             lines.append(_dpo_update_line(cfg))
             continue

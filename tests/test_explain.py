@@ -115,3 +115,9 @@ def test_expert_parallelism_divides_only_the_experts_in_the_estimate():
     one, two = (estimate_memory(cfg, layout(ep), 10**6, 320, 64, experts)["actor"] for ep in (1, 2))
     per_param = 16  # fp32 weights, gradients and two AdamW moments
     assert one - two == pytest.approx(experts / 2 * per_param / 2**20, abs=0.15)
+    from hybridlab.explain import explain
+
+    ep2 = load_config(None, [f"model={path}", "trainer.devices=2",
+                             "mapping={pools: {p: {devices: 2}}, roles: {actor: {pool: p, dp: 2, ep: 2},"
+                             " rollout: {pool: p, dp: 2, colocate: e}, reward: {pool: p, dp: 2, colocate: e}}}"])
+    assert "(actor.micro_batch_size, padded: ep > 1)" in explain(ep2, path).text()
