@@ -64,9 +64,11 @@ def shm_in_use() -> set[str]:
 
 def leaked_shm(before: set[str]) -> list[str]:
     """Files that appeared in /dev/shm since ``before`` and that no live process holds: left
-    behind by killed processes (what other tests' live engines make meanwhile is held)."""
+    behind by killed processes (what other tests' live engines make meanwhile is held). A file
+    gone by the end of the scan was not left behind: Python's semaphores (``sem.mp-*``) live in
+    /dev/shm only between their creation and their unlink a moment later, in any process."""
     new = {os.path.join("/dev/shm", name) for name in os.listdir("/dev/shm")} - before
-    return sorted(new - shm_in_use())
+    return sorted(path for path in new - shm_in_use() if os.path.exists(path))
 
 
 def repeatable(line: dict) -> dict:
