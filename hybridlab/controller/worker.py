@@ -11,6 +11,7 @@ import contextlib
 import enum
 import gc
 import os
+import random
 import socket
 import time
 import traceback
@@ -201,8 +202,25 @@ class WorkerHost:
         return self.placement()
 
     def free_port(self) -> int:
-        """Return a TCP port that is free on this node (for the torch.distributed rendezvous)."""
-        with socket.socket() as s:
+        """Return a TCP port that is free on this node (for the torch.distributed rendezvous).
+
+        Chosen at random below the kernel's ephemeral range: a port from ``bind(0)`` is an
+        ephemeral one, which any outgoing connection on the node may take as its source port
+        before the rendezvous listens on it (EADDRINUSE; seen in the test suite)."""
+        try:
+            low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+        except (OSError, ValueError, IndexError):
+            low = 32768
+        pick = random.SystemRandom()
+        for _ in range(64):
+            port = pick.randrange(max(1024, low - 12000), low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("", port))
+                except OSError:
+                    continue
+                return port
+        with socket.socket() as s:  # every try taken: any free port
             s.bind(("", 0))
             return s.getsockname()[1]
 
