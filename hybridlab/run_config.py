@@ -32,6 +32,7 @@ from hybridlab.models.chat import template_file
 from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import CONVERTED, parse_preset
 from hybridlab.tasks import Task, get_task
+from hybridlab.telemetry.trackers import logger_problems
 from hybridlab.workers.reward.scoring import load_function
 from hybridlab.workers.rollout.worker import BACKENDS
 from hybridlab.workers.train.backend import STRATEGIES
@@ -233,6 +234,7 @@ def _trainer_problems(cfg: RunConfig) -> list[str]:
               "trainer.call_deadline_s")
     _at_least(p, cfg, 1, "trainer.keep_checkpoints", "trainer.max_bad_updates")
     _positive(p, cfg, "trainer.call_deadline_floor_s", "trainer.max_minutes")
+    p.extend(logger_problems(cfg.trainer.logger))
     return p
 
 

@@ -42,11 +42,12 @@ def _repeatable(line: dict) -> dict:
 def two_runs(ray_address, tmp_path_factory):
     """The same short seeded run twice, one after the other, on this machine: the first as a user
     types it, the second through `hybridlab bench learn` (which runs that command per seed);
-    returns both run directories, the first's process and the benchmark's JSON."""
+    returns both run directories, the first's process and the benchmark's JSON. The first also
+    logs to W&B (offline) and MLflow: its metrics must still repeat the second's."""
     from hybridlab.cli import main
 
     root = tmp_path_factory.mktemp("train")
-    first = _train(root / "run1", *SHORT_RUN)
+    first = _train(root / "run1", *SHORT_RUN, "trainer.logger=[console,tensorboard,wandb,mlflow]")
     assert first.returncode == 0, first.stderr[-3000:]
     with contextlib.redirect_stdout(io.StringIO()) as printed:
         assert main(["bench", "learn", "--seeds", "0", "--out", str(root / "learn"), "--overrides",
@@ -69,6 +70,29 @@ def test_train_command_writes_the_run_directory(two_runs):
     assert [line["step"] for line in lines if "reward/mean" in line] == [1, 2, 3]
     assert (run_dir / "config.yaml").is_file() and (run_dir / "warm_start" / "config.json").is_file()
     assert summary["config"]["warm_start"]["target_accuracy"] == 0.02
+
+
+def test_the_trackers_got_what_metrics_jsonl_got(two_runs):
+    """Every number of metrics.jsonl, step by step, in W&B's offline run file and in MLflow's
+    file store, with the run's config."""
+    from tests.test_trackers import mlflow_runs, wandb_runs
+
+    (run_dir, _), _, _ = two_runs
+    expected: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        line = json.loads(line)
+        expected.setdefault(line["step"], {}).update(
+            {k: float(v) for k, v in line.items()
+             if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)})
+    assert sorted(expected) == [0, 1, 2, 3] and "reward/mean" in expected[3] and "eval/accuracy" in expected[0]
+    (wandb,) = wandb_runs(run_dir)
+    assert wandb["history"] == expected and wandb["name"] == run_dir.name
+    assert wandb["config"]["warm_start"]["target_accuracy"] == 0.02
+    (mlflow,) = mlflow_runs(run_dir)
+    assert mlflow["params"]["warm_start.target_accuracy"] == "0.02"
+    keys = {k for row in expected.values() for k in row}
+    assert {k: mlflow["metrics"][k.replace("/", ".")] for k in keys} == {
+        k: [(step, row[k]) for step, row in sorted(expected.items()) if k in row] for k in keys}
 
 
 def test_the_run_records_its_environment(two_runs):

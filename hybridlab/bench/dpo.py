@@ -41,7 +41,7 @@ def _ours(model_dir: Path, pairs_file: Path, pairs: int, steps: int, warmup: int
                  f"dpo.beta={beta}", f"actor.precision={precision}", "actor.remove_padding=true",
                  f"actor.micro_batch_tokens={micro_batch_tokens}",
                  "dataflow=[ref_logprob, update_actor_dpo]",  # no rollout to feed: TRL has none either
-                 "trainer.progress=false", "trainer.telemetry=false", "trainer.tensorboard=false"]
+                 "trainer.progress=false", "trainer.telemetry=false", "trainer.logger=[console]"]
     seconds, tokens = [], []
     with tempfile.TemporaryDirectory(prefix="bench-dpo-") as run_dir, \
             RLSession("dpo", [*overrides, f"trainer.run_dir={run_dir}"]) as rl:

@@ -310,7 +310,11 @@ class TrainerConfig:
     seed: int = setting(0, change="fixed", why="the run's random streams were seeded from it when the workers started")
     off_policy: bool = False
     max_staleness: int = 1              # off-policy: rollouts generated ahead (each at most this many updates stale)
-    tensorboard: bool = setting(True, change="fixed", why="the TensorBoard writer is opened (or not) with the session")
+    # verl's key: the trackers fed every step's metrics, of console, tensorboard, wandb, mlflow
+    logger: list = setting(factory=lambda: ["console", "tensorboard"], change="fixed",
+                           why="the trackers are opened with the session")
+    project_name: str = setting("hybridlab", change="fixed", why="the trackers' runs were opened under it")
+    mlflow_uri: str = setting("", change="fixed", why="the MLflow run was opened there")  # "": RUN_DIR/mlruns
     # the hub: spans, metrics, device samples -> telemetry.jsonl
     telemetry: bool = setting(True, change="fixed", why="the telemetry hub is started (or not) with the session")
     devices: int = setting(1, change="remap")

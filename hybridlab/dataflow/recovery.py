@@ -141,7 +141,8 @@ def recover(rl: "RLSession", err: WorkerError, dead: set[str], ctx: "StepContext
         rl.log.close()
         record = checkpoints.prepare_logs(rl.run_dir, ckpt, telemetry=False)
 
-        rl.log = MetricsLog(rl.run_dir, rl.cfg.trainer.tensorboard, purge_after=record["step"])
+        rl.log = MetricsLog(rl.run_dir, "tensorboard" in rl.cfg.trainer.logger, purge_after=record["step"])
+        rl.trackers.rewind(record["step"])
         restarts = rl.worker_restarts  # restarts count for the whole run, rolled back or not
         checkpoints.restore(rl, ckpt, record)
         rl.worker_restarts = restarts

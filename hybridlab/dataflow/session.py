@@ -15,6 +15,7 @@ depends on the session, never the other way round.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -46,6 +47,7 @@ from hybridlab.explain import explain
 from hybridlab.models.chat import check_chat, use_template
 from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import resolve_model
+from hybridlab.telemetry.trackers import Trackers
 from hybridlab.protocol import Batch
 from hybridlab.run_config import dataflow_names, default_mapping, load_config, training_strategy, validate_config
 from hybridlab.telemetry.metrics import MetricsLog
@@ -79,6 +81,7 @@ class RLSession(Stepping, LiveEdits):
         self.ahead = RolloutAhead()  # off-policy: the next steps' rollouts, submitted ahead
         self.telemetry = RunTelemetry(self.run_dir)  # the hub, span stream, live reporter (trainer.telemetry)
         self.log = None        # MetricsLog, once started
+        self.trackers = Trackers([])  # W&B and MLflow (trainer.logger), once started
         self._stop_requested = False
         self._training = False     # a train() loop runs (in this thread or a background one)
         self.bad_updates = 0           # optimizer steps skipped for a NaN or inf, in all
@@ -146,8 +149,11 @@ class RLSession(Stepping, LiveEdits):
         record = None
         if self._resume_from is not None:  # logs back to the checkpoint before anything appends
             record = checkpoints.prepare_logs(self.run_dir, self._resume_from)
-        self.log = MetricsLog(self.run_dir, self.cfg.trainer.tensorboard,
+        self.log = MetricsLog(self.run_dir, "tensorboard" in self.cfg.trainer.logger,
                               purge_after=record["step"] if record else None)
+        t = self.cfg.trainer
+        self.trackers = Trackers.open(t.logger, self.run_dir, dataclasses.asdict(self.cfg), t.project_name,
+                                      t.mlflow_uri, resumed_at=record["step"] if record else None)
         if record is not None:
             checkpoints.restore(self, self._resume_from, record)
             self._train_state = record["train"]
@@ -198,6 +204,7 @@ class RLSession(Stepping, LiveEdits):
 
     def _emit(self, kind: str, record: dict) -> None:
         self.telemetry.emit(kind, record)
+        self.trackers.event(kind, record, self.step_count)
 
     def dashboard(self):
         """Return the live dashboard of this run (display it in a notebook cell); its one
@@ -219,6 +226,7 @@ class RLSession(Stepping, LiveEdits):
         if getattr(self, "log", None) is not None:
             self.log.close()
             self.log = None
+        self.trackers.close()
         self.telemetry.close()
 
     def __enter__(self) -> "RLSession":

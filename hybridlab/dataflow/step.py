@@ -78,6 +78,7 @@ class Stepping:
         self.history.append({"step": self.step_count, **metrics})
         del self.history[:-HISTORY_STEPS]  # bounded: metrics.jsonl keeps every step
         self.log.write(self.step_count, metrics)
+        self.trackers.log(self.step_count, metrics)
         self._emit("metrics", {"step": self.step_count, **metrics})
         result = StepResult(self.step_count, batch, metrics, trace)
         for callback in list(self.step_callbacks):

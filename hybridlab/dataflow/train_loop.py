@@ -115,6 +115,7 @@ def record_eval(rl: "RLSession", curve: list[dict], seconds: float) -> dict:
     ev = rl.evaluate()
     curve.append({"step": rl.step_count, "accuracy": ev["accuracy"], "seconds": round(seconds, 1)})
     rl.log.write(rl.step_count, {"eval/accuracy": ev["accuracy"]})
+    rl.trackers.log(rl.step_count, {"eval/accuracy": ev["accuracy"]})
     rl._emit("eval", {"step": rl.step_count, "accuracy": ev["accuracy"]})
     return ev
 
