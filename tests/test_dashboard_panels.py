@@ -177,6 +177,39 @@ def test_the_moe_panel_waits_with_a_reason_then_plots_balance_and_the_latest_tok
     assert moe.source.data["step"] == [2]
 
 
+def test_smoothing_is_tensorboards_exponential_average_live_and_after_a_roll_back(tmp_path):
+    def smoothed(values, w):  # TensorBoard's: the running average, divided by 1 - w^n
+        out, last = [], 0.0
+        for n, v in enumerate(values, 1):
+            last = last * w + (1 - w) * v
+            out.append(last / (1 - w ** n))
+        return out
+
+    rewards = [0.0, 1.0, 0.0, 1.0, 0.5]
+    run_dir = write_run(tmp_path / "run", [{"kind": "run", "name": "r", "mapping": {}}])
+    board = dash.Dashboard(run_dir, control=False)
+    with (run_dir / "telemetry.jsonl").open("a") as f:
+        f.writelines(json.dumps({**step_record(s, time.time()), "reward/mean": rewards[s - 1]}) + "\n"
+                     for s in (1, 2, 3))
+    board.update()
+    assert board.smoothing.value == 0.6
+    assert board.curves.data["reward_smooth"] == pytest.approx(smoothed(rewards[:3], 0.6))
+    with (run_dir / "telemetry.jsonl").open("a") as f:  # streamed later: the average goes on
+        f.writelines(json.dumps({**step_record(s, time.time()), "reward/mean": rewards[s - 1]}) + "\n" for s in (4, 5))
+    board.update()
+    assert board.curves.data["reward_smooth"] == pytest.approx(smoothed(rewards, 0.6))
+    board.smoothing.value = 0.0  # no smoothing: the values themselves
+    assert board.curves.data["reward_smooth"] == pytest.approx(rewards) and board.curves.data["reward"] == rewards
+    board.smoothing.value = 0.9
+    assert board.curves.data["reward_smooth"] == pytest.approx(smoothed(rewards, 0.9))
+    with (run_dir / "telemetry.jsonl").open("a") as f:  # a roll-back to step 2, then step 3 again
+        f.write(json.dumps({"kind": "restart", "step": 5, "role": "actor", "rank": 0, "failure": "died",
+                            "recreated": ["actor"], "rolled_back_to": 2, "time": time.time()}) + "\n")
+        f.write(json.dumps({**step_record(3, time.time()), "reward/mean": 0.25}) + "\n")
+    board.update()
+    assert board.curves.data["reward_smooth"] == pytest.approx(smoothed([0.0, 1.0, 0.25], 0.9))
+
+
 def test_the_stack_button_asks_the_controller_and_shows_the_files(tmp_path):
     from hybridlab.telemetry.live import LiveReporter
 

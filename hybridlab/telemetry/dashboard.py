@@ -17,7 +17,8 @@ from pathlib import Path
 from hybridlab.telemetry.agent_panel import AgentPanel
 from hybridlab.telemetry.moe_panel import MoEPanel
 from hybridlab.telemetry.hub import find_hub, read_records
-from hybridlab.telemetry.panels import BusyPanel, MemoryPanel, MismatchPanel, ReshardPanel, RolloutPanel, RunningPanel
+from hybridlab.telemetry.panels import (BusyPanel, MemoryPanel, MismatchPanel, ReshardPanel, RolloutPanel,
+                                       RunningPanel, ema)
 
 STAGE_COLORS = {"generate": "#4e79a7", "reward": "#f28e2b", "reward_model": "#f28e2b", "remax_baseline": "#edc948",
                 "old_logprob": "#59a14f", "rollout_as_old_logprob": "#59a14f", "ref_logprob": "#76b7b2",
@@ -73,17 +74,23 @@ class Dashboard:
         self.mapping_pane = pn.pane.Markdown("", name="mapping")  # the current device mapping
         self.remaps: list[dict] = []
         self.resumes: list[dict] = []
-        self.curves = ColumnDataSource({"step": [], "reward": [], "accuracy": []})
+        self.curves = ColumnDataSource({"step": [], "reward": [], "accuracy": [], "reward_smooth": [],
+                                        "accuracy_smooth": []})
+        self.smoothing = pn.widgets.FloatSlider(label="smoothing (exponential, as TensorBoard's)", start=0.0,
+                                                end=0.99, step=0.01, value=0.6, width=280)
+        self.smoothing.param.watch(lambda _: self._resmooth(), "value")
+        self._ema: dict[str, tuple] = {"reward": (0.0, 0), "accuracy": (0.0, 0)}
         self.evals = ColumnDataSource({"step": [], "accuracy": []})
         self.spans = ColumnDataSource({"worker": [], "left": [], "right": [], "stage": [], "color": []})
         self.sync = ColumnDataSource({"step": [], "mb": [], "seconds": []})
         self.devices: dict[str, ColumnDataSource] = {}
 
         common = dict(height=260, sizing_mode="stretch_width", toolbar_location="above")
-        self.reward_fig = figure(title="reward and accuracy per step", x_axis_label="step", **common)
-        self.reward_fig.line("step", "reward", source=self.curves, legend_label="mean reward", color="#4e79a7")
-        self.reward_fig.line("step", "accuracy", source=self.curves, legend_label="sample accuracy",
-                             color="#59a14f")
+        self.reward_fig = figure(title="reward and accuracy per step (faint: each step; solid: smoothed)",
+                                 x_axis_label="step", **common)
+        for column, label, color in (("reward", "mean reward", "#4e79a7"), ("accuracy", "sample accuracy", "#59a14f")):
+            self.reward_fig.line("step", column, source=self.curves, color=color, alpha=0.25, legend_label=label)
+            self.reward_fig.line("step", f"{column}_smooth", source=self.curves, color=color, legend_label=label)
         self.reward_fig.scatter("step", "accuracy", source=self.evals, legend_label="greedy test accuracy",
                                 color="#e15759", size=7)
         self.reward_fig.legend.location = "top_left"
@@ -109,11 +116,19 @@ class Dashboard:
         row = dict(sizing_mode="stretch_width")
         self.layout = pn.Column(
             self.status, self.mapping_pane, self.running.layout,
-            pn.Row(self.reward_fig, self.sync_fig, **row), self.gantt_fig, self.memory.alarm, self.memory.fig,
+            self.smoothing, pn.Row(self.reward_fig, self.sync_fig, **row), self.gantt_fig, self.memory.alarm,
+            self.memory.fig,
             pn.Row(self.device_fig, self.busy.fig, **row), pn.Row(self.rollout.lengths, self.rollout.speed, **row),
             self.agent.layout, self.moe.layout,
             pn.Row(self.reshard.fig, pn.Column(self.reshard.caption, **row), **row), self.mismatch.fig,
             pn.Card(self.explanation, title="config explained", collapsed=True, **row), **row)
+
+    def _resmooth(self) -> None:
+        """Smooth the curves anew (the smoothing changed, or a roll-back cut them)."""
+        data = dict(self.curves.data)
+        for column in ("reward", "accuracy"):
+            data[f"{column}_smooth"], self._ema[column] = ema(list(data[column]), self.smoothing.value)
+        self.curves.data = data
 
     def stop(self) -> None:
         """Stop polling (a notebook's dashboard has no server session that would end it)."""
@@ -183,10 +198,11 @@ class Dashboard:
             elif kind == "device":
                 devices.setdefault(f"{r['device']} {r['role']} r{r['rank']}", []).append(r)
         if curves:
-            self.curves.stream({"step": [r["step"] for r in curves],
-                                "reward": [r.get("reward/mean", float("nan")) for r in curves],
-                                "accuracy": [r.get("accuracy", float("nan")) for r in curves]},
-                               rollover=ROLLOVER["curves"])
+            new = {"reward": [r.get("reward/mean", float("nan")) for r in curves],
+                   "accuracy": [r.get("accuracy", float("nan")) for r in curves]}
+            for column in ("reward", "accuracy"):
+                new[f"{column}_smooth"], self._ema[column] = ema(new[column], self.smoothing.value, self._ema[column])
+            self.curves.stream({"step": [r["step"] for r in curves], **new}, rollover=ROLLOVER["curves"])
         if evals:
             self.evals.stream({"step": [r["step"] for r in evals], "accuracy": [r["accuracy"] for r in evals]},
                               rollover=ROLLOVER["evals"])
@@ -243,6 +259,7 @@ class Dashboard:
                            self.moe.source):
                 keep = [i for i, step in enumerate(source.data["step"]) if step <= back]
                 source.data = {k: [v[i] for i in keep] for k, v in source.data.items()}
+            self._resmooth()  # the smoothing state continues from the kept steps
         self.reward_fig.add_layout(Span(location=r.get("step", self.step) + 0.5, dimension="height",
                                         line_dash="dashdot", line_color="#c62828", line_width=2))
 

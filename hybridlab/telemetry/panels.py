@@ -16,6 +16,21 @@ from hybridlab.telemetry.memory import leak_check
 ROLLOVER = {"memory": 3600, "markers": 2000, "busy": 5000, "lengths": 5000, "matrix": 4096, "mismatch": 5000,
             "agent": 5000, "moe": 5000}
 COMMON = dict(height=240, sizing_mode="stretch_width", toolbar_location="above")
+
+
+def ema(values: list[float], weight: float, state: tuple[float, int] = (0.0, 0)) -> tuple[list[float], tuple]:
+    """Return TensorBoard's smoothing of ``values`` (an exponential moving average of ``weight``,
+    debiased so the first points are not pulled toward 0; NaN and inf pass through as they are)
+    and the state to continue it with the next values."""
+    last, n = state
+    out = []
+    for value in values:
+        if value != value or value in (float("inf"), float("-inf")):
+            out.append(value)
+            continue
+        last, n = last * weight + (1 - weight) * value, n + 1
+        out.append(last / (1 - weight ** n))
+    return out, (last, n)
 STACK_CHARS = 6000     # of each stack file shown on the page (the file has all of it)
 
 
