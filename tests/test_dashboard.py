@@ -124,7 +124,7 @@ PAGE_SOURCES = """() => {
   }
   return sizes;
 }"""
-PANEL_COLUMNS = ["accuracy,reward,step",                          # reward curves
+PANEL_COLUMNS = ["accuracy,accuracy_smooth,reward,reward_smooth,step",  # reward curves, raw and smoothed
                  "color,left,right,stage,worker",                 # phase timeline
                  "memory_mb,t,util",                              # device utilization
                  "gpu_mb,mb,t",                                   # memory per worker

@@ -177,6 +177,20 @@ def test_the_moe_panel_waits_with_a_reason_then_plots_balance_and_the_latest_tok
     assert moe.source.data["step"] == [2]
 
 
+def test_the_mismatch_panel_says_why_it_is_empty_until_a_step_measures_the_mismatch(tmp_path):
+    run_dir = write_run(tmp_path / "run", [{"kind": "run", "name": "r", "mapping": {}}, step_record(1, time.time())])
+    board = dash.Dashboard(run_dir, control=False)
+    board.update()
+    mismatch = board.mismatch
+    assert mismatch.note.visible and not mismatch.fig.visible and "`old_logprob`" in mismatch.note.object
+    with (run_dir / "telemetry.jsonl").open("a") as f:
+        f.write(json.dumps({**step_record(2, time.time()), "rollout_corr/kl": 0.01, "rollout_corr/k3_kl": 0.02,
+                            "rollout_corr/rollout_is_mean": 1.0}) + "\n")
+    board.update()
+    assert not mismatch.note.visible and mismatch.fig.visible
+    assert (mismatch.source.data["step"], mismatch.source.data["kl"]) == ([2], [0.01])
+
+
 def test_smoothing_is_tensorboards_exponential_average_live_and_after_a_roll_back(tmp_path):
     def smoothed(values, w):  # TensorBoard's: the running average, divided by 1 - w^n
         out, last = [], 0.0

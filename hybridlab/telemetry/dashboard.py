@@ -120,7 +120,7 @@ class Dashboard:
             self.memory.fig,
             pn.Row(self.device_fig, self.busy.fig, **row), pn.Row(self.rollout.lengths, self.rollout.speed, **row),
             self.agent.layout, self.moe.layout,
-            pn.Row(self.reshard.fig, pn.Column(self.reshard.caption, **row), **row), self.mismatch.fig,
+            pn.Row(self.reshard.fig, pn.Column(self.reshard.caption, **row), **row), self.mismatch.layout,
             pn.Card(self.explanation, title="config explained", collapsed=True, **row), **row)
 
     def _resmooth(self) -> None:

@@ -225,12 +225,18 @@ class RolloutPanel:
                                rollover=ROLLOVER["lengths"])
 
 
+MISMATCH_WAITING = ("*no rollout-vs-trainer metrics yet: they come from steps that recompute the old log-probs"
+                    " (`old_logprob`) or run rollout correction in bypass mode; this run's steps take the"
+                    " rollout's log-probs as they are*")
+
+
 class MismatchPanel:
     """The rollout-vs-trainer mismatch per step (``rollout_corr/`` metrics): KL and k3-KL of the
     log-probs, the mean IS weight and the rejected share of tokens, when the step measured them
     (a step that recomputes old log-probs, or rollout correction in bypass mode)."""
 
     def __init__(self):
+        import panel as pn
         from bokeh.models import ColumnDataSource, LinearAxis, Range1d
         from bokeh.plotting import figure
 
@@ -246,11 +252,15 @@ class MismatchPanel:
         self.fig.vbar(x="step", top="rejected_pct", width=0.8, source=self.source, y_range_name="right",
                       color="#e15759", alpha=0.4, legend_label="rejected % / 100")
         self.fig.legend.location = "top_left"
+        self.fig.visible = False  # until a step measures the mismatch; the note says why it is empty
+        self.note = pn.pane.Markdown(MISMATCH_WAITING, name="mismatch note")
+        self.layout = pn.Column(self.note, self.fig, sizing_mode="stretch_width")
 
     def feed(self, records: list[dict]) -> None:
-        """Stream the mismatch metrics of new steps that have them."""
+        """Stream the mismatch metrics of new steps that have them (the first shows the plot)."""
         rows = [r for r in records if r.get("kind") == "metrics" and "rollout_corr/kl" in r]
         if rows:
+            self.note.visible, self.fig.visible = False, True
             nan = float("nan")
             self.source.stream({"step": [r["step"] for r in rows], "kl": [r["rollout_corr/kl"] for r in rows],
                                 "k3_kl": [r.get("rollout_corr/k3_kl", nan) for r in rows],
