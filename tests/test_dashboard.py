@@ -160,8 +160,8 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
                 later = _status_step(page)
             assert later > first, f"status stayed at step {first}"
             page.locator("canvas").first.wait_for(timeout=20_000)
-            assert page.locator("canvas").count() >= 10  # reward, sync, phases, memory, devices, busy, rollout x2,
-            #                                               sync plan, mismatch
+            assert page.locator("canvas:visible").count() >= 4  # Overview: reward, seconds by stage, tokens/s, busy
+            page.get_by_text("Stuck calls", exact=True).click()
             page.get_by_text("running for").first.wait_for(timeout=30_000)  # a call in flight, in the table
             sizes = page.evaluate(PAGE_SOURCES)  # what the browser's Bokeh document holds, per data source
             for columns in PANEL_COLUMNS:
@@ -170,7 +170,10 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
             page.get_by_text("most recent call first").first.wait_for(timeout=30_000)  # the workers' stacks
             assert sorted(p.name for p in (rl.run_dir / "stacks").glob("*-rank0-pid*.txt"))
             ARTIFACTS.mkdir(exist_ok=True)
-            page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+            for tab, name in (("Overview", "dashboard.png"), ("Mapping and resharding", "dashboard-mapping.png")):
+                page.get_by_text(tab, exact=True).click()
+                page.locator("canvas:visible").first.wait_for(timeout=20_000)
+                page.screenshot(path=str(ARTIFACTS / name), full_page=True)
             browser.close()
     finally:
         if run is not None:
@@ -178,6 +181,7 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
             rl.train(1)  # evaluations and a summary, which the tests below read from the run's files
         server.stop()
     assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
+    assert (ARTIFACTS / "dashboard-mapping.png").stat().st_size > 10_000
 
 
 def _stepping(rl):

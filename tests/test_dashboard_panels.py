@@ -177,6 +177,32 @@ def test_the_moe_panel_waits_with_a_reason_then_plots_balance_and_the_latest_tok
     assert moe.source.data["step"] == [2]
 
 
+def test_sections_the_training_panel_and_the_stuck_calls_alarm(tmp_path):
+    run_dir = write_run(tmp_path / "run", [{"kind": "run", "name": "r", "mapping": {}}])
+    board = dash.Dashboard(run_dir, control=False)
+    assert board.tabs._names == ["Overview", "Rollouts", "Training", "Mapping and resharding", "System",
+                                 "Stuck calls", "Config"]
+    steps = [{**step_record(1, time.time()), "actor/pg_loss": 0.5, "actor/grad_norm": 2.0, "timing/generate_s": 1.5,
+              "timing/update_actor_s": 0.5},
+             {**step_record(2, time.time()), "actor/pg_loss": 0.25, "actor/entropy": 1.1, "timing/generate_s": 1.0,
+              "timing/update_actor_s": 0.25, "timing/sync_weights_s": 0.125}]
+    call = {"role": "actor", "ranks": [0], "method": "update_actor", "stage": "update_actor",
+            "start": time.time() - 30, "deadline_s": 10.0}
+    with (run_dir / "telemetry.jsonl").open("a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in (*steps, {"kind": "running", "calls": [call]}))
+    board.update()
+    training = board.training.source.data
+    assert training["step"] == [1, 2] and training["actor/pg_loss"] == [0.5, 0.25]
+    assert training["actor/grad_norm"][0] == 2.0 and math.isnan(training["actor/grad_norm"][1])
+    assert board.training.stages == ["generate", "sync_weights", "update_actor"]  # timing/step_s is not a stage
+    assert board.training.timing.data["sync_weights"] == [0.0, 0.125]  # no sync in step 1: 0 s
+    assert board.tabs._names[5] == "⚠ Stuck calls: a call is late"  # 30 s into a 10 s deadline
+    with (run_dir / "telemetry.jsonl").open("a") as f:
+        f.write(json.dumps({"kind": "running", "calls": []}) + "\n")
+    board.update()
+    assert board.tabs._names[5] == "Stuck calls"
+
+
 def test_the_mismatch_panel_says_why_it_is_empty_until_a_step_measures_the_mismatch(tmp_path):
     run_dir = write_run(tmp_path / "run", [{"kind": "run", "name": "r", "mapping": {}}, step_record(1, time.time())])
     board = dash.Dashboard(run_dir, control=False)

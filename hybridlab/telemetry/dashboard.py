@@ -16,6 +16,7 @@ from pathlib import Path
 
 from hybridlab.telemetry.agent_panel import AgentPanel
 from hybridlab.telemetry.moe_panel import MoEPanel
+from hybridlab.telemetry.training_panel import TrainingPanel
 from hybridlab.telemetry.hub import find_hub, read_records
 from hybridlab.telemetry.panels import (BusyPanel, MemoryPanel, MismatchPanel, ReshardPanel, RolloutPanel,
                                        RunningPanel, ema)
@@ -25,6 +26,7 @@ STAGE_COLORS = {"generate": "#4e79a7", "reward": "#f28e2b", "reward_model": "#f2
                 "values": "#b07aa1", "update_critic": "#ff9da7", "update_actor": "#e15759",
                 "sync_weights": "#9c755f", "filter_groups": "#bab0ac", "evaluate": "#79706e"}
 GANTT_SPANS = 600          # spans kept in the timeline (about the last few steps)
+STUCK, STUCK_ALARM = "Stuck calls", "⚠ Stuck calls: a call is late"  # the tab, and its title when alarmed
 ROLLOVER = {"curves": 100_000, "evals": 10_000, "sync": 100_000, "devices": 3600}  # points kept per source
 POLL_MS = 1000
 
@@ -110,18 +112,25 @@ class Dashboard:
         self.memory.fig.x_range = self.gantt_fig.x_range  # the phases above are the memory's phase markers
         self.busy, self.rollout, self.reshard = BusyPanel(), RolloutPanel(), ReshardPanel()
         self.mismatch, self.agent, self.moe = MismatchPanel(), AgentPanel(), MoEPanel()
+        self.training = TrainingPanel()
         self.panels = [self.running, self.memory, self.busy, self.rollout, self.reshard, self.mismatch, self.agent,
-                       self.moe]
+                       self.moe, self.training]
         self.explanation = pn.pane.Markdown("", name="explanation", sizing_mode="stretch_width")
         row = dict(sizing_mode="stretch_width")
-        self.layout = pn.Column(
-            self.status, self.mapping_pane, self.running.layout,
-            self.smoothing, pn.Row(self.reward_fig, self.sync_fig, **row), self.gantt_fig, self.memory.alarm,
-            self.memory.fig,
-            pn.Row(self.device_fig, self.busy.fig, **row), pn.Row(self.rollout.lengths, self.rollout.speed, **row),
-            self.agent.layout, self.moe.layout,
-            pn.Row(self.reshard.fig, pn.Column(self.reshard.caption, **row), **row), self.mismatch.layout,
-            pn.Card(self.explanation, title="config explained", collapsed=True, **row), **row)
+        self.sections = {  # what each tab shows (docs/dashboard.md has the table)
+            "Overview": pn.Column(self.memory.alarm, self.smoothing,
+                                  pn.Row(self.reward_fig, self.training.time_fig, **row),
+                                  pn.Row(self.rollout.speed, self.busy.fig, **row), self.mapping_pane, **row),
+            "Rollouts": pn.Column(self.rollout.lengths, self.agent.layout, **row),
+            "Training": pn.Column(self.training.layout, self.mismatch.layout, self.moe.layout, **row),
+            "Mapping and resharding": pn.Column(pn.Row(self.reshard.fig, pn.Column(self.reshard.caption, **row), **row),
+                                                self.sync_fig, **row),
+            "System": pn.Column(self.memory.fig, self.device_fig, self.gantt_fig, **row),
+            STUCK: self.running.layout,
+            "Config": self.explanation,
+        }
+        self.tabs = pn.Tabs(*self.sections.items(), dynamic=False, **row)
+        self.layout = pn.Column(self.status, self.tabs, **row)
 
     def _resmooth(self) -> None:
         """Smooth the curves anew (the smoothing changed, or a roll-back cut them)."""
@@ -166,6 +175,7 @@ class Dashboard:
         records = self.source.poll()
         if not records:
             self.running.feed([])  # the ages of the calls in flight still grow
+            self._alarm()
             return
         curves, evals, spans, sync = ([] for _ in range(4))
         devices: dict[str, list[dict]] = {}
@@ -218,6 +228,13 @@ class Dashboard:
         for label, rows in devices.items():
             self._stream_device(label, rows)
         self.status.object = self._status_text()
+        self._alarm()
+
+    def _alarm(self) -> None:
+        """Title the Stuck calls tab as alarmed while a call is past its deadline (and back)."""
+        title, index = STUCK_ALARM if self.running.late() else STUCK, list(self.sections).index(STUCK)
+        if self.tabs._names[index] != title:
+            self.tabs[index] = (title, self.running.layout)
 
     def _mark_remap(self, r: dict) -> None:
         """Show the new mapping and mark the remap on the curves (a dashed line at its step)."""

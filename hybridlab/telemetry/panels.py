@@ -14,7 +14,7 @@ from hybridlab.telemetry.live import request_stacks
 from hybridlab.telemetry.memory import leak_check
 
 ROLLOVER = {"memory": 3600, "markers": 2000, "busy": 5000, "lengths": 5000, "matrix": 4096, "mismatch": 5000,
-            "agent": 5000, "moe": 5000}
+            "agent": 5000, "moe": 5000, "training": 100_000}
 COMMON = dict(height=240, sizing_mode="stretch_width", toolbar_location="above")
 
 
@@ -71,6 +71,11 @@ class RunningPanel:
                 self.stack_files = r.get("files", [])
                 self.stacks.object = self._stacks_text(r)
         self.table.object = self._html()
+
+    def late(self, now: float | None = None) -> bool:
+        """Return True while a call in flight is past its stuck-call deadline."""
+        now = time.time() if now is None else now
+        return any(now - c["start"] > c["deadline_s"] for c in self.calls)
 
     def _html(self, now: float | None = None) -> str:
         now = time.time() if now is None else now
