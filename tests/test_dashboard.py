@@ -96,7 +96,7 @@ def _assert_shows_the_run(served: dict, rl, steps: list[int]) -> None:
     """The page is this run's dashboard: its status line and its reward curve, one row per step."""
     shown = re.search(rf"run {re.escape(rl.cfg.name)} · RL step (\d+) · mean reward", served["text"])
     assert shown and int(shown.group(1)) == steps[-1], served["text"][:2000]
-    assert served["sizes"].get("accuracy,reward,step") == len(steps) == steps[-1]
+    assert served["sizes"].get("accuracy,accuracy_smooth,reward,reward_smooth,step") == len(steps) == steps[-1]
 
 
 def _status_step(page) -> int:
@@ -162,7 +162,7 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
             page.locator("canvas").first.wait_for(timeout=20_000)
             assert page.locator("canvas:visible").count() >= 4  # Overview: reward, seconds by stage, tokens/s, busy
             page.get_by_text("Stuck calls", exact=True).click()
-            page.get_by_text("running for").first.wait_for(timeout=30_000)  # a call in flight, in the table
+            page.get_by_text("running for").first.wait_for(timeout=60_000)  # a call in flight, in the table
             sizes = page.evaluate(PAGE_SOURCES)  # what the browser's Bokeh document holds, per data source
             for columns in PANEL_COLUMNS:
                 assert sizes.get(columns, 0) > 0, f"no data in the page's source with columns {columns}: {sizes}"
@@ -409,6 +409,7 @@ def test_the_login_form_works_in_the_browser(rl, tmp_path, monkeypatch):
             page.fill("input[name=password]", "s3cret-pass")
             page.locator("input[name=password]").press("Enter")
             page.get_by_text(re.compile(r"RL step \d+ · mean reward")).first.wait_for(timeout=60_000)
+            page.get_by_text("Stuck calls", exact=True).click()  # the stack button's section
             page.get_by_role("button", name="Write every worker's stacks").wait_for(timeout=10_000)  # logged in
             browser.close()
     finally:
