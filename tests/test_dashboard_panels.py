@@ -35,6 +35,14 @@ def step_record(step: int, t: float) -> dict:
             "perf/device_busy/gpu1": 0.25}
 
 
+def board_after_one_step(tmp_path: Path):
+    """A run directory whose telemetry holds its run record and step 1, and its dashboard after a poll."""
+    run_dir = write_run(tmp_path / "run", [{"kind": "run", "name": "r", "mapping": {}}, step_record(1, time.time())])
+    board = dash.Dashboard(run_dir, control=False)
+    board.update()
+    return run_dir, board
+
+
 def test_busy_fraction_is_the_union_of_the_calls_on_each_device():
     assert union_seconds([(0, 2), (1, 3), (5, 6)]) == 4
     spans = [Span("actor", 0, "update", 1.0, 3.0), Span("rollout", 0, "generate", 2.0, 5.0),  # overlap on GPU 0
@@ -159,9 +167,7 @@ def test_the_moe_panel_waits_with_a_reason_then_plots_balance_and_the_latest_tok
                 "actor/moe/expert_load_max": max(tokens) / mean,
                 **{f"actor/moe/expert_tokens/{e}": n for e, n in enumerate(tokens)}}
 
-    run_dir = write_run(tmp_path / "run", [{"kind": "run", "name": "r", "mapping": {}}, step_record(1, time.time())])
-    board = dash.Dashboard(run_dir, control=False)
-    board.update()
+    run_dir, board = board_after_one_step(tmp_path)
     moe = board.moe
     assert moe.note.visible and not moe.figures.visible and "no routed experts" in moe.note.object
     with (run_dir / "telemetry.jsonl").open("a") as f:
@@ -204,9 +210,7 @@ def test_sections_the_training_panel_and_the_stuck_calls_alarm(tmp_path):
 
 
 def test_the_mismatch_panel_says_why_it_is_empty_until_a_step_measures_the_mismatch(tmp_path):
-    run_dir = write_run(tmp_path / "run", [{"kind": "run", "name": "r", "mapping": {}}, step_record(1, time.time())])
-    board = dash.Dashboard(run_dir, control=False)
-    board.update()
+    run_dir, board = board_after_one_step(tmp_path)
     mismatch = board.mismatch
     assert mismatch.note.visible and not mismatch.fig.visible and "`old_logprob`" in mismatch.note.object
     with (run_dir / "telemetry.jsonl").open("a") as f:
