@@ -62,7 +62,7 @@ class Dashboard:
     def __init__(self, run_dir: str | Path, control: bool = True):
         """``control``: show the stack-dump button (localhost, or a logged-in user elsewhere)."""
         import panel as pn
-        from bokeh.models import ColumnDataSource, FactorRange
+        from bokeh.models import ColumnDataSource
         from bokeh.plotting import figure
 
         self.source = RecordSource(run_dir)
@@ -96,6 +96,26 @@ class Dashboard:
         self.reward_fig.scatter("step", "accuracy", source=self.evals, legend_label="greedy test accuracy",
                                 color="#e15759", size=7)
         self.reward_fig.legend.location = "top_left"
+        self._system_figures(common)
+        self.running = RunningPanel(Path(run_dir), control)
+        self.memory = MemoryPanel(self._clock)
+        self.memory.fig.x_range = self.gantt_fig.x_range  # the phases above are the memory's phase markers
+        self.busy, self.rollout, self.reshard = BusyPanel(), RolloutPanel(), ReshardPanel()
+        self.mismatch, self.agent, self.moe = MismatchPanel(), AgentPanel(), MoEPanel()
+        self.training = TrainingPanel()
+        self.panels = [self.running, self.memory, self.busy, self.rollout, self.reshard, self.mismatch, self.agent,
+                       self.moe, self.training]
+        self.explanation = pn.pane.Markdown("", name="explanation", sizing_mode="stretch_width")
+        row = dict(sizing_mode="stretch_width")
+        self.sections = self._sections(pn, row)
+        self.tabs = pn.Tabs(*self.sections.items(), dynamic=False, **row)
+        self.layout = pn.Column(self.status, self.tabs, **row)
+
+    def _system_figures(self, common: dict) -> None:
+        """Make the worker-phase, device-utilization and weight-sync figures."""
+        from bokeh.models import FactorRange
+        from bokeh.plotting import figure
+
         self.gantt_fig = figure(title="worker phases (last steps)", y_range=FactorRange(), x_axis_label="seconds",
                                 **common)
         self.gantt_fig.hbar(y="worker", left="left", right="right", height=0.7, color="color", legend_field="stage",
@@ -107,17 +127,10 @@ class Dashboard:
                                x_axis_label="step", **common)
         self.sync_fig.vbar(x="step", top="mb", width=0.8, source=self.sync, color="#9c755f")
         self.sync_fig.line(x="step", y="seconds", source=self.sync, color="#000000")
-        self.running = RunningPanel(Path(run_dir), control)
-        self.memory = MemoryPanel(self._clock)
-        self.memory.fig.x_range = self.gantt_fig.x_range  # the phases above are the memory's phase markers
-        self.busy, self.rollout, self.reshard = BusyPanel(), RolloutPanel(), ReshardPanel()
-        self.mismatch, self.agent, self.moe = MismatchPanel(), AgentPanel(), MoEPanel()
-        self.training = TrainingPanel()
-        self.panels = [self.running, self.memory, self.busy, self.rollout, self.reshard, self.mismatch, self.agent,
-                       self.moe, self.training]
-        self.explanation = pn.pane.Markdown("", name="explanation", sizing_mode="stretch_width")
-        row = dict(sizing_mode="stretch_width")
-        self.sections = {  # what each tab shows (docs/dashboard.md has the table)
+
+    def _sections(self, pn, row: dict) -> dict:
+        """Return what each tab shows (docs/dashboard.md has the table)."""
+        return {
             "Overview": pn.Column(self.memory.alarm, self.smoothing,
                                   pn.Row(self.reward_fig, self.training.time_fig, **row),
                                   pn.Row(self.rollout.speed, self.busy.fig, **row), self.mapping_pane, **row),
@@ -129,8 +142,6 @@ class Dashboard:
             STUCK: self.running.layout,
             "Config": self.explanation,
         }
-        self.tabs = pn.Tabs(*self.sections.items(), dynamic=False, **row)
-        self.layout = pn.Column(self.status, self.tabs, **row)
 
     def _resmooth(self) -> None:
         """Smooth the curves anew (the smoothing changed, or a roll-back cut them)."""
