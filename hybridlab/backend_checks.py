@@ -8,7 +8,7 @@ from pathlib import Path
 from hybridlab.config import RunConfig
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.errors import UserError
-from hybridlab.models.zoo import CONVERTED, parse_preset
+from hybridlab.models.zoo import CONVERTED, model_config, parse_preset
 from hybridlab.workers.train.backend import STRATEGIES, resolve_strategy
 from hybridlab.workers.train.lora import SYNC_MODES
 
@@ -41,7 +41,7 @@ def _model_type(model: str) -> str | None:
     try:
         if Path(model).is_dir():
             return json.loads((Path(model) / "config.json").read_text()).get("model_type")
-        return {"qwen3moe": "qwen3_moe"}.get(parse_preset(model)[1], parse_preset(model)[1])
+        return model_config(*parse_preset(model)).model_type
     except (OSError, ValueError, UserError):
         return None
 

@@ -24,6 +24,7 @@ from hybridlab.dataflow.prompts import load_samples
 from hybridlab.models.chat import prompt_ids, use_template
 from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import resolve_model
+from hybridlab.reshard.plan import hf_shapes
 from hybridlab.run_config import dataflow_names, default_mapping, training_strategy, validate_config
 
 # Where each constant comes from.
@@ -106,10 +107,9 @@ def _update_sizes(cfg: RunConfig, role: str, dp: int, seq_len: int) -> dict:
             "micro_batches_per_rank": math.ceil(per_rank / rows), "micro_rows": min(per_rank, rows)}
 
 
-def expert_parameter_count(spec) -> int:
+def expert_parameter_count(spec: ModelSpec) -> int:
     """Return how many of a model's parameters are routed experts' (0 for a dense model)."""
-    moe = getattr(spec, "moe", None)
-    return 0 if moe is None else len(moe.sparse_layers) * moe.experts * 3 * moe.intermediate * spec.hidden
+    return sum(math.prod(shape) for name, shape in hf_shapes(spec).items() if ".mlp.experts." in name)
 
 
 def estimate_memory(cfg: RunConfig, mapping: DeviceMapping, params: int, vocab: int, seq_len: int,

@@ -59,7 +59,8 @@ def all_experts(engine, named: dict[str, torch.Tensor], everyone: bool = True) -
 def local_slices(engine, hf_names: list[str]) -> dict[str, torch.Tensor]:
     """Return this rank's slices of the HF tensors in ``hf_names`` that its pipeline stage holds,
     in HF names: rows (q, k, v, gate, up, embeddings, lm_head) or columns (o, down) of its TP
-    shard; replicated tensors (norms) only from TP rank 0. No communication."""
+    shard; replicated tensors (norms) only from TP rank 0. No communication, except the experts'
+    gather over the expert-parallel group when there is one (``all_experts``)."""
     ps, spec = engine.ps, engine.spec
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     # One shard of a tp-way split is itself a model with tp-times fewer heads: convert it alone.

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import time
 from pathlib import Path
 
 LOGGERS = ("console", "tensorboard", "wandb", "mlflow")
@@ -33,7 +35,7 @@ def logger_problems(names) -> list[str]:
 
 def _numbers(metrics: dict) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")}
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
 def _flat(config: dict, prefix: str = "") -> dict[str, str]:
@@ -64,16 +66,20 @@ class WandbTracker:
                                    config=self.config, mode=mode, reinit="create_new")
 
     def log(self, step: int, metrics: dict) -> None:
+        """Log a step's numbers (W&B merges two calls at one step into one row)."""
         self.run.log(_numbers(metrics), step=step)
 
     def event(self, kind: str, record: dict, step: int) -> None:
+        """Mark a run event as ``event/KIND`` = 1 at ``step`` (the record itself: telemetry.jsonl)."""
         self.run.log({f"event/{kind}": 1.0}, step=step)
 
     def rewind(self, step: int) -> None:
+        """Finish this W&B run and open the next one, labelled as going on from ``step``."""
         self.run.finish()
         self._open(step)
 
     def close(self) -> None:
+        """Finish the W&B run (offline: its folder is complete for ``wandb sync``)."""
         self.run.finish()
 
 
@@ -97,21 +103,22 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, params=[_param(k, v) for k, v in batch.items()])
 
     def log(self, step: int, metrics: dict) -> None:
+        """Log a step's numbers, named by ``mlflow_key``."""
         from mlflow.entities import Metric
-
-        import time
 
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(mlflow_key(k), v, now, step)
                                                     for k, v in _numbers(metrics).items()])
 
     def event(self, kind: str, record: dict, step: int) -> None:
+        """Tag the run with the event's record as JSON (``event.KIND.stepN``)."""
         self.client.set_tag(self.run_id, f"event.{kind}.step{step}", json.dumps(record, default=str)[:5000])
 
     def rewind(self, step: int) -> None:
-        pass  # MLflow keeps every value of a step; the steps run again are logged again
+        """Nothing to do: MLflow keeps every value of a step, and the steps run again are logged again."""
 
     def close(self) -> None:
+        """Mark the MLflow run finished."""
         self.client.set_terminated(self.run_id)
 
 

@@ -125,11 +125,12 @@ class MegatronEngine:
         feeds a rollout replica, else None; no communication, except that with expert
         parallelism every rank first gathers its EP group's experts (each holds some)."""
         ps = self.ps
-        slices = local_slices(self, hf_names) if self.ep > 1 else None
-        if ps.get_data_parallel_rank() not in dp_ranks:
+        feeds = ps.get_data_parallel_rank() in dp_ranks
+        slices = local_slices(self, hf_names) if feeds or self.ep > 1 else None  # EP: every rank joins the gather
+        if not feeds:
             return None
         return (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                ps.get_data_parallel_rank(), slices if slices is not None else local_slices(self, hf_names))
+                ps.get_data_parallel_rank(), slices)
 
     def stream_colocated(self, buckets: list[list[str]], load) -> dict:
         """Gather each bucket on every rank and hand it to ``load`` (``reshard.sources``)."""
