@@ -290,3 +290,18 @@ def test_a_process_with_ray_address_set_attaches_to_that_cluster(ray_local, ray_
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-2:] == [ray_address, "4.0"]  # the shared cluster's 4, not a new one's 1
+
+
+def test_rendezvous_ports_are_free_and_below_the_ephemeral_range():
+    """A port from bind(0) is ephemeral: an outgoing connection may take it as its source port
+    before the group's TCPStore listens (EADDRINUSE, seen in the suite). free_port stays below."""
+    import socket
+
+    from hybridlab.controller.worker import WorkerHost
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = {WorkerHost.free_port(None) for _ in range(20)}
+    assert all(1024 <= p < low for p in ports) and len(ports) > 1  # random, not one fixed port
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("", port))  # free when returned
