@@ -70,7 +70,6 @@ def test_the_leak_alarm_fires_on_memory_that_keeps_growing_after_warm_up():
 
 def test_every_panel_receives_its_records_and_every_source_rolls_over(tmp_path, monkeypatch):
     monkeypatch.setitem(dash.ROLLOVER, "curves", 5)
-    monkeypatch.setitem(dash.ROLLOVER, "devices", 7)
     for key in panels.ROLLOVER:
         monkeypatch.setitem(panels.ROLLOVER, key, 6)
     t0 = time.time() - 100
@@ -90,10 +89,13 @@ def test_every_panel_receives_its_records_and_every_source_rolls_over(tmp_path, 
     board = dash.Dashboard(write_run(tmp_path / "run", records), control=False)
     board.update()
     assert board.curves.data["step"] == [16, 17, 18, 19, 20]              # rollover 5
-    assert len(board.devices["GPU 0 actor r0"].data["t"]) == 7
+    heat = board.devices.source.data  # 20 samples a second apart, in bins of 5 s
+    assert (heat["row"], heat["x"], heat["value"]) == (["GPU 0 actor r0"] * 4, [2.5, 7.5, 12.5, 17.5], [50.0] * 4)
     assert board.memory.sources["actor r0"].data["mb"] == [915.0 + i for i in range(6)]
     assert len(board.memory.markers.data["t"]) == 6
-    assert board.busy.sources["gpu0"].data["busy"] == [0.75] * 6 and set(board.busy.sources) == {"gpu0", "gpu1"}
+    busy = board.busy.heat.source.data  # one cell per device and step
+    assert [v for row, v in zip(busy["row"], busy["value"]) if row == "gpu0"] == [0.75] * 20
+    assert set(busy["row"]) == set(board.busy.fig.y_range.factors) == {"gpu0", "gpu1"}
     assert board.rollout.source.data["step"] == list(range(15, 21))
     assert board.agent.source.data["step"] == board.agent.tools["calc"].data["step"] == list(range(15, 21))
     assert board.rollout.source.data["tokens_per_s"][-1] == 200.0
@@ -104,7 +106,7 @@ def test_every_panel_receives_its_records_and_every_source_rolls_over(tmp_path, 
     rows = board.running.table.object.split("</tr>")
     assert len(rows) == 4 and "color:#c62828" in rows[1] and "(stuck)" in rows[1]  # the late call in red
     assert "color:#c62828" not in rows[2] and ">update_actor<" in rows[2]
-    assert board.running.button is None                                    # no control: no button
+    assert board.controls is None                                          # no control: no buttons
     assert "per step" in board.explanation.object
 
 
@@ -254,26 +256,124 @@ def test_smoothing_is_tensorboards_exponential_average_live_and_after_a_roll_bac
     assert board.curves.data["reward_smooth"] == pytest.approx(smoothed([0.0, 1.0, 0.25], 0.9))
 
 
-def test_the_stack_button_asks_the_controller_and_shows_the_files(tmp_path):
+def test_the_run_controls_ask_the_controller_and_show_its_answers(tmp_path):
+    """Each button writes its request; the reporter carries it out once and says how it went; the
+    page shows the answer, the paused state in its status line and the stacks as cards."""
     from hybridlab.telemetry.live import LiveReporter
 
     run_dir = write_run(tmp_path / "run", [{"kind": "run", "name": "r", "mapping": {}}])
     board = dash.Dashboard(run_dir, control=True)
     board.update()
-    board.running.button.clicks += 1                                       # what a click does
-    assert (run_dir / "stacks" / "request").exists()
+    assert [b.label for b in board.controls.buttons.values()] == ["Pause", "Resume", "Stop",
+                                                                 "Write every worker's stacks"]
+    state = {"paused": False, "done": []}
+
+    def pause():
+        state["paused"] = True
+        state["done"].append("pause")
+
+    def stop():
+        raise RuntimeError("no run to stop: no train() or start_background() run is going")
 
     def stacks():
         path = run_dir / "stacks" / "x-actor-rank0-pid1.txt"
+        path.parent.mkdir(exist_ok=True)
         path.write_text('Thread 0x1 (most recent call first):\n  File "train.py", line 3 in update\n')
         return [path]
 
     sent = []
-    reporter = LiveReporter(run_dir, lambda: [], stacks, lambda kind, r: sent.append({"kind": kind, **r}))
+    reporter = LiveReporter(run_dir, lambda: [], {"pause": pause, "stop": stop, "stacks": stacks},
+                            lambda kind, r: sent.append({"kind": kind, **r}), paused=lambda: state["paused"])
+    for action in ("pause", "stacks"):
+        board.controls.buttons[action].clicks += 1                         # what a click does
+        assert (run_dir / "control" / action).exists()
     reporter.tick()
-    assert [r["kind"] for r in sent] == ["stacks"] and not (run_dir / "stacks" / "request").exists()
+    reporter.tick()                                                        # each request is answered once
+    assert state["done"] == ["pause"] and not list((run_dir / "control").iterdir())
+    assert [(r["kind"], r.get("action")) for r in sent] == [("control", "pause"), ("stacks", None)]
+    board.controls.feed(sent)
     board.running.feed(sent)
-    assert 'File "train.py", line 3 in update' in board.running.stacks.object
+    assert "**paused**" in board._status_text()
+    card = board.running.stacks[0]
+    assert card.collapsed and card.title == "x-actor-rank0-pid1.txt"
+    assert 'File "train.py", line 3 in update' in card.objects[0].object
+    sent.clear()
+    board.controls.buttons["stop"].clicks += 1
+    state["paused"] = False                                                # let go from the notebook
+    reporter.tick()
+    assert [(r["kind"], r.get("action"), r["ok"]) for r in sent] == [("control", "stop", False),
+                                                                    ("control", None, True)]
+    board.controls.feed(sent)
+    assert "no run to stop" in board.controls.message.object and "paused" not in board._status_text()
+    board.controls.buttons["resume"].clicks += 1                           # not offered by this run
+    sent.clear()
+    reporter.tick()
+    assert sent[0]["ok"] is False and "does not offer 'resume'" in sent[0]["error"]
+
+
+def test_a_heat_map_bins_samples_patches_the_filling_bin_and_merges_a_long_history():
+    from hybridlab.telemetry.heatmap import HeatMap
+
+    heat = HeatMap("t", "seconds", "util", bin_width=2.0, high=100.0, max_bins=4)
+    for device in ("gpu10", "gpu2"):
+        heat.add(device, 0.5, 10.0)
+        heat.add(device, 1.5, 30.0)
+    heat.flush()
+    assert heat.fig.y_range.factors == ["gpu10", "gpu2"]                    # gpu2 above gpu10 (first on top)
+    assert heat.source.data["value"] == [20.0, 20.0]
+    heat.add("gpu2", 1.9, 80.0)                                            # the same bin fills on
+    heat.flush()
+    assert len(heat.source.data["x"]) == 2 and sorted(heat.source.data["value"]) == [20.0, 40.0]
+    for t in range(2, 10):                                                 # 5 bins of 2 s: past max_bins
+        heat.add("gpu2", t + 0.5, 100.0)
+    heat.flush()
+    data = heat.source.data                                                # bins of 4 s now
+    cells = {(row, x): v for row, x, v in zip(data["row"], data["x"], data["value"])}
+    assert heat.width == 4.0 and set(data["width"]) == {4.0}
+    assert cells == {("gpu2", 2.0): pytest.approx((10 + 30 + 80 + 100 + 100) / 5), ("gpu10", 2.0): 20.0,
+                     ("gpu2", 6.0): 100.0, ("gpu2", 10.0): 100.0}
+    heat.cut(4.0)                                                          # a roll-back: later bins go
+    assert sorted(heat.source.data["x"]) == [2.0, 2.0, 6.0]
+
+
+def test_the_x_axis_switches_every_step_curve_to_wall_time_and_back(tmp_path):
+    _, board = board_after_one_step(tmp_path)
+    figures = board.step_figures()
+    assert board.reward_fig in figures and board.training.figs["loss"] in figures
+    assert board.axis.times.data["step"] == [1]
+    board.x_axis.value = "wall time"
+    for fig in figures:
+        assert fig.xaxis[0].axis_label == "wall time since the run started (s)"
+        for renderer in fig.renderers:
+            if renderer.glyph.x == "step" or getattr(renderer.glyph.x, "field", None) == "step":
+                assert renderer.glyph.x.transform is board.axis.transform
+    board.x_axis.value = "step"
+    assert {fig.xaxis[0].axis_label for fig in figures} == {"step"}
+    from bokeh.models import CustomJSTransform
+
+    assert not any(isinstance(getattr(r.glyph.x, "transform", None), CustomJSTransform)
+                   for f in figures for r in f.renderers)
+
+
+def test_the_dashboard_overlays_the_reward_of_the_runs_beside_it(tmp_path):
+    t = time.time()
+    other = write_run(tmp_path / "other", [{"kind": "run", "time": t - 100}],
+                      [{"step": s, "reward/mean": s / 10, "time": t - 100 + 10 * s} for s in (1, 2, 3)])
+    run_dir = write_run(tmp_path / "this", [{"kind": "run", "name": "this", "mapping": {}}])
+    board = dash.Dashboard(run_dir, control=False)
+    board.update()
+    assert list(board.compare.options) == ["other"]                        # itself is not offered
+    board.compare.value = ["other"]
+    source = board.overlay.lines["other"][0].data_source
+    assert (source.data["step"], source.data["reward"]) == ([1, 2, 3], [0.1, 0.2, 0.3])
+    assert source.data["wall"] == pytest.approx([10.0, 20.0, 30.0])       # from the other run's start
+    board.x_axis.value = "wall time"
+    assert board.overlay.lines["other"][0].glyph.x.field == "wall"
+    with open(other / "metrics.jsonl", "a") as f:                          # the other run goes on
+        f.write(json.dumps({"step": 4, "reward/mean": 0.9, "time": t - 50}) + "\n")
+    for _ in range(dash.OVERLAY_POLLS):
+        board.update()
+    assert source.data["reward"] == [0.1, 0.2, 0.3, 0.9]
 
 
 def test_the_runs_page_lists_each_run_with_its_status_and_overlays_selected_curves(tmp_path):
@@ -297,10 +397,10 @@ def test_the_runs_page_lists_each_run_with_its_status_and_overlays_selected_curv
     with open(live / "metrics.jsonl", "a") as f:  # the live run goes on
         f.write(json.dumps({"step": 3, "reward/mean": 0.7}) + "\n")
     page.update()
-    curves = {k: line[0].data_source.data["reward"] for k, line in page.lines.items()}
+    curves = {k: line[0].data_source.data["reward"] for k, line in page.overlay.lines.items()}
     assert curves == {"done": [0.1, 0.2, 0.3], "live": [0.1, 0.1, 0.7]}
     page.select.value = ["live"]
-    assert list(page.lines) == ["live"] and len(page.fig.renderers) == 1
+    assert list(page.overlay.lines) == ["live"] and len(page.fig.renderers) == 1
 
 
 def test_serving_off_localhost_needs_panels_login(tmp_path):

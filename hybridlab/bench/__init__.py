@@ -19,6 +19,7 @@ BENCHES = {
     "lora": "hybridlab.bench.lora",
     "dpo": "hybridlab.bench.dpo",
     "agent": "hybridlab.bench.agent",
+    "dashboard": "hybridlab.bench.dashboard",
 }
 
 

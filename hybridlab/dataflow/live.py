@@ -114,6 +114,14 @@ class LiveEdits:
         self._stop_requested = True
         self._edits.resume()
 
+    def stop_running(self) -> None:
+        """Stop the running ``train()`` after its current step (the dashboard's Stop); unlike
+        ``request_stop`` it raises RuntimeError when no training loop runs, rather than stopping
+        the next one."""
+        if not self._training:
+            raise RuntimeError("no run to stop: no train() or start_background() run is going")
+        self.request_stop()
+
     def pause(self) -> None:
         """Hold the running ``train()`` (a background run) at its next step boundary (the step
         under way finishes); ``update``, ``remap``, ``step`` and ``run_stage`` work while it is

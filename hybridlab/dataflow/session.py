@@ -142,7 +142,9 @@ class RLSession(Stepping, LiveEdits):
                                    spares=self.cfg.trainer.spare_processes)
             self.workers.watch.stacks_dir = self.run_dir / "stacks"
             self.workers.start()
-            self.telemetry.watch(self.workers, self.stacks)
+            self.telemetry.watch(self.workers, {"pause": self.pause, "resume": self.unpause,
+                                                "stop": self.stop_running, "stacks": self.stacks},
+                                 paused=lambda: self.paused)
         except BaseException:
             self.shutdown()  # nothing half-started stays behind; start() may be called again
             raise

@@ -14,21 +14,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hybridlab.telemetry import page
 from hybridlab.telemetry.agent_panel import AgentPanel
-from hybridlab.telemetry.moe_panel import MoEPanel
-from hybridlab.telemetry.training_panel import TrainingPanel
+from hybridlab.telemetry.axes import AXIS_LABELS, STEP, WALL, StepAxis, add_hover, name_series
+from hybridlab.telemetry.controls import RunControls
+from hybridlab.telemetry.heatmap import HeatMap
 from hybridlab.telemetry.hub import find_hub, read_records
+from hybridlab.telemetry.moe_panel import MoEPanel
 from hybridlab.telemetry.panels import (BusyPanel, MemoryPanel, MismatchPanel, ReshardPanel, RolloutPanel,
                                        RunningPanel, ema)
+from hybridlab.telemetry.runs import Overlay, RunInfo, find_runs
+from hybridlab.telemetry.training_panel import TrainingPanel
 
 STAGE_COLORS = {"generate": "#4e79a7", "reward": "#f28e2b", "reward_model": "#f28e2b", "remax_baseline": "#edc948",
                 "old_logprob": "#59a14f", "rollout_as_old_logprob": "#59a14f", "ref_logprob": "#76b7b2",
                 "values": "#b07aa1", "update_critic": "#ff9da7", "update_actor": "#e15759",
                 "sync_weights": "#9c755f", "filter_groups": "#bab0ac", "evaluate": "#79706e"}
 GANTT_SPANS = 600          # spans kept in the timeline (about the last few steps)
-STUCK, STUCK_ALARM = "Stuck calls", "⚠ Stuck calls: a call is late"  # the tab, and its title when alarmed
-ROLLOVER = {"curves": 100_000, "evals": 10_000, "sync": 100_000, "devices": 3600}  # points kept per source
+STUCK, STUCK_ALARM = page.STUCK, "⚠ Stuck calls: a call is late"  # the tab, and its title when alarmed
+ROLLOVER = {"curves": 100_000, "evals": 10_000, "sync": 100_000}  # points kept per source
 POLL_MS = 1000
+OVERLAY_POLLS = 5          # the other runs' logs are read every 5th poll
 
 
 class RecordSource:
@@ -57,21 +63,24 @@ class RecordSource:
 
 
 class Dashboard:
-    """The plots and the state that turns records into streamed points."""
+    """The plots and the state that turns records into streamed points; ``page.py`` lays them out."""
 
     def __init__(self, run_dir: str | Path, control: bool = True):
-        """``control``: show the stack-dump button (localhost, or a logged-in user elsewhere)."""
+        """``control``: offer the run controls (localhost, or a logged-in user elsewhere)."""
         import panel as pn
         from bokeh.models import ColumnDataSource
         from bokeh.plotting import figure
 
+        self.run_dir = Path(run_dir)
         self.source = RecordSource(run_dir)
         self.run_name, self.step, self.reward = Path(run_dir).name, 0, float("nan")
         self.phase: dict = {}  # the latest "phase" record: warm start, evaluate (RL steps: metrics)
         self.processor = ""
         self.backends: dict[str, str] = {}   # training role -> backend (megatron, fsdp2)
         self.t0: float | None = None
+        self.polls = 0
         self.restarts: list[dict] = []   # dead or stuck workers re-created
+        self.controls = RunControls(run_dir) if control else None
         self.status = pn.pane.Markdown(self._status_text(), name="status")
         self.mapping_pane = pn.pane.Markdown("", name="mapping")  # the current device mapping
         self.remaps: list[dict] = []
@@ -79,37 +88,43 @@ class Dashboard:
         self.curves = ColumnDataSource({"step": [], "reward": [], "accuracy": [], "reward_smooth": [],
                                         "accuracy_smooth": []})
         self.smoothing = pn.widgets.FloatSlider(label="smoothing (exponential, as TensorBoard's)", start=0.0,
-                                                end=0.99, step=0.01, value=0.6, width=280)
+                                                end=0.99, step=0.01, value=0.6, width=240)
         self.smoothing.param.watch(lambda _: self._resmooth(), "value")
         self._ema: dict[str, tuple] = {"reward": (0.0, 0), "accuracy": (0.0, 0)}
+        self.axis = StepAxis()
+        self.x_axis = pn.widgets.RadioButtonGroup(label="x axis", options=[STEP, WALL], value=STEP, width=240)
+        self.x_axis.param.watch(lambda event: self._switch_axis(event.new), "value")
         self.evals = ColumnDataSource({"step": [], "accuracy": []})
         self.spans = ColumnDataSource({"worker": [], "left": [], "right": [], "stage": [], "color": []})
         self.sync = ColumnDataSource({"step": [], "mb": [], "seconds": []})
-        self.devices: dict[str, ColumnDataSource] = {}
 
         common = dict(height=260, sizing_mode="stretch_width", toolbar_location="above")
-        self.reward_fig = figure(title="reward and accuracy per step (faint: each step; solid: smoothed)",
-                                 x_axis_label="step", **common)
+        self.reward_fig = figure(title="reward and accuracy per step (faint: each step; solid: smoothed;"
+                                 " dashed: other runs)", x_axis_label="step", **common)
         for column, label, color in (("reward", "mean reward", "#4e79a7"), ("accuracy", "sample accuracy", "#59a14f")):
             self.reward_fig.line("step", column, source=self.curves, color=color, alpha=0.25, legend_label=label)
             self.reward_fig.line("step", f"{column}_smooth", source=self.curves, color=color, legend_label=label)
         self.reward_fig.scatter("step", "accuracy", source=self.evals, legend_label="greedy test accuracy",
                                 color="#e15759", size=7)
         self.reward_fig.legend.location = "top_left"
+        self.others: dict[str, RunInfo] = {}   # the runs beside this one, to overlay
+        self.overlay = Overlay(self.reward_fig, dash="dashed")
+        self.compare = pn.widgets.MultiSelect(label="overlay the reward of", options=[], size=6, width=240)
+        self.compare.param.watch(lambda _: self.overlay.draw(self.others, list(self.compare.value)), "value")
         self._system_figures(common)
-        self.running = RunningPanel(Path(run_dir), control)
+        self.running = RunningPanel()
         self.memory = MemoryPanel(self._clock)
         self.memory.fig.x_range = self.gantt_fig.x_range  # the phases above are the memory's phase markers
         self.busy, self.rollout, self.reshard = BusyPanel(), RolloutPanel(), ReshardPanel()
         self.mismatch, self.agent, self.moe = MismatchPanel(), AgentPanel(), MoEPanel()
         self.training = TrainingPanel()
         self.panels = [self.running, self.memory, self.busy, self.rollout, self.reshard, self.mismatch, self.agent,
-                       self.moe, self.training]
+                       self.moe, self.training] + ([self.controls] if self.controls else [])
         self.explanation = pn.pane.Markdown("", name="explanation", sizing_mode="stretch_width")
-        row = dict(sizing_mode="stretch_width")
-        self.sections = self._sections(pn, row)
-        self.tabs = pn.Tabs(*self.sections.items(), dynamic=False, **row)
-        self.layout = pn.Column(self.status, self.tabs, **row)
+        self.sections = page.sections(self)
+        self.tabs = pn.Tabs(*self.sections.items(), dynamic=False, sizing_mode="stretch_width")
+        for fig in self.figures():
+            add_hover(fig)
 
     def _system_figures(self, common: dict) -> None:
         """Make the worker-phase, device-utilization and weight-sync figures."""
@@ -121,27 +136,28 @@ class Dashboard:
         self.gantt_fig.hbar(y="worker", left="left", right="right", height=0.7, color="color", legend_field="stage",
                             source=self.spans)
         self.gantt_fig.legend.location = "top_left"
-        self.device_fig = figure(title="device utilization (CPU % per worker process; GPU % with NVML)",
-                                 x_axis_label="seconds", **common)
+        self.devices = HeatMap("device utilization (%: CPU per worker process; GPU with NVML), mean per time bin",
+                               "seconds since the run started", "utilization %", bin_width=5.0, high=100.0)
         self.sync_fig = figure(title="weight sync per step: MB (bars) and seconds (line, x100)",
                                x_axis_label="step", **common)
         self.sync_fig.vbar(x="step", top="mb", width=0.8, source=self.sync, color="#9c755f")
         self.sync_fig.line(x="step", y="seconds", source=self.sync, color="#000000")
 
-    def _sections(self, pn, row: dict) -> dict:
-        """Return what each tab shows (docs/dashboard.md has the table)."""
-        return {
-            "Overview": pn.Column(self.memory.alarm, self.smoothing,
-                                  pn.Row(self.reward_fig, self.training.time_fig, **row),
-                                  pn.Row(self.rollout.speed, self.busy.fig, **row), self.mapping_pane, **row),
-            "Rollouts": pn.Column(self.rollout.lengths, self.agent.layout, **row),
-            "Training": pn.Column(self.training.layout, self.mismatch.layout, self.moe.layout, **row),
-            "Mapping and resharding": pn.Column(pn.Row(self.reshard.fig, pn.Column(self.reshard.caption, **row), **row),
-                                                self.sync_fig, **row),
-            "System": pn.Column(self.memory.fig, self.device_fig, self.gantt_fig, **row),
-            STUCK: self.running.layout,
-            "Config": self.explanation,
-        }
+    def figures(self) -> list:
+        """Return every Bokeh figure of the page's line and bar plots (heat maps have their own hover)."""
+        import panel as pn
+
+        heat = {id(self.devices.fig), id(self.busy.fig)}
+        return [pane.object for pane in self.tabs.select(pn.pane.Bokeh) if id(pane.object) not in heat]
+
+    def step_figures(self) -> list:
+        """Return the figures whose x axis is the step (the ones the x-axis switch redraws)."""
+        return [fig for fig in self.figures() if fig.xaxis[0].axis_label in AXIS_LABELS.values()]
+
+    def _switch_axis(self, mode: str) -> None:
+        """Draw every per-step curve, other runs' too, against ``mode`` (step or wall time)."""
+        self.overlay.x = "step" if mode == STEP else "wall"
+        self.axis.apply(self.step_figures(), mode)
 
     def _resmooth(self) -> None:
         """Smooth the curves anew (the smoothing changed, or a roll-back cut them)."""
@@ -174,22 +190,26 @@ class Dashboard:
             where += " · " + ", ".join(f"{role} on {b}" for role, b in self.backends.items())
         restarts = f" · {len(self.restarts)} worker restart(s), last: {self.restarts[-1]['role']}" \
             f" {self.restarts[-1]['failure']}" if self.restarts else ""
-        return f"run {self.run_name} · {doing}{where}{restarts}"
+        state = " · **paused**" if self.controls is not None and self.controls.paused else ""
+        return f"run {self.run_name} · {doing}{state}{where}{restarts}"
 
     def _clock(self, t: float) -> float:
-        if self.t0 is None:
+        """Return seconds since the run's first record (the run's start for a page that saw it)."""
+        if self.t0 is None and t == t:
             self.t0 = t
-        return t - self.t0
+        return t - self.t0 if self.t0 is not None else float("nan")
 
     def update(self) -> None:
         """Poll the source and stream the new points (call on the document's loop)."""
         records = self.source.poll()
+        self.polls += 1
+        if self.polls % OVERLAY_POLLS == 1:
+            self._refresh_others()
         if not records:
             self.running.feed([])  # the ages of the calls in flight still grow
             self._alarm()
             return
         curves, evals, spans, sync = ([] for _ in range(4))
-        devices: dict[str, list[dict]] = {}
         for r in records:
             kind = r.get("kind")
             if kind == "run":
@@ -217,13 +237,14 @@ class Dashboard:
             elif kind == "sync":
                 sync.append(r)
             elif kind == "device":
-                devices.setdefault(f"{r['device']} {r['role']} r{r['rank']}", []).append(r)
+                self.devices.add(f"{r['device']} {r['role']} r{r['rank']}", self._clock(r["time"]), r["util"])
         if curves:
             new = {"reward": [r.get("reward/mean", float("nan")) for r in curves],
                    "accuracy": [r.get("accuracy", float("nan")) for r in curves]}
             for column in ("reward", "accuracy"):
                 new[f"{column}_smooth"], self._ema[column] = ema(new[column], self.smoothing.value, self._ema[column])
             self.curves.stream({"step": [r["step"] for r in curves], **new}, rollover=ROLLOVER["curves"])
+            self.axis.add([r["step"] for r in curves], [self._clock(r.get("time", float("nan"))) for r in curves])
         if evals:
             self.evals.stream({"step": [r["step"] for r in evals], "accuracy": [r["accuracy"] for r in evals]},
                               rollover=ROLLOVER["evals"])
@@ -236,16 +257,29 @@ class Dashboard:
         kept = [r for r in records if r.get("kind") not in ("metrics", "sync") or id(r) in streamed]
         for panel in self.panels:  # rolled-back steps (dropped from curves and sync above) stay out
             panel.feed(kept)
-        for label, rows in devices.items():
-            self._stream_device(label, rows)
+        self.devices.flush()
+        for fig in self.figures():  # the hover tool names each series
+            name_series(fig)
         self.status.object = self._status_text()
         self._alarm()
+
+    def _refresh_others(self) -> None:
+        """Find the runs beside this one (its folder's other runs), read what their logs gained
+        and keep their overlaid curves current."""
+        parent = self.run_dir.resolve().parent
+        for path in find_runs(parent)[:50]:
+            key = path.name if path.parent == parent else str(path.relative_to(parent))
+            if path.resolve() != self.run_dir.resolve():
+                self.others.setdefault(key, RunInfo(path)).refresh()
+        if list(self.compare.options) != list(self.others):
+            self.compare.options = list(self.others)
+        self.overlay.draw(self.others, list(self.compare.value))
 
     def _alarm(self) -> None:
         """Title the Stuck calls tab as alarmed while a call is past its deadline (and back)."""
         title, index = STUCK_ALARM if self.running.late() else STUCK, list(self.sections).index(STUCK)
         if self.tabs._names[index] != title:
-            self.tabs[index] = (title, self.running.layout)
+            self.tabs[index] = (title, self.sections[STUCK])
 
     def _mark_remap(self, r: dict) -> None:
         """Show the new mapping and mark the remap on the curves (a dashed line at its step)."""
@@ -282,9 +316,10 @@ class Dashboard:
         if back is not None:
             for records in unstreamed:
                 records[:] = [x for x in records if x["step"] <= back]
+            self.busy.heat.cut(back)
+            self.axis.cut(back)
             for source in (self.curves, self.evals, self.sync, self.rollout.source, self.mismatch.source,
-                           *self.busy.sources.values(), self.agent.source, *self.agent.tools.values(),
-                           self.moe.source):
+                           self.agent.source, *self.agent.tools.values(), self.moe.source):
                 keep = [i for i, step in enumerate(source.data["step"]) if step <= back]
                 source.data = {k: [v[i] for i in keep] for k, v in source.data.items()}
             self._resmooth()  # the smoothing state continues from the kept steps
@@ -303,17 +338,6 @@ class Dashboard:
                            "color": [STAGE_COLORS.get(s.get("stage") or "", "#bab0ac") for s in spans]},
                           rollover=GANTT_SPANS)
 
-    def _stream_device(self, label: str, rows: list[dict]) -> None:
-        from bokeh.models import ColumnDataSource
-        from bokeh.palettes import Category10_10
-
-        if label not in self.devices:
-            self.devices[label] = ColumnDataSource({"t": [], "util": [], "memory_mb": []})
-            color = Category10_10[len(self.devices) % 10]
-            self.device_fig.line("t", "util", source=self.devices[label], legend_label=label, color=color)
-        self.devices[label].stream({"t": [self._clock(r["time"]) for r in rows], "util": [r["util"] for r in rows],
-                                    "memory_mb": [r["memory_mb"] for r in rows]}, rollover=ROLLOVER["devices"])
-
 
 def mapping_text(mapping: dict) -> str:
     """Return a one-line Markdown summary of a device mapping: each pool with its roles."""
@@ -328,13 +352,15 @@ def mapping_text(mapping: dict) -> str:
     return "mapping: " + "; ".join(parts) if parts else ""
 
 
-def build_dashboard(run_dir: str | Path, control: bool = True):
-    """Return the dashboard layout of ``run_dir`` with its 1 s update loop attached; the only
-    action on it (with ``control``) is asking for the workers' stacks."""
+def build_dashboard(run_dir: str | Path, control: bool = True, template: bool = False):
+    """Return the dashboard of ``run_dir`` with its 1 s update loop attached: a Panel template
+    page (header, sidebar, sections) with ``template``, else a column for a notebook cell. With
+    ``control`` it offers the run controls (pause, resume, stop, stacks)."""
     import panel as pn
 
     board = Dashboard(run_dir, control)
     board.update()  # a late viewer sees the whole history at once
     board.callback = pn.state.add_periodic_callback(board.update, period=POLL_MS)
-    board.layout.dashboard = board  # keep the state reachable (tests, the session's shutdown)
-    return board.layout
+    layout = page.template_page(board) if template else page.inline(board)
+    layout.dashboard = board  # keep the state reachable (tests, the session's shutdown)
+    return layout

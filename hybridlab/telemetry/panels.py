@@ -10,7 +10,6 @@ import html
 import time
 from pathlib import Path
 
-from hybridlab.telemetry.live import request_stacks
 from hybridlab.telemetry.memory import leak_check
 
 ROLLOVER = {"memory": 3600, "markers": 2000, "busy": 5000, "lengths": 5000, "matrix": 4096, "mismatch": 5000,
@@ -31,7 +30,10 @@ def ema(values: list[float], weight: float, state: tuple[float, int] = (0.0, 0))
         last, n = last * weight + (1 - weight) * value, n + 1
         out.append(last / (1 - weight ** n))
     return out, (last, n)
+
+
 STACK_CHARS = 6000     # of each stack file shown on the page (the file has all of it)
+STACK_CARDS = 64       # stack files shown (newest first)
 
 
 def worker_label(r: dict) -> str:
@@ -40,36 +42,27 @@ def worker_label(r: dict) -> str:
 
 
 class RunningPanel:
-    """Every worker call in flight with its age; calls past their stuck-call deadline in red.
-    With ``control``, a button asks the controller for every worker's stacks and shows them."""
+    """Every worker call in flight with its age; calls past their stuck-call deadline in red;
+    the stacks the controller wrote, one collapsed card per worker, newest dump first."""
 
-    def __init__(self, run_dir: Path, control: bool):
+    def __init__(self):
         import panel as pn
 
-        self.run_dir, self.calls, self.stack_files = Path(run_dir), [], []
+        self.calls, self.stack_files = [], []
         self.table = pn.pane.HTML(self._html(), name="running", sizing_mode="stretch_width")
-        self.stacks = pn.pane.Markdown("", name="stacks", sizing_mode="stretch_width")
-        self.button = None
-        widgets = [self.table]
-        if control:
-            self.button = pn.widgets.Button(label="Write every worker's stacks", color="warning", width=260)
-            self.button.on_click(lambda _event: self.request())
-            widgets += [self.button, self.stacks]
-        self.layout = pn.Column(pn.pane.Markdown("### Now running"), *widgets, sizing_mode="stretch_width")
-
-    def request(self) -> None:
-        """Ask the run's controller for stacks (answered within a second by its LiveReporter)."""
-        request_stacks(self.run_dir)
-        self.stacks.object = "*stacks requested: the controller writes them within a second*"
+        self.stacks = pn.Column(sizing_mode="stretch_width", name="stacks")
+        self.layout = pn.Column(pn.pane.Markdown("### Now running"), self.table,
+                                pn.pane.Markdown("### Stacks (newest first)"), self.stacks,
+                                sizing_mode="stretch_width")
 
     def feed(self, records: list[dict]) -> None:
         """Take the newest ``running`` snapshot and any written stacks from ``records``."""
         for r in records:
             if r.get("kind") == "running":
                 self.calls = r.get("calls", [])
-            elif r.get("kind") == "stacks":
+            elif r.get("kind") == "stacks" and not r.get("error"):
                 self.stack_files = r.get("files", [])
-                self.stacks.object = self._stacks_text(r)
+                self.stacks[:] = (self._cards(r) + list(self.stacks))[:STACK_CARDS]
         self.table.object = self._html()
 
     def late(self, now: float | None = None) -> bool:
@@ -93,15 +86,17 @@ class RunningPanel:
         head = "<tr><th>role</th><th>ranks</th><th>method</th><th>stage</th><th>running for</th><th>deadline</th></tr>"
         return f"<table>{head}{''.join(rows)}</table>"
 
-    def _stacks_text(self, r: dict) -> str:
-        if r.get("error"):
-            return f"could not write stacks: `{r['error']}`"
-        parts = []
+    def _cards(self, r: dict) -> list:
+        """Return one collapsed card per stack file of a ``stacks`` record."""
+        import panel as pn
+
+        cards = []
         for name in r.get("files", []):
             path = Path(name)
             text = path.read_text(errors="replace")[:STACK_CHARS] if path.is_file() else "(file not readable here)"
-            parts.append(f"**{path.name}**\n```\n{text}\n```")
-        return "\n\n".join(parts) or "no worker processes"
+            cards.append(pn.Card(pn.pane.Markdown(f"```\n{text}\n```", sizing_mode="stretch_width"),
+                                 title=path.name, collapsed=True, sizing_mode="stretch_width"))
+        return cards
 
 
 class MemoryPanel:
@@ -167,33 +162,24 @@ class MemoryPanel:
 
 
 class BusyPanel:
-    """Per device, the share of each step it spent in worker calls (``perf/device_busy``)."""
+    """Per device, the share of each step it spent in worker calls (``perf/device_busy``), as a
+    device x step heat map (bins of steps merge on long runs)."""
 
     def __init__(self):
-        from bokeh.plotting import figure
+        from hybridlab.telemetry.heatmap import HeatMap
 
-        self.fig = figure(title="device busy per step (share of the step in worker calls)", x_axis_label="step",
-                          y_range=(0, 1.05), **COMMON)
-        self.sources: dict = {}
+        self.heat = HeatMap("device busy per step (share of the step in worker calls; mean per bin of steps)",
+                            "step (bins)", "busy share", bin_width=1, high=1.0)
+        self.fig = self.heat.fig
 
     def feed(self, records: list[dict]) -> None:
-        """Stream the ``perf/device_busy/*`` metrics of new steps, one line per device."""
-        from bokeh.models import ColumnDataSource
-        from bokeh.palettes import Category10_10
-
-        rows: dict[str, list[tuple[int, float]]] = {}
+        """Add the ``perf/device_busy/*`` metrics of new steps, one row per device."""
         for r in records:
             if r.get("kind") == "metrics":
                 for k, v in r.items():
                     if k.startswith("perf/device_busy/") and v is not None:
-                        rows.setdefault(k.split("/", 2)[2], []).append((r["step"], v))
-        for device, points in rows.items():
-            if device not in self.sources:
-                self.sources[device] = ColumnDataSource({"step": [], "busy": []})
-                self.fig.line("step", "busy", source=self.sources[device], legend_label=device,
-                              color=Category10_10[len(self.sources) % 10])
-            self.sources[device].stream({"step": [s for s, _ in points], "busy": [b for _, b in points]},
-                                        rollover=ROLLOVER["busy"])
+                        self.heat.add(k.split("/", 2)[2], r["step"], v)
+        self.heat.flush()
 
 
 class RolloutPanel:

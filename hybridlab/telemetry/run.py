@@ -2,7 +2,7 @@
 
 It owns the run's hub actor (started before the warm start, so workers can send it device
 samples), streams the controller's call spans to it, runs the LiveReporter (calls in flight,
-stack requests) and stops the inline dashboards it handed out. Without ``trainer.telemetry``
+the page's run controls) and stops the inline dashboards it handed out. Without ``trainer.telemetry``
 nothing is started and ``emit`` does nothing.
 """
 from __future__ import annotations
@@ -32,14 +32,15 @@ class RunTelemetry:
         env[ENV_HUB] = hub_name(self.run_dir)
         self.emit("run", run_record)
 
-    def watch(self, session, stacks: Callable[[], list[Path]]) -> None:
+    def watch(self, session, actions: dict[str, Callable], paused: Callable[[], bool] | None = None) -> None:
         """Send every call span of the controller ``session`` to the hub and start reporting its
-        calls in flight; ``stacks`` writes every worker's stacks (for the dashboard's button)."""
+        calls in flight; ``actions`` carry out the dashboard's run controls (``live.ACTIONS``:
+        pause, resume, stop, stacks), ``paused()`` says whether the run is paused."""
         if self.hub is None:
             return
 
         session.timeline.subscribe(lambda spans: self.hub.add.remote("span", [dataclasses.asdict(s) for s in spans]))
-        self.reporter = LiveReporter(self.run_dir, session.watch.running, stacks, self.emit).start()
+        self.reporter = LiveReporter(self.run_dir, session.watch.running, actions, self.emit, paused=paused).start()
 
     def emit(self, kind: str, record: dict) -> None:
         """Send one record of ``kind`` to the hub, stamped with the time (no-op without a hub)."""

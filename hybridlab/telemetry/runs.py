@@ -26,6 +26,8 @@ class RunInfo:
         self.path, self.name = path, path.name
         self.steps: list[int] = []
         self.rewards: list[float] = []
+        self.times: list[float] = []    # when each step ended (NaN where the log has no time)
+        self.first_time: float | None = None  # the run's first telemetry record: its wall-time origin
         self.resumed = False
         self.cuts = 0          # times logged steps were replaced (a resume): overlaid lines redraw
         self._offsets = {name: 0 for name in LOGS}
@@ -40,11 +42,21 @@ class RunInfo:
                 self.cuts += 1
                 self.steps.pop()
                 self.rewards.pop()
+                self.times.pop()
             self.steps.append(step)
             reward = r.get("reward/mean")
             self.rewards.append(float("nan") if reward is None else reward)
-        if any(b'"kind": "resume"' in line for line in self._new_lines("telemetry.jsonl")):
+            self.times.append(r.get("time", float("nan")))
+        telemetry = self._new_lines("telemetry.jsonl")
+        if telemetry and self.first_time is None:
+            self.first_time = json.loads(telemetry[0]).get("time")
+        if any(b'"kind": "resume"' in line for line in telemetry):
             self.resumed = True
+
+    def walls(self, start: int = 0) -> list[float]:
+        """Return the seconds from the run's start to the end of each step from index ``start``."""
+        origin = self.first_time if self.first_time is not None else (self.times[0] if self.times else 0.0)
+        return [t - origin for t in self.times[start:]]
 
     def _new_lines(self, name: str) -> list[bytes]:
         path = self.path / name
@@ -53,7 +65,7 @@ class RunInfo:
         if path.stat().st_size < self._offsets[name]:  # cut back by a resume: read it again
             self._offsets[name] = 0
             if name == "metrics.jsonl":
-                self.steps, self.rewards, self.cuts = [], [], self.cuts + 1
+                self.steps, self.rewards, self.times, self.cuts = [], [], [], self.cuts + 1
         with open(path, "rb") as f:
             f.seek(self._offsets[name])
             data = f.read()
@@ -97,12 +109,13 @@ class RunsPage:
         import panel as pn
         from bokeh.plotting import figure
 
-        self.root, self.runs, self.lines = Path(root), {}, {}
+        self.root, self.runs = Path(root), {}
         self.table = pn.pane.HTML("", name="runs", sizing_mode="stretch_width")
         self.select = pn.widgets.MultiSelect(label="overlay the curves of", options=[], size=8, width=360)
         self.select.param.watch(lambda _event: self.draw(), "value")
         self.fig = figure(title="mean reward per step", x_axis_label="step", height=320,
                           sizing_mode="stretch_width")
+        self.overlay = Overlay(self.fig)
         self.layout = pn.Column(pn.pane.Markdown(f"## Runs under {self.root}"), self.table,
                                 pn.Row(self.select, self.fig, sizing_mode="stretch_width"), sizing_mode="stretch_width")
 
@@ -129,28 +142,45 @@ class RunsPage:
         self.draw()
 
     def draw(self) -> None:
+        """Overlay the selected runs' reward curves (see ``Overlay.draw``)."""
+        self.overlay.draw(self.runs, list(self.select.value))
+
+
+class Overlay:
+    """The reward curves of other runs on a figure: one line per selected run, kept current."""
+
+    def __init__(self, fig, dash: str = "solid"):
+        self.fig, self.dash = fig, dash
+        self.lines: dict[str, tuple] = {}   # run -> (renderer, points shown, its cuts when drawn)
+        self.x = "step"                     # or "wall" (``axes.StepAxis`` switches it)
+
+    def draw(self, runs: dict[str, RunInfo], selected: list[str]) -> None:
         """Keep one line per selected run: add the newly selected, drop the others, and stream
         each line's new points (a run cut back by a resume is redrawn)."""
         from bokeh.models import ColumnDataSource
         from bokeh.palettes import Category10_10
 
-        for key in [k for k in self.lines if k not in self.select.value]:
+        from hybridlab.telemetry.axes import OVERLAY_TAG
+
+        for key in [k for k in self.lines if k not in selected]:
             renderer = self.lines.pop(key)[0]
             self.fig.renderers = [r for r in self.fig.renderers if r is not renderer]
             self.fig.legend.items = [item for item in self.fig.legend.items if renderer not in item.renderers]
-        for key in self.select.value:
-            info = self.runs[key]
+        for key in selected:
+            info = runs[key]
             if key not in self.lines:
-                source = ColumnDataSource({"step": [], "reward": []})
-                renderer = self.fig.line("step", "reward", source=source, legend_label=key,
-                                         color=Category10_10[list(self.runs).index(key) % 10])
+                source = ColumnDataSource({"step": [], "reward": [], "wall": []})
+                renderer = self.fig.line(self.x, "reward", source=source, legend_label=key, line_dash=self.dash,
+                                         color=Category10_10[list(runs).index(key) % 10])
+                renderer.tags = [OVERLAY_TAG]  # (a ``tags`` argument would tag the glyph)
                 self.lines[key] = (renderer, 0, info.cuts)
             renderer, shown, cuts = self.lines[key]
             source = renderer.data_source
             if cuts != info.cuts:
-                source.data, shown = {"step": [], "reward": []}, 0
+                source.data, shown = {"step": [], "reward": [], "wall": []}, 0
             if len(info.steps) > shown:
-                source.stream({"step": info.steps[shown:], "reward": info.rewards[shown:]}, rollover=ROLLOVER)
+                source.stream({"step": info.steps[shown:], "reward": info.rewards[shown:],
+                               "wall": info.walls(shown)}, rollover=ROLLOVER)
             self.lines[key] = (renderer, len(info.steps), info.cuts)
 
 

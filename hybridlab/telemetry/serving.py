@@ -3,8 +3,9 @@
 The page binds to localhost by default. Any other address needs Panel's authentication: a
 ``basic_auth`` password file (JSON ``{"user": "password"}``) or one of Panel's OAuth providers
 (``oauth_provider`` with ``PANEL_OAUTH_KEY`` / ``PANEL_OAUTH_SECRET`` in the environment);
-without one, ``check_serving`` refuses and says how. Control actions (the stack dump) show for
-a browser on the same machine (loopback) and, elsewhere, only for a logged-in user.
+without one, ``check_serving`` refuses and says how. The run controls (pause, resume, stop,
+the stack dump) show for a browser on the same machine (loopback) and, elsewhere, only for a
+logged-in user.
 """
 from __future__ import annotations
 
@@ -92,7 +93,10 @@ def serve(target: str | Path, port: int = 0, address: str = "localhost", show: b
     hosts = {address, "localhost", "127.0.0.1"} | (set() if is_loopback(address) else {socket.gethostname()})
     origins = sorted(f"{h}:{port}" for h in hosts)  # browsers on other machines use this machine's name
     runs = is_runs_root(target)
-    app = (lambda: build_runs_page(target)) if runs else (lambda: build_dashboard(target, control=control_allowed()))
+    if runs:
+        app = lambda: build_runs_page(target)  # noqa: E731
+    else:
+        app = lambda: build_dashboard(target, control=control_allowed(), template=True)  # noqa: E731
     auth = {}
     if basic_auth or oauth_provider:
         auth = {"basic_auth": basic_auth, "oauth_provider": oauth_provider,
