@@ -314,18 +314,15 @@ def test_the_run_controls_ask_the_controller_and_show_its_answers(tmp_path):
 def test_a_heat_map_bins_samples_patches_the_filling_bin_and_merges_a_long_history():
     from hybridlab.telemetry.heatmap import HeatMap
 
-    heat = HeatMap("t", "seconds", "util", bin_width=2.0, high=100.0, max_bins=4)
-    for device in ("gpu10", "gpu2"):
-        heat.add(device, 0.5, 10.0)
-        heat.add(device, 1.5, 30.0)
+    heat = HeatMap("t", "seconds", "util", bin_width=2.0, high=None, max_bins=4)
+    heat.add(["gpu10", "gpu2", "gpu10", "gpu2"], [0.5, 0.5, 1.5, 1.5], [10.0, 10.0, 30.0, 30.0])
     heat.flush()
     assert heat.fig.y_range.factors == ["gpu10", "gpu2"]                    # gpu2 above gpu10 (first on top)
-    assert heat.source.data["value"] == [20.0, 20.0]
-    heat.add("gpu2", 1.9, 80.0)                                            # the same bin fills on
+    assert heat.source.data["value"] == [20.0, 20.0] and heat.mapper.high == 30.0
+    heat.add(["gpu2", "gpu2"], [1.9, 3.0], [80.0, float("nan")])           # the same bin fills on; NaN: no count
     heat.flush()
     assert len(heat.source.data["x"]) == 2 and sorted(heat.source.data["value"]) == [20.0, 40.0]
-    for t in range(2, 10):                                                 # 5 bins of 2 s: past max_bins
-        heat.add("gpu2", t + 0.5, 100.0)
+    heat.add(["gpu2"] * 8, [t + 0.5 for t in range(2, 10)], [100.0] * 8)   # 5 bins of 2 s: past max_bins
     heat.flush()
     data = heat.source.data                                                # bins of 4 s now
     cells = {(row, x): v for row, x, v in zip(data["row"], data["x"], data["value"])}
@@ -334,6 +331,12 @@ def test_a_heat_map_bins_samples_patches_the_filling_bin_and_merges_a_long_histo
                      ("gpu2", 6.0): 100.0, ("gpu2", 10.0): 100.0}
     heat.cut(4.0)                                                          # a roll-back: later bins go
     assert sorted(heat.source.data["x"]) == [2.0, 2.0, 6.0]
+    many = HeatMap("t", "step", "busy", bin_width=1, high=1.0, max_bins=300)
+    steps = [s for s in range(1, 10_001) for _ in range(64)]               # 64 devices x 10,000 steps
+    many.add([f"gpu{d}" for _ in range(10_000) for d in range(64)], steps, [(s % 2) * 1.0 for s in steps])
+    many.flush()
+    assert many.width == 64 and len(many.source.data["x"]) == 64 * 157      # 157 bins of 64 steps
+    assert set(many.source.data["value"][64:-64]) == {0.5}                # each full bin: half 0, half 1
 
 
 def test_the_x_axis_switches_every_step_curve_to_wall_time_and_back(tmp_path):

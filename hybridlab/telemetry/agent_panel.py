@@ -19,6 +19,8 @@ def tool_names(record: dict) -> list[str]:
 class AgentPanel:
     """Four plots per step, shown once a step reports agent metrics (until then, one line says why)."""
 
+    kinds = ("metrics",)  # the records it reads (the dashboard hands it only these)
+
     def __init__(self):
         import panel as pn
         from bokeh.models import ColumnDataSource, LinearAxis, Range1d

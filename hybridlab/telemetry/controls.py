@@ -21,6 +21,8 @@ BUTTONS = (("pause", "Pause", "warning", "hold the run at its next step boundary
 class RunControls:
     """The control buttons and the line that reports the controller's answer."""
 
+    kinds = ("control", "stacks")  # the records it reads (the dashboard hands it only these)
+
     def __init__(self, run_dir: str | Path):
         import panel as pn
 

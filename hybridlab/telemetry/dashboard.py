@@ -122,7 +122,8 @@ class Dashboard:
                        self.moe, self.training] + ([self.controls] if self.controls else [])
         self.explanation = pn.pane.Markdown("", name="explanation", sizing_mode="stretch_width")
         self.sections = page.sections(self)
-        self.tabs = pn.Tabs(*self.sections.items(), dynamic=False, sizing_mode="stretch_width")
+        # dynamic: the browser builds a section when it is opened, so the first render draws the Overview only
+        self.tabs = pn.Tabs(*self.sections.items(), dynamic=True, sizing_mode="stretch_width")
         for fig in self.figures():
             add_hover(fig)
 
@@ -147,7 +148,7 @@ class Dashboard:
         """Return every Bokeh figure of the page's line and bar plots (heat maps have their own hover)."""
         import panel as pn
 
-        heat = {id(self.devices.fig), id(self.busy.fig)}
+        heat = {id(self.devices.fig), id(self.busy.fig), id(self.memory.heat.fig)}
         return [pane.object for pane in self.tabs.select(pn.pane.Bokeh) if id(pane.object) not in heat]
 
     def step_figures(self) -> list:
@@ -210,9 +211,14 @@ class Dashboard:
             self._alarm()
             return
         curves, evals, spans, sync = ([] for _ in range(4))
+        devices: tuple[list, list, list] = ([], [], [])  # device label, seconds, utilization
         for r in records:
             kind = r.get("kind")
-            if kind == "run":
+            if kind == "device":  # most records: first
+                devices[0].append(f"{r['device']} {r['role']} r{r['rank']}")
+                devices[1].append(self._clock(r["time"]))
+                devices[2].append(r["util"])
+            elif kind == "run":
                 self.run_name = r.get("name", self.run_name)
                 self.processor = r.get("processor", "")
                 self.backends = r.get("backends") or {}
@@ -236,8 +242,6 @@ class Dashboard:
                 spans.append(r)
             elif kind == "sync":
                 sync.append(r)
-            elif kind == "device":
-                self.devices.add(f"{r['device']} {r['role']} r{r['rank']}", self._clock(r["time"]), r["util"])
         if curves:
             new = {"reward": [r.get("reward/mean", float("nan")) for r in curves],
                    "accuracy": [r.get("accuracy", float("nan")) for r in curves]}
@@ -254,9 +258,14 @@ class Dashboard:
             self.sync.stream({"step": [r["step"] for r in sync], "mb": [r["bytes"] / 2**20 for r in sync],
                               "seconds": [100 * r["seconds"] for r in sync]}, rollover=ROLLOVER["sync"])
         streamed = {id(r) for r in curves + sync}
-        kept = [r for r in records if r.get("kind") not in ("metrics", "sync") or id(r) in streamed]
-        for panel in self.panels:  # rolled-back steps (dropped from curves and sync above) stay out
-            panel.feed(kept)
+        by_kind: dict[str, list[dict]] = {}
+        for r in records:  # rolled-back steps (dropped from curves and sync above) stay out
+            if r.get("kind") not in ("metrics", "sync") or id(r) in streamed:
+                by_kind.setdefault(r.get("kind"), []).append(r)
+        for panel in self.panels:
+            panel.feed([r for kind in panel.kinds for r in by_kind.get(kind, [])])
+        if devices[0]:
+            self.devices.add(*devices)
         self.devices.flush()
         for fig in self.figures():  # the hover tool names each series
             name_series(fig)

@@ -13,6 +13,8 @@ TOKENS = PREFIX + "expert_tokens/"
 class MoEPanel:
     """Two plots, shown once a step reports MoE metrics (until then, one line says why)."""
 
+    kinds = ("metrics",)  # the records it reads (the dashboard hands it only these)
+
     def __init__(self):
         import panel as pn
         from bokeh.models import ColumnDataSource

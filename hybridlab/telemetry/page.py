@@ -23,7 +23,7 @@ def sections(board) -> dict:
         "Training": pn.Column(board.training.layout, board.mismatch.layout, board.moe.layout, **row),
         "Mapping and resharding": pn.Column(pn.Row(board.reshard.fig, pn.Column(board.reshard.caption, **row), **row),
                                             board.sync_fig, **row),
-        "System": pn.Column(board.devices.fig, board.memory.fig, board.gantt_fig, **row),
+        "System": pn.Column(board.devices.fig, board.memory.fig, board.memory.heat.fig, board.gantt_fig, **row),
         STUCK: board.running.layout,
         "Config": board.explanation,
     }

@@ -34,6 +34,7 @@ def ema(values: list[float], weight: float, state: tuple[float, int] = (0.0, 0))
 
 STACK_CHARS = 6000     # of each stack file shown on the page (the file has all of it)
 STACK_CARDS = 64       # stack files shown (newest first)
+MEMORY_LINES = 8       # workers drawn as memory lines; more are read from the memory heat map
 
 
 def worker_label(r: dict) -> str:
@@ -44,6 +45,8 @@ def worker_label(r: dict) -> str:
 class RunningPanel:
     """Every worker call in flight with its age; calls past their stuck-call deadline in red;
     the stacks the controller wrote, one collapsed card per worker, newest dump first."""
+
+    kinds = ("running", "stacks")  # the records it reads (the dashboard hands it only these)
 
     def __init__(self):
         import panel as pn
@@ -103,14 +106,21 @@ class MemoryPanel:
     """Resident memory per worker over time (and torch's CUDA memory where there is one), step
     ends marked, and the leak alarm of ``telemetry.memory``."""
 
+    kinds = ("device", "metrics")  # the records it reads (the dashboard hands it only these)
+
     def __init__(self, clock):
         import panel as pn
         from bokeh.models import ColumnDataSource
         from bokeh.plotting import figure
 
+        from hybridlab.telemetry.heatmap import HeatMap
+
         self.clock, self.sources, self.samples, self.step_ends = clock, {}, {}, []
         self.fig = figure(title="resident memory per worker (MB; GPU: torch allocated, dashed)",
                           x_axis_label="seconds", **COMMON)
+        self.heat = HeatMap(f"resident memory per worker (MB, mean per time bin): more than {MEMORY_LINES} workers",
+                            "seconds since the run started", "MB", bin_width=5.0, high=None)
+        self.heat.fig.visible = False  # shown when there are more workers than lines
         self.markers = ColumnDataSource({"t": [], "step": [], "y": []})  # y: just under the lines
         self.fig.scatter("t", "y", source=self.markers, marker="triangle", size=6, color="#555555",
                          legend_label="step end")
@@ -119,36 +129,47 @@ class MemoryPanel:
 
     def feed(self, records: list[dict]) -> None:
         """Stream new memory samples and step ends; re-check the alarm when steps ended."""
-        from bokeh.palettes import Category10_10
-
         rows: dict[str, dict[float, dict]] = {}
         ends = [r for r in records if r.get("kind") == "metrics" and "time" in r]
         for r in records:
             if r.get("kind") == "device":
                 rows.setdefault(worker_label(r), {})[r["time"]] = r  # one per process and time
         for label, by_time in rows.items():
-            if label not in self.sources:
-                from bokeh.models import ColumnDataSource
-
-                self.sources[label] = ColumnDataSource({"t": [], "mb": [], "gpu_mb": []})
-                color = Category10_10[len(self.sources) % 10]
-                self.fig.line("t", "mb", source=self.sources[label], legend_label=label, color=color)
-                self.fig.line("t", "gpu_mb", source=self.sources[label], color=color, line_dash="dashed")
+            if label not in self.samples:
                 self.samples[label] = ([], [])
+                if len(self.samples) <= MEMORY_LINES:
+                    self._add_lines(label)
             picked = [by_time[t] for t in sorted(by_time)]
             mb = [r.get("rss_mb", r.get("memory_mb", float("nan"))) for r in picked]
-            self.sources[label].stream({"t": [self.clock(r["time"]) for r in picked], "mb": mb,
-                                        "gpu_mb": [r.get("gpu_allocated_mb", float("nan")) for r in picked]},
-                                       rollover=ROLLOVER["memory"])
+            clock = [self.clock(r["time"]) for r in picked]
+            if label in self.sources:
+                self.sources[label].stream({"t": clock, "mb": mb, "gpu_mb": [r.get("gpu_allocated_mb", float("nan"))
+                                                                             for r in picked]},
+                                           rollover=ROLLOVER["memory"])
+            self.heat.add([label] * len(clock), clock, mb)
             times, values = self.samples[label]
             times += [r["time"] for r in picked]
             values += mb
+        if len(self.samples) > MEMORY_LINES and not self.heat.fig.visible:
+            self.heat.fig.visible = True
+            self.fig.title.text = (f"resident memory of the first {MEMORY_LINES} workers (MB; GPU dashed;"
+                                   " every worker in the heat map)")
+        self.heat.flush()
         if ends:
             self.step_ends += [r["time"] for r in ends]
             floor = min((min(v[1][-60:]) for v in self.samples.values() if v[1]), default=0.0)
             self.markers.stream({"t": [self.clock(r["time"]) for r in ends], "step": [r["step"] for r in ends],
                                  "y": [floor] * len(ends)}, rollover=ROLLOVER["markers"])
             self._check()
+
+    def _add_lines(self, label: str) -> None:
+        from bokeh.models import ColumnDataSource
+        from bokeh.palettes import Category10_10
+
+        self.sources[label] = ColumnDataSource({"t": [], "mb": [], "gpu_mb": []})
+        color = Category10_10[len(self.sources) % 10]
+        self.fig.line("t", "mb", source=self.sources[label], legend_label=label, color=color)
+        self.fig.line("t", "gpu_mb", source=self.sources[label], color=color, line_dash="dashed")
 
     def _check(self) -> None:
         self.leaks = {label: check for label, (t, mb) in self.samples.items()
@@ -165,6 +186,8 @@ class BusyPanel:
     """Per device, the share of each step it spent in worker calls (``perf/device_busy``), as a
     device x step heat map (bins of steps merge on long runs)."""
 
+    kinds = ("metrics",)  # the records it reads (the dashboard hands it only these)
+
     def __init__(self):
         from hybridlab.telemetry.heatmap import HeatMap
 
@@ -174,16 +197,23 @@ class BusyPanel:
 
     def feed(self, records: list[dict]) -> None:
         """Add the ``perf/device_busy/*`` metrics of new steps, one row per device."""
+        rows, steps, values = [], [], []
         for r in records:
             if r.get("kind") == "metrics":
                 for k, v in r.items():
                     if k.startswith("perf/device_busy/") and v is not None:
-                        self.heat.add(k.split("/", 2)[2], r["step"], v)
+                        rows.append(k[len("perf/device_busy/"):])
+                        steps.append(r["step"])
+                        values.append(v)
+        if rows:
+            self.heat.add(rows, steps, values)
         self.heat.flush()
 
 
 class RolloutPanel:
     """Response lengths per step (p10-p90 band, median, max), tokens/s and the straggler share."""
+
+    kinds = ("metrics",)  # the records it reads (the dashboard hands it only these)
 
     def __init__(self):
         from bokeh.models import ColumnDataSource
@@ -226,6 +256,8 @@ class MismatchPanel:
     log-probs, the mean IS weight and the rejected share of tokens, when the step measured them
     (a step that recomputes old log-probs, or rollout correction in bypass mode)."""
 
+    kinds = ("metrics",)  # the records it reads (the dashboard hands it only these)
+
     def __init__(self):
         import panel as pn
         from bokeh.models import ColumnDataSource, LinearAxis, Range1d
@@ -262,6 +294,8 @@ class MismatchPanel:
 
 class ReshardPanel:
     """The last weight sync's plan as a trainer-rank x rollout-rank matrix of MB, with its cost."""
+
+    kinds = ("sync", "metrics")  # the records it reads (the dashboard hands it only these)
 
     def __init__(self):
         import panel as pn

@@ -24,6 +24,8 @@ def stage_seconds(record: dict) -> dict[str, float]:
 class TrainingPanel:
     """Losses, policy statistics and gradient norms per step, and the step's seconds by stage."""
 
+    kinds = ("metrics",)  # the records it reads (the dashboard hands it only these)
+
     def __init__(self):
         import panel as pn
         from bokeh.models import ColumnDataSource
