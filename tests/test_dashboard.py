@@ -67,7 +67,7 @@ def _pull(url: str, monkeypatch, cookie: str | None = None) -> dict:
         if isinstance(model, ColumnDataSource) and model.data:
             keys = sorted(model.data)
             sizes[",".join(keys)] = max(sizes.get(",".join(keys), 0), len(model.data[keys[0]]))
-    return {"buttons": [m.label for m in models if isinstance(m, Button)],
+    return {"buttons": sorted(m.label for m in models if isinstance(m, Button)),
             "text": "\n".join(m.text for m in models if isinstance(getattr(m, "text", None), str)), "sizes": sizes}
 
 
@@ -124,16 +124,61 @@ PAGE_SOURCES = """() => {
   }
   return sizes;
 }"""
-PANEL_COLUMNS = ["accuracy,accuracy_smooth,reward,reward_smooth,step",  # reward curves, raw and smoothed
-                 "color,left,right,stage,worker",                 # phase timeline
-                 "memory_mb,t,util",                              # device utilization
-                 "gpu_mb,mb,t",                                   # memory per worker
-                 "step,t,y",                                      # step markers on the memory plot
-                 "busy,step",                                     # device busy per step
-                 "max,p10,p50,p90,step,straggler_pct,tokens_per_s",  # rollout lengths, tokens/s, stragglers
-                 "alpha,dst,label,mb,src",                        # the last sync's plan
-                 "mb,seconds,step",                               # sync history
-                 "is_mean,k3_kl,kl,rejected_pct,step"]            # rollout-vs-trainer mismatch
+# The sources each section's plots draw from, by their columns (a section is built when opened).
+SECTION_COLUMNS = {
+    "Overview": ["accuracy,accuracy_smooth,reward,reward_smooth,step",      # reward curves, raw and smoothed
+                 "max,p10,p50,p90,step,straggler_pct,tokens_per_s",        # tokens/s and stragglers
+                 "row,value,width,x"],                                     # device busy heat map
+    "Rollouts": ["max,p10,p50,p90,step,straggler_pct,tokens_per_s"],       # length distribution
+    "Training": ["is_mean,k3_kl,kl,rejected_pct,step"],                    # rollout-vs-trainer mismatch
+    "Mapping and resharding": ["alpha,dst,label,mb,src",                   # the last sync's plan
+                               "mb,seconds,step"],                         # sync history
+    "System": ["row,value,width,x",                                        # device utilization heat map
+               "gpu_mb,mb,t", "step,t,y",                                  # memory per worker, step ends
+               "color,left,right,stage,worker"],                           # phase timeline
+}
+CONTROL_BUTTONS = ["Pause", "Resume", "Stop", "Write every worker's stacks"]
+SMOOTHED = """() => {
+  for (const doc of Bokeh.documents) for (const m of doc.all_models) {
+    if (m.data === undefined || m.selected === undefined) continue;
+    const data = m.data instanceof Map ? Object.fromEntries(m.data) : m.data;
+    if ("reward_smooth" in data) return [Array.from(data.reward), Array.from(data.reward_smooth)];
+  }
+  return null;
+}"""
+AXIS_LABELS = """() => Bokeh.documents.flatMap((doc) => [...doc.all_models].filter((m) => m.axis_label !== undefined)
+                                                    .map((m) => m.axis_label))"""
+
+
+def _every_section_has_data(page) -> None:
+    """Open each section and check that the browser holds data in each of its plots' sources."""
+    for section, columns in SECTION_COLUMNS.items():
+        page.get_by_text(section, exact=True).click()
+        page.locator("canvas:visible").first.wait_for(timeout=30_000)
+        deadline = time.time() + 30
+        while True:
+            sizes = page.evaluate(PAGE_SOURCES)
+            missing = [c for c in columns if sizes.get(c, 0) == 0]
+            if not missing or time.time() > deadline:
+                break
+            time.sleep(0.5)
+        assert not missing, f"section {section}: no data in the page's sources with columns {missing}: {sizes}"
+
+
+def _smoothing_and_axis_change_the_plots(page) -> None:
+    """The sidebar's smoothing slider changes the smoothed curve in the browser (Home: no
+    smoothing, so it equals the raw one), and the x-axis switch renames the step axes."""
+    page.get_by_text("Overview", exact=True).click()
+    raw, smooth = page.evaluate(SMOOTHED)
+    assert smooth != raw                               # smoothed at 0.6 (the steps' rewards differ)
+    page.locator(".noUi-handle").first.focus()
+    page.keyboard.press("Home")                        # smoothing 0
+    same = f"() => {{ const v = ({SMOOTHED})(); return JSON.stringify(v[0]) === JSON.stringify(v[1]); }}"
+    page.wait_for_function(same, timeout=30_000)
+    page.get_by_text("wall time", exact=True).click()
+    page.wait_for_function(f"() => ({AXIS_LABELS})().includes('wall time since the run started (s)')", timeout=30_000)
+    assert "step" not in page.evaluate(AXIS_LABELS)    # every step axis switched
+    page.get_by_text("step", exact=True).click()
 
 
 def test_served_dashboard_renders_and_follows_the_run(rl):
@@ -143,6 +188,7 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
 
     browser_path = chromium()
     rl.step()  # something to show at once
+    rl.step()  # and two different rewards to smooth
     server, port = serve(rl.run_dir, port=0, threaded=True)
     run = None
     try:
@@ -152,6 +198,7 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
             page.goto(f"http://localhost:{port}/", timeout=60_000)
             first = _status_step(page)
             assert first == rl.step_count
+            _smoothing_and_axis_change_the_plots(page)
             run = _stepping(rl)  # until the test stops it: the page follows a run that goes on
             deadline = time.time() + 120
             later = first
@@ -159,14 +206,16 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
                 time.sleep(1.0)
                 later = _status_step(page)
             assert later > first, f"status stayed at step {first}"
-            page.locator("canvas").first.wait_for(timeout=20_000)
-            assert page.locator("canvas:visible").count() >= 4  # Overview: reward, seconds by stage, tokens/s, busy
+            _every_section_has_data(page)
             page.get_by_text("Stuck calls", exact=True).click()
             page.get_by_text("running for").first.wait_for(timeout=60_000)  # a call in flight, in the table
-            sizes = page.evaluate(PAGE_SOURCES)  # what the browser's Bokeh document holds, per data source
-            for columns in PANEL_COLUMNS:
-                assert sizes.get(columns, 0) > 0, f"no data in the page's source with columns {columns}: {sizes}"
+            assert [b.text_content().strip() for b in page.locator("#sidebar button").all()
+                    if b.text_content().strip() in CONTROL_BUTTONS] == CONTROL_BUTTONS
+            page.get_by_role("button", name="Pause").click()  # steps run by hand here: no training loop to hold
+            page.get_by_text("pause: no run to pause").wait_for(timeout=30_000)
             page.get_by_role("button", name="Write every worker's stacks").click()
+            page.get_by_text(re.compile(r"stack files written")).wait_for(timeout=30_000)
+            page.get_by_text(re.compile(r"-actor-rank0-pid\d+\.txt")).first.click()  # a collapsed card opens
             page.get_by_text("most recent call first").first.wait_for(timeout=30_000)  # the workers' stacks
             assert sorted(p.name for p in (rl.run_dir / "stacks").glob("*-rank0-pid*.txt"))
             ARTIFACTS.mkdir(exist_ok=True)
@@ -248,7 +297,7 @@ def test_hub_file_holds_every_kind_and_replays(rl):
     board.update()
     assert board.curves.data["step"] == list(range(1, steps + 1))
     assert f"step {steps} ·" in board.status.object
-    assert len(board.spans.data["worker"]) > 0 and board.devices
+    assert len(board.spans.data["worker"]) > 0 and len(board.devices.source.data["x"]) > 0
     syncs = [r for r in records if r["kind"] == "sync"]
     # one per step: the remap that added the reference built it beside the actor and moved no weights
     assert len(board.sync.data["step"]) == len(syncs) == steps
@@ -265,7 +314,7 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("how", ["cli", "panel serve"])
 def test_the_same_app_is_served_by_the_cli_and_by_panel_serve(rl, how, monkeypatch):
-    """Each serves this run's dashboard, with the stack-dump button for a browser on this machine."""
+    """Each serves this run's dashboard, with the run controls for a browser on this machine."""
     import subprocess
     import sys
 
@@ -280,7 +329,7 @@ def test_the_same_app_is_served_by_the_cli_and_by_panel_serve(rl, how, monkeypat
         assert "bokeh" in _wait_for_page(url).read().decode().lower(), f"{how}: no page at {url}"
         served = _pull(url, monkeypatch)
         _assert_shows_the_run(served, rl, steps)
-        assert served["buttons"] == ["Write every worker's stacks"]  # a loopback client may ask for stacks
+        assert served["buttons"] == sorted(CONTROL_BUTTONS)  # a loopback client may use the run controls
     finally:
         proc.terminate()
         proc.wait(10)
@@ -295,7 +344,7 @@ def test_status_line_names_the_phase_from_warm_start_to_evaluation(tmp_path):
     hub.add("run", [{"name": "grpo", "processor": "Test CPU (avx512_bf16, no AMX)"}])
     hub.add("phase", [{"phase": "warm start", "step": 0, "max_steps": 4000}])
     board.update()
-    assert board.status.object == "run grpo · warm start step 0/4000 · Test CPU (avx512_bf16, no AMX)"
+    assert board.status.object == "run grpo · warm start step 0/4000 · Test CPU (avx512_bf16, no AMX) · live"
     hub.add("phase", [{"phase": "warm start", "step": 250, "max_steps": 4000, "accuracy": 0.125, "target": 0.5}])
     board.update()
     assert "warm start step 250/4000 · held-out accuracy 12.5% of target 50%" in board.status.object
@@ -307,12 +356,15 @@ def test_status_line_names_the_phase_from_warm_start_to_evaluation(tmp_path):
     board.update()
     assert "RL step 1 · mean reward 0.250" in board.status.object
     hub.close()
+    (tmp_path / "summary.json").write_text(json.dumps({"failed": False}))
+    board.update()  # no new record: the status still follows the run
+    assert board.status.object.endswith(" · finished")
 
 
 def test_a_page_served_off_localhost_shows_nothing_without_login(rl, tmp_path, monkeypatch):
     """Bound to 0.0.0.0 (reached here through 127.0.0.1 only), the page needs Panel's login: a
     client without it gets the login form, no page and no session, so no control action; a
-    logged-in client gets the page with the stack-dump button. 127.0.0.1 counts as another
+    logged-in client gets the page with the run controls. 127.0.0.1 counts as another
     machine here, so the button shows because of the login, not because the client is local."""
     import http.cookiejar
     import urllib.parse
@@ -352,13 +404,13 @@ def test_a_page_served_off_localhost_shows_nothing_without_login(rl, tmp_path, m
         cookie = "; ".join(f"{c.name}={c.value}" for c in jar)
         served = _pull(f"{base}/", monkeypatch, cookie=cookie)
         _assert_shows_the_run(served, rl, steps)
-        assert served["buttons"] == ["Write every worker's stacks"]  # logged in: the control action
+        assert served["buttons"] == sorted(CONTROL_BUTTONS)  # logged in: the run controls
     finally:
         server.stop()
 
 
 def test_control_actions_show_on_this_machine_and_not_to_another_without_login(rl, monkeypatch):
-    """Served without login (on localhost), a browser on this machine gets the stack-dump button;
+    """Served without login (on localhost), a browser on this machine gets the run controls;
     a client from another machine (127.0.0.1 counted as one) gets the same page without it."""
     from hybridlab.telemetry.serving import serve
 
@@ -369,7 +421,7 @@ def test_control_actions_show_on_this_machine_and_not_to_another_without_login(r
         _wait_for_page(url).read()
         local = _pull(url, monkeypatch)
         _assert_shows_the_run(local, rl, steps)
-        assert local["buttons"] == ["Write every worker's stacks"]
+        assert local["buttons"] == sorted(CONTROL_BUTTONS)
         _as_another_machine(monkeypatch)
         remote = _pull(url, monkeypatch)
         _assert_shows_the_run(remote, rl, steps)
@@ -409,7 +461,6 @@ def test_the_login_form_works_in_the_browser(rl, tmp_path, monkeypatch):
             page.fill("input[name=password]", "s3cret-pass")
             page.locator("input[name=password]").press("Enter")
             page.get_by_text(re.compile(r"RL step \d+ · mean reward")).first.wait_for(timeout=60_000)
-            page.get_by_text("Stuck calls", exact=True).click()  # the stack button's section
             page.get_by_role("button", name="Write every worker's stacks").wait_for(timeout=10_000)  # logged in
             browser.close()
     finally:

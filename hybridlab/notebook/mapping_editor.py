@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING
 
 import ipywidgets as widgets
 
-from hybridlab.controller.mapping import ROLES, DeviceMapping, rank_label
+from hybridlab.controller.mapping import ROLES, DeviceMapping
+from hybridlab.controller.mapping_drawing import draw
 from hybridlab.dataflow import remap
 from hybridlab.notebook.apply import FOREGROUND_NOTE, Applier, ok, problem_list, problems_of
 
 if TYPE_CHECKING:
     from hybridlab.dataflow.session import RLSession
 
-COLORS = ("#e3f2fd", "#fce4ec", "#e8f5e9", "#fff3e0", "#ede7f6", "#e0f7fa")
 SMALL = widgets.Layout(width="70px")
 
 
@@ -165,25 +165,3 @@ class MappingEditor(widgets.VBox):
             self.drawing.value = problem_list("Cannot draw this mapping:", problems_of(exc))
             return
         self.drawing.value = draw(mapping)
-
-
-def draw(mapping: DeviceMapping) -> str:
-    """Return HTML: one row per pool, one box per device, listing the role ranks on it; roles
-    that share processes have the same color."""
-    colors = {}
-    for i, (_, members) in enumerate(mapping.process_sets()):
-        for m in members:
-            colors[m] = COLORS[i % len(COLORS)]
-    rows, first = [], 0
-    for name, pool in mapping.pools.items():
-        boxes = []
-        for d in range(pool.devices):
-            lines = [f"<div style='background:{colors[r]};padding:1px 4px;margin:1px'>"
-                     f"{html.escape(rank_label(r, lay, d))}</div>"
-                     for r, lay in mapping.roles.items() if lay.pool == name and d < lay.world_size]
-            boxes.append(f"<div style='border:1px solid #888;border-radius:4px;padding:3px;margin:2px;"
-                         f"min-width:120px;font-size:12px'><b>device {first + d}</b>{''.join(lines) or '(idle)'}</div>")
-        first += pool.devices
-        rows.append(f"<div><b>{html.escape(name)}</b><div style='display:flex;flex-wrap:wrap'>{''.join(boxes)}</div>"
-                    f"</div>")
-    return "".join(rows)

@@ -1,10 +1,12 @@
 """The live dashboard of a run: Panel + Bokeh, fed by the telemetry hub or its file.
 
-``build_dashboard(run_dir)`` returns a read-only Panel layout: a status line (run, the phase:
-warm start with its held-out accuracy, RL step and mean reward, or evaluation; the
-processor), the device mapping (with the last remap), reward and accuracy curves, a
-per-worker phase timeline (a Gantt chart of the last steps, coloured by stage), per-device
-utilization and weight-sync bytes and seconds per step.
+``build_dashboard(run_dir)`` returns the dashboard: served, a Panel template page whose header
+is the status line (run, the phase: warm start with its held-out accuracy, RL step and mean
+reward, or evaluation; paused; the processor), whose sidebar holds the display settings and the
+run controls, and whose sections (``page.py``) hold the plots; in a notebook, the same in one
+column. ``Dashboard`` turns records into streamed points: reward and accuracy curves (smoothed,
+other runs overlaid), the phase timeline, device heat maps, weight sync, and the panels of
+``panels.py`` and its siblings, each fed the record kinds it reads.
 A periodic callback on the server's own loop polls for new records every second and streams
 only the new points (Bokeh models may only change on the document's loop). In the process
 that runs the session it reads the live hub; elsewhere (``hybridlab dashboard``, ``panel
@@ -83,6 +85,8 @@ class Dashboard:
         self.controls = RunControls(run_dir) if control else None
         self.status = pn.pane.Markdown(self._status_text(), name="status")
         self.mapping_pane = pn.pane.Markdown("", name="mapping")  # the current device mapping
+        self.mapping_drawing = pn.pane.HTML("", name="mapping drawing", sizing_mode="stretch_width")
+        self.remap_table = pn.pane.HTML("<p>no remap yet</p>", name="remaps", sizing_mode="stretch_width")
         self.remaps: list[dict] = []
         self.resumes: list[dict] = []
         self.curves = ColumnDataSource({"step": [], "reward": [], "accuracy": [], "reward_smooth": [],
@@ -99,8 +103,8 @@ class Dashboard:
         self.sync = ColumnDataSource({"step": [], "mb": [], "seconds": []})
 
         common = dict(height=260, sizing_mode="stretch_width", toolbar_location="above")
-        self.reward_fig = figure(title="reward and accuracy per step (faint: each step; solid: smoothed;"
-                                 " dashed: other runs)", x_axis_label="step", **common)
+        self.reward_fig = figure(title="reward and accuracy per step (solid: smoothed; dashed: other runs)",
+                                 x_axis_label="step", **common)
         for column, label, color in (("reward", "mean reward", "#4e79a7"), ("accuracy", "sample accuracy", "#59a14f")):
             self.reward_fig.line("step", column, source=self.curves, color=color, alpha=0.25, legend_label=label)
             self.reward_fig.line("step", f"{column}_smooth", source=self.curves, color=color, legend_label=label)
@@ -192,7 +196,7 @@ class Dashboard:
         restarts = f" · {len(self.restarts)} worker restart(s), last: {self.restarts[-1]['role']}" \
             f" {self.restarts[-1]['failure']}" if self.restarts else ""
         state = " · **paused**" if self.controls is not None and self.controls.paused else ""
-        return f"run {self.run_name} · {doing}{state}{where}{restarts}"
+        return f"run {self.run_name} · {doing}{state}{where}{restarts} · {RunInfo(self.run_dir).status}"
 
     def _clock(self, t: float) -> float:
         """Return seconds since the run's first record (the run's start for a page that saw it)."""
@@ -208,6 +212,7 @@ class Dashboard:
             self._refresh_others()
         if not records:
             self.running.feed([])  # the ages of the calls in flight still grow
+            self.status.object = self._status_text()  # live, finished, crashed
             self._alarm()
             return
         curves, evals, spans, sync = ([] for _ in range(4))
@@ -223,6 +228,7 @@ class Dashboard:
                 self.processor = r.get("processor", "")
                 self.backends = r.get("backends") or {}
                 self.mapping_pane.object = mapping_text(r.get("mapping") or {})
+                self.mapping_drawing.object = mapping_html(r.get("mapping") or {})
                 self.explanation.object = r.get("explanation", "")
             elif kind == "remap":
                 self._mark_remap(r)
@@ -300,6 +306,8 @@ class Dashboard:
         before = mapping_text(r.get("mapping_before") or {}).replace("mapping: ", "", 1)
         self.mapping_pane.object = (mapping_text(r.get("mapping_after") or {}) + f"  \n*remapped after step {step}:"
                                     f" re-created {roles} in {seconds:.1f} s; before: {before}*")
+        self.mapping_drawing.object = mapping_html(r.get("mapping_after") or {})
+        self.remap_table.object = remap_table(self.remaps)
         self.reward_fig.add_layout(Span(location=step + 0.5, dimension="height", line_dash="dashed",
                                         line_color="#555555", line_width=1))
         if "time" in r:  # and on the phase timeline, at the moment it finished
@@ -359,6 +367,29 @@ def mapping_text(mapping: dict) -> str:
                    if v.get("pool") == name]
         parts.append(f"**{name}** ({pool.get('devices')} devices): {', '.join(members) or 'no roles'}")
     return "mapping: " + "; ".join(parts) if parts else ""
+
+
+def mapping_html(mapping: dict) -> str:
+    """Return the mapping drawn in HTML (a box per device), or "" for one that does not read."""
+    from hybridlab.controller.mapping import DeviceMapping
+    from hybridlab.controller.mapping_drawing import draw
+
+    try:
+        return draw(DeviceMapping.from_dict(mapping))
+    except Exception:  # an older or partial record: the one-line summary still shows it
+        return ""
+
+
+def remap_table(remaps: list[dict]) -> str:
+    """Return an HTML table of the remaps, newest first: step, why, roles re-created, seconds, MB moved."""
+    import html
+
+    rows = "".join(f"<tr><td>{r.get('step', '')}</td><td>{html.escape(str(r.get('reason', 'remap')))}</td>"
+                   f"<td>{html.escape(', '.join(r.get('roles_recreated') or []) or 'none')}</td>"
+                   f"<td>{(r.get('seconds') or {}).get('total', 0.0):.1f}</td>"
+                   f"<td>{r.get('bytes_moved', 0) / 2**20:.1f}</td></tr>" for r in reversed(remaps))
+    head = "<tr><th>after step</th><th>why</th><th>re-created</th><th>seconds</th><th>MB moved</th></tr>"
+    return f"<table>{head}{rows}</table>"
 
 
 def build_dashboard(run_dir: str | Path, control: bool = True, template: bool = False):

@@ -29,11 +29,6 @@ def request_action(run_dir: str | Path, action: str) -> Path:
     return path
 
 
-def request_stacks(run_dir: str | Path) -> Path:
-    """Ask the run's controller to write every worker's stacks; returns the request file."""
-    return request_action(run_dir, "stacks")
-
-
 class LiveReporter:
     """See the module docstring; ``running()`` is CallWatch.running, ``actions`` maps each
     action the run offers to what carries it out (``stacks`` returns the files it wrote;
