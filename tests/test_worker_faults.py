@@ -5,15 +5,19 @@ function is reported as stuck with its stack written, re-created, and the run go
 `trainer.max_restarts` stops it."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from browser import LAUNCH_ARGS, chromium
 
 from hybridlab.dataflow.recovery import WorkerLost
 from hybridlab.dataflow.session import RLSession
+from hybridlab.telemetry.dashboard import STUCK_ALARM
 
 SETTINGS = ["warm_start.max_steps=0", "data.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=6",
             "actor.ppo_mini_batch_size=8", "data.test_samples=8", "trainer.progress=false", "trainer.save_every=0",
@@ -28,6 +32,26 @@ def rl(ray_local, trained_dir, tmp_path_factory):
                                f"trainer.run_dir={tmp_path_factory.mktemp('faults') / 'run'}"]).start()
     yield session
     session.shutdown()
+
+
+@contextlib.contextmanager
+def served_page(rl):
+    """Yield a headless Chromium page on the run's served dashboard (closed and stopped after)."""
+    from playwright.sync_api import sync_playwright
+
+    from hybridlab.telemetry.serving import serve
+
+    browser_path = chromium()
+    server, port = serve(rl.run_dir, port=0, threaded=True)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=browser_path, headless=True, args=LAUNCH_ARGS)
+            page = browser.new_page()
+            page.goto(f"http://localhost:{port}/", timeout=60_000)
+            yield page
+            browser.close()
+    finally:
+        server.stop()
 
 
 def pids(rl, role: str) -> list[int]:
@@ -103,7 +127,13 @@ def test_a_hanging_reward_call_is_reported_stuck_with_its_stack_and_the_run_goes
               "trainer.call_deadline_s=10")
     restarts = rl.worker_restarts
     start = time.time()
-    result = rl.step()
+    with served_page(rl) as page:  # the dashboard's Stuck calls section, in a browser, while it hangs
+        page.get_by_text("Stuck calls", exact=True).wait_for(timeout=60_000)  # not alarmed: nothing is late
+        assert page.get_by_text(STUCK_ALARM).count() == 0
+        stepping = ThreadPoolExecutor(1).submit(rl.step)
+        page.get_by_text(STUCK_ALARM).wait_for(timeout=60_000)  # the reward call went past its deadline
+        result = stepping.result(timeout=600)
+        page.get_by_text("Stuck calls", exact=True).wait_for(timeout=30_000)  # the call ended: no alarm
     assert time.time() - start >= 10  # waited for the deadline, not less
     event = rl.restarts[-1]
     assert (event["role"], event["method"], event["failure"], event["rolled_back_to"]) == \

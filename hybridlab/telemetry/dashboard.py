@@ -292,9 +292,12 @@ class Dashboard:
 
     def _alarm(self) -> None:
         """Title the Stuck calls tab as alarmed while a call is past its deadline (and back)."""
+        import panel as pn
+
         title, index = STUCK_ALARM if self.running.late() else STUCK, list(self.sections).index(STUCK)
         if self.tabs._names[index] != title:
-            self.tabs[index] = (title, self.sections[STUCK])
+            # a new wrapper: Panel keeps a tab's old title while the tab holds the same object
+            self.tabs[index] = (title, pn.Column(self.sections[STUCK], sizing_mode="stretch_width"))
 
     def _mark_remap(self, r: dict) -> None:
         """Show the new mapping and mark the remap on the curves (a dashed line at its step)."""
