@@ -9,33 +9,32 @@ a start-up ramp that flattens.
 """
 from __future__ import annotations
 
-import bisect
-import statistics
+import numpy as np
 
 LEAK_PCT_PER_100_STEPS = 1.0
 WARMUP_STEPS = 50      # at least; and never less than the first third of the steps so far
 MIN_STEPS = 50         # steps after warm-up before the slope is judged
 
 
-def slope_per_100(steps: list[float], values: list[float]) -> float:
+def slope_per_100(steps, values) -> float:
     """Return the least-squares slope of ``values`` over ``steps``, per 100 steps (0 if flat in x)."""
-    if len(steps) < 2:
+    x, y = np.asarray(steps, dtype=float), np.asarray(values, dtype=float)
+    if len(x) < 2:
         return 0.0
-    mean_x, mean_y = statistics.fmean(steps), statistics.fmean(values)
-    sxx = sum((x - mean_x) ** 2 for x in steps)
-    return 100 * sum((x - mean_x) * (y - mean_y) for x, y in zip(steps, values)) / sxx if sxx else 0.0
+    dx = x - x.mean()
+    sxx = float(dx @ dx)
+    return 100 * float(dx @ (y - y.mean())) / sxx if sxx else 0.0
 
 
-def step_at(times: list[float], ends: list[float]) -> list[float]:
+def step_at(times, ends) -> np.ndarray:
     """Return, for each sample time, the fractional step it falls in (``ends``: the sorted end
     times of steps 1, 2, ...; a time between two ends interpolates)."""
-    out = []
-    for t in times:
-        i = bisect.bisect_left(ends, t)
-        if i == 0 or i >= len(ends):
-            out.append(float(i) if i == 0 else float(len(ends)))
-        else:
-            out.append(i + (t - ends[i - 1]) / max(ends[i] - ends[i - 1], 1e-9))
+    t, ends = np.asarray(times, dtype=float), np.asarray(ends, dtype=float)
+    i = np.searchsorted(ends, t, side="left")
+    inner = (i > 0) & (i < len(ends))
+    out = np.where(i == 0, 0.0, float(len(ends)))
+    j = i[inner]
+    out[inner] = j + (t[inner] - ends[j - 1]) / np.maximum(ends[j] - ends[j - 1], 1e-9)
     return out
 
 
@@ -47,15 +46,16 @@ def leak_check(times: list[float], mb: list[float], step_ends: list[float]) -> d
     if len(step_ends) < warmup + MIN_STEPS:
         return None
     after = step_ends[warmup - 1]
-    pairs = [(t, m) for t, m in zip(times, mb) if t >= after]
-    if len(pairs) < 4:
+    times, mb = np.asarray(times, dtype=float), np.asarray(mb, dtype=float)
+    keep = times >= after
+    if keep.sum() < 4:
         return None
-    steps = step_at([t for t, _ in pairs], step_ends)
-    values = [m for _, m in pairs]
-    mean = statistics.fmean(values)
+    steps = step_at(times[keep], step_ends)
+    values = mb[keep]
+    mean = float(values.mean())
     slope = slope_per_100(steps, values)
     half = len(steps) // 2
     recent = 100 * slope_per_100(steps[half:], values[half:]) / mean
     pct = 100 * slope / mean
     return {"slope_mb": slope, "slope_pct": pct, "recent_pct": recent,
-            "leak": pct > LEAK_PCT_PER_100_STEPS and recent > LEAK_PCT_PER_100_STEPS}
+            "leak": bool(pct > LEAK_PCT_PER_100_STEPS and recent > LEAK_PCT_PER_100_STEPS)}

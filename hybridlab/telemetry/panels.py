@@ -134,22 +134,24 @@ class MemoryPanel:
         for r in records:
             if r.get("kind") == "device":
                 rows.setdefault(worker_label(r), {})[r["time"]] = r  # one per process and time
+        nan = float("nan")
         for label, by_time in rows.items():
             if label not in self.samples:
                 self.samples[label] = ([], [])
                 if len(self.samples) <= MEMORY_LINES:
                     self._add_lines(label)
-            picked = [by_time[t] for t in sorted(by_time)]
-            mb = [r.get("rss_mb", r.get("memory_mb", float("nan"))) for r in picked]
-            clock = [self.clock(r["time"]) for r in picked]
+            times = sorted(by_time)
+            picked = [by_time[t] for t in times]
+            mb = [r["rss_mb"] if "rss_mb" in r else r.get("memory_mb", nan) for r in picked]
+            shift = self.clock(times[0]) - times[0]  # seconds since the run started
+            clock = [t + shift for t in times]
             if label in self.sources:
-                self.sources[label].stream({"t": clock, "mb": mb, "gpu_mb": [r.get("gpu_allocated_mb", float("nan"))
+                self.sources[label].stream({"t": clock, "mb": mb, "gpu_mb": [r.get("gpu_allocated_mb", nan)
                                                                              for r in picked]},
                                            rollover=ROLLOVER["memory"])
             self.heat.add([label] * len(clock), clock, mb)
-            times, values = self.samples[label]
-            times += [r["time"] for r in picked]
-            values += mb
+            self.samples[label][0].extend(times)
+            self.samples[label][1].extend(mb)
         if len(self.samples) > MEMORY_LINES and not self.heat.fig.visible:
             self.heat.fig.visible = True
             self.fig.title.text = (f"resident memory of the first {MEMORY_LINES} workers (MB; GPU dashed;"
