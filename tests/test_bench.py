@@ -212,3 +212,20 @@ def test_bench_remap_one_transition_on_the_tiny_model_is_exact(ray_local, capfd)
 def test_bench_soak_refuses_too_few_steps(capfd):
     assert main(["bench", "soak", "--opt", "steps=20", "--opt", "warmup=50", "--json"]) == 2
     assert "steps (20) must exceed warmup (50) by more than 10" in capfd.readouterr().err
+
+
+def test_bench_dashboard_json_replays_the_planned_run_into_the_page(capfd):
+    from browser import chromium
+
+    chromium()  # skipped without the browser (failed under CI)
+    result = run_bench(["dashboard", "--opt", "devices=4", "--opt", "steps=300", "--opt", "updates=2",
+                        "--opt", "span_steps=3"], capfd)
+    assert result["records"] == {"metrics": 300, "sync": 300, "device": 4 * 300, "span": 4 * 6 * 3}
+    assert result["small"]["records"] == {"metrics": 100, "sync": 100, "device": 2 * 100, "span": 2 * 6 * 3}
+    assert result["first_render_s"] > 0 and result["update_latency_s"] > 0 and result["heap_mb"] > 0
+    assert result["update_latency_max_s"] >= result["update_latency_s"]
+    assert_ratio(result["first_render_vs_small"], result["first_render_s"], result["small"]["first_render_s"], 2)
+    assert_ratio(result["heap_vs_small"], result["heap_mb"], result["small"]["heap_mb"], 2)
+    assert result["meets_goals"] == {k: result[k] <= goal for k, goal in result["goals"].items()}
+    assert main(["bench", "dashboard", "--opt", "devices=0", "--json"]) == 2
+    assert "benchmark dashboard: devices must be an integer of at least 1, got 0" in capfd.readouterr().err

@@ -64,7 +64,8 @@ def write_run(run_dir: Path, devices: int, steps: int, span_steps: int, seed: in
     counts = {"metrics": 0, "sync": 0, "device": 0, "span": 0}
     with open(run_dir / "telemetry.jsonl", "w") as f:
         pools = {"p": {"devices": devices}}
-        roles = {"actor": {"pool": "p", "tp": 8, "dp": devices // 8}, "rollout": {"pool": "p", "tp": 8}}
+        tp = min(8, devices)
+        roles = {"actor": {"pool": "p", "tp": tp, "dp": devices // tp}, "rollout": {"pool": "p", "tp": tp}}
         f.write(json.dumps({"kind": "run", "time": start, "name": run_dir.name, "processor": processor(),
                             "mapping": {"pools": pools, "roles": roles}}) + "\n")
         for step in range(1, steps + 1):
