@@ -142,9 +142,7 @@ class RLSession(Stepping, LiveEdits):
                                    spares=self.cfg.trainer.spare_processes)
             self.workers.watch.stacks_dir = self.run_dir / "stacks"
             self.workers.start()
-            self.telemetry.watch(self.workers, {"pause": self.pause, "resume": self.unpause,
-                                                "stop": self.stop_running, "stacks": self.stacks},
-                                 paused=lambda: self.paused)
+            self.telemetry.watch(self.workers, self._run_controls(), paused=lambda: self.paused)
         except BaseException:
             self.shutdown()  # nothing half-started stays behind; start() may be called again
             raise
@@ -241,6 +239,10 @@ class RLSession(Stepping, LiveEdits):
         """Return the worker calls in flight, oldest first: role, ranks, method, stage,
         elapsed_s, deadline_s and late (past its deadline: stuck)."""
         return self.workers.watch.running() if self.workers is not None else []
+
+    def _run_controls(self) -> dict:
+        """Return what the dashboard's run controls call (``telemetry.live.ACTIONS``)."""
+        return {"pause": self.pause, "resume": self.unpause, "stop": self.stop_running, "stacks": self.stacks}
 
     def stacks(self) -> list[Path]:
         """Write every worker process's Python stacks to ``RUN_DIR/stacks/``; returns the files."""

@@ -22,6 +22,7 @@ from hybridlab.telemetry.axes import AXIS_LABELS, STEP, WALL, StepAxis, add_hove
 from hybridlab.telemetry.controls import RunControls
 from hybridlab.telemetry.heatmap import HeatMap
 from hybridlab.telemetry.hub import find_hub, read_records
+from hybridlab.telemetry.mapping_view import mapping_html, mapping_text, remap_table
 from hybridlab.telemetry.moe_panel import MoEPanel
 from hybridlab.telemetry.panels import (BusyPanel, MemoryPanel, MismatchPanel, ReshardPanel, RolloutPanel,
                                        RunningPanel, ema)
@@ -71,7 +72,6 @@ class Dashboard:
         """``control``: offer the run controls (localhost, or a logged-in user elsewhere)."""
         import panel as pn
         from bokeh.models import ColumnDataSource
-        from bokeh.plotting import figure
 
         self.run_dir = Path(run_dir)
         self.source = RecordSource(run_dir)
@@ -103,14 +103,7 @@ class Dashboard:
         self.sync = ColumnDataSource({"step": [], "mb": [], "seconds": []})
 
         common = dict(height=260, sizing_mode="stretch_width", toolbar_location="above")
-        self.reward_fig = figure(title="reward and accuracy per step (solid: smoothed; dashed: other runs)",
-                                 x_axis_label="step", **common)
-        for column, label, color in (("reward", "mean reward", "#4e79a7"), ("accuracy", "sample accuracy", "#59a14f")):
-            self.reward_fig.line("step", column, source=self.curves, color=color, alpha=0.25, legend_label=label)
-            self.reward_fig.line("step", f"{column}_smooth", source=self.curves, color=color, legend_label=label)
-        self.reward_fig.scatter("step", "accuracy", source=self.evals, legend_label="greedy test accuracy",
-                                color="#e15759", size=7)
-        self.reward_fig.legend.location = "top_left"
+        self._reward_figure(common)
         self.others: dict[str, RunInfo] = {}   # the runs beside this one, to overlay
         self.overlay = Overlay(self.reward_fig, dash="dashed")
         self.compare = pn.widgets.MultiSelect(label="overlay the reward of", options=[], size=6, width=240)
@@ -130,6 +123,19 @@ class Dashboard:
         self.tabs = pn.Tabs(*self.sections.items(), dynamic=True, sizing_mode="stretch_width")
         for fig in self.figures():
             add_hover(fig)
+
+    def _reward_figure(self, common: dict) -> None:
+        """Make the reward and accuracy plot: each step faint, smoothed solid, evaluations as dots."""
+        from bokeh.plotting import figure
+
+        self.reward_fig = figure(title="reward and accuracy per step (solid: smoothed; dashed: other runs)",
+                                 x_axis_label="step", **common)
+        for column, label, color in (("reward", "mean reward", "#4e79a7"), ("accuracy", "sample accuracy", "#59a14f")):
+            self.reward_fig.line("step", column, source=self.curves, color=color, alpha=0.25, legend_label=label)
+            self.reward_fig.line("step", f"{column}_smooth", source=self.curves, color=color, legend_label=label)
+        self.reward_fig.scatter("step", "accuracy", source=self.evals, legend_label="greedy test accuracy",
+                                color="#e15759", size=7)
+        self.reward_fig.legend.location = "top_left"
 
     def _system_figures(self, common: dict) -> None:
         """Make the worker-phase, device-utilization and weight-sync figures."""
@@ -248,6 +254,24 @@ class Dashboard:
                 spans.append(r)
             elif kind == "sync":
                 sync.append(r)
+        self._stream(curves, evals, spans, sync)
+        streamed = {id(r) for r in curves + sync}
+        by_kind: dict[str, list[dict]] = {}
+        for r in records:  # rolled-back steps (dropped from curves and sync above) stay out
+            if r.get("kind") not in ("metrics", "sync") or id(r) in streamed:
+                by_kind.setdefault(r.get("kind"), []).append(r)
+        for panel in self.panels:
+            panel.feed([r for kind in panel.kinds for r in by_kind.get(kind, [])])
+        if devices[0]:
+            self.devices.add(*devices)
+        self.devices.flush()
+        for fig in self.figures():  # the hover tool names each series
+            name_series(fig)
+        self.status.object = self._status_text()
+        self._alarm()
+
+    def _stream(self, curves: list[dict], evals: list[dict], spans: list[dict], sync: list[dict]) -> None:
+        """Stream one poll's steps, evaluations, phase spans and syncs to their plots."""
         if curves:
             new = {"reward": [r.get("reward/mean", float("nan")) for r in curves],
                    "accuracy": [r.get("accuracy", float("nan")) for r in curves]}
@@ -263,20 +287,6 @@ class Dashboard:
         if sync:
             self.sync.stream({"step": [r["step"] for r in sync], "mb": [r["bytes"] / 2**20 for r in sync],
                               "seconds": [100 * r["seconds"] for r in sync]}, rollover=ROLLOVER["sync"])
-        streamed = {id(r) for r in curves + sync}
-        by_kind: dict[str, list[dict]] = {}
-        for r in records:  # rolled-back steps (dropped from curves and sync above) stay out
-            if r.get("kind") not in ("metrics", "sync") or id(r) in streamed:
-                by_kind.setdefault(r.get("kind"), []).append(r)
-        for panel in self.panels:
-            panel.feed([r for kind in panel.kinds for r in by_kind.get(kind, [])])
-        if devices[0]:
-            self.devices.add(*devices)
-        self.devices.flush()
-        for fig in self.figures():  # the hover tool names each series
-            name_series(fig)
-        self.status.object = self._status_text()
-        self._alarm()
 
     def _refresh_others(self) -> None:
         """Find the runs beside this one (its folder's other runs), read what their logs gained
@@ -357,42 +367,6 @@ class Dashboard:
                            "stage": [s.get("stage") or s["method"] for s in spans],
                            "color": [STAGE_COLORS.get(s.get("stage") or "", "#bab0ac") for s in spans]},
                           rollover=GANTT_SPANS)
-
-
-def mapping_text(mapping: dict) -> str:
-    """Return a one-line Markdown summary of a device mapping: each pool with its roles."""
-    pools = mapping.get("pools") or {}
-    roles = mapping.get("roles") or {}
-    parts = []
-    for name, pool in pools.items():
-        members = [f"{r} (tp{v.get('tp', 1)} pp{v.get('pp', 1)} dp{v.get('dp', 1)}"
-                   f"{', colocated: ' + v['colocate'] if v.get('colocate') else ''})" for r, v in roles.items()
-                   if v.get("pool") == name]
-        parts.append(f"**{name}** ({pool.get('devices')} devices): {', '.join(members) or 'no roles'}")
-    return "mapping: " + "; ".join(parts) if parts else ""
-
-
-def mapping_html(mapping: dict) -> str:
-    """Return the mapping drawn in HTML (a box per device), or "" for one that does not read."""
-    from hybridlab.controller.mapping import DeviceMapping
-    from hybridlab.controller.mapping_drawing import draw
-
-    try:
-        return draw(DeviceMapping.from_dict(mapping))
-    except Exception:  # an older or partial record: the one-line summary still shows it
-        return ""
-
-
-def remap_table(remaps: list[dict]) -> str:
-    """Return an HTML table of the remaps, newest first: step, why, roles re-created, seconds, MB moved."""
-    import html
-
-    rows = "".join(f"<tr><td>{r.get('step', '')}</td><td>{html.escape(str(r.get('reason', 'remap')))}</td>"
-                   f"<td>{html.escape(', '.join(r.get('roles_recreated') or []) or 'none')}</td>"
-                   f"<td>{(r.get('seconds') or {}).get('total', 0.0):.1f}</td>"
-                   f"<td>{r.get('bytes_moved', 0) / 2**20:.1f}</td></tr>" for r in reversed(remaps))
-    head = "<tr><th>after step</th><th>why</th><th>re-created</th><th>seconds</th><th>MB moved</th></tr>"
-    return f"<table>{head}{rows}</table>"
 
 
 def build_dashboard(run_dir: str | Path, control: bool = True, template: bool = False):
