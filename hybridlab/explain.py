@@ -19,6 +19,7 @@ from pathlib import Path
 
 from hybridlab.config import RunConfig
 from hybridlab.controller.mapping import DeviceMapping, rank_label
+from hybridlab.controller.mapping_drawing import labels_text
 from hybridlab.dataflow.pairs import load_pairs, pair_ids
 from hybridlab.dataflow.prompts import load_samples
 from hybridlab.models.chat import prompt_ids, use_template
@@ -149,7 +150,8 @@ def draw_mapping(mapping: DeviceMapping) -> list[str]:
     """Return the mapping as text lines: each pool, each of its devices, the role ranks on it."""
     lines, first = [], 0
     for name, pool in mapping.pools.items():
-        lines.append(f"pool {name} ({pool.devices} device{'s' if pool.devices > 1 else ''}):")
+        nodes = f", on nodes labelled {labels_text(pool.node_labels)}" if pool.node_labels else ""
+        lines.append(f"pool {name} ({pool.devices} device{'s' if pool.devices > 1 else ''}{nodes}):")
         for d in range(pool.devices):
             ranks = [rank_label(r, lay, d) for r, lay in mapping.roles.items() if lay.pool == name and d < lay.world_size]
             lines.append(f"  device {first + d}: {', '.join(ranks) or '(idle)'}")

@@ -20,7 +20,7 @@ def test_bench_dispatch_json(ray_local, capfd):
 
 def test_unknown_benchmark_lists_names(capfd):
     assert main(["bench", "nope", "--json"]) == 2
-    assert ("unknown benchmark 'nope'; choose one of: agent, dispatch, dpo, e2e, learn, lora, precision, remap,"
+    assert ("unknown benchmark 'nope'; choose one of: agent, dashboard, dispatch, dpo, e2e, learn, lora, precision, remap,"
             " rollout, soak, sync, train") in capfd.readouterr().err
 
 

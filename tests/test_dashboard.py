@@ -277,6 +277,9 @@ def test_a_setting_that_needs_a_role_adds_it_to_the_default_mapping_and_the_dash
 
 
 def test_hub_file_holds_every_kind_and_replays(rl):
+    if rl.step_count == 0:  # run alone: the remap and the steps with an evaluation the tests above make
+        rl.update("actor.use_kl_loss=true")
+        rl.train(1)
     steps = rl.step_count
     live = Dashboard(rl.run_dir)
     assert live.source.hub is not None  # in the session's process it reads the live hub

@@ -1,4 +1,7 @@
-"""Two simulated nodes (ray.cluster_utils.Cluster), attached to by address like a real cluster."""
+"""Two simulated nodes (ray.cluster_utils.Cluster), attached to by address like a real cluster:
+placement across them, pools pinned to labelled nodes, and an RL run whose weights cross the
+node boundary."""
+import json
 import shutil
 import sys
 import tempfile
@@ -32,8 +35,9 @@ def cluster():
     old_tmp = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = temp_dir  # Ray also writes its address file under the default temp root
     os.makedirs(os.path.join(temp_dir, "ray"))
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 2, "include_dashboard": False})
-    c.add_node(num_cpus=2, num_gpus=2)
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 2, "include_dashboard": False,
+                                                      "labels": {LABEL: "head"}})
+    c.add_node(num_cpus=2, num_gpus=2, labels={LABEL: "second"})
     c.wait_for_nodes()
     yield c
     ray.shutdown()
@@ -45,6 +49,7 @@ def cluster():
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+LABEL = "hybridlab/node"
 MAPPING = DeviceMapping.from_dict({"pools": {"wide": {"devices": 4, "strategy": "SPREAD"}},
                                    "roles": {"actor": {"pool": "wide", "dp": 4}}})
 
@@ -69,3 +74,57 @@ def test_too_few_devices_is_refused_before_anything_starts(cluster):
     big = DeviceMapping.from_dict({"pools": {"p": {"devices": 6}}, "roles": {"actor": {"pool": "p", "dp": 6}}})
     with pytest.raises(Exception, match="too few devices: the pools need 6 devices, the cluster has 4 GPUs"):
         WorkerSet(big, {"actor": Where}, address=cluster.address).start()
+
+
+def node_ids() -> dict[str, str]:
+    """Return each node's label value -> its Ray node id."""
+    return {n["Labels"][LABEL]: n["NodeID"] for n in ray.nodes() if n["Alive"] and LABEL in n.get("Labels", {})}
+
+
+def test_a_pool_pinned_to_a_label_no_node_has_is_refused_naming_the_nodes(cluster):
+    nowhere = DeviceMapping.from_dict({"pools": {"p": {"devices": 1, "node_labels": {LABEL: "third"}}},
+                                       "roles": {"actor": {"pool": "p"}}})
+    with pytest.raises(Exception, match=r"pool 'p': 1 bundles with strategy PACK on nodes labelled"
+                                        r" \{'hybridlab/node': 'third'\} could not be placed within 5 s .*labels"
+                                        r" \{'hybridlab/node': 'head'\}"):
+        WorkerSet(nowhere, {"actor": Where}, address=cluster.address, timeout=5).start()
+    bad = {"pools": {"p": {"devices": 1, "node_labels": {LABEL: 3}}}, "roles": {"actor": {"pool": "p"}}}
+    assert DeviceMapping.from_dict(bad).problems() == [
+        "pools.p.node_labels: must map label names to values (strings), e.g. {\"hybridlab/node\": \"gen\"},"
+        " got {'hybridlab/node': 3}"]
+
+
+def test_an_rl_run_across_two_nodes_equals_the_same_run_on_one(cluster, trained_dir, tmp_path):
+    """Actor and reference on one node, rollout and reward on the other: the weights sync across
+    the node boundary every step, and the seeded steps equal those of the same run on one node."""
+    from hybridlab.dataflow.session import RLSession
+
+    settings = ["warm_start.max_steps=0", "data.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=6",
+                "actor.ppo_mini_batch_size=8", "data.test_samples=8", "trainer.progress=false",
+                "trainer.save_every=0", "trainer.eval_every=0", "actor.use_kl_loss=true"]
+
+    def run(train: str, gen: str) -> tuple[dict, list[dict]]:
+        mapping = {"pools": {"train": {"devices": 1, "node_labels": {LABEL: train}},
+                             "gen": {"devices": 1, "node_labels": {LABEL: gen}}},
+                   "roles": {"actor": {"pool": "train"}, "ref": {"pool": "train"}, "rollout": {"pool": "gen"},
+                             "reward": {"pool": "gen"}}}
+        rl = RLSession(None, [f"model={trained_dir}", *settings, f"mapping={json.dumps(mapping)}",
+                              f"trainer.run_dir={tmp_path / f'{train}-{gen}'}"], ray_address=cluster.address).start()
+        try:
+            where = {role: {p["node_id"] for p in group.placements} for role, group in rl.workers.groups.items()}
+            steps = [rl.step() for _ in range(2)]
+        finally:
+            rl.shutdown()
+        repeatable = [{k: v for k, v in s.metrics.items() if not k.startswith(("timing/", "perf/", "sync/"))}
+                      for s in steps]
+        return where, repeatable, [s.metrics["sync/bytes"] for s in steps]
+
+    nodes = node_ids()
+    one_where, one, _ = run("head", "head")
+    two_where, two, synced = run("head", "second")
+    assert one_where == {role: {nodes["head"]} for role in ("actor", "ref", "rollout", "reward")}
+    assert two_where == {"actor": {nodes["head"]}, "ref": {nodes["head"]}, "rollout": {nodes["second"]},
+                         "reward": {nodes["second"]}}
+    assert all(b > 0 for b in synced)       # the actor's weights went to the other node each step
+    assert two == one                       # the same seeded steps, wherever the roles ran
+    assert "actor/kl_loss" in two[0] and two[0]["reward/mean"] == one[0]["reward/mean"]

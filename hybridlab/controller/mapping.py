@@ -39,11 +39,13 @@ class MappingError(UserError):
 
 @dataclasses.dataclass(frozen=True)
 class PoolSpec:
-    """A set of ``devices`` device bundles placed with ``strategy``."""
+    """A set of ``devices`` device bundles placed with ``strategy``; with ``node_labels``, only on
+    Ray nodes that carry those labels (``ray start --labels``), e.g. ``{"hybridlab/node": "gen"}``."""
 
     devices: int
     strategy: str = "PACK"
     cpus_per_device: float = 1.0
+    node_labels: dict | None = dataclasses.field(default=None, hash=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +158,11 @@ class DeviceMapping:
                 out.append(f"pools.{name}.devices: must be a positive integer, got {pool.devices!r}")
             if pool.strategy not in STRATEGIES:
                 out.append(f"pools.{name}.strategy: {pool.strategy!r} is not one of {', '.join(STRATEGIES)}")
+            labels = pool.node_labels
+            if labels is not None and (not isinstance(labels, dict) or not labels or not all(
+                    isinstance(k, str) and k and isinstance(v, str) and v for k, v in labels.items())):
+                out.append(f"pools.{name}.node_labels: must map label names to values (strings), e.g."
+                           f" {{\"hybridlab/node\": \"gen\"}}, got {labels!r}")
         for name, r in self.roles.items():
             where = f"roles.{name}"
             if name not in ROLES:

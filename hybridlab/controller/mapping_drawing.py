@@ -28,6 +28,12 @@ def draw(mapping: DeviceMapping) -> str:
             boxes.append(f"<div style='border:1px solid #888;border-radius:4px;padding:3px;margin:2px;"
                          f"min-width:120px;font-size:12px'><b>device {first + d}</b>{''.join(lines) or '(idle)'}</div>")
         first += pool.devices
-        rows.append(f"<div><b>{html.escape(name)}</b><div style='display:flex;flex-wrap:wrap'>{''.join(boxes)}</div>"
-                    f"</div>")
+        nodes = f" on nodes labelled {labels_text(pool.node_labels)}" if pool.node_labels else ""
+        rows.append(f"<div><b>{html.escape(name)}</b>{html.escape(nodes)}<div style='display:flex;flex-wrap:wrap'>"
+                    f"{''.join(boxes)}</div></div>")
     return "".join(rows)
+
+
+def labels_text(labels: dict) -> str:
+    """Return node labels as ``key=value, ...``."""
+    return ", ".join(f"{k}={v}" for k, v in labels.items())

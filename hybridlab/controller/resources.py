@@ -65,15 +65,27 @@ def _cuda_device_count() -> int:
         return 0
 
 
+def node_summary() -> str:
+    """Return each alive Ray node's GPUs and labels, for error messages."""
+    parts = []
+    for node in ray.nodes():
+        if node.get("Alive"):
+            labels = {k: v for k, v in (node.get("Labels") or {}).items() if not k.startswith("ray.io/")}
+            parts.append(f"{node['NodeManagerAddress']} ({node['Resources'].get('GPU', 0):g} GPUs, labels {labels})")
+    return "; ".join(parts) or "none"
+
+
 @dataclasses.dataclass
 class ResourcePool:
     """``devices`` device bundles placed with ``strategy``; each bundle is one GPU (or logical GPU)
-    plus ``cpus_per_device`` CPUs. ``create()`` reserves them as a Ray placement group."""
+    plus ``cpus_per_device`` CPUs, on nodes carrying ``node_labels`` when given. ``create()``
+    reserves them as a Ray placement group (its bundle label selector pins them to the nodes)."""
 
     name: str
     devices: int
     strategy: str = "PACK"
     cpus_per_device: float = 1.0
+    node_labels: dict | None = None
     pg: object = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -94,13 +106,17 @@ class ResourcePool:
             raise UserError(f"pool {self.name!r} needs {self.devices} devices but the cluster has {total:g} GPUs")
         bundles = [{"GPU": 1, "CPU": self.cpus_per_device} for _ in range(self.devices)]
         # Unique per reservation: two sessions (or a pool re-created by a remap) may share a name.
-        pg = placement_group(bundles, strategy=self.strategy, name=f"hybridlab-{self.name}-{uuid.uuid4().hex[:8]}")
+        selector = [dict(self.node_labels)] * self.devices if self.node_labels else None
+        pg = placement_group(bundles, strategy=self.strategy, name=f"hybridlab-{self.name}-{uuid.uuid4().hex[:8]}",
+                             bundle_label_selector=selector)
         try:
             ray.get(pg.ready(), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             ray.util.remove_placement_group(pg)
-            raise UserError(f"pool {self.name!r}: {self.devices} bundles with strategy {self.strategy} could not"
-                            f" be placed within {timeout:.0f} s (not enough devices on the nodes?)") from None
+            where = f" on nodes labelled {self.node_labels}" if self.node_labels else ""
+            raise UserError(f"pool {self.name!r}: {self.devices} bundles with strategy {self.strategy}{where} could"
+                            f" not be placed within {timeout:.0f} s (not enough free devices on those nodes? nodes:"
+                            f" {node_summary()})") from None
         self.pg = pg
         return self
 

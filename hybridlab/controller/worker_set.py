@@ -96,7 +96,8 @@ class WorkerSet:
         spec = mapping.pools[name]
         pool = self.pools.get(name)
         if pool is None:
-            pool = self.pools[name] = ResourcePool(name, spec.devices, spec.strategy, spec.cpus_per_device)
+            pool = self.pools[name] = ResourcePool(name, spec.devices, spec.strategy, spec.cpus_per_device,
+                                                    spec.node_labels)
         return pool.create()
 
     def _spawn(self, mapping: DeviceMapping, sets: list[tuple[str, tuple[str, ...]]]) -> None:

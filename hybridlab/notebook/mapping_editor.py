@@ -20,7 +20,7 @@ SMALL = widgets.Layout(width="70px")
 
 class _PoolRow:
     def __init__(self, name: str, devices: int, settings: dict | None = None):
-        self.settings = dict(settings or {})  # strategy, cpus_per_device: kept as they were
+        self.settings = dict(settings or {})  # strategy, cpus_per_device, node_labels: kept as they were
         self.name = widgets.Text(value=name, layout=widgets.Layout(width="120px"))
         self.devices = widgets.BoundedIntText(value=devices, min=0, max=4096, layout=SMALL)
         self.box = widgets.HBox([self.name, self.devices])
@@ -56,7 +56,9 @@ class MappingEditor(widgets.VBox):
     def __init__(self, rl: "RLSession"):
         self.rl = rl
         current = rl.mapping
-        self.pool_rows = [_PoolRow(n, p.devices, {"strategy": p.strategy, "cpus_per_device": p.cpus_per_device})
+        self.pool_rows = [_PoolRow(n, p.devices, {k: v for k, v in (("strategy", p.strategy),
+                                                                      ("cpus_per_device", p.cpus_per_device),
+                                                                      ("node_labels", p.node_labels)) if v is not None})
                           for n, p in current.pools.items()]
         self.role_rows = [_RoleRow(r, current.roles.get(r), list(current.pools)) for r in ROLES]
         self.pools_box = widgets.VBox([widgets.HTML("<b>pools</b>: name, devices (0 removes a pool)")] + [r.box for r in self.pool_rows])
