@@ -97,3 +97,25 @@ def test_expert_parallelism_is_checked_against_the_roles_dp_and_the_models_exper
     assert mapping({"dp": 4}, {"dp": 4, "ep": 2}).problems() == [
         "roles.rollout.ep: only training roles (actor, ref, critic) use expert parallelism; set ep: 1"]
     assert mapping({"dp": 4, "ep": 0}).problems() == ["roles.actor.ep: must be a positive integer, got 0"]
+
+
+def test_node_labels_pin_a_pool_and_travel_with_the_mapping():
+    from hybridlab.controller.mapping_drawing import draw
+    from hybridlab.explain import draw_mapping
+
+    data = {"pools": {"train": {"devices": 1}, "gen": {"devices": 1, "node_labels": {"hybridlab/node": "gen"}}},
+            "roles": {"actor": {"pool": "train"}, "rollout": {"pool": "gen"}}}
+    mapping = DeviceMapping.from_yaml(DeviceMapping.from_dict(data).to_yaml())
+    assert mapping.pools["gen"].node_labels == {"hybridlab/node": "gen"} and mapping.pools["train"].node_labels is None
+    assert mapping.to_dict()["pools"] == {"train": {"devices": 1, "strategy": "PACK", "cpus_per_device": 1.0},
+                                          "gen": {"devices": 1, "strategy": "PACK", "cpus_per_device": 1.0,
+                                                  "node_labels": {"hybridlab/node": "gen"}}}
+    assert mapping.problems() == []
+    moved = DeviceMapping.from_dict({**data, "pools": {**data["pools"], "gen": {"devices": 1}}})
+    assert moved.pools["gen"] != mapping.pools["gen"]  # a label change is a changed pool: a remap re-creates it
+    assert "pool gen (1 device, on nodes labelled hybridlab/node=gen):" in draw_mapping(mapping)
+    assert "<b>gen</b> on nodes labelled hybridlab/node=gen" in draw(mapping)
+    for bad in ({}, {"hybridlab/node": ""}, ["gen"]):
+        wrong = DeviceMapping.from_dict({**data, "pools": {**data["pools"], "gen": {"devices": 1, "node_labels": bad}}})
+        assert wrong.problems() == ["pools.gen.node_labels: must map label names to values (strings), e.g."
+                                    f" {{\"hybridlab/node\": \"gen\"}}, got {bad!r}"]

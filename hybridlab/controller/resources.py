@@ -104,6 +104,11 @@ class ResourcePool:
         total = ray.cluster_resources().get("GPU", 0)
         if total < self.devices:
             raise UserError(f"pool {self.name!r} needs {self.devices} devices but the cluster has {total:g} GPUs")
+        labelled = [n for n in ray.nodes() if n.get("Alive") and self.node_labels and all(
+            (n.get("Labels") or {}).get(k) == v for k, v in self.node_labels.items())]
+        if self.node_labels and not labelled:  # Ray would wait for such a node forever
+            raise UserError(f"pool {self.name!r}: no node carries the labels {self.node_labels}"
+                            f" (pools.{self.name}.node_labels); nodes: {node_summary()}")
         bundles = [{"GPU": 1, "CPU": self.cpus_per_device} for _ in range(self.devices)]
         # Unique per reservation: two sessions (or a pool re-created by a remap) may share a name.
         selector = [dict(self.node_labels)] * self.devices if self.node_labels else None
