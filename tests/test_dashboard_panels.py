@@ -457,3 +457,38 @@ def test_the_timeline_gives_the_spans_that_ended_after_a_time_newest_last():
     timeline.add([Span("rollout", 0, "generate", 100.0, 195.0)])  # a long call, appended when it ended
     assert [s.end for s in timeline.ending_after(196.0)] == [196.5, 197.5, 198.5, 199.5]
     assert [s.role for s in timeline.ending_after(190.0)][-1] == "rollout"
+
+
+def test_a_long_history_shows_its_curves_first_and_its_device_samples_when_parsed(tmp_path, monkeypatch):
+    """Past BIG_HISTORY bytes, the first poll parses everything but the device samples, which a
+    thread parses; a later poll hands them over, with the samples that arrived meanwhile."""
+    import threading
+
+    from hybridlab.telemetry import record_source
+
+    monkeypatch.setattr(record_source, "BIG_HISTORY", 1000)
+    gate = threading.Event()
+    parse = record_source.parse_lines
+    monkeypatch.setattr(record_source, "parse_lines",  # the thread waits until the test lets it go
+                        lambda lines: (threading.current_thread().name != "telemetry-history" or gate.wait(30),
+                                       parse(lines))[1])
+    t0 = time.time() - 100
+    records = [{"kind": "run", "name": "r", "mapping": {}, "time": t0}]
+    for step in range(1, 31):
+        records += [{"kind": "device", "time": t0 + step, "device": "GPU 0", "role": "actor", "rank": 0,
+                     "util": 40.0, "memory_mb": 900.0, "rss_mb": 900.0, "pid": 1}, step_record(step, t0 + step)]
+    run_dir = write_run(tmp_path / "run", records)
+    board = dash.Dashboard(run_dir, control=False)
+    board.update()
+    assert board.curves.data["step"] == list(range(1, 31))                 # the curves at once
+    assert board.devices.source.data["x"] == [] and "reading the history's device samples" in board.status.object
+    with (run_dir / "telemetry.jsonl").open("a") as f:                     # a sample arrives meanwhile
+        f.write(json.dumps({**records[1], "time": t0 + 31, "util": 100.0}) + "\n")
+    board.update()
+    assert board.devices.source.data["x"] == [] and board.source.held[0]["util"] == 100.0
+    gate.set()
+    board.source.loader.join(30)
+    board.update()
+    heat = board.devices.source.data  # samples 1 s to 31 s after the run's start, in bins of 5 s: 30 s and 31 s share one
+    assert heat["value"] == [40.0] * 6 + [70.0] and "reading" not in board.status.object
+    assert board.memory.samples["actor r0"][0] == [t0 + s for s in range(1, 32)]

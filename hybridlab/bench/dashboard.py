@@ -10,6 +10,7 @@ time while the page is watched. The same is measured for a small run (2 devices,
 side by side, the baseline of the ratios.
 
 Keys: ``first_render_s`` (from opening the page to every step's reward in the browser's data),
+``history_s`` (from opening the page to the last device sample in the System section's heat map),
 ``update_latency_s`` (median time from appending a step to the file to its reward in the page),
 ``heap_mb`` (the page's JS heap after the updates), with the small run's figures and the ratios.
 """
@@ -35,6 +36,19 @@ CURVE_ROWS = """() => {
     if ("reward_smooth" in data) return Array.from(data.step);
   }
   return [];
+}"""
+
+
+# how far (seconds since the run started) the page's device-utilization heat map reaches
+DEVICE_REACH = """() => {
+  let reach = -1;
+  for (const doc of Bokeh.documents) for (const m of doc.all_models) {
+    if (m.data === undefined || m.selected === undefined) continue;
+    const data = m.data instanceof Map ? Object.fromEntries(m.data) : m.data;
+    if (!("width" in data) || !data.row.length || !String(data.row[0]).startsWith("GPU ")) continue;
+    for (let i = 0; i < data.x.length; i++) reach = Math.max(reach, data.x[i] + data.width[i] / 2);
+  }
+  return reach;
 }"""
 
 
@@ -106,6 +120,11 @@ def measure(run_dir: Path, steps: int, devices: int, updates: int, browser_path:
             page.wait_for_function(f"() => ({CURVE_ROWS})().length >= {steps}", timeout=300_000, polling=50)
             page.locator("canvas").first.wait_for(timeout=60_000)
             first_render = time.perf_counter() - start
+            page.get_by_text("System", exact=True).click()  # the section of the device samples
+            last_sample = 30.0 * steps - 15.0  # seconds after the run's start (write_run's timing)
+            page.wait_for_function(f"() => ({DEVICE_REACH})() > {last_sample}", timeout=300_000, polling=50)
+            history = time.perf_counter() - start
+            page.get_by_text("Overview", exact=True).click()
             latencies = []
             for k in range(1, updates + 1):
                 step = steps + k
@@ -121,7 +140,8 @@ def measure(run_dir: Path, steps: int, devices: int, updates: int, browser_path:
             browser.close()
     finally:
         server.stop()
-    return {"first_render_s": round(first_render, 2), "update_latency_s": round(statistics.median(latencies), 3),
+    return {"first_render_s": round(first_render, 2), "history_s": round(history, 2),
+            "update_latency_s": round(statistics.median(latencies), 3),
             "update_latency_max_s": round(max(latencies), 3), "heap_mb": round(heap, 1)}
 
 

@@ -21,11 +21,11 @@ from hybridlab.telemetry.agent_panel import AgentPanel
 from hybridlab.telemetry.axes import AXIS_LABELS, STEP, WALL, StepAxis, add_hover, name_series
 from hybridlab.telemetry.controls import RunControls
 from hybridlab.telemetry.heatmap import HeatMap
-from hybridlab.telemetry.hub import find_hub, read_records
 from hybridlab.telemetry.mapping_view import mapping_html, mapping_text, remap_table
 from hybridlab.telemetry.moe_panel import MoEPanel
 from hybridlab.telemetry.panels import (BusyPanel, MemoryPanel, MismatchPanel, ReshardPanel, RolloutPanel,
                                        RunningPanel, ema)
+from hybridlab.telemetry.record_source import RecordSource
 from hybridlab.telemetry.runs import Overlay, RunInfo, find_runs
 from hybridlab.telemetry.training_panel import TrainingPanel
 
@@ -38,31 +38,6 @@ STUCK, STUCK_ALARM = page.STUCK, "⚠ Stuck calls: a call is late"  # the tab, a
 ROLLOVER = {"curves": 100_000, "evals": 10_000, "sync": 100_000}  # points kept per source
 POLL_MS = 1000
 OVERLAY_POLLS = 5          # the other runs' logs are read every 5th poll
-
-
-class RecordSource:
-    """New telemetry records since the last poll: from the live hub, else from the run's file."""
-
-    def __init__(self, run_dir: str | Path):
-        self.run_dir = Path(run_dir)
-        self.hub = find_hub(self.run_dir)
-        self.offset = 0        # bytes of the run's file covered by what was read (hub or file)
-
-    def poll(self) -> list[dict]:
-        """Return the records that arrived since the previous call."""
-        if self.hub is not None:
-            import ray
-            from ray.exceptions import GetTimeoutError, RayActorError
-
-            try:  # short wait: this runs on the page's event loop
-                records, self.offset = ray.get(self.hub.since.remote(self.offset), timeout=1)
-                return records
-            except GetTimeoutError:
-                return []
-            except RayActorError:  # the run ended and its hub is gone: continue from the file
-                self.hub = None
-        records, self.offset = read_records(self.run_dir, self.offset)
-        return records
 
 
 class Dashboard:
@@ -202,6 +177,7 @@ class Dashboard:
         restarts = f" · {len(self.restarts)} worker restart(s), last: {self.restarts[-1]['role']}" \
             f" {self.restarts[-1]['failure']}" if self.restarts else ""
         state = " · **paused**" if self.controls is not None and self.controls.paused else ""
+        state += " · reading the history's device samples" if self.source.loading else ""
         return f"run {self.run_name} · {doing}{state}{where}{restarts} · {RunInfo(self.run_dir).status}"
 
     def _clock(self, t: float) -> float:
@@ -230,6 +206,7 @@ class Dashboard:
                 devices[1].append(self._clock(r["time"]))
                 devices[2].append(r["util"])
             elif kind == "run":
+                self._clock(r.get("time", float("nan")))  # the run's start: the origin of every seconds axis
                 self.run_name = r.get("name", self.run_name)
                 self.processor = r.get("processor", "")
                 self.backends = r.get("backends") or {}

@@ -35,6 +35,7 @@ def ema(values: list[float], weight: float, state: tuple[float, int] = (0.0, 0))
 STACK_CHARS = 6000     # of each stack file shown on the page (the file has all of it)
 STACK_CARDS = 64       # stack files shown (newest first)
 MEMORY_LINES = 8       # workers drawn as memory lines; more are read from the memory heat map
+HISTORY_SAMPLES = 1000  # memory samples in one poll that re-run the leak check (a history handed over late)
 
 
 def worker_label(r: dict) -> str:
@@ -162,6 +163,7 @@ class MemoryPanel:
             floor = min((min(v[1][-60:]) for v in self.samples.values() if v[1]), default=0.0)
             self.markers.stream({"t": [self.clock(r["time"]) for r in ends], "step": [r["step"] for r in ends],
                                  "y": [floor] * len(ends)}, rollover=ROLLOVER["markers"])
+        if ends or sum(len(v) for v in rows.values()) >= HISTORY_SAMPLES:  # steps ended, or a history arrived
             self._check()
 
     def _add_lines(self, label: str) -> None:
