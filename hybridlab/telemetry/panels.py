@@ -198,17 +198,24 @@ class BusyPanel:
         self.heat = HeatMap("device busy per step (share of the step in worker calls; mean per bin of steps)",
                             "step (bins)", "busy share", bin_width=1, high=1.0)
         self.fig = self.heat.fig
+        self.keys: dict[tuple, list[str]] = {}  # a metrics record's keys -> its perf/device_busy/DEVICE keys
 
     def feed(self, records: list[dict]) -> None:
         """Add the ``perf/device_busy/*`` metrics of new steps, one row per device."""
         rows, steps, values = [], [], []
         for r in records:
             if r.get("kind") == "metrics":
-                for k, v in r.items():
-                    if k.startswith("perf/device_busy/") and v is not None:
+                keys = tuple(r)  # steps log the same keys: find the busy ones once per key set
+                busy = self.keys.get(keys)
+                if busy is None:
+                    if len(self.keys) > 1000:  # steps whose keys keep changing: keep the cache small
+                        self.keys.clear()
+                    busy = self.keys[keys] = [k for k in keys if k.startswith("perf/device_busy/")]
+                for k in busy:
+                    if r[k] is not None:
                         rows.append(k[len("perf/device_busy/"):])
                         steps.append(r["step"])
-                        values.append(v)
+                        values.append(r[k])
         if rows:
             self.heat.add(rows, steps, values)
         self.heat.flush()

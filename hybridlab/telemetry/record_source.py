@@ -65,10 +65,12 @@ class RecordSource:
         lines, self.offset = read_lines(self.run_dir, self.offset)
         if not first or self.offset < BIG_HISTORY:
             return parse_lines(lines)
-        samples = [line for line in lines if line.startswith(DEVICE)]
+        samples, rest = [], []
+        for line in lines:
+            (samples if line.startswith(DEVICE) else rest).append(line)
         self.loader = threading.Thread(target=self._parse, args=(samples,), name="telemetry-history", daemon=True)
         self.loader.start()
-        return parse_lines([line for line in lines if not line.startswith(DEVICE)])
+        return parse_lines(rest)
 
     def _parse(self, lines: list[bytes]) -> None:
         out: list[dict] = []
