@@ -2,6 +2,7 @@
 placement across them, pools pinned to labelled nodes, and an RL run whose weights cross the
 node boundary."""
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -163,3 +164,64 @@ def test_an_rl_run_across_two_nodes_equals_the_same_run_on_one(cluster, trained_
     assert all(b > 0 for b in synced)       # the actor's weights went to the other node each step
     assert two == one                       # the same seeded steps, wherever the roles ran
     assert "actor/kl_loss" in two[0] and two[0]["reward/mean"] == one[0]["reward/mean"]
+
+
+def test_losing_the_rollout_node_re_creates_its_roles_on_the_other_and_the_run_goes_on(cluster, trained_dir,
+                                                                                         tmp_path):
+    """Rollout and reward on the second node (the head's spare device held while they start);
+    the node is removed mid-run: Ray moves the pool's bundle to the head, the roles are
+    re-created there and the run goes on. Last in the module: the cluster keeps one node."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from hybridlab.controller.resources import connect
+    from hybridlab.dataflow.session import RLSession
+
+    mapping = {"pools": {"train": {"devices": 1, "node_labels": {LABEL: "head"}}, "gen": {"devices": 1}},
+               "roles": {"actor": {"pool": "train"}, "rollout": {"pool": "gen"}, "reward": {"pool": "gen"}}}
+    connect(address=cluster.address)
+    nodes = node_ids()
+    filler = placement_group([{"GPU": 1}], bundle_label_selector=[{LABEL: "head"}])  # the head's second device
+    ray.get(filler.ready(), timeout=60)
+    rl = RLSession(None, [f"model={trained_dir}", *SETTINGS, f"mapping={json.dumps(mapping)}", "trainer.max_restarts=2",
+                          f"trainer.run_dir={tmp_path / 'run'}"], ray_address=cluster.address).start()
+    try:
+        remove_placement_group(filler)
+        assert {p["node_id"] for p in rl.workers.groups["rollout"].placements} == {nodes["second"]}
+        rl.save_checkpoint()
+        first = rl.step()
+        second = next(n for n in cluster.worker_nodes if n.node_id == nodes["second"])
+        cluster.remove_node(second)
+        again = rl.step()
+        assert rl.restarts[-1]["recreated"] == ["reward", "rollout"] and again.metrics["faults/worker_restarts"] == 1
+        assert {p["node_id"] for p in rl.workers.groups["rollout"].placements} == {nodes["head"]}
+        assert first.metrics["reward/mean"] >= 0 and again.metrics["sync/bytes"] > 0
+    finally:
+        rl.shutdown()
+
+
+def test_losing_the_only_node_a_pool_is_pinned_to_stops_the_run_with_a_checkpoint_naming_the_node(cluster,
+                                                                                                    trained_dir,
+                                                                                                    tmp_path):
+    """The rollout pool pinned to a node that goes away, with no other node carrying its label:
+    train() stops with a checkpoint of the last finished step and says which node went."""
+    from hybridlab.dataflow import checkpoints
+    from hybridlab.dataflow.session import RLSession
+
+    third = cluster.add_node(num_cpus=2, num_gpus=1, labels={LABEL: "third"})
+    cluster.wait_for_nodes()
+    mapping = {"pools": {"train": {"devices": 1, "node_labels": {LABEL: "head"}},
+                         "gen": {"devices": 1, "node_labels": {LABEL: "third"}}},
+               "roles": {"actor": {"pool": "train"}, "rollout": {"pool": "gen"}, "reward": {"pool": "gen"}}}
+    rl = RLSession(None, [f"model={trained_dir}", *SETTINGS, f"mapping={json.dumps(mapping)}",
+                          f"trainer.run_dir={tmp_path / 'run'}"], ray_address=cluster.address).start()
+    try:
+        assert rl.train(1)["failed"] is False
+        cluster.remove_node(third)
+        summary = rl.train(2)
+    finally:
+        rl.shutdown()
+    assert summary["failed"] is True and summary["steps"] == 1
+    assert re.fullmatch(r"worker (rollout|reward) rank 0 died in \w+: node 127\.0\.0\.1 \(node \w{12}\) is gone, and no"
+                        r" other node carries pools\.gen\.node_labels \{'hybridlab/node': 'third'\}; the run stops",
+                        summary["stopped_by"]), summary["stopped_by"]
+    assert json.loads((checkpoints.checkpoint_dirs(tmp_path / "run")[-1] / "session.json").read_text())["step"] == 1

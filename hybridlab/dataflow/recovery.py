@@ -115,6 +115,34 @@ def lost_roles(rl: "RLSession", err: WorkerError) -> set[str]:
     return own | session.dead_roles(timeout=30.0, exclude=own)
 
 
+def refuse_lost_nodes(rl: "RLSession", dead: set[str], what: str, can_save: bool, wait_s: float = 60.0) -> None:
+    """Raise WorkerLost, naming the node, when the ``dead`` roles' node is gone and no other node
+    can hold their pool: none carries its ``node_labels``, or Ray cannot re-place its bundles
+    within ``wait_s``. Returns at once when their nodes are alive."""
+    import ray
+
+    alive = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+    for pool, members in rl.workers.mapping.process_sets():
+        if not set(members) & dead:
+            continue
+        lost = {p["node_id"]: p.get("ip", "?") for p in rl.workers.groups[members[0]].placements
+                if p["node_id"] not in alive}
+        if not lost:
+            continue
+        gone = ", ".join(f"{ip} (node {node[:12]})" for node, ip in lost.items())
+        labels = rl.workers.mapping.pools[pool].node_labels
+        if labels and not any(all((n.get("Labels") or {}).get(k) == v for k, v in labels.items())
+                              for n in alive.values()):
+            raise WorkerLost(f"{what}: node {gone} is gone, and no other node carries pools.{pool}.node_labels"
+                             f" {labels}; the run stops", can_save=can_save) from None
+        try:
+            ray.get(rl.workers.pools[pool].pg.ready(), timeout=wait_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerLost(f"{what}: node {gone} is gone, and Ray could not place pool {pool!r} on the other"
+                             f" nodes within {wait_s:.0f} s (too few free devices); the run stops",
+                             can_save=can_save) from None
+
+
 def recover(rl: "RLSession", err: WorkerError, dead: set[str], ctx: "StepContext", start: StepStart) -> None:
     """Re-create the ``dead`` roles and restore what the failed step changed; raises WorkerLost
     past ``trainer.max_restarts``."""
@@ -130,6 +158,7 @@ def recover(rl: "RLSession", err: WorkerError, dead: set[str], ctx: "StepContext
         raise WorkerLost(f"{what} during step {rl.step_count + 1}, and the trainers' state is lost with no"
                          " checkpoint to go back to (train() writes one at its start; call save_checkpoint()"
                          " when stepping by hand)", can_save=False) from None
+    refuse_lost_nodes(rl, dead, what, can_save=not rollback)
     rl.worker_restarts += 1
     t0 = time.perf_counter()
     print(f"{what}; re-creating {', '.join(sorted(dead))} (restart {rl.worker_restarts} of at most"

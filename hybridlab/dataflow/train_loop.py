@@ -33,7 +33,11 @@ def run_training(rl: "RLSession", steps: int | None = None) -> dict:
     else:
         steps = steps or rl.cfg.trainer.steps
         started, curve = time.perf_counter(), []
-        before = last = record_eval(rl, curve, 0.0)
+        try:
+            before = last = record_eval(rl, curve, 0.0)
+        except WorkerLost as lost:  # the workers went before the first step (a lost node)
+            before = last = {"step": rl.step_count, "accuracy": float("nan"), "n": 0}
+            return stop_lost(rl, lost, before, last, curve, started)
     saved = rl.step_count if resumed else -1
     if rl.cfg.trainer.max_restarts and not checkpoints.checkpoint_dirs(rl.run_dir):
         saved = checkpoint(rl, before, last, curve, started)  # what a dead trainer goes back to
@@ -48,21 +52,18 @@ def run_training(rl: "RLSession", steps: int | None = None) -> dict:
             break
         try:
             result = rl.step()
+            curve[:] = [c for c in curve if c["step"] < rl.step_count]  # evaluations of steps rolled back
+            saved = min(saved, rl.step_count - 1)
+            bar.n = rl.step_count - first
+            bar.refresh()
+            bar.set_postfix(reward=f"{result.metrics.get('reward/mean', float('nan')):.3f}",
+                            acc=f"{result.metrics.get('accuracy', float('nan')):.3f}")
+            if t.eval_every and rl.step_count % t.eval_every == 0:
+                last = record_eval(rl, curve, time.perf_counter() - started)
+                bar.write(f"step {rl.step_count}: greedy test accuracy {last['accuracy']:.3f}")
         except WorkerLost as lost:
-            stopped = str(lost)
-            if lost.can_save:  # the trainers hold the last finished step: keep it
-                saved = checkpoint(rl, before, last, curve, started)
             bar.close()
-            return write_summary(rl, before, last, curve, time.perf_counter() - started, stopped, failed=True)
-        curve[:] = [c for c in curve if c["step"] < rl.step_count]  # evaluations of steps rolled back
-        saved = min(saved, rl.step_count - 1)
-        bar.n = rl.step_count - first
-        bar.refresh()
-        bar.set_postfix(reward=f"{result.metrics.get('reward/mean', float('nan')):.3f}",
-                        acc=f"{result.metrics.get('accuracy', float('nan')):.3f}")
-        if t.eval_every and rl.step_count % t.eval_every == 0:
-            last = record_eval(rl, curve, time.perf_counter() - started)
-            bar.write(f"step {rl.step_count}: greedy test accuracy {last['accuracy']:.3f}")
+            return stop_lost(rl, lost, before, last, curve, started)
         if t.save_every and rl.step_count % t.save_every == 0:
             saved = checkpoint(rl, before, last, curve, started)
         if rl.bad_steps_in_a_row >= t.max_bad_updates:  # skipped updates kept the last good weights
@@ -74,8 +75,11 @@ def run_training(rl: "RLSession", steps: int | None = None) -> dict:
     with rl._edits.lock:  # a queued edit may drop the pending rollout too
         rl._drop_pending()
     # the last step may just have been evaluated: same weights, so its result stands
-    after = last if curve and curve[-1]["step"] == rl.step_count else \
-        record_eval(rl, curve, time.perf_counter() - started)
+    try:
+        after = last if curve and curve[-1]["step"] == rl.step_count else \
+            record_eval(rl, curve, time.perf_counter() - started)
+    except WorkerLost as lost:
+        return stop_lost(rl, lost, before, last, curve, started)
     if saved != rl.step_count:  # always a checkpoint at the end and on a stop
         checkpoint(rl, before, after, curve, started)
     return write_summary(rl, before, after, curve, time.perf_counter() - started, stopped)
@@ -97,6 +101,14 @@ def stop_reason(rl: "RLSession", started: float) -> str | None:
     if time.perf_counter() > started + t.max_minutes * 60:
         return f"time limit ({t.max_minutes:g} min)"
     return "stop requested" if rl._stop_requested else None
+
+
+def stop_lost(rl: "RLSession", lost: WorkerLost, before: dict, last: dict, curve: list, started: float) -> dict:
+    """End a run whose workers are lost: a checkpoint when the trainers still hold the last
+    finished step, and a failed summary saying why; returns the summary."""
+    if lost.can_save:
+        checkpoint(rl, before, last, curve, started)
+    return write_summary(rl, before, last, curve, time.perf_counter() - started, str(lost), failed=True)
 
 
 def checkpoint(rl: "RLSession", before: dict, last: dict, curve: list, started: float) -> int:

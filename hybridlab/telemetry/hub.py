@@ -65,8 +65,14 @@ def start_hub(run_dir: str | os.PathLike):
     """Start (or find) the hub actor of ``run_dir`` in the connected Ray cluster; returns its handle."""
     import ray
 
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     actor = ray.remote(num_cpus=0, max_concurrency=4)(TelemetryHub)
-    return actor.options(name=hub_name(run_dir), namespace=NAMESPACE, get_if_exists=True).remote(str(run_dir))
+    # On the controller's node: the run directory is written there, and the hub outlives any
+    # other node of a multi-node cluster that goes away.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return actor.options(name=hub_name(run_dir), namespace=NAMESPACE, get_if_exists=True,
+                         scheduling_strategy=here).remote(str(run_dir))
 
 
 def find_hub(run_dir: str | os.PathLike):
