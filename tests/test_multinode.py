@@ -6,6 +6,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 
 import pytest
 import ray
@@ -119,10 +120,14 @@ def test_hybridlab_train_runs_as_a_ray_job_attached_to_the_cluster(cluster, trai
 
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     run_dir = tmp_path / "job-run"
-    job = subprocess.run([ray_cli, "job", "submit", "--address", f"http://{cluster.head_node.webui_url}", "--",
-                          sys.executable, "-m", "hybridlab.cli", "train",
-                          f"model={trained_dir}", *SETTINGS, "trainer.steps=2", f"trainer.run_dir={run_dir}"],
-                         capture_output=True, text=True, timeout=600)
+    command = [ray_cli, "job", "submit", "--address", f"http://{cluster.head_node.webui_url}", "--",
+               sys.executable, "-m", "hybridlab.cli", "train", f"model={trained_dir}", *SETTINGS, "trainer.steps=2",
+               f"trainer.run_dir={run_dir}"]
+    for _ in range(60):  # a fresh head's job API answers "No available agent" until its agent registers
+        job = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if "No available agent to submit job" not in job.stdout + job.stderr:
+            break
+        time.sleep(1)
     log = job.stdout + job.stderr
     assert job.returncode == 0 and "succeeded" in log, log[-4000:]
     assert f"Connecting to existing Ray cluster at address: {cluster.address}" in log  # attached, not its own
