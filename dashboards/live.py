@@ -14,6 +14,6 @@ from hybridlab.telemetry.serving import control_allowed, is_runs_root
 if len(sys.argv) < 2:
     raise SystemExit("usage: panel serve dashboards/live.py --args RUN_DIR_OR_RUNS_ROOT")
 if is_runs_root(sys.argv[1]):
-    build_runs_page(sys.argv[1]).servable(title="hybridlab runs")
+    build_runs_page(sys.argv[1], template=True).servable(title="hybridlab runs")
 else:
     build_dashboard(sys.argv[1], control=control_allowed(), template=True).servable(title="hybridlab live")

@@ -49,6 +49,7 @@ def _pull(url: str, monkeypatch, cookie: str | None = None) -> dict:
     its button labels, its panes' text and the row count of each data source (keyed by its
     sorted column names). A refused session raises OSError."""
     import bokeh.client.connection
+    import panel.models  # noqa: F401  (registers Panel's Bokeh models, e.g. the template's Location)
     from bokeh.client import pull_session
     from bokeh.models import Button, ColumnDataSource
     from tornado.httpclient import HTTPRequest
@@ -492,6 +493,9 @@ def test_the_runs_page_lists_the_run_in_the_browser(rl):
 
     from hybridlab.telemetry.serving import serve
 
+    if not (rl.run_dir / "summary.json").is_file():  # run alone: the finished run the tests above leave
+        rl.train(1)
+    _finished(rl)
     server, port = serve(rl.run_dir.parent, threaded=True)
     steps = [json.loads(line)["step"] for line in (rl.run_dir / "metrics.jsonl").read_text().splitlines()]
     try:

@@ -184,12 +184,18 @@ class Overlay:
             self.lines[key] = (renderer, len(info.steps), info.cuts)
 
 
-def build_runs_page(root: str | Path):
-    """Return the runs page of ``root`` with its refresh loop attached (every 2 s)."""
+def build_runs_page(root: str | Path, template: bool = False):
+    """Return the runs page of ``root`` with its refresh loop attached (every 2 s): served, a
+    Panel template page (the run selector in the sidebar, as on a run's page), else a column."""
     import panel as pn
 
     page = RunsPage(root)
     page.update()
     page.callback = pn.state.add_periodic_callback(page.update, period=REFRESH_MS)
-    page.layout.runs_page = page
-    return page.layout
+    layout = page.layout
+    if template:
+        layout = pn.template.BootstrapTemplate(title=f"hybridlab · runs under {page.root.name}", sidebar=[page.select],
+                                               main=[page.table, page.fig], sidebar_width=380,
+                                               header_background="#2f4f6f")
+    layout.runs_page = page
+    return layout

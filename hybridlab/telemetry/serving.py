@@ -94,7 +94,7 @@ def serve(target: str | Path, port: int = 0, address: str = "localhost", show: b
     origins = sorted(f"{h}:{port}" for h in hosts)  # browsers on other machines use this machine's name
     runs = is_runs_root(target)
     if runs:
-        app = lambda: build_runs_page(target)  # noqa: E731
+        app = lambda: build_runs_page(target, template=True)  # noqa: E731
     else:
         app = lambda: build_dashboard(target, control=control_allowed(), template=True)  # noqa: E731
     auth = {}
