@@ -311,6 +311,21 @@ def test_the_run_controls_ask_the_controller_and_show_its_answers(tmp_path):
     assert sent[0]["ok"] is False and "does not offer 'resume'" in sent[0]["error"]
 
 
+def test_run_controls_are_carried_out_in_the_order_they_were_clicked(tmp_path):
+    import os
+
+    from hybridlab.telemetry.live import LiveReporter, request_action
+
+    done = []
+    reporter = LiveReporter(tmp_path, lambda: [], {a: (lambda a=a: done.append(a)) for a in ("pause", "resume")},
+                            lambda kind, r: None)
+    for i, action in enumerate(("resume", "pause")):                       # Resume clicked first, then Pause
+        path = request_action(tmp_path, action)
+        os.utime(path, ns=(10**18 + i * 10**9, 10**18 + i * 10**9))
+    reporter.tick()
+    assert done == ["resume", "pause"]                                     # the run ends up paused
+
+
 def test_a_heat_map_bins_samples_patches_the_filling_bin_and_merges_a_long_history():
     from hybridlab.telemetry.heatmap import HeatMap
 
@@ -331,6 +346,9 @@ def test_a_heat_map_bins_samples_patches_the_filling_bin_and_merges_a_long_histo
                      ("gpu2", 6.0): 100.0, ("gpu2", 10.0): 100.0}
     heat.cut(4.0)                                                          # a roll-back: later bins go
     assert sorted(heat.source.data["x"]) == [2.0, 2.0, 6.0]
+    heat.add(["gpu2", "gpu2"], [float("nan"), float("inf")], [1.0, 1.0])   # samples without a time: not counted
+    heat.flush()
+    assert heat.width == 4.0 and sorted(heat.source.data["x"]) == [2.0, 2.0, 6.0]
     many = HeatMap("t", "step", "busy", bin_width=1, high=1.0, max_bins=300)
     steps = [s for s in range(1, 10_001) for _ in range(64)]               # 64 devices x 10,000 steps
     many.add([f"gpu{d}" for _ in range(10_000) for d in range(64)], steps, [(s % 2) * 1.0 for s in steps])
@@ -350,8 +368,15 @@ def test_the_x_axis_switches_every_step_curve_to_wall_time_and_back(tmp_path):
         for renderer in fig.renderers:
             if renderer.glyph.x == "step" or getattr(renderer.glyph.x, "field", None) == "step":
                 assert renderer.glyph.x.transform is board.axis.transform
+    with (board.run_dir / "telemetry.jsonl").open("a") as f:  # a remap and a new step while on wall time
+        f.write(json.dumps({"kind": "remap", "step": 1, "mapping_after": {}, "time": time.time()}) + "\n")
+        f.write(json.dumps(step_record(2, time.time())) + "\n")
+    board.update()
+    marks = [m for m in board.reward_fig.center if type(m).__name__ == "Span"]
+    assert len(marks) == 1 and not marks[0].visible                        # step markers: step axis only
+    assert board.axis.times.data["step"] == [1, 2]
     board.x_axis.value = "step"
-    assert {fig.xaxis[0].axis_label for fig in figures} == {"step"}
+    assert {fig.xaxis[0].axis_label for fig in figures} == {"step"} and marks[0].visible
     from bokeh.models import CustomJSTransform
 
     assert not any(isinstance(getattr(r.glyph.x, "transform", None), CustomJSTransform)
@@ -397,11 +422,13 @@ def test_the_runs_page_lists_each_run_with_its_status_and_overlays_selected_curv
                                                             "live": "live, resumed", "crashed": "crashed"}
     assert "<td>done</td><td style='color:'>finished</td><td>3</td><td>0.300</td>" in page.table.object
     page.select.value = ["done", "live"]
-    with open(live / "metrics.jsonl", "a") as f:  # the live run goes on
+    with open(live / "metrics.jsonl", "a") as f:  # the live run goes on, evaluated after step 2
+        f.write(json.dumps({"step": 2, "eval/accuracy": 0.5}) + "\n")
         f.write(json.dumps({"step": 3, "reward/mean": 0.7}) + "\n")
     page.update()
     curves = {k: line[0].data_source.data["reward"] for k, line in page.overlay.lines.items()}
     assert curves == {"done": [0.1, 0.2, 0.3], "live": [0.1, 0.1, 0.7]}
+    assert page.runs["live"].cuts == 0  # an evaluation's line is not a step logged again
     page.select.value = ["live"]
     assert list(page.overlay.lines) == ["live"] and len(page.fig.renderers) == 1
 

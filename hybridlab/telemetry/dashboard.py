@@ -49,6 +49,7 @@ class Dashboard:
         from bokeh.models import ColumnDataSource
 
         self.run_dir = Path(run_dir)
+        self.info = RunInfo(self.run_dir)  # live, finished, failed or crashed (from the run directory)
         self.source = RecordSource(run_dir)
         self.run_name, self.step, self.reward = Path(run_dir).name, 0, float("nan")
         self.phase: dict = {}  # the latest "phase" record: warm start, evaluate (RL steps: metrics)
@@ -57,13 +58,13 @@ class Dashboard:
         self.t0: float | None = None
         self.polls = 0
         self.restarts: list[dict] = []   # dead or stuck workers re-created
+        self.remaps: list[dict] = []
+        self.resumes: list[dict] = []
         self.controls = RunControls(run_dir) if control else None
         self.status = pn.pane.Markdown(self._status_text(), name="status")
         self.mapping_pane = pn.pane.Markdown("", name="mapping")  # the current device mapping
         self.mapping_drawing = pn.pane.HTML("", name="mapping drawing", sizing_mode="stretch_width")
         self.remap_table = pn.pane.HTML("<p>no remap yet</p>", name="remaps", sizing_mode="stretch_width")
-        self.remaps: list[dict] = []
-        self.resumes: list[dict] = []
         self.curves = ColumnDataSource({"step": [], "reward": [], "accuracy": [], "reward_smooth": [],
                                         "accuracy_smooth": []})
         self.smoothing = pn.widgets.FloatSlider(label="smoothing (exponential, as TensorBoard's)", start=0.0,
@@ -178,7 +179,8 @@ class Dashboard:
             f" {self.restarts[-1]['failure']}" if self.restarts else ""
         state = " · **paused**" if self.controls is not None and self.controls.paused else ""
         state += " · reading the history's device samples" if self.source.loading else ""
-        return f"run {self.run_name} · {doing}{state}{where}{restarts} · {RunInfo(self.run_dir).status}"
+        resumed = ", resumed" if self.resumes else ""
+        return f"run {self.run_name} · {doing}{state}{where}{restarts} · {self.info.status.split(',')[0]}{resumed}"
 
     def _clock(self, t: float) -> float:
         """Return seconds since the run's first record (the run's start for a page that saw it)."""
@@ -244,6 +246,8 @@ class Dashboard:
         self.devices.flush()
         for fig in self.figures():  # the hover tool names each series
             name_series(fig)
+        if self.axis.mode == WALL:  # lines and step markers added since the switch follow it too
+            self.axis.apply(self.step_figures(), WALL)
         self.status.object = self._status_text()
         self._alarm()
 
@@ -254,8 +258,9 @@ class Dashboard:
                    "accuracy": [r.get("accuracy", float("nan")) for r in curves]}
             for column in ("reward", "accuracy"):
                 new[f"{column}_smooth"], self._ema[column] = ema(new[column], self.smoothing.value, self._ema[column])
-            self.curves.stream({"step": [r["step"] for r in curves], **new}, rollover=ROLLOVER["curves"])
+            # the step -> seconds table first: the browser maps the new points through it as they arrive
             self.axis.add([r["step"] for r in curves], [self._clock(r.get("time", float("nan"))) for r in curves])
+            self.curves.stream({"step": [r["step"] for r in curves], **new}, rollover=ROLLOVER["curves"])
         if evals:
             self.evals.stream({"step": [r["step"] for r in evals], "accuracy": [r["accuracy"] for r in evals]},
                               rollover=ROLLOVER["evals"])

@@ -48,9 +48,10 @@ class HeatMap:
         self.fig.add_layout(ColorBar(color_mapper=self.mapper, title=value_label), "right")
 
     def add(self, rows: list[str], xs: list[float], values: list[float]) -> None:
-        """Count samples: ``values[i]`` of row ``rows[i]`` at ``xs[i]`` (NaN values are not counted)."""
-        values = np.asarray(values, dtype=float)
-        keep = ~np.isnan(values)
+        """Count samples: ``values[i]`` of row ``rows[i]`` at ``xs[i]`` (NaN values and times are not
+        counted; a sample before the first one seen goes into the first bin)."""
+        values, xs = np.asarray(values, dtype=float), np.asarray(xs, dtype=float)
+        keep = ~np.isnan(values) & np.isfinite(xs)
         if not keep.any():
             return
         for row in rows:
@@ -58,7 +59,7 @@ class HeatMap:
                 self.rows[row] = len(self.rows)
                 self.resend = True
         r = np.array([self.rows[row] for row in rows])[keep]
-        bins = np.floor(np.asarray(xs, dtype=float)[keep] / self.width).astype(np.int64)
+        bins = np.floor(xs[keep] / self.width).astype(np.int64)
         if self.origin is None:
             self.origin = int(bins.min())
         factor = 1
@@ -104,7 +105,8 @@ class HeatMap:
             self.source.stream(self._columns(new))
 
     def cut(self, last: float) -> None:
-        """Forget the bins that start after ``last`` (a roll-back will log them again)."""
+        """Forget the bins that start after ``last`` (a roll-back will log them again). Once bins
+        have merged, the bin holding ``last`` keeps the rolled-back samples it also holds."""
         if self.origin is None:
             return
         first = max(int(np.floor(last / self.width)) + 1 - self.origin, 0)

@@ -11,6 +11,7 @@ stuck-call detector's dump (a ``stacks`` record names the files); ``pause``, ``r
 """
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Callable
@@ -64,15 +65,23 @@ class LiveReporter:
         if key != self._last:
             self._last = key
             self.emit("running", {"calls": calls})
-        for action in ACTIONS:
-            request = self.requests / action
-            if request.exists():
-                request.unlink(missing_ok=True)
-                self._carry_out(action)
+        for request in self._pending():  # in the order they were clicked
+            request.unlink(missing_ok=True)
+            self._carry_out(request.name)
         paused = self.paused() if self.paused is not None else False
         if paused != self._paused:  # paused or let go from the notebook, too
             self._paused = paused
             self.emit("control", {"action": None, "ok": True, "paused": paused})
+
+    def _pending(self) -> list[Path]:
+        """Return the waiting request files, oldest first."""
+        found = []
+        for action in ACTIONS:
+            try:
+                found.append((os.stat(self.requests / action).st_mtime_ns, self.requests / action))
+            except FileNotFoundError:
+                continue
+        return [path for _, path in sorted(found)]
 
     def _carry_out(self, action: str) -> None:
         """Run one requested action and report it; a failure is reported, never raised."""

@@ -37,6 +37,8 @@ class RunInfo:
         metrics = self._new_lines("metrics.jsonl")
         for line in metrics:
             r = json.loads(line)
+            if "reward/mean" not in r and any(k.startswith("eval/") for k in r):
+                continue  # an evaluation's line, logged at the step it followed: not a step again
             step = r.get("step")
             while self.steps and self.steps[-1] >= step:  # a resumed run logs the cut steps again
                 self.cuts += 1
