@@ -243,6 +243,11 @@ class Dashboard:
             panel.feed([r for kind in panel.kinds for r in by_kind.get(kind, [])])
         if devices[0]:
             self.devices.add(*devices)
+        self._finish_poll()
+
+    def _finish_poll(self) -> None:
+        """Send the heat map's new cells, name new series, keep new lines on the chosen x axis,
+        and refresh the status and the Stuck calls alarm."""
         self.devices.flush()
         for fig in self.figures():  # the hover tool names each series
             name_series(fig)
