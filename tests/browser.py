@@ -18,7 +18,4 @@ def chromium() -> str:
     return path
 
 
-# Headless, no GPU, no network but loopback (Chromium's own background connections are refused
-# here, many at a time), no first-run or update work.
-LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
-               "--disable-component-update", "--no-first-run"]
+from hybridlab.bench.dashboard import LAUNCH_ARGS  # noqa: E402,F401  (one list for tests and bench)

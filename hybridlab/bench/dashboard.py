@@ -25,6 +25,10 @@ from pathlib import Path
 
 from hybridlab.environment import processor
 
+# Headless, no GPU, no network but loopback (Chromium's own background connections are refused
+# here, many at a time), no first-run or update work. The browser tests use the same.
+LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+               "--disable-component-update", "--no-first-run"]
 GOALS = {"first_render_s": 3.0, "update_latency_s": 2.0, "heap_mb": 300.0}
 STAGES = ("generate", "reward", "old_logprob", "ref_logprob", "update_actor", "sync_weights")
 
@@ -107,13 +111,11 @@ def measure(run_dir: Path, steps: int, devices: int, updates: int, browser_path:
 
     from hybridlab.telemetry.serving import serve
 
-    launch = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
-              "--disable-component-update", "--no-first-run"]
     server, port = serve(run_dir, port=0, threaded=True)
     rng = random.Random(1)
     try:
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=browser_path, headless=True, args=launch)
+            browser = p.chromium.launch(executable_path=browser_path, headless=True, args=LAUNCH_ARGS)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             start = time.perf_counter()
             page.goto(f"http://127.0.0.1:{port}/", timeout=120_000)
