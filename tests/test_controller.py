@@ -238,10 +238,13 @@ def test_a_call_past_its_deadline_is_reported_stuck_with_the_stacks_of_its_proce
             [("actor", [0], "nap", False)]
         with pytest.raises(WorkerError, match=r"worker actor rank 0 stuck in nap:\nno answer after 1 s") as info:
             future.result()
-        assert info.value.kind == "stuck" and watch.running() == []
+        assert info.value.kind == "stuck"
+        # its process is still busy with it: listed, late, until the process is replaced
+        assert [(c["method"], c["late"]) for c in watch.running()] == [("nap", True)]
         (stack,) = tmp_path.glob("*-actor-nap-rank0-pid*.txt")
         assert "test_controller.py" in stack.read_text() and "in nap" in stack.read_text()  # where it was
         session.recreate("actor", close_timeout=0)  # the stuck process goes; a new one answers
+        assert watch.running() == []
         assert session.groups["actor"].hello("x") == "hello x from 0"
     finally:
         watch.configure(floor_s=120.0, fixed_s=0.0)

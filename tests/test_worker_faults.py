@@ -18,6 +18,7 @@ from browser import LAUNCH_ARGS, chromium
 from hybridlab.dataflow.recovery import WorkerLost
 from hybridlab.dataflow.session import RLSession
 from hybridlab.telemetry.dashboard import STUCK_ALARM
+from hybridlab.telemetry.hub import TELEMETRY_FILE
 
 SETTINGS = ["warm_start.max_steps=0", "data.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=6",
             "actor.ppo_mini_batch_size=8", "data.test_samples=8", "trainer.progress=false", "trainer.save_every=0",
@@ -52,6 +53,12 @@ def served_page(rl):
             browser.close()
     finally:
         server.stop()
+
+
+def telemetry(rl, kind: str) -> list[dict]:
+    """Return the run's telemetry records of ``kind``, in order."""
+    lines = (rl.run_dir / TELEMETRY_FILE).read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("kind") == kind]
 
 
 def pids(rl, role: str) -> list[int]:
@@ -145,6 +152,12 @@ def test_a_hanging_reward_call_is_reported_stuck_with_its_stack_and_the_run_goes
     text = stacks[0].read_text()
     assert "hang_reward.py" in text and "in score" in text  # where it hung, from the stuck process
     assert rl.running() == []  # nothing in flight between steps
+    # the call was shown late until the reward process was replaced (stacks, then a 2 s close):
+    # longer than the reporter's and the dashboard's 1 s polls, so no viewer can miss it
+    running = telemetry(rl, "running")
+    first = next(i for i, r in enumerate(running) if any(c["late"] for c in r["calls"]))
+    assert running[first]["time"] >= start + 10 and running[first + 1]["calls"] == []
+    assert running[first + 1]["time"] - running[first]["time"] >= 2.0
     rl.update("trainer.call_deadline_s=0")
 
 

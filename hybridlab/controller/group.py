@@ -196,9 +196,11 @@ class GroupFuture:
             try:
                 answers = get_all(self._refs, self._ranks, g.role, self.method, timeout)
             except WorkerError as err:
-                g.watch.end(self._call, ok=False)
                 if watched and err.kind == "timed out":
+                    # still in flight (and late) until its processes are replaced: WorkerSet's
+                    # teardown forgets it, so a viewer sees the stuck call through the recovery
                     raise self._stuck(err.rank, deadline) from None
+                g.watch.end(self._call, ok=False)
                 raise
             g.watch.end(self._call, ok=True)
             g.timeline.add([Span(role=s[0], rank=s[1], method=s[2], start=s[3], end=s[4], bytes_in=s[5],

@@ -10,7 +10,8 @@ before such a call has ever finished, it is ``first_s`` (a first call compiles a
 caches). ``fixed_s`` replaces all of that with one number. A call past its deadline is stuck:
 the group that waits for it writes the stacks of its processes with ``dump_stacks`` and
 reports it like a dead worker (``WorkerError`` of kind ``"stuck"``), so the run's recovery
-re-creates it.
+re-creates it. A stuck call stays in ``running()`` (late) until its processes are replaced
+(``forget``): they are still busy with it, and a viewer polling once a second sees it.
 
 Stacks come from ``faulthandler`` in each worker process (registered on SIGUSR1 by the host),
 which prints every Python thread's stack even when the process is busy in C code. The signal
