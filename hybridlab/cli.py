@@ -361,7 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``hybridlab`` command."""
     parser = argparse.ArgumentParser(prog="hybridlab", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    for add in (_add_zoo, _add_sft, _add_eval, _add_data, _add_train, _add_explain, _add_dashboard, _add_bench):
+    from hybridlab.advisor.commands import add_commands
+
+    for add in (_add_zoo, _add_sft, _add_eval, _add_data, _add_train, _add_explain, add_commands, _add_dashboard,
+                _add_bench):
         add(sub)
     return parser
 

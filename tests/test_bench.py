@@ -229,3 +229,30 @@ def test_bench_dashboard_json_replays_the_planned_run_into_the_page(capfd):
     assert result["meets_goals"] == {k: result[k] <= goal for k, goal in result["goals"].items()}
     assert main(["bench", "dashboard", "--opt", "devices=0", "--json"]) == 2
     assert "benchmark dashboard: devices must be an integer of at least 1, got 0" in capfd.readouterr().err
+
+
+def test_bench_plan_predicts_each_measured_mapping_and_measures_the_planners_pick(ray_local, capfd, tmp_path):
+    import dataclasses
+    import statistics
+
+    from hybridlab.advisor.profile import load_profile
+
+    # compute-bound and free to move bytes: every stage halves on two data-parallel devices, so the
+    # planner's pick is all roles colocated at dp 2 (TP and PP only add traffic, split pools idle)
+    path = dataclasses.replace(load_profile("h100"), name="compute-bound", flops=1e8, bandwidth=1e13,
+                               call_overhead_s=0.0, collective_latency_s=1e-3).save(tmp_path / "compute-bound.json")
+    result = run_bench(["plan", "--models", "tiny", "--mappings", "split,colocated", "--steps", "1", "--warmup", "0",
+                        "--prompts", "4", "--group", "4", "--max-new-tokens", "6", "--profile", str(path)], capfd)
+    rows = result["rows"]
+    assert [r["name"] for r in rows] == ["split", "colocated"] and result["profile"] == "compute-bound"
+    for r in rows:
+        assert r["error"] == round(r["predicted_s"] / r["measured_s"] - 1, 3)
+        assert set(r["predicted_stage_s"]) == set(r["measured_stage_s"])  # the same dataflow on both sides
+    assert result["median_abs_error"] == round(statistics.median(abs(r["error"]) for r in rows), 3)
+    first = result["first_choice"]["tiny"]
+    assert first["name"] == "colocated"  # measured already: no third mapping
+    assert (first["best_measured"], first["best_measured_s"]) == min(((r["name"], r["measured_s"]) for r in rows),
+                                                                      key=lambda x: x[1])
+    assert first["gap"] == round(first["measured_s"] / first["best_measured_s"] - 1, 3)
+    assert main(["bench", "plan", "--mappings", "sideways", "--json"]) == 2
+    assert "mappings must be 'all' or names from colocated, colocated_off_policy" in capfd.readouterr().err

@@ -1,9 +1,14 @@
 """The notebook widgets driven as a user would (values set, buttons clicked) against a real
 session on the tiny model: a valid mapping applies, an invalid one shows its problems and
 changes nothing, a dataflow edit changes the next step's stages, the controls run, pause and
-stop a background run, and the inspector shows what each stage added."""
+stop a background run, and the inspector shows what each stage added. The mapping advisor on
+the same session: Suggest fills in its mapping and Apply moves onto it; the live advisor's
+record against the run's own steps; a remap asked through the page's run control."""
 from __future__ import annotations
 
+import dataclasses
+import json
+import statistics
 import time
 
 import pytest
@@ -87,6 +92,78 @@ def test_a_valid_mapping_applies_and_shows_its_report(rl):
     assert rl.mapping.roles["rollout"].pool == "gen" and rl.mapping.roles["actor"].pool == "main"
     assert rl.workers.groups["actor"].hostset is not rl.workers.groups["rollout"].hostset
     assert "reward/mean" in rl.step().metrics
+
+
+SPLIT = {"pools": {"main": {"devices": 1}, "gen": {"devices": 1}},
+         "roles": {"actor": {"pool": "main"}, "rollout": {"pool": "gen", "colocate": "g"},
+                   "reward": {"pool": "gen", "colocate": "g"}}}
+
+
+def test_suggest_fills_in_the_advisors_mapping_and_apply_moves_the_session_onto_it(rl):
+    from hybridlab.advisor.cost_model import predict
+    from hybridlab.advisor.profile import load_profile
+    from hybridlab.advisor.suggest import session_workload
+    from hybridlab.controller.mapping import DeviceMapping
+
+    if rl.mapping != DeviceMapping.from_dict(SPLIT):  # what the test above leaves
+        rl.remap(SPLIT)
+    editor = rl.mapping_editor()
+    assert editor.suggest("nowhere") is None
+    assert "No suggestion" in editor.status.value and "hybridlab calibrate" in editor.status.value
+    # compute-bound, bytes free, collectives slow: on-policy, split pools leave each stage one device,
+    # colocated at dp 2 every stage has both (TP and PP only add traffic)
+    bound = dataclasses.replace(load_profile("h100"), name="compute-bound", flops=1e8, bandwidth=1e13,
+                                call_overhead_s=0.0, collective_latency_s=1e-3)
+    found = editor.suggest(bound)
+    assert found.best.label == "colocated on 2: trainers tp1 pp1 dp2, rollout tp1 dp2" and found.speedup > 1.5
+    assert found.current.step_s == predict(session_workload(rl), rl.cfg, rl.mapping, bound).step_s
+    assert f"{found.speedup:.2f}x" in editor.status.value and "Apply remaps" in editor.status.value
+    assert DeviceMapping.from_dict(editor.mapping_dict()) == found.best.mapping  # the table holds it
+    editor.apply_button.click()
+    assert "Applied after step" in editor.status.value and rl.mapping == found.best.mapping
+    assert "reward/mean" in rl.step().metrics
+    assert rl.suggest_mapping(bound).same  # nothing faster now
+
+
+def telemetry(rl, kind: str) -> list[dict]:
+    from hybridlab.telemetry.hub import TELEMETRY_FILE
+
+    lines = (rl.run_dir / TELEMETRY_FILE).read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("kind") == kind]
+
+
+def test_the_live_advisor_checks_its_prediction_and_the_page_remaps_onto_a_proposal(rl):
+    from hybridlab.advisor.cost_model import predict
+    from hybridlab.advisor.profile import load_profile
+    from hybridlab.advisor.suggest import session_workload
+    from hybridlab.controller.mapping import DeviceMapping
+    from hybridlab.telemetry.live import request_action
+
+    rl.update("trainer.advise_every=1", "trainer.advisor_profile=h100")
+    for _ in range(3):
+        rl.step()
+        rl.advisor.wait()
+    last = rl.advisor.last
+    recent = [h for h in rl.history if h["step"] > last["since_step"]][-5:]
+    assert last["step"] == rl.step_count and last["steps"] == len(recent) >= 2
+    assert last["measured_s"] == round(statistics.median(h["timing/step_s"] for h in recent), 4)
+    work = dataclasses.replace(session_workload(rl), response_mean=statistics.mean(
+        h["response_length/mean"] for h in recent))
+    assert last["predicted_s"] == predict(work, rl.cfg, rl.mapping, load_profile("h100")).step_s
+    assert last["error"] == round(last["predicted_s"] / last["measured_s"] - 1, 3)
+    assert telemetry(rl, "advice")[-1]["step"] == last["step"]  # on its way to the dashboard
+
+    bad = {"pools": {"main": {"devices": 1}}, "roles": {"actor": {"pool": "main", "tp": 3}}}
+    request_action(rl.run_dir, "remap", json.dumps(bad))  # refused before anything is torn down
+    request_action(rl.run_dir, "remap", json.dumps(SPLIT))  # as the page's "Remap to the proposal" asks
+    deadline = time.time() + 120
+    while rl.mapping != DeviceMapping.from_dict(SPLIT) and time.time() < deadline:
+        time.sleep(0.2)
+    assert rl.mapping == DeviceMapping.from_dict(SPLIT)
+    answers = [r for r in telemetry(rl, "control") if r.get("action") == "remap"]
+    assert [a["ok"] for a in answers[-2:]] == [False, True]
+    assert "not divisible by tp=3" in answers[-2]["error"]
+    rl.update("trainer.advise_every=20", "trainer.advisor_profile=local")
 
 
 def test_a_dataflow_edit_changes_the_next_steps_stages(rl):

@@ -20,6 +20,7 @@ BENCHES = {
     "dpo": "hybridlab.bench.dpo",
     "agent": "hybridlab.bench.agent",
     "dashboard": "hybridlab.bench.dashboard",
+    "plan": "hybridlab.bench.plan",
 }
 
 

@@ -9,6 +9,8 @@ out and applied in dataflow/remap.py.
 from __future__ import annotations
 
 import dataclasses
+import json
+import threading
 
 from hybridlab.algos.kl import get_kl_controller
 from hybridlab.config import ConfigError, RunConfig
@@ -73,6 +75,21 @@ class LiveEdits:
                               " config: mapping=...)")
         changes.prepare_remap(self, new_mapping)
         return self._edits.run(lambda: changes.apply_change(self, changes.prepare_remap(self, new_mapping)))
+
+    def remap_later(self, mapping: DeviceMapping | dict | str) -> None:
+        """Check ``mapping`` now (a refusal raises here) and remap onto it in a thread of its own,
+        at the next step boundary of a run: the dashboard's "Remap to the proposal". JSON text is
+        read as a mapping; a failure during the remap is sent as a ``control`` record."""
+        new_mapping = changes.parse_mapping(json.loads(mapping) if isinstance(mapping, str) else mapping)
+        changes.prepare_remap(self, new_mapping)
+
+        def remap() -> None:
+            try:
+                self.remap(new_mapping)
+            except Exception as exc:  # refused at the boundary, or failed: say so on the page
+                self._emit("control", {"action": "remap", "ok": False, "error": str(exc) or repr(exc)})
+
+        threading.Thread(target=remap, name="remap-from-page", daemon=True).start()
 
     def _set_config(self, new: RunConfig, flow: Dataflow, configure: dict[str, dict]) -> None:
         """Apply a validated config between steps: live worker settings, KL controller, dataflow."""

@@ -98,6 +98,7 @@ class RLSession(Stepping, LiveEdits):
         self._resume_from: Path | None = None   # the checkpoint resume() continues from
         self._train_state: dict | None = None   # train()'s progress restored from it
         self.step_callbacks: list = []  # called with each StepResult (notebook widgets follow the run)
+        self.advisor = None  # the mapping advisor's LiveAdvisor: its check every trainer.advise_every steps
 
     def start(self) -> "RLSession":
         """Create the run directory, run the warm start, start the workers; returns self."""
@@ -106,9 +107,8 @@ class RLSession(Stepping, LiveEdits):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
         processes = sum(1 for _ in self.mapping.process_sets())
-        env = {"OMP_NUM_THREADS": str(max(1, usable_cores() // processes))}
-        if self.cfg.trainer.bind_threads:
-            env[BIND_ENV] = "1"
+        env = {"OMP_NUM_THREADS": str(max(1, usable_cores() // processes)),
+               **({BIND_ENV: "1"} if self.cfg.trainer.bind_threads else {})}
         self.environment = {**describe(self.cfg.trainer.seed), "worker_threads": int(env["OMP_NUM_THREADS"]),
                             "worker_processes": processes, "training_backends": self.training_backends()}
         write_json(self.run_dir / "environment.json", self.environment)
@@ -158,7 +158,16 @@ class RLSession(Stepping, LiveEdits):
             checkpoints.restore(self, self._resume_from, record)
             self._train_state = record["train"]
             self._emit("resume", {"step": self.step_count, "checkpoint": self._resume_from.name})
+        self._start_advisor()
         return self
+
+    def _start_advisor(self) -> None:
+        """Check the mapping against the advisor's prediction every trainer.advise_every steps."""
+        from hybridlab.advisor.live import LiveAdvisor
+
+        if self.advisor is None:
+            self.advisor = LiveAdvisor(self, self._emit)
+            self.step_callbacks.append(self.advisor)
 
     @classmethod
     def resume(cls, run_dir: str | os.PathLike, overrides: list[str] | None = None, **kwargs) -> "RLSession":
@@ -242,7 +251,8 @@ class RLSession(Stepping, LiveEdits):
 
     def _run_controls(self) -> dict:
         """Return what the dashboard's run controls call (``telemetry.live.ACTIONS``)."""
-        return {"pause": self.pause, "resume": self.unpause, "stop": self.stop_running, "stacks": self.stacks}
+        return {"pause": self.pause, "resume": self.unpause, "stop": self.stop_running, "stacks": self.stacks,
+                "remap": self.remap_later}
 
     def stacks(self) -> list[Path]:
         """Write every worker process's Python stacks to ``RUN_DIR/stacks/``; returns the files."""
@@ -259,6 +269,14 @@ class RLSession(Stepping, LiveEdits):
         from hybridlab.notebook.batch_table import inspect
 
         return inspect(self, result, stage)
+
+    def suggest_mapping(self, profile=None):
+        """Return the mapping advisor's Suggestion for this session's devices (``profile``: a
+        DeviceProfile, h100/h200/a100 or a file; default this machine's from ``hybridlab calibrate``):
+        the best predicted mapping, the prediction for the current one, and ``apply(rl)``."""
+        from hybridlab.advisor.suggest import suggest_mapping
+
+        return suggest_mapping(self, profile)
 
     def mapping_editor(self):
         """Return the device-mapping editor widget (Validate / Apply call ``remap``)."""

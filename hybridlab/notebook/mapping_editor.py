@@ -1,5 +1,6 @@
 """MappingEditor: the device mapping of a running session as an editable table, a drawing of
-which devices each role occupies, and Validate / Apply through ``rl.remap``."""
+which devices each role occupies, Suggest (the mapping advisor's best mapping, put in the
+table with its prediction), and Validate / Apply through ``rl.remap``."""
 from __future__ import annotations
 
 import html
@@ -10,6 +11,7 @@ import ipywidgets as widgets
 from hybridlab.controller.mapping import ROLES, DeviceMapping
 from hybridlab.controller.mapping_drawing import draw
 from hybridlab.dataflow import remap
+from hybridlab.errors import UserError
 from hybridlab.notebook.apply import FOREGROUND_NOTE, Applier, ok, problem_list, problems_of
 
 if TYPE_CHECKING:
@@ -51,7 +53,8 @@ class _RoleRow:
 
 class MappingEditor(widgets.VBox):
     """Edit pools (name, devices) and roles (pool, tp, pp, dp, ep, colocation group); the drawing
-    follows every change; **Validate** lists the problems; **Apply** remaps the session."""
+    follows every change; **Suggest** fills in the advisor's best mapping; **Validate** lists the
+    problems; **Apply** remaps the session."""
 
     def __init__(self, rl: "RLSession"):
         self.rl = rl
@@ -73,6 +76,9 @@ class MappingEditor(widgets.VBox):
         self.status = widgets.HTML()
         self.validate_button = widgets.Button(description="Validate", icon="check")
         self.apply_button = widgets.Button(description="Apply", button_style="primary", icon="exchange")
+        self.suggest_button = widgets.Button(description="Suggest", icon="lightbulb-o",
+                                             tooltip="the mapping advisor's fastest predicted mapping")
+        self.suggest_button.on_click(lambda _: self.suggest())
         self.validate_button.on_click(lambda _: self.validate())
         self.apply_button.on_click(lambda _: self.apply())
         self.applier = Applier(rl, self.status)
@@ -82,7 +88,7 @@ class MappingEditor(widgets.VBox):
             self._watch(row)
         self.redraw()
         super().__init__([self.pools_box, add_pool, header, columns, *[r.box for r in self.role_rows], self.drawing,
-                          widgets.HBox([self.validate_button, self.apply_button]), self.status,
+                          widgets.HBox([self.suggest_button, self.validate_button, self.apply_button]), self.status,
                           widgets.HTML(f"<small>{html.escape(FOREGROUND_NOTE)}</small>")])
 
     # ------------------------------------------------------------- editing
@@ -114,6 +120,21 @@ class MappingEditor(widgets.VBox):
                 return row
         raise KeyError(f"no pool {name!r}; pools: {', '.join(r.name.value for r in self.pool_rows)}")
 
+    def show(self, mapping: DeviceMapping) -> None:
+        """Put ``mapping`` in the table (a pool's other settings kept where its name is kept)."""
+        kept = {r.name.value: r.settings for r in self.pool_rows}
+        self.pool_rows = [_PoolRow(n, p.devices, kept.get(n)) for n, p in mapping.pools.items()]
+        for row in self.pool_rows:
+            self._watch(row)
+        self.pools_box.children = (self.pools_box.children[0], *[r.box for r in self.pool_rows])
+        for row in self.role_rows:
+            lay = mapping.roles.get(row.role)
+            row.on.value = lay is not None
+            if lay is not None:
+                row.pool.value, row.colocate.value = lay.pool, lay.colocate or ""
+                row.tp.value, row.pp.value, row.dp.value, row.ep.value = lay.tp, lay.pp, lay.dp, lay.ep
+        self.redraw()
+
     def mapping_dict(self) -> dict:
         """Return the mapping the table describes (pools with 0 devices or no name are left out)."""
         pools = {r.name.value.strip(): {**r.settings, "devices": r.devices.value} for r in self.pool_rows
@@ -130,6 +151,18 @@ class MappingEditor(widgets.VBox):
         except Exception as exc:  # MappingError or ConfigError: their lines are the problems
             return problems_of(exc)
         return []
+
+    def suggest(self, profile=None):
+        """Put the mapping advisor's best mapping in the table and show its prediction against the
+        current one; returns the Suggestion (None when there is none: the status says why)."""
+        try:
+            found = self.rl.suggest_mapping(profile)
+        except UserError as exc:  # no profile yet, or no mapping can run
+            self.status.value = problem_list("No suggestion:", problems_of(exc))
+            return None
+        self.show(found.best.mapping if not found.same else self.rl.mapping)
+        self.status.value = ok(found.text() + ("" if found.same else " Apply remaps the session onto it."))
+        return found
 
     def validate(self) -> list[str]:
         """Show the problems (or that the mapping can run); returns them."""

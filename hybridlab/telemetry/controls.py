@@ -49,7 +49,8 @@ class RunControls:
                     self.paused = bool(r.get("paused"))
                 if r.get("ok") and r.get("action"):
                     self.message.object = {"pause": "paused: the run holds at its next step boundary",
-                                           "resume": "resumed", "stop": "stopping after the current step"
+                                           "resume": "resumed", "stop": "stopping after the current step",
+                                           "remap": "remapping at the next step boundary"
                                            }.get(r.get("action"), r.get("action", ""))
                 elif not r.get("ok"):
                     self.message.object = f"<span style='color:#c62828'>{r.get('action')}: {r.get('error')}</span>"

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridlab.telemetry import page
+from hybridlab.telemetry.advice_panel import AdvicePanel
 from hybridlab.telemetry.agent_panel import AgentPanel
 from hybridlab.telemetry.axes import AXIS_LABELS, STEP, WALL, StepAxis, add_hover, name_series
 from hybridlab.telemetry.controls import RunControls
@@ -90,9 +91,9 @@ class Dashboard:
         self.memory.fig.x_range = self.gantt_fig.x_range  # the phases above are the memory's phase markers
         self.busy, self.rollout, self.reshard = BusyPanel(), RolloutPanel(), ReshardPanel()
         self.mismatch, self.agent, self.moe = MismatchPanel(), AgentPanel(), MoEPanel()
-        self.training = TrainingPanel()
+        self.training, self.advice = TrainingPanel(), AdvicePanel(run_dir, control)
         self.panels = [self.running, self.memory, self.busy, self.rollout, self.reshard, self.mismatch, self.agent,
-                       self.moe, self.training] + ([self.controls] if self.controls else [])
+                       self.moe, self.training, self.advice] + ([self.controls] if self.controls else [])
         self.explanation = pn.pane.Markdown("", name="explanation", sizing_mode="stretch_width")
         self.sections = page.sections(self)
         # dynamic: the browser builds a section when it is opened, so the first render draws the Overview only

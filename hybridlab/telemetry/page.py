@@ -21,7 +21,7 @@ def sections(board) -> dict:
                               pn.Row(board.rollout.speed, board.busy.fig, **row), board.mapping_pane, **row),
         "Rollouts": pn.Column(board.rollout.lengths, board.agent.layout, **row),
         "Training": pn.Column(board.training.layout, board.mismatch.layout, board.moe.layout, **row),
-        "Mapping and resharding": pn.Column(board.mapping_drawing,
+        "Mapping and resharding": pn.Column(board.advice.layout, board.mapping_drawing,
                                             pn.Row(board.reshard.fig, pn.Column(board.reshard.caption, **row), **row),
                                             board.sync_fig, pn.pane.Markdown("**Remaps**"), board.remap_table, **row),
         "System": pn.Column(board.devices.fig, board.memory.fig, board.memory.heat.fig, board.gantt_fig, **row),

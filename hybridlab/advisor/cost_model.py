@@ -1,0 +1,271 @@
+"""The cost model: a step's time per stage, the whole step, device-busy fraction and memory,
+predicted for a config and a device mapping on a DeviceProfile.
+
+    work = Workload.of(cfg)                      # the model's size and the tokens of a step
+    p = predict(work, cfg, mapping, profile)     # Prediction: stage_s, step_s, busy, memory_mb
+
+Each dataflow stage costs what its role's engine does per device (``advisor/profile.py`` gives
+the formulas), divided over the role's data-parallel ranks and tensor/pipeline shards:
+
+- ``generate``: per engine (``dp`` of them), a prefill of its prompts and ``response_max`` decode
+  steps whose batch shrinks as responses end (``response_mean`` tokens per sequence);
+  TP adds two all-reduces of the batch's hidden states per layer and step.
+- forward passes (``old_logprob``, ``ref_logprob``, ``values``, ``reward_model``): the step's
+  tokens over ``dp``, the model over ``tp x pp``; PP adds the pipeline bubble
+  ``(m + pp - 1) / m`` for ``m`` micro-batches and each micro-batch's activations sent across
+  the ``pp - 1`` stage boundaries (both ways when training).
+- updates: the same as training tokens, ``ppo_epochs`` times, plus a gradient all-reduce over
+  ``dp`` per optimizer step.
+- ``sync_weights``: the weights copied in memory when the rollout shares the actor's processes,
+  else sent over the collective backend.
+- every stage that calls workers pays ``call_overhead_s``; controller stages cost nothing.
+
+Stages run one after another. With ``trainer.off_policy`` the next step's generation runs during
+this step's other stages, but only when the rollout's devices are not the trainers' and no other
+stage runs in the rollout's processes (a reward there waits behind the next generation): the
+step is then the longer of the two sides. Busy fraction: the device-seconds the stages keep busy over
+``step_s x devices``. Memory per device comes from ``explain.estimate_memory``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from hybridlab.advisor.profile import DeviceProfile
+from hybridlab.config import RunConfig
+from hybridlab.controller.mapping import DeviceMapping, RoleLayout
+
+FORWARD_STAGES = {"old_logprob": "actor", "ref_logprob": "ref", "values": "critic", "reward_model": "reward"}
+UPDATE_STAGES = {"update_actor": "actor", "update_actor_dpo": "actor", "update_critic": "critic"}
+GENERATE_STAGES = ("generate", "generate_agent")
+WORKER_STAGES = ("reward", "remax_baseline")  # cheap worker calls: the overhead only
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclasses.dataclass
+class Workload:
+    """What one step computes: the model's dimensions and the step's sequences and tokens."""
+
+    params: int
+    layers: int
+    hidden: int
+    vocab: int
+    samples: int                 # sequences per step
+    prompt_mean: float
+    prompt_max: int
+    response_mean: float         # generated tokens per sequence, on average
+    response_max: int            # decode steps of a generation
+    stages: tuple[str, ...]
+    expert_params: int = 0
+
+    @classmethod
+    def of(cls, cfg: RunConfig, model_dir: str | Path | None = None,
+           response_mean: float | None = None) -> "Workload":
+        """Return the workload of ``cfg`` (its model's checkpoint, its prompts' lengths); responses
+        are ``rollout.max_new_tokens`` long unless ``response_mean`` (e.g. a run's measured mean) is given."""
+        from hybridlab.explain import explain, expert_parameter_count
+        from hybridlab.models.spec import ModelSpec
+        from hybridlab.models.zoo import resolve_model
+        from hybridlab.run_config import dataflow_names
+
+        model_dir = Path(model_dir or resolve_model(cfg.model))
+        sizes, spec = explain(cfg, model_dir).sizes, ModelSpec.read(model_dir)
+        new = cfg.rollout.max_new_tokens
+        return cls(params=sizes["parameters"], layers=spec.layers, hidden=spec.hidden, vocab=spec.vocab_size,
+                   samples=sizes["samples_per_step"], prompt_mean=sizes["prompt_tokens_mean"],
+                   prompt_max=sizes["prompt_tokens_max"], response_mean=float(response_mean or new),
+                   response_max=new, stages=tuple(dataflow_names(cfg)), expert_params=expert_parameter_count(spec))
+
+    @property
+    def tokens(self) -> float:
+        """Return the tokens of the step's sequences (prompt and response), on average."""
+        return self.samples * (self.prompt_mean + self.response_mean)
+
+
+@dataclasses.dataclass
+class Prediction:
+    """A predicted step: seconds per stage, the step (with overlap), the busy fraction of the
+    devices, and estimated resident MB per device (and the largest)."""
+
+    stage_s: dict[str, float]
+    step_s: float
+    busy: float
+    memory_mb: dict[str, float]
+    overlapped: bool = False
+
+    @property
+    def peak_memory_mb(self) -> float:
+        """Return the largest per-device memory estimate."""
+        return max(self.memory_mb.values(), default=0.0)
+
+
+def allreduce_s(profile: DeviceProfile, nbytes: float, ranks: int) -> float:
+    """Return seconds for a ring all-reduce of ``nbytes`` over ``ranks`` devices (0 for one)."""
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) * profile.collective_latency_s + 2 * (ranks - 1) / ranks * nbytes / profile.collective_gbps
+
+
+def _tp_traffic_s(profile: DeviceProfile, work: Workload, tokens: float, tp: int, passes: int,
+                  launches: float) -> float:
+    """Return the seconds TP's all-reduces add: ``passes`` per layer (2 forward, 4 with backward)
+    over ``tokens`` hidden states, in ``launches`` batches (decode steps or micro-batches)."""
+    if tp <= 1:
+        return 0.0
+    nbytes = tokens * work.hidden * DTYPE_BYTES[profile.dtype]
+    per_layer = passes * work.layers
+    return per_layer * (launches * (tp - 1) * profile.collective_latency_s
+                        + 2 * (tp - 1) / tp * nbytes / profile.collective_gbps)
+
+
+def generate_s(profile: DeviceProfile, work: Workload, lay: RoleLayout) -> float:
+    """Return the seconds of one step's generation on ``lay`` (every engine in parallel)."""
+    batch = math.ceil(work.samples / lay.dp)
+    shard = work.params / lay.tp
+    flops, nbytes = profile.flops, DTYPE_BYTES[profile.dtype]
+    prefill = batch * work.prompt_mean * (profile.prefill_token_s + 2 * shard / flops)
+    steps, tokens = work.response_max, batch * work.response_mean
+    decode = (steps * (profile.decode_overhead_s + shard * nbytes / profile.bandwidth)
+              + tokens * (profile.decode_token_s + 2 * shard / flops))
+    comm = _tp_traffic_s(profile, work, tokens + batch * work.prompt_mean, lay.tp, 2, steps + 1)
+    return prefill + decode + comm + profile.call_overhead_s
+
+
+def _micro_batches(cfg: RunConfig, role: str, lay: RoleLayout, work: Workload) -> int:
+    section = cfg.critic if role == "critic" else cfg.actor
+    rows = math.ceil(work.samples / lay.dp)
+    if section.micro_batch_tokens:
+        return max(1, math.ceil(rows * (work.prompt_mean + work.response_mean) / section.micro_batch_tokens))
+    return max(1, math.ceil(rows / section.micro_batch_size))
+
+
+def forward_s(profile: DeviceProfile, cfg: RunConfig, work: Workload, role: str, lay: RoleLayout,
+              train: bool = False) -> float:
+    """Return the seconds of a forward pass (``train``: forward, backward and optimizer) over the
+    step's tokens on ``lay``; an update repeats it ``ppo_epochs`` times and all-reduces gradients."""
+    tokens = work.tokens / lay.dp
+    shard = work.params / (lay.tp * lay.pp)
+    micro = _micro_batches(cfg, role, lay, work)
+    bubble = (micro + lay.pp - 1) / micro
+    if train:
+        per_token = profile.train_token_s + 6 * shard / (profile.flops * profile.train_efficiency)
+    else:
+        per_token = profile.forward_token_s + 2 * shard / (profile.flops * profile.forward_efficiency)
+    seconds = tokens * per_token * bubble + _tp_traffic_s(profile, work, tokens / lay.pp, lay.tp, 4 if train else 2,
+                                                          micro)
+    # PP: each micro-batch's activations cross pp - 1 stage boundaries (and back, for the gradients)
+    activations = tokens / micro * work.hidden * DTYPE_BYTES[profile.dtype]
+    hop = profile.collective_latency_s + activations / profile.collective_gbps
+    seconds += (lay.pp - 1) * micro * (2 if train else 1) * hop
+    if train:
+        section = cfg.critic if role == "critic" else cfg.actor
+        optimizer_steps = max(1, cfg.data.prompts_per_step // section.ppo_mini_batch_size)
+        seconds = section.ppo_epochs * seconds + section.ppo_epochs * optimizer_steps * allreduce_s(
+            profile, shard * 4, lay.dp)
+    return seconds + profile.call_overhead_s
+
+
+def sync_s(profile: DeviceProfile, work: Workload, mapping: DeviceMapping) -> float:
+    """Return the seconds of the weight sync: an in-memory copy when the rollout shares the
+    actor's processes, else the weights sent over the collective backend."""
+    nbytes = work.params * DTYPE_BYTES[profile.dtype]
+    actor, rollout = mapping.roles.get("actor"), mapping.roles.get("rollout")
+    shared = actor is not None and rollout is not None and actor.colocate and actor.colocate == rollout.colocate
+    if shared:
+        moved = 2 * nbytes / profile.bandwidth
+    else:
+        moved = nbytes / profile.collective_gbps + profile.collective_latency_s
+    return moved + profile.call_overhead_s
+
+
+def stage_seconds(profile: DeviceProfile, cfg: RunConfig, work: Workload, mapping: DeviceMapping) -> dict[str, float]:
+    """Return the predicted seconds of each of the workload's stages on ``mapping``."""
+    from hybridlab.dataflow.stages import STAGES
+
+    out = {}
+    for name in work.stages:
+        if name in GENERATE_STAGES:
+            out[name] = generate_s(profile, work, mapping.roles["rollout"])
+        elif name in FORWARD_STAGES:
+            role = FORWARD_STAGES[name]
+            out[name] = forward_s(profile, cfg, work, role, mapping.roles[role])
+        elif name in UPDATE_STAGES:
+            role = UPDATE_STAGES[name]
+            out[name] = forward_s(profile, cfg, work, role, mapping.roles[role], train=True)
+        elif name == "sync_weights":
+            out[name] = sync_s(profile, work, mapping)
+        else:  # a cheap worker call, or the controller's own arithmetic
+            out[name] = profile.call_overhead_s if STAGES[name].role else 0.0
+    return out
+
+
+def _devices(mapping: DeviceMapping) -> dict[str, set[int]]:
+    """Return each role's global device indices (pools numbered in order)."""
+    first, where = 0, {}
+    for name, pool in mapping.pools.items():
+        where[name] = set(range(first, first + pool.devices))
+        first += pool.devices
+    return {role: where[lay.pool] for role, lay in mapping.roles.items()}
+
+
+def _stage_devices(name: str, devices: dict[str, set[int]]) -> set[int]:
+    from hybridlab.dataflow.stages import STAGES
+
+    stage = STAGES[name]
+    roles = [r for r in (stage.role, *stage.needs) if r and r in devices]
+    return set().union(*(devices[r] for r in roles)) if roles else set()
+
+
+def role_busy(prediction: Prediction, mapping: DeviceMapping, roles: tuple[str, ...]) -> float:
+    """Return the predicted busy fraction of the devices of ``roles`` (their mean): the seconds of
+    the stages on each device over the step."""
+    devices = _devices(mapping)
+    mine = set().union(*(devices[r] for r in roles if r in devices))
+    if not mine or not prediction.step_s:
+        return 0.0
+    busy = {d: 0.0 for d in mine}
+    for name, seconds in prediction.stage_s.items():
+        for d in _stage_devices(name, devices) & mine:
+            busy[d] += seconds
+    return sum(min(1.0, b / prediction.step_s) for b in busy.values()) / len(mine)
+
+
+def memory_per_device(cfg: RunConfig, work: Workload, mapping: DeviceMapping) -> dict[str, float]:
+    """Return estimated resident MB per device ("pool/index"): the sum of the process sets on it."""
+    from hybridlab.explain import estimate_memory
+
+    cfg = dataclasses.replace(cfg, mapping=mapping.to_dict())
+    per_set = estimate_memory(cfg, mapping, work.params, work.vocab, work.prompt_max + work.response_max,
+                              work.expert_params)
+    out: dict[str, float] = {}
+    for pool, members in mapping.process_sets():
+        for d in range(mapping.pools[pool].devices):
+            key = f"{pool}/{d}"
+            out[key] = round(out.get(key, 0.0) + per_set["+".join(members)], 1)
+    return out
+
+
+def _behind_rollout(work: Workload, mapping: DeviceMapping) -> bool:
+    """Return True when a stage other than generation and the sync runs in the rollout's
+    processes: under off-policy it waits behind the next step's generation, so nothing overlaps."""
+    from hybridlab.dataflow.stages import STAGES
+
+    rollout = next((members for _, members in mapping.process_sets() if "rollout" in members), ())
+    return any(STAGES[n].role in rollout for n in work.stages if n not in GENERATE_STAGES and n != "sync_weights")
+
+
+def predict(work: Workload, cfg: RunConfig, mapping: DeviceMapping, profile: DeviceProfile) -> Prediction:
+    """Return the Prediction of one step of ``work`` under ``cfg`` on ``mapping``."""
+    stage_s = stage_seconds(profile, cfg, work, mapping)
+    devices = _devices(mapping)
+    total = sum(p.devices for p in mapping.pools.values())
+    step_s, overlapped = sum(stage_s.values()), False
+    rollout_devices = devices.get("rollout", set())
+    trainer_devices = set().union(*(devices[r] for r in ("actor", "critic", "ref") if r in devices))
+    if cfg.trainer.off_policy and not rollout_devices & trainer_devices and not _behind_rollout(work, mapping):
+        ahead = sum(s for n, s in stage_s.items() if n in GENERATE_STAGES)
+        step_s, overlapped = max(ahead, step_s - ahead), True
+    busy = sum(s * len(_stage_devices(n, devices)) for n, s in stage_s.items()) / (step_s * total) if step_s else 0.0
+    return Prediction({n: round(s, 6) for n, s in stage_s.items()}, round(step_s, 6), round(min(1.0, busy), 3),
+                      memory_per_device(cfg, work, mapping), overlapped)
