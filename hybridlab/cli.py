@@ -209,7 +209,7 @@ def cmd_explain(args) -> int:
 
 def cmd_bench(args) -> int:
     """Run a benchmark and print its JSON; returns the exit status."""
-    from hybridlab.environment import use_loopback
+    from hybridlab.environment import stdout_to_stderr, use_loopback
 
     use_loopback()  # a benchmark's clusters, engines and runs (their processes inherit it) stay on loopback
     from hybridlab.bench import run
@@ -227,19 +227,11 @@ def cmd_bench(args) -> int:
         if not value:
             raise UserError(f"benchmark option {pair!r} must look like key=value")
         options[key.replace("-", "_")] = int(value) if value.isdigit() else value
-    # Engines log to standard output (vLLM, Ray's worker forwarding, C++ code): send all of it to
-    # standard error while the benchmark runs, so standard output carries only the JSON.
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        result = run(args.name, **options)
-    except TypeError as exc:
-        raise UserError(f"benchmark {args.name!r}: {exc}") from None
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+    with stdout_to_stderr():  # standard output carries only the JSON
+        try:
+            result = run(args.name, **options)
+        except TypeError as exc:
+            raise UserError(f"benchmark {args.name!r}: {exc}") from None
     print(json.dumps(result) if args.json else json.dumps(result, indent=2), flush=True)
     return 0
 

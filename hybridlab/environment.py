@@ -6,8 +6,10 @@ figure is published with the processor it was measured on, and every run directo
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import sys
 from importlib import metadata
 
 # The processor features that change which kernels torch, oneDNN and vLLM pick.
@@ -33,6 +35,22 @@ def _cpuinfo() -> dict[str, str]:
 # on 127.0.0.1 instead of this machine's network address (Ray reads this when it is imported);
 # gloo's connections (Megatron, vLLM's TP groups) and vLLM's own address on the loopback interface.
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo", "VLLM_HOST_IP": "127.0.0.1"}
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Within the block, send everything written to standard output (file descriptor 1: vLLM's
+    logs, Ray's worker forwarding, C++ code) to standard error, so that a command's standard
+    output carries only what it prints after the block (its JSON)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def use_loopback() -> None:

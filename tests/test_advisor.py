@@ -21,6 +21,7 @@ from hybridlab.run_config import load_config
 
 ROUND = DeviceProfile(name="round", kind="cpu", processor="test", dtype="float32", flops=1e10, bandwidth=1e10,
                       memory_gb=24, memory_shared=True, collective_latency_s=1e-4, collective_gbps=1e9,
+                      engine_collective_latency_s=1e-5,
                       decode_overhead_s=1e-3, decode_token_s=1e-4, prefill_token_s=1e-5, forward_token_s=1e-5,
                       forward_efficiency=0.5, train_token_s=2e-5, train_efficiency=0.25, call_overhead_s=0.01)
 WORK = Workload(params=1_000_000, layers=4, hidden=128, vocab=1000, samples=32, prompt_mean=10, prompt_max=12,
@@ -149,6 +150,7 @@ def test_the_fit_reproduces_its_measurements_and_keeps_overheads_positive():
     measured = {"processor": "test", "date": "2026-11-27", "devices": 2, "cores_per_device": 1, "memory_gb": 24.0,
                 "matmul_gflops": {"float32": 10.0, "bfloat16": 20.0}, "bandwidth_gbps": 10.0,
                 "allreduce_s": {"4096": 1e-4 + 4096 / 1e9, "16777216": 1e-4 + 16777216 / 1e9},
+                "shared_memory_exchange_s": 2e-6,
                 "engine": {"model": "m", "params": 1_000_000, "prompt_len": 16, "prefill_token_s": 2.5e-4,
                            # roofline 4e-4 + b x 2e-4, plus 1e-3 + b x 1e-4 on top
                            "decode_step_s": {"1": 1.7e-3, "8": 3.8e-3}},
@@ -160,7 +162,7 @@ def test_the_fit_reproduces_its_measurements_and_keeps_overheads_positive():
     p = cal.fit_profile(json.loads(json.dumps(measured)))  # as read back from the file: string keys
     assert (p.collective_latency_s, p.collective_gbps) == (pytest.approx(1e-4), pytest.approx(1e9))
     assert (p.decode_overhead_s, p.decode_token_s) == (pytest.approx(1e-3), pytest.approx(1e-4))
-    assert p.prefill_token_s == pytest.approx(5e-5)
+    assert p.prefill_token_s == pytest.approx(5e-5) and p.engine_collective_latency_s == 2e-6
     assert (p.forward_token_s, p.forward_efficiency) == (pytest.approx(1e-5), pytest.approx(0.5))
     assert (p.train_token_s, p.train_efficiency) == (pytest.approx(2e-5), pytest.approx(0.25))
     # measurements below the roofline's line through them: no negative overhead, the line through 0

@@ -6,7 +6,8 @@ Each figure is measured on one device's share of the cores (``cores_per_device``
 cores over the devices, as thread binding deals them out):
 
 - matmul FLOP/s in fp32 and bf16 (square matmuls), and memory bandwidth (a streaming copy);
-- the all-reduce latency and bandwidth between two processes over gloo on loopback;
+- the all-reduce latency and bandwidth between two processes over gloo on loopback, and a
+  round trip between two processes through shared memory (what vLLM's TP all-reduce rests on);
 - vLLM prefill and decode on a zoo model (``engine_model``) at a few batch sizes;
 - forward and training (forward, backward, AdamW) tokens/s of transformers models of a few sizes;
 - one worker call through the controller and Ray (a no-op DP call with a small Batch).
@@ -45,7 +46,7 @@ def _bandwidth(threads: int, mb: int = 256, seconds: float = 0.5) -> float:
 def _allreduce_worker(rank: int, port: int, threads: int, repeats: int, out) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(threads)
+    _pin(rank, threads)  # each rank on its own device's cores, as bound workers run
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     times = {}
     for size in ALLREDUCE_SIZES:
@@ -62,27 +63,84 @@ def _allreduce_worker(rank: int, port: int, threads: int, repeats: int, out) -> 
     dist.destroy_process_group()
 
 
-def _allreduce(threads: int, repeats: int = 10) -> dict[int, float]:
-    """Return bytes -> median seconds of a 2-process gloo all-reduce on loopback."""
-    import socket
-
+def _two_ranks(target, *args):
+    """Run ``target(rank, *args, out)`` in two fresh processes; returns what rank 0 puts in ``out``."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_allreduce_worker, args=(r, port, threads, repeats, out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, *args, out)) for r in range(2)]
     for p in procs:
         p.start()
     try:
         return out.get(timeout=120)
-    finally:  # a worker that died or hung leaves nothing behind
+    finally:  # a rank that died or hung leaves nothing behind
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+def _allreduce(threads: int, repeats: int = 10) -> dict[int, float]:
+    """Return bytes -> median seconds of a 2-process gloo all-reduce on loopback."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return _two_ranks(_allreduce_worker, port, threads, repeats)
+
+
+def _exchange_worker(rank: int, name: str, threads: int, repeats: int, out) -> None:
+    from multiprocessing import shared_memory
+
+    import numpy as np
+
+    _pin(rank, threads)
+    shm = shared_memory.SharedMemory(name=name)
+    flags = np.ndarray((2,), dtype=np.int64, buffer=shm.buf)
+    times = []
+    for i in range(1, repeats + 1):  # rank 0 raises a flag, rank 1 answers: one round trip
+        if rank == 0:
+            start = time.perf_counter()
+            flags[0] = i
+            while flags[1] != i:
+                pass
+            times.append(time.perf_counter() - start)
+        else:
+            while flags[0] != i:
+                pass
+            flags[1] = i
+    if rank == 0:
+        out.put(statistics.median(times))
+    del flags
+    shm.close()
+
+
+def _shared_memory_exchange(threads: int, repeats: int = 2000) -> float:
+    """Return the median seconds of a round trip between two processes on two devices through
+    shared memory: the latency floor of a shared-memory all-reduce (vLLM's TP on a CPU node)."""
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(create=True, size=16)
+    try:
+        shm.buf[:16] = bytes(16)
+        return _two_ranks(_exchange_worker, shm.name, threads, repeats)
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+def _pin(device: int, threads: int) -> None:
+    """Pin this process to device ``device``'s cores (``threads`` of them, in order), as
+    ``trainer.bind_threads`` pins a worker; no pinning where the platform cannot."""
+    from hybridlab.controller.binding import pin_process, set_threads
+
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    mine = cores[device * threads:(device + 1) * threads]
+    if mine:
+        pin_process(mine)
+    set_threads(threads)
 
 
 def _engine(model: str, threads: int, batches: tuple[int, ...], new_tokens: int, prompt_len: int) -> dict:
@@ -93,8 +151,6 @@ def _engine(model: str, threads: int, batches: tuple[int, ...], new_tokens: int,
     from hybridlab.workers.rollout import vllm_engine
     from hybridlab.workers.rollout.sampling import SamplingConfig
 
-    torch.set_num_threads(threads)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
     model_dir = str(resolve_model(model))
     llm = vllm_engine.start_llm(model_dir, prompt_len + new_tokens + 8, 64, "float32", 0)
     g = torch.Generator().manual_seed(0)
@@ -227,7 +283,8 @@ def fit_profile(measured: dict, name: str = LOCAL) -> DeviceProfile:
     return DeviceProfile(
         name=name, kind="cpu", processor=measured["processor"], dtype="float32", flops=flops, bandwidth=bandwidth,
         memory_gb=measured["memory_gb"], memory_shared=True, collective_latency_s=max(0.0, t1 - s1 / link),
-        collective_gbps=link, decode_overhead_s=max(0.0, step_overhead), decode_token_s=max(0.0, token_overhead),
+        collective_gbps=link, engine_collective_latency_s=measured["shared_memory_exchange_s"],
+        decode_overhead_s=max(0.0, step_overhead), decode_token_s=max(0.0, token_overhead),
         prefill_token_s=max(0.0, engine["prefill_token_s"] - 2 * p / flops), forward_token_s=fwd[0],
         forward_efficiency=fwd[1], train_token_s=trn[0], train_efficiency=trn[1],
         call_overhead_s=measured["call_overhead_s"], cores_per_device=measured["cores_per_device"],
@@ -248,7 +305,7 @@ def measure(devices: int = 0, engine_model: str = "small", batches: tuple[int, .
             train_seq: int = 64, steps: int = 3, progress=print) -> dict:
     """Return this machine's raw measurements (see the module docstring) for ``devices`` devices
     (default: one per usable core); ``progress(text)`` reports each part as it starts."""
-    from hybridlab.bench.profile import matmul_gflops
+    from hybridlab.controller.binding import pin_process
     from hybridlab.environment import processor, usable_cores
 
     cores = usable_cores()
@@ -256,19 +313,37 @@ def measure(devices: int = 0, engine_model: str = "small", batches: tuple[int, .
     threads = max(1, cores // devices)
     out = {"processor": processor(), "date": datetime.date.today().isoformat(), "devices": devices,
            "cores_per_device": threads, "memory_gb": _memory_gb()}
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    torch_threads = torch.get_num_threads()
+    try:
+        _measure_on_device(out, threads, engine_model, batches, new_tokens, train_models, train_rows, train_seq,
+                           steps, progress)
+    finally:  # this process gets its cores and threads back
+        if allowed:
+            pin_process(allowed)
+        torch.set_num_threads(torch_threads)
+    progress("a worker call through the controller")
+    out["call_overhead_s"] = _call_overhead()
+    return out
+
+
+def _measure_on_device(out: dict, threads: int, engine_model: str, batches: tuple[int, ...], new_tokens: int,
+                       train_models: tuple[str, ...], train_rows: int, train_seq: int, steps: int, progress) -> None:
+    """Fill ``out`` with what is measured on one device's cores (this process pinned to them)."""
+    from hybridlab.bench.profile import matmul_gflops
+
+    progress("all-reduce between two processes (gloo, loopback)")  # before pinning: its ranks pin themselves
+    out["allreduce_s"] = {str(k): v for k, v in _allreduce(threads).items()}
+    out["shared_memory_exchange_s"] = _shared_memory_exchange(threads)
+    _pin(0, threads)
     progress("matmul and memory bandwidth")
     out["matmul_gflops"] = {"float32": round(matmul_gflops(torch.float32, threads), 2),
                             "bfloat16": round(matmul_gflops(torch.bfloat16, threads), 2)}
     out["bandwidth_gbps"] = round(_bandwidth(threads) / 1e9, 3)
-    progress("all-reduce between two processes (gloo, loopback)")
-    out["allreduce_s"] = {str(k): v for k, v in _allreduce(threads).items()}
     progress(f"vLLM prefill and decode on {engine_model} at batch sizes {list(batches)}")
     out["engine"] = _engine(engine_model, threads, batches, new_tokens, 16)
     progress(f"training and forward tokens/s of {', '.join(train_models)}")
     out["training"] = _training(train_models, threads, train_rows, train_seq, steps)
-    progress("a worker call through the controller")
-    out["call_overhead_s"] = _call_overhead()
-    return out
 
 
 def calibrate(name: str = LOCAL, out: str | None = None, progress=print, **options) -> dict:

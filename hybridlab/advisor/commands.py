@@ -9,15 +9,16 @@ import sys
 def cmd_calibrate(args) -> int:
     """Measure this machine and save its profile; returns the exit status."""
     from hybridlab.advisor.calibrate import calibrate
-    from hybridlab.environment import use_loopback
+    from hybridlab.environment import stdout_to_stderr, use_loopback
 
     use_loopback()  # the all-reduce and the worker call stay on loopback
     options = {"devices": args.devices, "engine_model": args.engine_model,
                "train_models": tuple(m for m in args.train_models.split(",") if m)}
     if args.quick:
         options.update(batches=(1, 4), new_tokens=8, train_rows=2, train_seq=16, steps=1)
-    result = calibrate(args.name, args.out, progress=lambda text: print(f"calibrate: {text}", file=sys.stderr,
-                                                                        flush=True), **options)
+    with stdout_to_stderr():  # the engines' logs: standard output carries only the result
+        result = calibrate(args.name, args.out, progress=lambda text: print(f"calibrate: {text}", file=sys.stderr,
+                                                                            flush=True), **options)
     if args.json:
         print(json.dumps(result), flush=True)
     else:

@@ -9,7 +9,8 @@ the formulas), divided over the role's data-parallel ranks and tensor/pipeline s
 
 - ``generate``: per engine (``dp`` of them), a prefill of its prompts and ``response_max`` decode
   steps whose batch shrinks as responses end (``response_mean`` tokens per sequence);
-  TP adds two all-reduces of the batch's hidden states per layer and step.
+  TP adds two all-reduces of the batch's hidden states per layer and step, over the engine's
+  own communicator (``engine_collective_latency_s``; vLLM on a CPU node uses shared memory).
 - forward passes (``old_logprob``, ``ref_logprob``, ``values``, ``reward_model``): the step's
   tokens over ``dp``, the model over ``tp x pp``; PP adds the pipeline bubble
   ``(m + pp - 1) / m`` for ``m`` micro-batches and each micro-batch's activations sent across
@@ -108,15 +109,16 @@ def allreduce_s(profile: DeviceProfile, nbytes: float, ranks: int) -> float:
 
 
 def _tp_traffic_s(profile: DeviceProfile, work: Workload, tokens: float, tp: int, passes: int,
-                  launches: float) -> float:
+                  launches: float, engine: bool = False) -> float:
     """Return the seconds TP's all-reduces add: ``passes`` per layer (2 forward, 4 with backward)
-    over ``tokens`` hidden states, in ``launches`` batches (decode steps or micro-batches)."""
+    over ``tokens`` hidden states, in ``launches`` batches (decode steps or micro-batches); the
+    rollout ``engine``'s own communicator (vLLM's: shared memory on a CPU node) where given."""
     if tp <= 1:
         return 0.0
     nbytes = tokens * work.hidden * DTYPE_BYTES[profile.dtype]
-    per_layer = passes * work.layers
-    return per_layer * (launches * (tp - 1) * profile.collective_latency_s
-                        + 2 * (tp - 1) / tp * nbytes / profile.collective_gbps)
+    latency, link = ((profile.engine_collective_latency_s, profile.bandwidth) if engine
+                     else (profile.collective_latency_s, profile.collective_gbps))
+    return passes * work.layers * (launches * (tp - 1) * latency + 2 * (tp - 1) / tp * nbytes / link)
 
 
 def generate_s(profile: DeviceProfile, work: Workload, lay: RoleLayout) -> float:
@@ -128,7 +130,7 @@ def generate_s(profile: DeviceProfile, work: Workload, lay: RoleLayout) -> float
     steps, tokens = work.response_max, batch * work.response_mean
     decode = (steps * (profile.decode_overhead_s + shard * nbytes / profile.bandwidth)
               + tokens * (profile.decode_token_s + 2 * shard / flops))
-    comm = _tp_traffic_s(profile, work, tokens + batch * work.prompt_mean, lay.tp, 2, steps + 1)
+    comm = _tp_traffic_s(profile, work, tokens + batch * work.prompt_mean, lay.tp, 2, steps + 1, engine=True)
     return prefill + decode + comm + profile.call_overhead_s
 
 

@@ -13,7 +13,9 @@ on a small model predicts larger ones:
 - a prefill per prompt token: ``prefill_token_s + 2P / flops``;
 - a forward pass per token (log-probs): ``forward_token_s + 2P / (flops * forward_efficiency)``;
 - a training token (forward, backward, optimizer): ``train_token_s + 6P / (flops * train_efficiency)``;
-- an all-reduce of ``n`` bytes between two devices: ``collective_latency_s + n / collective_gbps``.
+- an all-reduce of ``n`` bytes between two devices: ``collective_latency_s + n / collective_gbps``
+  (the training backend's: gloo or nccl); the rollout engine's TP all-reduces:
+  ``engine_collective_latency_s + n / bandwidth`` (vLLM's shared-memory communicator on a CPU node).
 
 ``sources`` names where each figure comes from: the calibration run (processor, command, date)
 or a vendor datasheet and the assumption made on top of it.
@@ -48,6 +50,7 @@ class DeviceProfile:
     memory_gb: float              # per device; on a CPU machine the node's memory, shared (``memory_shared``)
     collective_latency_s: float
     collective_gbps: float        # all-reduce bytes/s between two devices (the backend's bus bandwidth)
+    engine_collective_latency_s: float  # the rollout engine's TP all-reduce (vLLM's own communicator)
     decode_overhead_s: float      # per decode step, beyond the roofline (scheduling, sampling, Python)
     decode_token_s: float         # per sequence of a decode step, beyond the roofline
     prefill_token_s: float        # per prompt token of a prefill, beyond the roofline
@@ -94,6 +97,7 @@ def _gpu(name: str, tflops: float, tbps: float, memory_gb: float, link_gbps: flo
     return DeviceProfile(
         name=name, kind="gpu", processor=f"NVIDIA {name.upper()} SXM", dtype="bfloat16", flops=tflops * 1e12,
         bandwidth=tbps * 1e12 * 0.8, memory_gb=memory_gb, collective_latency_s=20e-6,
+        engine_collective_latency_s=20e-6,
         collective_gbps=link_gbps * 1e9 * 0.8, decode_overhead_s=4e-3, decode_token_s=0.0, prefill_token_s=0.0,
         forward_token_s=0.0,
         forward_efficiency=0.5, train_token_s=0.0, train_efficiency=0.4, call_overhead_s=0.05,
@@ -102,6 +106,8 @@ def _gpu(name: str, tflops: float, tbps: float, memory_gb: float, link_gbps: flo
                                                             " per direction)",
             "bandwidth": "80% of the datasheet's HBM figure: what a streaming copy reaches (assumed)",
             "collective_gbps": "80% of NVLink's per-direction bandwidth as NCCL all-reduce bus bandwidth (assumed)",
+            "collective_latency_s, engine_collective_latency_s": "20 us per NCCL all-reduce of a few KB within a"
+                                                                 " node (assumed)",
             "train_efficiency": "0.4 of peak (assumed): below the 52% of peak Megatron-LM reached for GPT models on"
                                 " A100 (Narayanan et al., SC21), for RL's shorter sequences and smaller batches",
             "forward_efficiency": "0.5 of peak for log-prob passes (no backward; assumed)",
