@@ -30,6 +30,17 @@ from hybridlab.advisor.profile import LOCAL, DeviceProfile
 ALLREDUCE_SIZES = (4 << 10, 16 << 20)
 
 
+def median_seconds(fn, repeats: int) -> float:
+    """Return the median seconds of ``repeats`` calls of ``fn`` after one untimed warm-up call."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
 def _bandwidth(threads: int, mb: int = 256, seconds: float = 0.5) -> float:
     """Return bytes/s of a streaming copy (read and write counted) on ``threads`` threads."""
     torch.set_num_threads(threads)
@@ -51,13 +62,7 @@ def _allreduce_worker(rank: int, port: int, threads: int, repeats: int, out) -> 
     times = {}
     for size in ALLREDUCE_SIZES:
         x = torch.ones(size // 4)
-        dist.all_reduce(x)
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            dist.all_reduce(x)
-            samples.append(time.perf_counter() - start)
-        times[size] = statistics.median(samples)
+        times[size] = median_seconds(lambda: dist.all_reduce(x), repeats)
     if rank == 0:
         out.put(times)
     dist.destroy_process_group()
@@ -199,15 +204,8 @@ def _training(presets: tuple[str, ...], threads: int, rows: int, seq: int, steps
             (-forward()).backward()
             opt.step()
 
-        times = {}
-        for kind, fn in (("forward", lambda: torch.no_grad()(forward)()), ("train", train)):
-            fn()  # warm-up
-            samples = []
-            for _ in range(steps):
-                start = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - start)
-            times[kind] = statistics.median(samples) / (rows * seq)
+        times = {kind: median_seconds(fn, steps) / (rows * seq)
+                 for kind, fn in (("forward", lambda: torch.no_grad()(forward)()), ("train", train))}
         out.append({"model": name, "params": sum(p.numel() for p in model.parameters()),
                     "forward_token_s": times["forward"], "train_token_s": times["train"]})
     return out
@@ -227,14 +225,7 @@ def _call_overhead(repeats: int = 30) -> float:
                                        "roles": {"actor": {"pool": "calibrate"}}})
     batch = Batch({"x": torch.zeros(64, 128)})
     with WorkerSet(mapping, {"actor": NoopWorker}) as session:
-        group = session.groups["actor"]
-        group.consume(batch)
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            group.consume(batch)
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        return median_seconds(lambda: session.groups["actor"].consume(batch), repeats)
 
 
 def _line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
