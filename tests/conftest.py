@@ -24,15 +24,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 use_loopback()
 
 
-# Modules, longest first (`pytest --durations=0` on one core, AMD EPYC with AVX-512): with two
-# pytest-xdist workers and ``--dist loadfile`` each module is one unit of work, handed to whichever
-# worker is free, so the long ones go out first and the workers finish close together. The others
-# follow in file order; a stale list costs balance, never correctness.
-LONGEST = ["test_remap.py", "test_bench.py", "test_resume.py", "test_train.py", "test_bench_e2e.py",
-           "test_controller.py", "test_rl.py", "test_worker_faults.py", "test_notebook.py", "test_lab_browser.py",
-           "test_dashboard.py", "test_docs.py", "test_agents.py", "test_families.py", "test_fsdp.py", "test_sync.py", "test_train_cli.py",
-           "test_widgets.py", "test_lora.py", "test_sft.py", "test_chat.py", "test_multinode.py", "test_bad_updates.py", "test_rollout.py", "test_zoo.py",
-           "test_binding.py"]
+# Modules, longest first (their seconds in a full `make test` run, AMD EPYC with AVX-512, bef3610):
+# with two pytest-xdist workers and ``--dist loadfile`` each module is one unit of work, handed to
+# whichever worker is free, so the long ones go out first and the workers finish close together.
+# The others follow in file order; a stale list costs balance, never correctness.
+LONGEST = ["test_bench.py", "test_remap.py", "test_families.py", "test_resume.py", "test_notebook.py",
+           "test_multinode.py", "test_train.py", "test_agents.py", "test_worker_faults.py", "test_fsdp.py",
+           "test_controller.py", "test_bench_e2e.py", "test_widgets.py", "test_rl.py", "test_train_cli.py",
+           "test_preference.py", "test_docs.py", "test_sync.py", "test_lab_browser.py", "test_dashboard.py",
+           "test_lora.py", "test_sft.py", "test_advisor.py", "test_bad_updates.py", "test_rollout.py", "test_chat.py",
+           "test_binding.py", "test_zoo.py"]
 
 
 def pytest_collection_modifyitems(config, items):
