@@ -509,9 +509,11 @@ def test_a_long_history_shows_its_curves_first_and_its_device_samples_when_parse
     board.update()
     assert board.curves.data["step"] == list(range(1, 31))                 # the curves at once
     assert board.devices.source.data["x"] == [] and "reading the history's device samples" in board.status.object
+    assert board.source.loader.ident is None  # not parsing yet: the first page is built without it
     with (run_dir / "telemetry.jsonl").open("a") as f:                     # a sample arrives meanwhile
         f.write(json.dumps({**records[1], "time": t0 + 31, "util": 100.0}) + "\n")
     board.update()
+    assert board.source.loader.ident is not None  # started by the second poll
     assert board.devices.source.data["x"] == [] and board.source.held[0]["util"] == 100.0
     gate.set()
     board.source.loader.join(30)
@@ -519,3 +521,18 @@ def test_a_long_history_shows_its_curves_first_and_its_device_samples_when_parse
     heat = board.devices.source.data  # samples 1 s to 31 s after the run's start, in bins of 5 s: 30 s and 31 s share one
     assert heat["value"] == [40.0] * 6 + [70.0] and "reading" not in board.status.object
     assert board.memory.samples["actor r0"][0] == [t0 + s for s in range(1, 32)]
+
+
+def test_stage_seconds_are_bars_on_a_short_run_and_areas_on_a_long_one():
+    from bokeh.models import VArea, VBar
+
+    from hybridlab.telemetry.training_panel import BARS_UP_TO, TrainingPanel
+
+    panel = TrainingPanel()
+    steps = [{**step_record(s, 0.0), "timing/update_actor_s": 1.0} for s in range(1, BARS_UP_TO + 1)]
+    panel.feed(steps)
+    glyphs = [type(r.glyph) for r in panel.time_fig.renderers]
+    assert glyphs == [VBar, VBar] and panel.stages == ["generate", "update_actor"]  # a bar per stage and step
+    panel.feed([{**step_record(BARS_UP_TO + 1, 0.0), "timing/update_actor_s": 1.0}])  # one step too many for bars
+    assert [type(r.glyph) for r in panel.time_fig.renderers] == [VArea, VArea]
+    assert len(panel.timing.data["step"]) == BARS_UP_TO + 1 and len(panel.time_fig.legend[0].items) == 2

@@ -50,15 +50,28 @@ class HeatMap:
     def add(self, rows: list[str], xs: list[float], values: list[float]) -> None:
         """Count samples: ``values[i]`` of row ``rows[i]`` at ``xs[i]`` (NaN values and times are not
         counted; a sample before the first one seen goes into the first bin)."""
+        self._add(np.array([self._row(row) for row in rows], dtype=np.int64), xs, values)
+
+    def add_grid(self, rows: list[str], xs: list[float], values) -> None:
+        """Count a grid of samples: ``values[i][j]`` of row ``rows[j]`` at ``xs[i]`` (None or NaN:
+        not counted); the same as ``add`` of every cell, without a Python object per cell."""
+        grid = np.asarray(values, dtype=float).reshape(len(xs), len(rows))
+        index = np.array([self._row(row) for row in rows], dtype=np.int64)
+        self._add(np.tile(index, len(xs)), np.repeat(np.asarray(xs, dtype=float), len(rows)), grid.ravel())
+
+    def _row(self, name: str) -> int:
+        """Return the index of row ``name`` (a new row is added and the page redrawn)."""
+        if name not in self.rows:
+            self.rows[name] = len(self.rows)
+            self.resend = True
+        return self.rows[name]
+
+    def _add(self, r: np.ndarray, xs, values) -> None:
         values, xs = np.asarray(values, dtype=float), np.asarray(xs, dtype=float)
         keep = ~np.isnan(values) & np.isfinite(xs)
         if not keep.any():
             return
-        for row in rows:
-            if row not in self.rows:
-                self.rows[row] = len(self.rows)
-                self.resend = True
-        r = np.array([self.rows[row] for row in rows])[keep]
+        r = r[keep]
         bins = np.floor(xs[keep] / self.width).astype(np.int64)
         if self.origin is None:
             self.origin = int(bins.min())

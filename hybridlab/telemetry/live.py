@@ -4,8 +4,9 @@ Once a second it sends a ``running`` record (the calls in flight from the sessio
 role, ranks, method, stage, start time, deadline) whenever the set of calls changed or a call
 went past its deadline, so a viewer in another process can show each call's age and flag the
 late ones in red. It also answers the page's run controls: a page (inline or served, in any
-process) asks by creating a file ``RUN_DIR/control/<time>-<pid>-<n>.ACTION`` (one per click); the reporter carries the action out and
-sends a record saying how it went. ``stacks`` writes every worker's stacks through the
+process) asks by creating a file ``RUN_DIR/control/<time>-<pid>-<n>.ACTION`` (one per click);
+the reporter carries the actions out in the order they were asked and sends a record saying how
+each went. ``stacks`` writes every worker's stacks through the
 stuck-call detector's dump (a ``stacks`` record names the files); ``pause``, ``resume`` and
 ``stop`` hold, release or end a training run between steps, ``remap`` (the request file holds the
 mapping as JSON) moves the run onto another mapping at its next step boundary (a ``control``

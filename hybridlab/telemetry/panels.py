@@ -186,6 +186,9 @@ class MemoryPanel:
             self.alarm.object = "memory: no worker grows after warm-up"
 
 
+BUSY = "perf/device_busy/"
+
+
 class BusyPanel:
     """Per device, the share of each step it spent in worker calls (``perf/device_busy``), as a
     device x step heat map (bins of steps merge on long runs)."""
@@ -202,22 +205,19 @@ class BusyPanel:
 
     def feed(self, records: list[dict]) -> None:
         """Add the ``perf/device_busy/*`` metrics of new steps, one row per device."""
-        rows, steps, values = [], [], []
+        groups: dict[tuple, list[dict]] = {}  # steps log the same keys: one grid per key set
         for r in records:
             if r.get("kind") == "metrics":
-                keys = tuple(r)  # steps log the same keys: find the busy ones once per key set
-                busy = self.keys.get(keys)
-                if busy is None:
-                    if len(self.keys) > 1000:  # steps whose keys keep changing: keep the cache small
-                        self.keys.clear()
-                    busy = self.keys[keys] = [k for k in keys if k.startswith("perf/device_busy/")]
-                for k in busy:
-                    if r[k] is not None:
-                        rows.append(k[len("perf/device_busy/"):])
-                        steps.append(r["step"])
-                        values.append(r[k])
-        if rows:
-            self.heat.add(rows, steps, values)
+                groups.setdefault(tuple(r), []).append(r)
+        for keys, group in groups.items():
+            busy = self.keys.get(keys)
+            if busy is None:
+                if len(self.keys) > 1000:  # steps whose keys keep changing: keep the cache small
+                    self.keys.clear()
+                busy = self.keys[keys] = [k for k in keys if k.startswith(BUSY)]
+            if busy:
+                self.heat.add_grid([k[len(BUSY):] for k in busy], [r["step"] for r in group],
+                                   [[r[k] for k in busy] for r in group])
         self.heat.flush()
 
 

@@ -6,7 +6,8 @@ is mostly device samples (one per worker process per second), which only the Sys
 and the memory alarm read. When a page opens on a history of more than ``BIG_HISTORY`` bytes,
 everything else is parsed at once, so the curves show in a moment, and the device samples are
 parsed in a background thread, a chunk at a time so the server's loop keeps answering; they are
-handed over in a later poll, with the samples that arrived meanwhile.
+handed over in a later poll, with the samples that arrived meanwhile. The thread starts at the
+second poll, so that it does not hold the interpreter while the first one builds the page.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ class RecordSource:
     def poll(self) -> list[dict]:
         """Return the records that arrived since the previous call (and, once parsed, the
         history's device samples)."""
+        if self.loader is not None and self.loader.ident is None:
+            self.loader.start()  # after the first poll: its parsing would slow the first page down
         records = self._new()
         if self.loader is None:
             return records
@@ -69,8 +72,7 @@ class RecordSource:
         for line in lines:
             (samples if line.startswith(DEVICE) else rest).append(line)
         self.loader = threading.Thread(target=self._parse, args=(samples,), name="telemetry-history", daemon=True)
-        self.loader.start()
-        return parse_lines(rest)
+        return parse_lines(rest)  # the loader starts at the next poll
 
     def _parse(self, lines: list[bytes]) -> None:
         out: list[dict] = []
