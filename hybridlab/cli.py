@@ -120,9 +120,7 @@ def cmd_train(args) -> int:
     ray = dict(ray_address=args.ray_address, ray_temp_dir=args.ray_temp_dir)
     if args.resume:
         overrides = list(args.overrides)
-        if args.config and "=" in args.config:  # argparse took the first override for a config
-            overrides.insert(0, args.config)
-        elif args.config:
+        if args.config:
             raise UserError(f"--resume continues the run with its own config.yaml; give no config ({args.config!r}),"
                             " only key=value overrides")
         from hybridlab.dataflow import checkpoints
@@ -198,12 +196,7 @@ def cmd_explain(args) -> int:
     from hybridlab.explain import explain
     from hybridlab.run_config import load_config
 
-    overrides = list(args.overrides)
-    config = args.config
-    if config and "=" in config:  # argparse took the first override for a config
-        overrides.insert(0, config)
-        config = None
-    print(explain(load_config(config, overrides)).text(), flush=True)
+    print(explain(load_config(args.config, args.overrides)).text(), flush=True)
     return 0
 
 
@@ -368,8 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     if extra and getattr(args, "cmd", None) != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
-    if getattr(args, "cmd", None) == "train" and args.config and "=" in args.config:
-        args.overrides, args.config = [args.config, *args.overrides], None  # only overrides were given
+    if getattr(args, "config", None) and "=" in args.config and hasattr(args, "overrides"):
+        # train, explain, plan: argparse took the first override for a config; only overrides were given
+        args.overrides, args.config = [args.config, *args.overrides], None
     if getattr(args, "cmd", None) == "eval" and not (args.task or args.data):
         print("error: eval needs --task NAME or --data FILE", file=sys.stderr)
         return 2

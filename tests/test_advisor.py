@@ -131,6 +131,15 @@ def test_mappings_that_do_not_fit_in_memory_are_refused_with_the_gigabytes(tiny_
         plan(cfg, 4, ROUND, nodes=3)
 
 
+def test_plan_and_explain_take_overrides_alone_on_the_command_line(tiny_dir, capsys):
+    # argparse reads the first KEY=VALUE as the config; the command line hands it back as an override
+    assert main(["plan", f"model={tiny_dir}", "rollout.n=4", "--devices", "1", "--profile", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[2].startswith("   1") and "colocated on 1: trainers tp1 pp1 dp1, rollout tp1 dp1" in out
+    assert main(["explain", f"model={tiny_dir}", "rollout.n=4"]) == 0
+    assert " x 4 samples (rollout.n)" in capsys.readouterr().out
+
+
 def test_profiles_save_load_and_are_refused_by_name(tmp_path, capsys):
     path = ROUND.save(tmp_path / "round.json")
     assert load_profile(path) == ROUND

@@ -35,12 +35,8 @@ def cmd_plan(args) -> int:
     from hybridlab.advisor.profile import load_profile
     from hybridlab.run_config import load_config
 
-    overrides, config = list(args.overrides), args.config
-    if config and "=" in config:  # argparse took the first override for a config
-        overrides.insert(0, config)
-        config = None
     profile = load_profile(args.profile)  # refused before the config's model is read
-    cfg = load_config(config, overrides)
+    cfg = load_config(args.config, args.overrides)
     found = plan(cfg, args.devices, profile, nodes=args.nodes, response_mean=args.response_mean)
     if args.json:
         print(json.dumps({"profile": profile.name, "devices": args.devices, "nodes": args.nodes, "candidates": [
