@@ -9,7 +9,6 @@ out and applied in dataflow/remap.py.
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 
 from hybridlab.algos.kl import get_kl_controller
@@ -78,9 +77,9 @@ class LiveEdits:
 
     def remap_later(self, mapping: DeviceMapping | dict | str) -> None:
         """Check ``mapping`` now (a refusal raises here) and remap onto it in a thread of its own,
-        at the next step boundary of a run: the dashboard's "Remap to the proposal". JSON text is
-        read as a mapping; a failure during the remap is sent as a ``control`` record."""
-        new_mapping = changes.parse_mapping(json.loads(mapping) if isinstance(mapping, str) else mapping)
+        at the next step boundary of a run: the dashboard's "Remap to the proposal" (its JSON is YAML
+        text, as ``remap`` takes); a failure during the remap is sent as a ``control`` record."""
+        new_mapping = changes.parse_mapping(mapping)
         changes.prepare_remap(self, new_mapping)
 
         def remap() -> None:
