@@ -25,9 +25,13 @@ ROUND = DeviceProfile(name="round", kind="cpu", processor="test", dtype="float32
                       decode_overhead_s=1e-3, decode_token_s=1e-4, prefill_token_s=1e-5, forward_token_s=1e-5,
                       forward_efficiency=0.5, train_token_s=2e-5, train_efficiency=0.25, call_overhead_s=0.01)
 WORK = Workload(params=1_000_000, layers=4, hidden=128, vocab=1000, samples=32, prompt_mean=10, prompt_max=12,
-                response_mean=6, response_max=8,
-                stages=("generate", "reward", "ref_logprob", "advantages", "update_actor", "sync_weights"))
-SETTINGS = ["data.prompts_per_step=4", "rollout.n=8", "actor.ppo_mini_batch_size=4"]
+                response_mean=6, response_max=8)
+SIZES = ["data.prompts_per_step=4", "rollout.n=8", "actor.ppo_mini_batch_size=4"]
+# the stages priced are the config's dataflow (a reference pass added to GRPO's)
+SETTINGS = [*SIZES,
+            "dataflow=[generate,reward,rollout_as_old_logprob,ref_logprob,advantages,update_actor,sync_weights]"]
+# off-policy, the actor recomputes the old log-probs
+OFF = [*SIZES, "dataflow=[generate,reward,old_logprob,ref_logprob,advantages,update_actor,sync_weights]"]
 ONE = {"pools": {"main": {"devices": 1}},
        "roles": {r: {"pool": "main", "colocate": "engine"} for r in ("actor", "rollout", "ref", "reward")}}
 SPLIT = {"pools": {"train": {"devices": 1}, "gen": {"devices": 1}},
@@ -46,7 +50,8 @@ def test_stage_times_follow_the_formulas_on_one_device():
     assert p.stage_s["update_actor"] == pytest.approx(1.24904)
     # sync in the shared process: 2 x 4e6 bytes / 1e10 = 0.0008, + 0.01; reward: the call; advantages: nothing
     assert p.stage_s["sync_weights"] == pytest.approx(0.0108)
-    assert (p.stage_s["reward"], p.stage_s["advantages"]) == (pytest.approx(0.01), 0.0)
+    assert (p.stage_s["reward"], p.stage_s["advantages"], p.stage_s["rollout_as_old_logprob"]) == \
+        (pytest.approx(0.01), 0.0, 0.0)
     assert p.step_s == pytest.approx(0.146 + 0.01 + 0.21992 + 1.24904 + 0.0108) and p.busy == 1.0
     assert not p.overlapped
 
@@ -68,23 +73,24 @@ def test_data_parallel_halves_the_work_and_adds_the_gradient_all_reduce():
 
 def test_off_policy_overlaps_generation_only_on_devices_of_its_own():
     split = DeviceMapping.from_dict(SPLIT)
-    on = predict(WORK, load_config(None, SETTINGS), split, ROUND)
-    # the sync crosses processes: 4e6 bytes / 1e9 + 1e-4 + the call
-    assert on.stage_s["sync_weights"] == pytest.approx(0.0141)
-    rest = 0.01 + 0.21992 + 1.24904 + 0.0141
+    on = predict(WORK, load_config(None, OFF), split, ROUND)
+    # the sync crosses processes: 4e6 bytes / 1e9 + 1e-4 + the call; old log-probs cost what ref's do
+    assert on.stage_s["sync_weights"] == pytest.approx(0.0141) and on.stage_s["old_logprob"] == pytest.approx(0.21992)
+    rest = 0.01 + 2 * 0.21992 + 1.24904 + 0.0141
     assert on.step_s == pytest.approx(0.146 + rest)
-    # device-seconds: generate on gen, reward, ref and update on train, the sync on both
-    assert on.busy == pytest.approx((0.146 + 0.01 + 0.21992 + 1.24904 + 2 * 0.0141) / (2 * (0.146 + rest)), abs=1e-3)
-    off = predict(WORK, load_config(None, [*SETTINGS, "trainer.off_policy=true"]), split, ROUND)
+    # device-seconds: generate on gen, reward, old, ref and update on train, the sync on both
+    assert on.busy == pytest.approx((0.146 + 0.01 + 2 * 0.21992 + 1.24904 + 2 * 0.0141) / (2 * (0.146 + rest)),
+                                    abs=1e-3)
+    off = predict(WORK, load_config(None, [*OFF, "trainer.off_policy=true"]), split, ROUND)
     assert off.overlapped and off.step_s == pytest.approx(max(0.146, rest))
     beside = {**SPLIT, "roles": {**SPLIT["roles"], "reward": {"pool": "gen", "colocate": "g"},
                                  "rollout": {"pool": "gen", "colocate": "g"}}}
-    behind = predict(WORK, load_config(None, [*SETTINGS, "trainer.off_policy=true"]),
+    behind = predict(WORK, load_config(None, [*OFF, "trainer.off_policy=true"]),
                      DeviceMapping.from_dict(beside), ROUND)  # the reward waits behind the next generation
     assert not behind.overlapped and behind.step_s == pytest.approx(on.step_s)
-    shared = predict(WORK, load_config(None, [*SETTINGS, "trainer.off_policy=true"]), DeviceMapping.from_dict(ONE),
+    shared = predict(WORK, load_config(None, [*OFF, "trainer.off_policy=true"]), DeviceMapping.from_dict(ONE),
                      ROUND)
-    assert not shared.overlapped and shared.step_s == pytest.approx(0.146 + 0.01 + 0.21992 + 1.24904 + 0.0108)
+    assert not shared.overlapped and shared.step_s == pytest.approx(0.146 + 0.01 + 2 * 0.21992 + 1.24904 + 0.0108)
 
 
 def test_the_planner_ranks_by_prediction_and_names_every_rejection(tiny_dir):

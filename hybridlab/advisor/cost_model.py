@@ -57,7 +57,6 @@ class Workload:
     prompt_max: int
     response_mean: float         # generated tokens per sequence, on average
     response_max: int            # decode steps of a generation
-    stages: tuple[str, ...]
     expert_params: int = 0
 
     @classmethod
@@ -68,7 +67,6 @@ class Workload:
         from hybridlab.explain import explain, expert_parameter_count
         from hybridlab.models.spec import ModelSpec
         from hybridlab.models.zoo import resolve_model
-        from hybridlab.run_config import dataflow_names
 
         model_dir = Path(model_dir or resolve_model(cfg.model))
         sizes, spec = explain(cfg, model_dir).sizes, ModelSpec.read(model_dir)
@@ -76,7 +74,7 @@ class Workload:
         return cls(params=sizes["parameters"], layers=spec.layers, hidden=spec.hidden, vocab=spec.vocab_size,
                    samples=sizes["samples_per_step"], prompt_mean=sizes["prompt_tokens_mean"],
                    prompt_max=sizes["prompt_tokens_max"], response_mean=float(response_mean or new),
-                   response_max=new, stages=tuple(dataflow_names(cfg)), expert_params=expert_parameter_count(spec))
+                   response_max=new, expert_params=expert_parameter_count(spec))
 
     @property
     def tokens(self) -> float:
@@ -182,11 +180,12 @@ def sync_s(profile: DeviceProfile, work: Workload, mapping: DeviceMapping) -> fl
 
 
 def stage_seconds(profile: DeviceProfile, cfg: RunConfig, work: Workload, mapping: DeviceMapping) -> dict[str, float]:
-    """Return the predicted seconds of each of the workload's stages on ``mapping``."""
+    """Return the predicted seconds of each stage of ``cfg``'s dataflow on ``mapping``."""
     from hybridlab.dataflow.stages import STAGES
+    from hybridlab.run_config import dataflow_names
 
     out = {}
-    for name in work.stages:
+    for name in dataflow_names(cfg):
         if name in GENERATE_STAGES:
             out[name] = generate_s(profile, work, mapping.roles["rollout"])
         elif name in FORWARD_STAGES:
@@ -202,13 +201,19 @@ def stage_seconds(profile: DeviceProfile, cfg: RunConfig, work: Workload, mappin
     return out
 
 
-def _devices(mapping: DeviceMapping) -> dict[str, set[int]]:
-    """Return each role's global device indices (pools numbered in order)."""
-    first, where = 0, {}
+def pool_devices(mapping: DeviceMapping) -> dict[str, range]:
+    """Return each pool's global device indices (pools numbered in order, as PACK places them)."""
+    first, out = 0, {}
     for name, pool in mapping.pools.items():
-        where[name] = set(range(first, first + pool.devices))
+        out[name] = range(first, first + pool.devices)
         first += pool.devices
-    return {role: where[lay.pool] for role, lay in mapping.roles.items()}
+    return out
+
+
+def _devices(mapping: DeviceMapping) -> dict[str, set[int]]:
+    """Return each role's global device indices."""
+    pools = pool_devices(mapping)
+    return {role: set(pools[lay.pool]) for role, lay in mapping.roles.items()}
 
 
 def _stage_devices(name: str, devices: dict[str, set[int]]) -> set[int]:
@@ -248,13 +253,13 @@ def memory_per_device(cfg: RunConfig, work: Workload, mapping: DeviceMapping) ->
     return out
 
 
-def _behind_rollout(work: Workload, mapping: DeviceMapping) -> bool:
+def _behind_rollout(stage_s: dict[str, float], mapping: DeviceMapping) -> bool:
     """Return True when a stage other than generation and the sync runs in the rollout's
     processes: under off-policy it waits behind the next step's generation, so nothing overlaps."""
     from hybridlab.dataflow.stages import STAGES
 
     rollout = next((members for _, members in mapping.process_sets() if "rollout" in members), ())
-    return any(STAGES[n].role in rollout for n in work.stages if n not in GENERATE_STAGES and n != "sync_weights")
+    return any(STAGES[n].role in rollout for n in stage_s if n not in GENERATE_STAGES and n != "sync_weights")
 
 
 def predict(work: Workload, cfg: RunConfig, mapping: DeviceMapping, profile: DeviceProfile) -> Prediction:
@@ -265,7 +270,7 @@ def predict(work: Workload, cfg: RunConfig, mapping: DeviceMapping, profile: Dev
     step_s, overlapped = sum(stage_s.values()), False
     rollout_devices = devices.get("rollout", set())
     trainer_devices = set().union(*(devices[r] for r in ("actor", "critic", "ref") if r in devices))
-    if cfg.trainer.off_policy and not rollout_devices & trainer_devices and not _behind_rollout(work, mapping):
+    if cfg.trainer.off_policy and not rollout_devices & trainer_devices and not _behind_rollout(stage_s, mapping):
         ahead = sum(s for n, s in stage_s.items() if n in GENERATE_STAGES)
         step_s, overlapped = max(ahead, step_s - ahead), True
     busy = sum(s * len(_stage_devices(n, devices)) for n, s in stage_s.items()) / (step_s * total) if step_s else 0.0

@@ -67,12 +67,9 @@ def measured_busy(snap: Snapshot) -> dict[str, float]:
 
 def advice(snap: Snapshot, profile: DeviceProfile, work: Workload) -> dict:
     """Return the advice record of a snapshot (see the module docstring); ``work`` is the
-    session's workload, whose stages and mean response length are taken from the snapshot."""
-    from hybridlab.run_config import dataflow_names
-
+    session's workload, whose mean response length is taken from the snapshot's steps."""
     lengths = [h["response_length/mean"] for h in snap.recent if "response_length/mean" in h]
-    work = dataclasses.replace(work, stages=tuple(dataflow_names(snap.cfg)),
-                               response_mean=statistics.mean(lengths) if lengths else work.response_mean)
+    work = dataclasses.replace(work, response_mean=statistics.mean(lengths) if lengths else work.response_mean)
     current: Prediction = predict(work, snap.cfg, snap.mapping, profile)
     devices = sum(p.devices for p in snap.mapping.pools.values())
     top = best(plan(snap.cfg, devices, profile, work=work))

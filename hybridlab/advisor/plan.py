@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hybridlab.advisor.cost_model import Prediction, Workload, predict
+from hybridlab.advisor.cost_model import Prediction, Workload, pool_devices, predict
 from hybridlab.advisor.profile import DeviceProfile
 from hybridlab.config import RunConfig
 from hybridlab.controller.mapping import DeviceMapping
@@ -104,12 +104,10 @@ def _memory_problems(prediction: Prediction, mapping: DeviceMapping, profile: De
                      per_node: int) -> list[str]:
     limit = profile.memory_gb * 1024 * USABLE_MEMORY
     if profile.memory_shared:  # one node's memory for all its devices (pools numbered in order, PACKed)
-        first, nodes, offset = {}, {}, 0
-        for name, pool in mapping.pools.items():
-            first[name], offset = offset, offset + pool.devices
+        pools, nodes = pool_devices(mapping), {}
         for device, mb in prediction.memory_mb.items():
             pool, _, index = device.partition("/")
-            node = (first[pool] + int(index)) // per_node
+            node = pools[pool][int(index)] // per_node
             nodes[node] = nodes.get(node, 0.0) + mb
         return [f"memory: needs {need / 1024:.1f} GB on node {node}, which has {profile.memory_gb:g} GB"
                 f" ({USABLE_MEMORY:.0%} usable)" for node, need in sorted(nodes.items()) if need > limit]

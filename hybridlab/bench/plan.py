@@ -14,6 +14,7 @@ over best measured - 1, goal at most 0.10).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -81,23 +82,21 @@ def _measure(rl, mapping: dict, off_policy: bool, warmup: int, steps: int) -> di
 def _first_choice(rl, profile, work: Workload) -> tuple[str, dict, bool, float]:
     """Return the planner's best mapping on the session's two devices, on- or off-policy:
     (label, mapping dict, off_policy, predicted seconds)."""
-    import dataclasses
-
-    from hybridlab.run_config import dataflow_names
-
     options = []
     for off in (False, True):  # off-policy changes the stages too (the old log-probs are computed)
         cfg = dataclasses.replace(rl.cfg, trainer=dataclasses.replace(rl.cfg.trainer, off_policy=off))
-        c = best(plan(cfg, 2, profile, work=dataclasses.replace(work, stages=tuple(dataflow_names(cfg)))))
+        c = best(plan(cfg, 2, profile, work=work))
         options.append((c.label + (", off-policy" if off else ""), c.mapping.to_dict(), off, c.prediction.step_s))
     return min(options, key=lambda o: o[3])
 
 
-def _row(rl, model: str, name: str, mapping: dict, off_policy: bool, profile, warmup: int, steps: int) -> dict:
-    """Measure one mapping on the session and predict it; returns its row."""
+def _row(rl, model: str, work: Workload, name: str, mapping: dict, off_policy: bool, profile, warmup: int,
+         steps: int) -> dict:
+    """Measure one mapping on the session and predict it (``work``: the session's workload, with
+    the measured steps' mean response length); returns its row."""
     m = _measure(rl, mapping, off_policy, warmup, steps)
-    p = predict(Workload.of(rl.cfg, response_mean=m["response_mean"]), rl.cfg,
-                DeviceMapping.from_dict(mapping), profile)
+    p = predict(dataclasses.replace(work, response_mean=m["response_mean"]), rl.cfg, DeviceMapping.from_dict(mapping),
+                profile)
     return {"model": model, "name": name, "mapping": mapping, "off_policy": off_policy,
             "devices": sum(pool["devices"] for pool in mapping["pools"].values()), "predicted_s": p.step_s, **m,
             "error": round(p.step_s / m["measured_s"] - 1, 3), "predicted_stage_s": p.stage_s}
@@ -113,13 +112,14 @@ def _model_rows(model: str, names: list[str], profile, warmup: int, steps: int, 
         first_mapping = json.dumps(MAPPINGS[names[0]][0])
         rl = RLSession(None, _settings(model_dir, Path(tmp) / "run", *sizes) + [f"mapping={first_mapping}"]).start()
         try:
-            rows = [_row(rl, model, n, *MAPPINGS[n], profile, warmup, steps) for n in names]
-            work = Workload.of(rl.cfg, model_dir, response_mean=statistics.mean(r["response_mean"] for r in rows))
-            label, mapping, off, _ = _first_choice(rl, profile, work)
+            work = Workload.of(rl.cfg, model_dir)  # the prompts and the model: read once
+            rows = [_row(rl, model, work, n, *MAPPINGS[n], profile, warmup, steps) for n in names]
+            mean = statistics.mean(r["response_mean"] for r in rows)
+            label, mapping, off, _ = _first_choice(rl, profile, dataclasses.replace(work, response_mean=mean))
             same = next((r for r in rows if r["off_policy"] == off
                          and DeviceMapping.from_dict(r["mapping"]) == DeviceMapping.from_dict(mapping)), None)
             if same is None:
-                rows.append(_row(rl, model, label, mapping, off, profile, warmup, steps))
+                rows.append(_row(rl, model, work, label, mapping, off, profile, warmup, steps))
             return rows, same["name"] if same else label
         finally:
             rl.shutdown()
