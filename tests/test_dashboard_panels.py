@@ -391,6 +391,7 @@ def test_the_dashboard_overlays_the_reward_of_the_runs_beside_it(tmp_path):
     board = dash.Dashboard(run_dir, control=False)
     board.update()
     assert list(board.compare.options) == ["other"]                        # itself is not offered
+    assert board.others["other"].steps == []  # not read until overlaid: a folder of long runs would slow the page
     board.compare.value = ["other"]
     source = board.overlay.lines["other"][0].data_source
     assert (source.data["step"], source.data["reward"]) == ([1, 2, 3], [0.1, 0.2, 0.3])
@@ -510,10 +511,14 @@ def test_a_long_history_shows_its_curves_first_and_its_device_samples_when_parse
     assert board.curves.data["step"] == list(range(1, 31))                 # the curves at once
     assert board.devices.source.data["x"] == [] and "reading the history's device samples" in board.status.object
     assert board.source.loader.ident is None  # not parsing yet: the first page is built without it
+    board.source.hold_polls = 5  # as a served page's: held until the browser reports the page drawn
+    board.update()
+    assert board.source.loader.ident is None
+    board.source.release_history()
     with (run_dir / "telemetry.jsonl").open("a") as f:                     # a sample arrives meanwhile
         f.write(json.dumps({**records[1], "time": t0 + 31, "util": 100.0}) + "\n")
     board.update()
-    assert board.source.loader.ident is not None  # started by the second poll
+    assert board.source.loader.ident is not None  # started by the next poll
     assert board.devices.source.data["x"] == [] and board.source.held[0]["util"] == 100.0
     gate.set()
     board.source.loader.join(30)
@@ -521,6 +526,19 @@ def test_a_long_history_shows_its_curves_first_and_its_device_samples_when_parse
     heat = board.devices.source.data  # samples 1 s to 31 s after the run's start, in bins of 5 s: 30 s and 31 s share one
     assert heat["value"] == [40.0] * 6 + [70.0] and "reading" not in board.status.object
     assert board.memory.samples["actor r0"][0] == [t0 + s for s in range(1, 32)]
+
+
+def test_a_historys_lines_split_into_device_samples_and_the_rest_and_parse_with_nan_and_blanks():
+    from hybridlab.telemetry.hub import parse_lines
+    from hybridlab.telemetry.record_source import DEVICE, line_bounds, starts_with
+
+    data = (b'{"kind": "device", "util": 1.0}\n{"kind": "dev"}\n{"kind": "metrics", "loss": NaN}\n\n'
+            b'{"kind": "device", "util": 2.0}\n')
+    starts, ends = line_bounds(data)
+    assert starts_with(data, starts, DEVICE).tolist() == [True, False, False, False, True]  # a short line is not one
+    records = parse_lines([data[a:b] for a, b in zip(starts.tolist(), ends.tolist())])
+    assert [r["kind"] for r in records] == ["device", "dev", "metrics", "device"] and records[3]["util"] == 2.0
+    assert math.isnan(records[2]["loss"])  # json.dumps writes NaN, which orjson refuses: parsed by json
 
 
 def test_stage_seconds_are_bars_on_a_short_run_and_areas_on_a_long_one():

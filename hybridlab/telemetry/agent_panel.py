@@ -23,11 +23,22 @@ class AgentPanel:
 
     def __init__(self):
         import panel as pn
-        from bokeh.models import ColumnDataSource, LinearAxis, Range1d
-        from bokeh.plotting import figure
+        from bokeh.models import ColumnDataSource
 
         self.source = ColumnDataSource({"step": [], "turns_mean": [], "turns_max": [], "retokenized_pct": [],
                                         "model_tokens": [], "context_tokens": []})
+        self.tools: dict[str, ColumnDataSource] = {}
+        self.note = pn.pane.Markdown(WAITING, name="agent note")
+        row = dict(sizing_mode="stretch_width")
+        self.figures = pn.Column(visible=False, **row)  # built at the first agent step: most runs have none
+        self.layout = pn.Column(pn.pane.Markdown("### Agent rollouts"), self.note, self.figures, **row)
+
+    def _build(self) -> None:
+        """Draw the four plots into ``figures``."""
+        import panel as pn
+        from bokeh.models import LinearAxis, Range1d
+        from bokeh.plotting import figure
+
         self.turns = figure(title="turns per trajectory: mean, max (left); re-tokenized model calls, % (right)",
                             x_axis_label="step", **COMMON)
         self.turns.line("step", "turns_mean", source=self.source, color="#4e79a7", legend_label="turns, mean")
@@ -46,19 +57,17 @@ class AgentPanel:
                             x_axis_label="step", **COMMON)
         self.latency = figure(title="tool latency per step (ms per call, mean), per tool", x_axis_label="step",
                               **COMMON)
-        self.tools: dict[str, ColumnDataSource] = {}
-        self.note = pn.pane.Markdown(WAITING, name="agent note")
         row = dict(sizing_mode="stretch_width")
-        self.figures = pn.Column(pn.Row(self.turns, self.tokens, **row), pn.Row(self.calls, self.latency, **row),
-                                 visible=False, **row)
-        self.layout = pn.Column(pn.pane.Markdown("### Agent rollouts"), self.note, self.figures, **row)
+        self.figures[:] = [pn.Row(self.turns, self.tokens, **row), pn.Row(self.calls, self.latency, **row)]
 
     def feed(self, records: list[dict]) -> None:
         """Stream the agent metrics of new steps; the first such step shows the plots."""
         rows = [r for r in records if r.get("kind") == "metrics" and "agent/turns_mean" in r]
         if not rows:
             return
-        self.note.visible, self.figures.visible = False, True
+        if not self.figures.visible:
+            self._build()
+            self.note.visible, self.figures.visible = False, True
         self.source.stream({"step": [r["step"] for r in rows],
                             "turns_mean": [r["agent/turns_mean"] for r in rows],
                             "turns_max": [r.get("agent/turns_max", float("nan")) for r in rows],

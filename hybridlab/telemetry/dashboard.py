@@ -38,6 +38,7 @@ GANTT_SPANS = 600          # spans kept in the timeline (about the last few step
 STUCK, STUCK_ALARM = page.STUCK, "⚠ Stuck calls: a call is late"  # the tab, and its title when alarmed
 ROLLOVER = {"curves": 100_000, "evals": 10_000, "sync": 100_000}  # points kept per source
 POLL_MS = 1000
+HOLD_HISTORY_POLLS = 10    # a served page that never reports being drawn gets its device history after 10 s
 OVERLAY_POLLS = 5          # the other runs' logs are read every 5th poll
 
 
@@ -84,7 +85,7 @@ class Dashboard:
         self.others: dict[str, RunInfo] = {}   # the runs beside this one, to overlay
         self.overlay = Overlay(self.reward_fig, dash="dashed")
         self.compare = pn.widgets.MultiSelect(label="overlay the reward of", options=[], size=6, width=240)
-        self.compare.param.watch(lambda _: self.overlay.draw(self.others, list(self.compare.value)), "value")
+        self.compare.param.watch(lambda _: self._draw_overlay(), "value")
         self._system_figures(common)
         self.running = RunningPanel()
         self.memory = MemoryPanel(self._clock)
@@ -283,10 +284,18 @@ class Dashboard:
         for path in find_runs(parent)[:50]:
             key = path.name if path.parent == parent else str(path.relative_to(parent))
             if path.resolve() != self.run_dir.resolve():
-                self.others.setdefault(key, RunInfo(path)).refresh()
+                self.others.setdefault(key, RunInfo(path))
         if list(self.compare.options) != list(self.others):
             self.compare.options = list(self.others)
-        self.overlay.draw(self.others, list(self.compare.value))
+        self._draw_overlay()
+
+    def _draw_overlay(self) -> None:
+        """Read the overlaid runs' new log lines and draw them (only those: a folder of long runs
+        would otherwise be read whole before the first page)."""
+        chosen = list(self.compare.value)
+        for key in chosen:
+            self.others[key].refresh()
+        self.overlay.draw(self.others, chosen)
 
     def _alarm(self) -> None:
         """Title the Stuck calls tab as alarmed while a call is past its deadline (and back)."""
@@ -365,6 +374,9 @@ def build_dashboard(run_dir: str | Path, control: bool = True, template: bool = 
 
     board = Dashboard(run_dir, control)
     board.update()  # a late viewer sees the whole history at once
+    if template and board.source.loading:  # served: parse the device samples once the browser drew the page
+        board.source.hold_polls = HOLD_HISTORY_POLLS
+        pn.state.onload(board.source.release_history)
     board.callback = pn.state.add_periodic_callback(board.update, period=POLL_MS)
     layout = page.template_page(board) if template else page.inline(board)
     layout.dashboard = board  # keep the state reachable (tests, the session's shutdown)

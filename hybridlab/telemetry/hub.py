@@ -16,10 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 TELEMETRY_FILE = "telemetry.jsonl"
 ENV_HUB = "HYBRIDLAB_TELEMETRY_HUB"      # workers find the hub by this actor name
@@ -82,9 +85,11 @@ def find_hub(run_dir: str | os.PathLike):
 
 def get_hub(name: str | None):
     """Return the live hub actor called ``name`` in the connected Ray cluster, else None."""
+    if not name or "ray" not in sys.modules:  # not imported: not connected (and a served page skips the import)
+        return None
     import ray
 
-    if not name or not ray.is_initialized():
+    if not ray.is_initialized():
         return None
     try:
         return ray.get_actor(name, namespace=NAMESPACE)
@@ -178,24 +183,36 @@ def _nvml() -> Any:
 def read_lines(run_dir: str | os.PathLike, offset: int = 0) -> tuple[list[bytes], int]:
     """Return (the complete lines of the run's telemetry file after byte ``offset``, new offset);
     a half-written last line is left for the next read."""
+    data, offset = read_bytes(run_dir, offset)
+    return data.splitlines(), offset
+
+
+def read_bytes(run_dir: str | os.PathLike, offset: int = 0) -> tuple[bytes, int]:
+    """Return (the complete lines of the run's telemetry file after byte ``offset`` as one bytes
+    object, new offset); a half-written last line is left for the next read."""
     path = Path(run_dir) / TELEMETRY_FILE
     if not path.is_file():
-        return [], offset
+        return b"", offset
     with open(path, "rb") as f:
         f.seek(offset)
         data = f.read()
     end = data.rfind(b"\n") + 1
-    return data[:end].splitlines(), offset + end
+    return data[:end], offset + end
 
 
 def parse_lines(lines: list[bytes]) -> list[dict]:
     """Return the records of telemetry lines (blank ones skipped)."""
-    text = b"\n".join(lines).decode()
-    try:  # one parse of the lines as a list is 3x faster than a parse per line (json.dumps never
-        # writes a newline inside a record)
-        return json.loads("[" + text.replace("\n", ",") + "]") if text else []
-    except ValueError:  # a blank or damaged line: parse line by line, which names it
-        return [json.loads(line) for line in lines if line.strip()]
+    try:  # orjson is 4x faster than json here: a long run's first page parses 30,000 records
+        return [orjson.loads(line) for line in lines]
+    except orjson.JSONDecodeError:  # NaN or inf (which json.dumps writes and orjson refuses), a blank line
+        return [_parse_line(line) for line in lines if line.strip()]
+
+
+def _parse_line(line: bytes) -> dict:
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return json.loads(line)  # NaN and inf, or the error that names a damaged line
 
 
 def read_records(run_dir: str | os.PathLike, offset: int = 0) -> tuple[list[dict], int]:

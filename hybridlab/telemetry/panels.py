@@ -7,6 +7,7 @@ curves live in ``dashboard.py``, which places these panels on the page.
 from __future__ import annotations
 
 import html
+import operator
 import time
 from pathlib import Path
 
@@ -216,8 +217,8 @@ class BusyPanel:
                     self.keys.clear()
                 busy = self.keys[keys] = [k for k in keys if k.startswith(BUSY)]
             if busy:
-                self.heat.add_grid([k[len(BUSY):] for k in busy], [r["step"] for r in group],
-                                   [[r[k] for k in busy] for r in group])
+                values = list(map(operator.itemgetter(*busy), group))  # a row of values per step (one: a value)
+                self.heat.add_grid([k[len(BUSY):] for k in busy], [r["step"] for r in group], values)
         self.heat.flush()
 
 

@@ -7,14 +7,18 @@ and the memory alarm read. When a page opens on a history of more than ``BIG_HIS
 everything else is parsed at once, so the curves show in a moment, and the device samples are
 parsed in a background thread, a chunk at a time so the server's loop keeps answering; they are
 handed over in a later poll, with the samples that arrived meanwhile. The thread starts at the
-second poll, so that it does not hold the interpreter while the first one builds the page.
+second poll, so that it does not hold the interpreter while the first one builds the page; a
+served page holds it (``hold_polls``) until the browser has drawn the page, since parsing would
+take the cores the browser and the server's first reply need.
 """
 from __future__ import annotations
 
 import threading
 from pathlib import Path
 
-from hybridlab.telemetry.hub import find_hub, parse_lines, read_lines
+import numpy as np
+
+from hybridlab.telemetry.hub import find_hub, parse_lines, read_bytes
 
 BIG_HISTORY = 8 * 2**20            # bytes
 DEVICE = b'{"kind": "device"'      # how the hub starts a device sample's line
@@ -31,6 +35,7 @@ class RecordSource:
         self.history: list[dict] | None = None  # the deferred device samples, once parsed
         self.loader: threading.Thread | None = None
         self.held: list[dict] = []   # device samples that arrived while the history was parsed
+        self.hold_polls = 0          # polls the loader waits for besides the first (release_history ends it)
 
     @property
     def loading(self) -> bool:
@@ -41,7 +46,10 @@ class RecordSource:
         """Return the records that arrived since the previous call (and, once parsed, the
         history's device samples)."""
         if self.loader is not None and self.loader.ident is None:
-            self.loader.start()  # after the first poll: its parsing would slow the first page down
+            if self.hold_polls > 0:
+                self.hold_polls -= 1
+            else:
+                self.loader.start()  # after the first poll: its parsing would slow the first page down
         records = self._new()
         if self.loader is None:
             return records
@@ -51,6 +59,10 @@ class RecordSource:
             records = self.history + self.held + records
             self.loader, self.history, self.held = None, None, []
         return records
+
+    def release_history(self) -> None:
+        """Let the next poll start parsing the history's device samples (the page is drawn)."""
+        self.hold_polls = 0
 
     def _new(self) -> list[dict]:
         if self.hub is not None:
@@ -65,20 +77,21 @@ class RecordSource:
             except RayActorError:  # the run ended and its hub is gone: continue from the file
                 self.hub = None
         first = self.offset == 0
-        lines, self.offset = read_lines(self.run_dir, self.offset)
+        data, self.offset = read_bytes(self.run_dir, self.offset)
         if not first or self.offset < BIG_HISTORY:
-            return parse_lines(lines)
-        samples, rest = [], []
-        for line in lines:
-            (samples if line.startswith(DEVICE) else rest).append(line)
-        self.loader = threading.Thread(target=self._parse, args=(samples,), name="telemetry-history", daemon=True)
-        return parse_lines(rest)  # the loader starts at the next poll
+            return parse_lines(data.splitlines())
+        starts, ends = line_bounds(data)
+        device = starts_with(data, starts, DEVICE)
+        self.loader = threading.Thread(target=self._parse, args=(data, starts[device], ends[device]),
+                                       name="telemetry-history", daemon=True)
+        return parse_lines([data[a:b] for a, b in zip(starts[~device].tolist(), ends[~device].tolist())])
 
-    def _parse(self, lines: list[bytes]) -> None:
+    def _parse(self, data: bytes, starts: np.ndarray, ends: np.ndarray) -> None:
         out: list[dict] = []
         try:
-            for i in range(0, len(lines), CHUNK):
-                out += parse_lines(lines[i:i + CHUNK])
+            for i in range(0, len(starts), CHUNK):
+                chunk = zip(starts[i:i + CHUNK].tolist(), ends[i:i + CHUNK].tolist())
+                out += parse_lines([data[a:b] for a, b in chunk])
         except Exception as exc:  # a damaged sample: the page goes on without the history's samples
             import logging
 
@@ -86,3 +99,19 @@ class RecordSource:
                                                 self.run_dir, exc)
             out = []
         self.history = out
+
+
+def line_bounds(data: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """Return the start and end offsets of the lines of ``data`` (complete lines, each ending in a
+    newline), found with numpy: a long history has hundreds of thousands."""
+    ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == ord("\n"))
+    return np.concatenate(([0], ends[:-1] + 1)), ends
+
+
+def starts_with(data: bytes, starts: np.ndarray, prefix: bytes) -> np.ndarray:
+    """Return which of the lines starting at ``starts`` begin with ``prefix``."""
+    raw = np.frombuffer(data, dtype=np.uint8)
+    found = np.ones(len(starts), dtype=bool)
+    for i, byte in enumerate(prefix):  # a line shorter than the prefix meets its newline, which differs
+        found &= raw[np.minimum(starts + i, len(raw) - 1)] == byte
+    return found

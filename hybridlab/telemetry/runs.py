@@ -49,10 +49,10 @@ class RunInfo:
             reward = r.get("reward/mean")
             self.rewards.append(float("nan") if reward is None else reward)
             self.times.append(r.get("time", float("nan")))
-        telemetry = self._new_lines("telemetry.jsonl")
+        telemetry = self._new_bytes("telemetry.jsonl")  # searched whole, not split: mostly device samples
         if telemetry and self.first_time is None:
-            self.first_time = json.loads(telemetry[0]).get("time")
-        if any(b'"kind": "resume"' in line for line in telemetry):
+            self.first_time = json.loads(telemetry[:telemetry.index(b"\n")]).get("time")
+        if b'"kind": "resume"' in telemetry:
             self.resumed = True
 
     def walls(self, start: int = 0) -> list[float]:
@@ -61,9 +61,13 @@ class RunInfo:
         return [t - origin for t in self.times[start:]]
 
     def _new_lines(self, name: str) -> list[bytes]:
+        return [line for line in self._new_bytes(name).splitlines() if line.strip()]
+
+    def _new_bytes(self, name: str) -> bytes:
+        """Return the complete lines appended to log ``name`` since the last read, as one bytes object."""
         path = self.path / name
         if not path.is_file():
-            return []
+            return b""
         if path.stat().st_size < self._offsets[name]:  # cut back by a resume: read it again
             self._offsets[name] = 0
             if name == "metrics.jsonl":
@@ -73,7 +77,7 @@ class RunInfo:
             data = f.read()
         end = data.rfind(b"\n") + 1
         self._offsets[name] += end
-        return [line for line in data[:end].splitlines() if line.strip()]
+        return data[:end]
 
     @property
     def status(self) -> str:
