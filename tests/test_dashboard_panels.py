@@ -155,6 +155,8 @@ def test_the_agent_panel_waits_with_a_reason_then_plots_turns_tokens_and_each_to
     assert math.isnan(search["latency_ms"][1])
     assert {r.label["value"] for r in agent.calls.legend[0].items} == {"calc", "calc failed", "search",
                                                                       "search failed"}
+    for fig in (agent.turns, agent.tokens, agent.calls, agent.latency):  # built at the first step, hover too
+        assert [type(t).__name__ for t in fig.tools].count("HoverTool") == 1
     with (run_dir / "telemetry.jsonl").open("a") as f:  # a worker died in step 4: the run went back to step 3
         f.write(json.dumps({"kind": "restart", "step": 4, "role": "rollout", "rank": 0, "failure": "died",
                             "recreated": ["rollout"], "rolled_back_to": 3, "time": time.time()}) + "\n")
@@ -392,6 +394,10 @@ def test_the_dashboard_overlays_the_reward_of_the_runs_beside_it(tmp_path):
     board.update()
     assert list(board.compare.options) == ["other"]                        # itself is not offered
     assert board.others["other"].steps == []  # not read until overlaid: a folder of long runs would slow the page
+    with open(other / "telemetry.jsonl", "rb+") as f:  # a blank first line is skipped
+        text = f.read()
+        f.seek(0)
+        f.write(b"\n" + text)
     board.compare.value = ["other"]
     source = board.overlay.lines["other"][0].data_source
     assert (source.data["step"], source.data["reward"]) == ([1, 2, 3], [0.1, 0.2, 0.3])

@@ -73,9 +73,11 @@ def field_name(spec) -> str | None:
 
 
 def add_hover(fig) -> None:
-    """Give ``fig`` a hover tool that names the series under the mouse and its x and y."""
+    """Give ``fig`` a hover tool that names the series under the mouse and its x and y (once)."""
     from bokeh.models import HoverTool
 
+    if any(isinstance(tool, HoverTool) for tool in fig.tools):
+        return
     fig.add_tools(HoverTool(tooltips=[("series", "$name"), ("x", "$x{0,0.[00]}"), ("y", "$y{0,0.[000]}")]))
 
 

@@ -39,7 +39,7 @@ STUCK, STUCK_ALARM = page.STUCK, "⚠ Stuck calls: a call is late"  # the tab, a
 ROLLOVER = {"curves": 100_000, "evals": 10_000, "sync": 100_000}  # points kept per source
 POLL_MS = 1000
 HOLD_HISTORY_POLLS = 10    # a served page that never reports being drawn gets its device history after 10 s
-OVERLAY_POLLS = 5          # the other runs' logs are read every 5th poll
+OVERLAY_POLLS = 5          # the runs beside this one are listed, and the overlaid ones read, every 5th poll
 
 
 class Dashboard:
@@ -251,7 +251,8 @@ class Dashboard:
         """Send the heat map's new cells, name new series, keep new lines on the chosen x axis,
         and refresh the status and the Stuck calls alarm."""
         self.devices.flush()
-        for fig in self.figures():  # the hover tool names each series
+        for fig in self.figures():  # the hover tool names each series (plots built at their first step too)
+            add_hover(fig)
             name_series(fig)
         if self.axis.mode == WALL:  # lines and step markers added since the switch follow it too
             self.axis.apply(self.step_figures(), WALL)

@@ -50,8 +50,9 @@ class RunInfo:
             self.rewards.append(float("nan") if reward is None else reward)
             self.times.append(r.get("time", float("nan")))
         telemetry = self._new_bytes("telemetry.jsonl")  # searched whole, not split: mostly device samples
-        if telemetry and self.first_time is None:
-            self.first_time = json.loads(telemetry[:telemetry.index(b"\n")]).get("time")
+        head = telemetry.lstrip()  # a blank first line is skipped, as everywhere
+        if head and self.first_time is None:
+            self.first_time = json.loads(head[:head.index(b"\n")]).get("time")
         if b'"kind": "resume"' in telemetry:
             self.resumed = True
 
