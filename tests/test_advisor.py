@@ -71,6 +71,55 @@ def test_data_parallel_halves_the_work_and_adds_the_gradient_all_reduce():
     assert p.stage_s["ref_logprob"] == pytest.approx(0.21504 + 3.62144e-4 + 0.01)
 
 
+def test_an_moe_model_computes_with_its_active_experts_and_ep_trades_gradients_for_all_to_alls():
+    # 800k of the 1M parameters are 8 experts, 2 per token: 200k + 800k x 2 / 8 = 400k active
+    moe = dataclasses.replace(WORK, expert_params=800_000, experts=8, top_k=2, moe_layers=4)
+    assert moe.active_params == 400_000 and moe.read_params(1) == 400_000 and moe.read_params(32) == 1_000_000
+    p = predict(moe, load_config(None, SETTINGS), DeviceMapping.from_dict(ONE), ROUND)
+    # generate: prefill 320 x (1e-5 + 8e5/1e10); decode 8 x (1e-3 + 4e6/1e10) (32 sequences reach every
+    # expert) + 192 x (1e-4 + 8e5/1e10); the call
+    assert p.stage_s["generate"] == pytest.approx(0.0288 + 0.0112 + 0.03456 + 0.01)
+    # update: 512 x (2e-5 + 2.4e6 / 2.5e9), + the call
+    assert p.stage_s["update_actor"] == pytest.approx(512 * 9.8e-4 + 0.01)
+
+    def two(ep: int) -> dict:
+        return {"pools": {"main": {"devices": 2}},
+                "roles": {r: {**lay, "dp": 2, **({"ep": ep} if r in ("actor", "ref") else {})}
+                          for r, lay in ONE["roles"].items()}}
+
+    dp2, ep2 = (predict(moe, load_config(None, SETTINGS), DeviceMapping.from_dict(two(ep)), ROUND) for ep in (1, 2))
+    # ep 1: all-reduce the dense gradients (8e5 bytes) and the experts' (3.2e6) over 2 ranks
+    assert dp2.stage_s["update_actor"] == pytest.approx(256 * 9.8e-4 + (1e-4 + 8e-4) + (1e-4 + 3.2e-3) + 0.01)
+    # ep 2: each rank holds half the experts, whose gradients stay on it; per sparse layer the allgather
+    # dispatcher's 4 collectives forward and 3 backward, moving the other rank's 256 hidden states (x 128 x 4
+    # bytes) in and out, and its routing (256 x 8 experts x 5 bytes), both ways again for the gradients
+    hidden, routing = 2 * 256 * 128 * 4, 256 * 8 * 5
+    exchange = 4 * (7 * 1e-4 + 2 * (hidden + routing) / 1e9)
+    assert ep2.stage_s["update_actor"] == pytest.approx(256 * 9.8e-4 + exchange + (1e-4 + 8e-4) + 0.01, abs=2e-6)
+    # a forward pass: the 4 forward collectives per sparse layer, nothing else changes (stages rounded to 1e-6)
+    assert ep2.stage_s["ref_logprob"] - dp2.stage_s["ref_logprob"] == pytest.approx(
+        4 * (4 * 1e-4 + (hidden + routing) / 1e9), abs=2e-6)
+    assert ep2.peak_memory_mb < dp2.peak_memory_mb  # the experts' weights and moments split in two
+
+
+def test_the_planner_offers_expert_parallel_layouts_for_an_moe_model():
+    from hybridlab.models.zoo import resolve_model
+
+    moe_dir = resolve_model("tiny-qwen3moe")  # 4 experts, 2 per token, in 3 of its 4 layers
+    cfg = load_config(None, [f"model={moe_dir}", *SIZES])
+    work = Workload.of(cfg)
+    assert (work.experts, work.top_k, work.moe_layers) == (4, 2, 3) and work.active_params < work.params
+    found = plan(cfg, 4, ROUND, work=work)
+    eps = {c.label for c in found if c.ok and c.mapping.roles["actor"].ep == 2}
+    assert "colocated on 4: trainers tp1 pp1 dp4 ep2, rollout tp1 dp4" in eps
+    assert all(c.mapping.roles["actor"].ep in (1, 2, 4) for c in found)  # only sizes that divide dp and the experts
+    four = next(c for c in found if c.label == "colocated on 4: trainers tp1 pp1 dp4 ep4, rollout tp1 dp4")
+    assert four.ok and four.prediction.stage_s["update_actor"] == predict(work, cfg, four.mapping, ROUND).stage_s[
+        "update_actor"]
+    dense = plan(load_config(None, [*SIZES]), 4, ROUND)
+    assert not any(" ep" in c.label for c in dense)
+
+
 def test_off_policy_overlaps_generation_only_on_devices_of_its_own():
     split = DeviceMapping.from_dict(SPLIT)
     on = predict(WORK, load_config(None, OFF), split, ROUND)

@@ -57,7 +57,26 @@ class Workload:
     prompt_max: int
     response_mean: float         # generated tokens per sequence, on average
     response_max: int            # decode steps of a generation
-    expert_params: int = 0
+    expert_params: int = 0       # of ``params``, the routed experts' (MoE; 0 for a dense model)
+    experts: int = 0             # routed experts per sparse layer, of which each token uses ``top_k``
+    top_k: int = 0
+    moe_layers: int = 0          # the layers with routed experts
+
+    @property
+    def active_params(self) -> float:
+        """Return the parameters one token computes with: the dense ones and ``top_k`` of the
+        ``experts`` (all of them for a dense model)."""
+        if not self.experts:
+            return float(self.params)
+        return self.params - self.expert_params + self.expert_params * self.top_k / self.experts
+
+    def read_params(self, tokens: float) -> float:
+        """Return the parameters a pass over ``tokens`` at once reads from memory: every dense
+        one, and the experts that many tokens reach (each at most once)."""
+        if not self.experts:
+            return float(self.params)
+        reached = min(1.0, tokens * self.top_k / self.experts)
+        return self.params - self.expert_params + self.expert_params * reached
 
     @classmethod
     def of(cls, cfg: RunConfig, model_dir: str | Path | None = None,
@@ -70,11 +89,13 @@ class Workload:
 
         model_dir = Path(model_dir or resolve_model(cfg.model))
         sizes, spec = explain(cfg, model_dir).sizes, ModelSpec.read(model_dir)
-        new = cfg.rollout.max_new_tokens
+        new, moe = cfg.rollout.max_new_tokens, spec.moe
         return cls(params=sizes["parameters"], layers=spec.layers, hidden=spec.hidden, vocab=spec.vocab_size,
                    samples=sizes["samples_per_step"], prompt_mean=sizes["prompt_tokens_mean"],
                    prompt_max=sizes["prompt_tokens_max"], response_mean=float(response_mean or new),
-                   response_max=new, expert_params=expert_parameter_count(spec))
+                   response_max=new, expert_params=expert_parameter_count(spec),
+                   experts=moe.experts if moe else 0, top_k=moe.top_k if moe else 0,
+                   moe_layers=len(moe.sparse_layers) if moe else 0)
 
     @property
     def tokens(self) -> float:
@@ -122,11 +143,11 @@ def _tp_traffic_s(profile: DeviceProfile, work: Workload, tokens: float, tp: int
 def generate_s(profile: DeviceProfile, work: Workload, lay: RoleLayout) -> float:
     """Return the seconds of one step's generation on ``lay`` (every engine in parallel)."""
     batch = math.ceil(work.samples / lay.dp)
-    shard = work.params / lay.tp
+    shard, read = work.active_params / lay.tp, work.read_params(batch) / lay.tp  # a decode step reads its weights
     flops, nbytes = profile.flops, DTYPE_BYTES[profile.dtype]
     prefill = batch * work.prompt_mean * (profile.prefill_token_s + 2 * shard / flops)
     steps, tokens = work.response_max, batch * work.response_mean
-    decode = (steps * (profile.decode_overhead_s + shard * nbytes / profile.bandwidth)
+    decode = (steps * (profile.decode_overhead_s + read * nbytes / profile.bandwidth)
               + tokens * (profile.decode_token_s + 2 * shard / flops))
     comm = _tp_traffic_s(profile, work, tokens + batch * work.prompt_mean, lay.tp, 2, steps + 1, engine=True)
     return prefill + decode + comm + profile.call_overhead_s
@@ -145,7 +166,7 @@ def forward_s(profile: DeviceProfile, cfg: RunConfig, work: Workload, role: str,
     """Return the seconds of a forward pass (``train``: forward, backward and optimizer) over the
     step's tokens on ``lay``; an update repeats it ``ppo_epochs`` times and all-reduces gradients."""
     tokens = work.tokens / lay.dp
-    shard = work.params / (lay.tp * lay.pp)
+    shard = work.active_params / (lay.tp * lay.pp)
     micro = _micro_batches(cfg, role, lay, work)
     bubble = (micro + lay.pp - 1) / micro
     if train:
@@ -158,12 +179,32 @@ def forward_s(profile: DeviceProfile, cfg: RunConfig, work: Workload, role: str,
     activations = tokens / micro * work.hidden * DTYPE_BYTES[profile.dtype]
     hop = profile.collective_latency_s + activations / profile.collective_gbps
     seconds += (lay.pp - 1) * micro * (2 if train else 1) * hop
+    seconds += _expert_exchange_s(profile, work, tokens / lay.pp, lay, micro, train)
     if train:
         section = cfg.critic if role == "critic" else cfg.actor
         optimizer_steps = max(1, cfg.data.prompts_per_step // section.ppo_mini_batch_size)
-        seconds = section.ppo_epochs * seconds + section.ppo_epochs * optimizer_steps * allreduce_s(
-            profile, shard * 4, lay.dp)
+        dense, experts = (work.params - work.expert_params) / (lay.tp * lay.pp), work.expert_params / (lay.tp * lay.pp)
+        # each expert's gradients are summed over the dp / ep ranks that hold it, the rest over all dp
+        gradients = allreduce_s(profile, dense * 4, lay.dp)
+        if experts:
+            gradients += allreduce_s(profile, experts / lay.ep * 4, lay.dp // lay.ep)
+        seconds = section.ppo_epochs * seconds + section.ppo_epochs * optimizer_steps * gradients
     return seconds + profile.call_overhead_s
+
+
+def _expert_exchange_s(profile: DeviceProfile, work: Workload, tokens: float, lay: RoleLayout, launches: float,
+                       train: bool) -> float:
+    """Return the seconds expert parallelism's exchanges add, as the engine's allgather token
+    dispatcher makes them: per sparse layer, a forward pass all-gathers the ep ranks' hidden
+    states and routing (map and probabilities) and reduce-scatters the experts' outputs (4
+    collectives), a backward pass does the reverse (3 more)."""
+    if lay.ep <= 1 or not work.moe_layers:
+        return 0.0
+    width = DTYPE_BYTES[profile.dtype]
+    hidden = 2 * (lay.ep - 1) * tokens * work.hidden * width        # gathered in, reduce-scattered out
+    routing = (lay.ep - 1) * tokens * work.experts * (width + 1)     # probabilities and the boolean map
+    collectives, nbytes = (7, 2 * (hidden + routing)) if train else (4, hidden + routing)
+    return work.moe_layers * (launches * collectives * profile.collective_latency_s + nbytes / profile.collective_gbps)
 
 
 def sync_s(profile: DeviceProfile, work: Workload, mapping: DeviceMapping) -> float:

@@ -6,11 +6,12 @@ the cost model's predicted step time, with the reason each rejected one cannot r
 
 Placements: all roles colocated on one pool (the hybrid engine), and split into a training pool
 (actor, reference, critic sharing processes) and a generation pool (the rollout) of every size
-(on several nodes: whole nodes per pool), the reward beside either. Layouts: every tp x pp x dp of a pool's devices for
-the training roles, every tp x dp for the rollout. A candidate is rejected, with its reasons,
-when the run's own validation refuses it (heads or layers not divisible, batch sizes that do not
-split over dp, ...), when a TP group would span nodes, or when its estimated memory does not fit
-the profile's devices (90% of them usable).
+(on several nodes: whole nodes per pool), the reward beside either. Layouts: every tp x pp x dp
+of a pool's devices for the training roles (for an MoE model, with every ep that divides dp and
+the experts), every tp x dp for the rollout. A candidate is rejected, with its reasons, when the
+run's own validation refuses it (heads or layers not divisible, batch sizes that do not split
+over dp, ...), when a TP group would span nodes, or when its estimated memory does not fit the
+profile's devices (90% of them usable).
 """
 from __future__ import annotations
 
@@ -59,31 +60,36 @@ def _roles(cfg: RunConfig) -> list[str]:
     return list(default_mapping(cfg, dataflow_names(cfg))["roles"])
 
 
-def _pool_mappings(roles: list[str], pools: dict[str, int], colocate: dict[str, str], where: dict[str, str]):
-    """Yield (label, mapping dict) for every layout of the trainers and the rollout on ``pools``."""
+def _pool_mappings(roles: list[str], pools: dict[str, int], colocate: dict[str, str], where: dict[str, str],
+                   experts: int = 0):
+    """Yield (label, mapping dict) for every layout of the trainers and the rollout on ``pools``
+    (with ``experts``, an MoE model's, every expert-parallel size too)."""
     trainers = [r for r in roles if r in TRAINERS]
     train_pool, gen_pool = where.get("actor", "main"), where.get("rollout", "main")
-    for tp, pp, dp in layouts(pools[train_pool]):
+    trainer_layouts = [(tp, pp, dp, ep) for tp, pp, dp in layouts(pools[train_pool])
+                       for ep in _divisors(dp) if ep == 1 or (experts and experts % ep == 0)]
+    for tp, pp, dp, ep in trainer_layouts:
         for rtp, _, rdp in layouts(pools[gen_pool], pipeline=False):
             spec = {}
             for r in roles:
                 pool = where.get(r, "main")
                 if r in trainers:
-                    spec[r] = {"pool": pool, "tp": tp, "pp": pp, "dp": dp}
+                    spec[r] = {"pool": pool, "tp": tp, "pp": pp, "dp": dp, "ep": ep}
                 elif r == "rollout":
                     spec[r] = {"pool": pool, "tp": rtp, "dp": rdp}
                 else:
                     spec[r] = {"pool": pool, "dp": pools[pool]}
                 spec[r]["colocate"] = colocate[pool]
-            label = f"trainers tp{tp} pp{pp} dp{dp}, rollout tp{rtp} dp{rdp}"
+            label = f"trainers tp{tp} pp{pp} dp{dp}{f' ep{ep}' if ep > 1 else ''}, rollout tp{rtp} dp{rdp}"
             yield label, {"pools": {n: {"devices": d} for n, d in pools.items()}, "roles": spec}
 
 
-def candidates(cfg: RunConfig, devices: int, nodes: int = 1) -> list[tuple[str, dict]]:
-    """Return (label, mapping dict) for every placement and layout of the config's roles."""
+def candidates(cfg: RunConfig, devices: int, nodes: int = 1, experts: int = 0) -> list[tuple[str, dict]]:
+    """Return (label, mapping dict) for every placement and layout of the config's roles (for a
+    model with ``experts`` routed experts, every expert-parallel size of the trainers too)."""
     roles = _roles(cfg)
     out = [(f"colocated on {devices}: {label}", m)
-           for label, m in _pool_mappings(roles, {"main": devices}, {"main": "engine"}, {})]
+           for label, m in _pool_mappings(roles, {"main": devices}, {"main": "engine"}, {}, experts)]
     per_node = devices // nodes
     step = per_node if nodes > 1 else (1 if devices <= MANY_DEVICES else max(1, devices // 8))
     for k in range(step, devices, step):
@@ -91,7 +97,7 @@ def candidates(cfg: RunConfig, devices: int, nodes: int = 1) -> list[tuple[str, 
         for reward in ("gen", "train"):  # beside the rollout, or beside the trainers (off-policy: not behind it)
             where = {r: "train" if r in TRAINERS else "gen" for r in roles} | {"reward": reward}
             out += [(f"split {k} train + {devices - k} gen, reward on {reward}: {label}", m)
-                    for label, m in _pool_mappings(roles, pools, {"train": "train", "gen": "gen"}, where)]
+                    for label, m in _pool_mappings(roles, pools, {"train": "train", "gen": "gen"}, where, experts)]
     return out
 
 
@@ -128,7 +134,7 @@ def plan(cfg: RunConfig, devices: int, profile: DeviceProfile, nodes: int = 1, w
     work = work or Workload.of(cfg, response_mean=response_mean)
     model_dir = str(resolve_model(cfg.model))  # a directory: the heads and layers are checked too
     out = []
-    for label, spec in candidates(cfg, devices, nodes):
+    for label, spec in candidates(cfg, devices, nodes, work.experts):
         mapping = DeviceMapping.from_dict(spec)
         spans = _node_problems(mapping, devices // nodes) if nodes > 1 else []
         c = Candidate(label, mapping, rejected=remap_problems(cfg, mapping, devices, model_dir) + spans)
