@@ -71,14 +71,17 @@ def test_data_parallel_halves_the_work_and_adds_the_gradient_all_reduce():
     assert p.stage_s["ref_logprob"] == pytest.approx(0.21504 + 3.62144e-4 + 0.01)
 
 
-def test_an_moe_model_computes_with_its_active_experts_and_ep_trades_gradients_for_all_to_alls():
+def test_an_moe_model_computes_with_its_active_experts_and_ep_trades_gradients_for_exchanges():
     # 800k of the 1M parameters are 8 experts, 2 per token: 200k + 800k x 2 / 8 = 400k active
     moe = dataclasses.replace(WORK, expert_params=800_000, experts=8, top_k=2, moe_layers=4)
-    assert moe.active_params == 400_000 and moe.read_params(1) == 400_000 and moe.read_params(32) == 1_000_000
+    assert moe.active_params == 400_000 and moe.read_params(1) == 400_000
+    reached = 1 - 0.75 ** 32  # the experts 32 tokens reach, expected under even routing
+    assert moe.read_params(32) == pytest.approx(200_000 + 800_000 * reached)
+    assert moe.train_params(2) == pytest.approx(100_000 + 200_000)  # TP splits the dense part only
     p = predict(moe, load_config(None, SETTINGS), DeviceMapping.from_dict(ONE), ROUND)
-    # generate: prefill 320 x (1e-5 + 8e5/1e10); decode 8 x (1e-3 + 4e6/1e10) (32 sequences reach every
-    # expert) + 192 x (1e-4 + 8e5/1e10); the call
-    assert p.stage_s["generate"] == pytest.approx(0.0288 + 0.0112 + 0.03456 + 0.01)
+    # generate: prefill 320 x (1e-5 + 8e5/1e10); decode 8 x (1e-3 + read x 4 bytes / 1e10) + 192 x (1e-4 + 8e5/1e10)
+    decode = 8 * (1e-3 + (200_000 + 800_000 * reached) * 4 / 1e10) + 192 * 1.8e-4
+    assert p.stage_s["generate"] == pytest.approx(0.0288 + decode + 0.01, abs=2e-6)
     # update: 512 x (2e-5 + 2.4e6 / 2.5e9), + the call
     assert p.stage_s["update_actor"] == pytest.approx(512 * 9.8e-4 + 0.01)
 
@@ -88,18 +91,27 @@ def test_an_moe_model_computes_with_its_active_experts_and_ep_trades_gradients_f
                           for r, lay in ONE["roles"].items()}}
 
     dp2, ep2 = (predict(moe, load_config(None, SETTINGS), DeviceMapping.from_dict(two(ep)), ROUND) for ep in (1, 2))
-    # ep 1: all-reduce the dense gradients (8e5 bytes) and the experts' (3.2e6) over 2 ranks
-    assert dp2.stage_s["update_actor"] == pytest.approx(256 * 9.8e-4 + (1e-4 + 8e-4) + (1e-4 + 3.2e-3) + 0.01)
-    # ep 2: each rank holds half the experts, whose gradients stay on it; per sparse layer the allgather
-    # dispatcher's 4 collectives forward and 3 backward, moving the other rank's 256 hidden states (x 128 x 4
-    # bytes) in and out, and its routing (256 x 8 experts x 5 bytes), both ways again for the gradients
-    hidden, routing = 2 * 256 * 128 * 4, 256 * 8 * 5
-    exchange = 4 * (7 * 1e-4 + 2 * (hidden + routing) / 1e9)
-    assert ep2.stage_s["update_actor"] == pytest.approx(256 * 9.8e-4 + exchange + (1e-4 + 8e-4) + 0.01, abs=2e-6)
-    # a forward pass: the 4 forward collectives per sparse layer, nothing else changes (stages rounded to 1e-6)
-    assert ep2.stage_s["ref_logprob"] - dp2.stage_s["ref_logprob"] == pytest.approx(
-        4 * (4 * 1e-4 + (hidden + routing) / 1e9), abs=2e-6)
+    # ep 1: 256 tokens per rank; one all-reduce of every gradient (4e6 bytes) over 2 ranks
+    assert dp2.stage_s["update_actor"] == pytest.approx(256 * 9.8e-4 + (1e-4 + 4e-3) + 0.01)
+    # ep 2: 16 rows padded to 12 + 8 tokens; per sparse layer the allgather dispatcher's 4 collectives forward
+    # and 3 backward with the other rank's 320 tokens: hidden states (128 wide) in 4 bytes in and 4 (the
+    # probabilities' fp32) out, probabilities (8 experts, fp32) and map (1 byte) in; backward the hidden
+    # states both ways and the probabilities; the dense gradients (8e5 bytes) over 2 ranks, the experts' stay
+    hidden, probs = 320 * 128, 320 * 8
+    forward, backward = hidden * 8 + probs * 5, hidden * 8 + probs * 4
+    update = 320 * 9.8e-4 + 4 * (7 * 1e-4 + (forward + backward) / 1e9) + (1e-4 + 8e-4) + 0.01
+    assert ep2.stage_s["update_actor"] == pytest.approx(update, abs=2e-6)
+    # a forward pass: padded tokens at 2 x 4e5 / 5e9 each, and the 4 forward collectives per sparse layer
+    assert dp2.stage_s["ref_logprob"] == pytest.approx(256 * 1.7e-4 + 0.01, abs=2e-6)
+    assert ep2.stage_s["ref_logprob"] == pytest.approx(320 * 1.7e-4 + 4 * (4 * 1e-4 + forward / 1e9) + 0.01, abs=2e-6)
     assert ep2.peak_memory_mb < dp2.peak_memory_mb  # the experts' weights and moments split in two
+    tp2 = {"pools": {"main": {"devices": 2}},
+           "roles": {r: {**lay, **({"tp": 2} if r in ("actor", "ref") else {"dp": 2})} for r, lay in ONE["roles"].items()}}
+    # TP 2 without ep: the dispatcher's group is the 2 TP ranks, each routing all 512 tokens
+    ref = predict(moe, load_config(None, SETTINGS), DeviceMapping.from_dict(tp2), ROUND).stage_s["ref_logprob"]
+    exchange = 4 * (4 * 1e-4 + (512 * 128 * 8 + 512 * 8 * 5) / 1e9)
+    tp_traffic = 2 * 4 * (1e-4 + 512 * 128 * 4 / 1e9)  # two all-reduces of the hidden states per layer
+    assert ref == pytest.approx(512 * (1e-5 + 2 * 3e5 / 5e9) + tp_traffic + exchange + 0.01, abs=2e-6)
 
 
 def test_the_planner_offers_expert_parallel_layouts_for_an_moe_model():

@@ -17,6 +17,10 @@ the formulas), divided over the role's data-parallel ranks and tensor/pipeline s
   the ``pp - 1`` stage boundaries (both ways when training).
 - updates: the same as training tokens, ``ppo_epochs`` times, plus a gradient all-reduce over
   ``dp`` per optimizer step.
+- MoE models compute with their active experts (``top_k`` of ``experts``; Megatron does not split
+  them over TP ranks here), and their sparse layers add the allgather token dispatcher's
+  collectives over each training role's ``tp x ep`` group; with ``ep`` the micro-batches are
+  padded (the engine's) and the experts' gradients are all-reduced over ``dp / ep`` ranks.
 - ``sync_weights``: the weights copied in memory when the rollout shares the actor's processes,
   else sent over the collective backend.
 - every stage that calls workers pays ``call_overhead_s``; controller stages cost nothing.
@@ -70,12 +74,19 @@ class Workload:
             return float(self.params)
         return self.params - self.expert_params + self.expert_params * self.top_k / self.experts
 
+    def train_params(self, tp: int) -> float:
+        """Return the parameters one token computes with on one of ``tp`` Megatron ranks: the
+        dense ones split over them, the active experts not (every TP rank routes the whole
+        sequence, so an expert shard sees the tokens of all ``tp`` ranks: ``workers/train/moe.py``)."""
+        experts = self.expert_params * self.top_k / self.experts if self.experts else 0.0
+        return (self.active_params - experts) / tp + experts
+
     def read_params(self, tokens: float) -> float:
         """Return the parameters a pass over ``tokens`` at once reads from memory: every dense
-        one, and the experts that many tokens reach (each at most once)."""
+        one, and the experts that many tokens reach, expected under even routing."""
         if not self.experts:
             return float(self.params)
-        reached = min(1.0, tokens * self.top_k / self.experts)
+        reached = 1.0 - (1.0 - self.top_k / self.experts) ** tokens
         return self.params - self.expert_params + self.expert_params * reached
 
     @classmethod
@@ -156,7 +167,7 @@ def generate_s(profile: DeviceProfile, work: Workload, lay: RoleLayout) -> float
 def _micro_batches(cfg: RunConfig, role: str, lay: RoleLayout, work: Workload) -> int:
     section = cfg.critic if role == "critic" else cfg.actor
     rows = math.ceil(work.samples / lay.dp)
-    if section.micro_batch_tokens:
+    if section.micro_batch_tokens and lay.ep == 1:  # expert parallelism: padded rows (the engine's)
         return max(1, math.ceil(rows * (work.prompt_mean + work.response_mean) / section.micro_batch_tokens))
     return max(1, math.ceil(rows / section.micro_batch_size))
 
@@ -166,7 +177,9 @@ def forward_s(profile: DeviceProfile, cfg: RunConfig, work: Workload, role: str,
     """Return the seconds of a forward pass (``train``: forward, backward and optimizer) over the
     step's tokens on ``lay``; an update repeats it ``ppo_epochs`` times and all-reduces gradients."""
     tokens = work.tokens / lay.dp
-    shard = work.active_params / (lay.tp * lay.pp)
+    if lay.ep > 1:  # the engine pads every micro-batch to the batch's width: one shape on the EP group
+        tokens = math.ceil(work.samples / lay.dp) * (work.prompt_max + work.response_max)
+    shard = work.train_params(lay.tp) / lay.pp
     micro = _micro_batches(cfg, role, lay, work)
     bubble = (micro + lay.pp - 1) / micro
     if train:
@@ -183,28 +196,33 @@ def forward_s(profile: DeviceProfile, cfg: RunConfig, work: Workload, role: str,
     if train:
         section = cfg.critic if role == "critic" else cfg.actor
         optimizer_steps = max(1, cfg.data.prompts_per_step // section.ppo_mini_batch_size)
-        dense, experts = (work.params - work.expert_params) / (lay.tp * lay.pp), work.expert_params / (lay.tp * lay.pp)
-        # each expert's gradients are summed over the dp / ep ranks that hold it, the rest over all dp
-        gradients = allreduce_s(profile, dense * 4, lay.dp)
-        if experts:
-            gradients += allreduce_s(profile, experts / lay.ep * 4, lay.dp // lay.ep)
+        weights, experts = work.params / (lay.tp * lay.pp), work.expert_params / (lay.tp * lay.pp)
+        gradients = allreduce_s(profile, weights * 4, lay.dp)  # one flat all-reduce of every gradient
+        if lay.ep > 1:  # an expert's gradients are summed over the dp / ep ranks that hold it only
+            gradients = (allreduce_s(profile, (weights - experts) * 4, lay.dp)
+                         + allreduce_s(profile, experts / lay.ep * 4, lay.dp // lay.ep))
         seconds = section.ppo_epochs * seconds + section.ppo_epochs * optimizer_steps * gradients
     return seconds + profile.call_overhead_s
 
 
 def _expert_exchange_s(profile: DeviceProfile, work: Workload, tokens: float, lay: RoleLayout, launches: float,
                        train: bool) -> float:
-    """Return the seconds expert parallelism's exchanges add, as the engine's allgather token
-    dispatcher makes them: per sparse layer, a forward pass all-gathers the ep ranks' hidden
-    states and routing (map and probabilities) and reduce-scatters the experts' outputs (4
-    collectives), a backward pass does the reverse (3 more)."""
-    if lay.ep <= 1 or not work.moe_layers:
+    """Return the seconds the engine's allgather token dispatcher adds over its tp x ep group
+    (every TP rank routes the whole sequence): per sparse layer and micro-batch, a forward pass
+    all-gathers the group's hidden states, router probabilities (fp32) and routing map and
+    reduce-scatters the experts' outputs (in the probabilities' fp32), 4 ring collectives; a
+    backward pass gathers the outputs' gradients and reduce-scatters the inputs' and the
+    probabilities' (3 more; the map has none)."""
+    group = lay.tp * lay.ep
+    if group <= 1 or not work.moe_layers:
         return 0.0
-    width = DTYPE_BYTES[profile.dtype]
-    hidden = 2 * (lay.ep - 1) * tokens * work.hidden * width        # gathered in, reduce-scattered out
-    routing = (lay.ep - 1) * tokens * work.experts * (width + 1)     # probabilities and the boolean map
-    collectives, nbytes = (7, 2 * (hidden + routing)) if train else (4, hidden + routing)
-    return work.moe_layers * (launches * collectives * profile.collective_latency_s + nbytes / profile.collective_gbps)
+    others = (group - 1) * tokens
+    hidden, probs = others * work.hidden, others * work.experts
+    forward = hidden * (DTYPE_BYTES[profile.dtype] + 4) + probs * (4 + 1)
+    backward = hidden * (4 + DTYPE_BYTES[profile.dtype]) + probs * 4
+    collectives, nbytes = (7, forward + backward) if train else (4, forward)
+    latency = launches * collectives * (group - 1) * profile.collective_latency_s
+    return work.moe_layers * (latency + nbytes / profile.collective_gbps)
 
 
 def sync_s(profile: DeviceProfile, work: Workload, mapping: DeviceMapping) -> float:
