@@ -72,3 +72,8 @@ def test_even_micro_batches_spread_the_rows_and_fill_with_padding_only():
     assert torch.equal(lengths, batch["attention_mask"].sum(1))
     pairs = even_micro_batches(random_batch(6).tensors, rows=4, total=8, group=2)  # runs of 2 rows kept whole
     assert [m.rows for m in pairs] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # a micro-batch size above the group's rows: one micro-batch of the most rows a rank holds, not 64
+    (one,) = even_micro_batches(batch.tensors, rows=64, total=8)
+    assert one.rows == [0, 1, 2, 3, 4, 5, 6, 7] and one.computed_tokens == 8 * batch["attention_mask"].shape[1]
+    threes = even_micro_batches(random_batch(6).tensors, rows=4, total=10, group=2)  # 5 runs in 3: 2 runs each
+    assert [len(m.rows) for m in threes] == [4, 4, 4]

@@ -135,13 +135,15 @@ def pad_rows(tensors: dict[str, torch.Tensor], total: int) -> dict[str, torch.Te
 
 
 def even_micro_batches(tensors: dict[str, torch.Tensor], rows: int, total: int, group: int = 1) -> list[MicroBatch]:
-    """Return ``ceil(total / rows)`` padded micro-batches of ``rows`` rows each: the batch's rows
-    spread over them in consecutive runs (runs of ``group`` rows kept whole), the rest filler rows
-    that are all padding (placed after the real rows in the index, so ``gather_rows`` drops them).
-    Ranks holding different row counts, up to ``total``, then run micro-batches of one count and
-    shape, as expert parallelism's all-gathers need, each with real rows while there are enough."""
+    """Return ``ceil(total / rows)`` padded micro-batches of at most ``rows`` rows each (the fewest
+    that hold ``total`` rows): the batch's rows spread over them in consecutive runs (runs of
+    ``group`` rows kept whole), the rest filler rows that are all padding (placed after the real
+    rows in the index, so ``gather_rows`` drops them). Ranks holding different row counts, up to
+    ``total``, then run micro-batches of one count and shape, as expert parallelism's all-gathers
+    need, each with real rows while there are enough."""
     n, width = tensors["attention_mask"].shape
     count = -(-total // rows)
+    rows = -(-(-(-total // group)) // count) * group  # fillers only to even the ranks out, not up to ``rows``
     blank = pad_rows({k: v[:1] for k, v in tensors.items()}, 2)
     blank = {k: v[1:] for k, v in blank.items()}  # one row of padding only
     out, fillers = [], n
