@@ -1,5 +1,5 @@
-"""``hybridlab explain``'s memory estimate on a model size other than the tiny one its runtime
-bases were calibrated on (``tests/test_dashboard.py`` holds the whole worker process on tiny
+"""``hybridlab explain``: its batch arithmetic and refusals, and its memory estimate on a model
+size other than the tiny one its runtime bases were calibrated on (``tests/test_dashboard.py`` holds the whole worker process on tiny
 within a factor of 1.5). Here the terms that grow with the model, fp32 weights, gradients and
 two AdamW moments for a trainer and fp32 weights for the reference, are checked against the
 resident memory they really add in a fresh process, on the ``mid`` preset (23.8M parameters,
@@ -121,3 +121,29 @@ def test_expert_parallelism_divides_only_the_experts_in_the_estimate():
                              "mapping={pools: {p: {devices: 2}}, roles: {actor: {pool: p, dp: 2, ep: 2},"
                              " rollout: {pool: p, dp: 2, colocate: e}, reward: {pool: p, dp: 2, colocate: e}}}"])
     assert "(actor.micro_batch_size, padded: ep > 1)" in explain(ep2, path).text()
+
+
+def test_explain_shows_the_arithmetic_and_refuses_sizes_that_do_not_fit():
+    from hybridlab.config import ConfigError
+    from hybridlab.explain import explain
+    from hybridlab.run_config import load_config
+
+    cfg = load_config(None, ["data.prompts_per_step=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
+                             "actor.micro_batch_size=3", "actor.micro_batch_tokens=0", "actor.ppo_epochs=2"])
+    e = explain(cfg)
+    assert e.sizes["samples_per_step"] == 32
+    assert e.sizes["actor"] == {"mini_batches": 2, "optimizer_steps": 4, "sequences_per_mini_batch": 16,
+                                "sequences_per_rank": 16, "micro_batches_per_rank": 6, "micro_rows": 3}
+    assert "16 per rank in 6 micro-batch(es) of at most 3 (actor.micro_batch_size)" in e.text()
+    # the default token budget (packed): rows of the longest length that fit in it bound the count
+    budget = explain(load_config(None, ["data.prompts_per_step=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
+                                        "actor.micro_batch_tokens=40"]))
+    rows = 40 // (budget.sizes["prompt_tokens_max"] + 8)
+    assert budget.sizes["actor"]["micro_rows"] == rows and rows >= 2
+    assert (f"16 per rank in at most {-(-16 // rows)} micro-batch(es) of at most 40 tokens"
+            " (actor.micro_batch_tokens, packed)") in budget.text()
+    assert "8 prompts / 4 (actor.ppo_mini_batch_size) = 2 mini-batches x 2 epoch(s) = 4 optimizer steps" in e.text()
+    assert "device 0: actor tp0 dp0 pp0, rollout engine 0, reward 0" in e.text()
+    with pytest.raises(ConfigError, match=r"actor.ppo_mini_batch_size: 3 prompts does not divide"
+                                          r" data.prompts_per_step \(8\)"):
+        explain(load_config(None, ["data.prompts_per_step=8", "actor.ppo_mini_batch_size=3"]))

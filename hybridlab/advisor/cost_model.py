@@ -67,19 +67,21 @@ class Workload:
     moe_layers: int = 0          # the layers with routed experts
 
     @property
+    def active_expert_params(self) -> float:
+        """Return the routed experts' parameters one token computes with: ``top_k`` of the
+        ``experts`` (0 for a dense model)."""
+        return self.expert_params * self.top_k / self.experts if self.experts else 0.0
+
+    @property
     def active_params(self) -> float:
-        """Return the parameters one token computes with: the dense ones and ``top_k`` of the
-        ``experts`` (all of them for a dense model)."""
-        if not self.experts:
-            return float(self.params)
-        return self.params - self.expert_params + self.expert_params * self.top_k / self.experts
+        """Return the parameters one token computes with: the dense ones and its active experts'."""
+        return self.params - self.expert_params + self.active_expert_params
 
     def train_params(self, tp: int) -> float:
         """Return the parameters one token computes with on one of ``tp`` Megatron ranks: the
         dense ones split over them, the active experts not (every TP rank routes the whole
         sequence, so an expert shard sees the tokens of all ``tp`` ranks: ``workers/train/moe.py``)."""
-        experts = self.expert_params * self.top_k / self.experts if self.experts else 0.0
-        return (self.active_params - experts) / tp + experts
+        return (self.params - self.expert_params) / tp + self.active_expert_params
 
     def read_params(self, tokens: float) -> float:
         """Return the parameters a pass over ``tokens`` at once reads from memory: every dense

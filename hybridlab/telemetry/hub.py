@@ -190,7 +190,12 @@ def read_lines(run_dir: str | os.PathLike, offset: int = 0) -> tuple[list[bytes]
 def read_bytes(run_dir: str | os.PathLike, offset: int = 0) -> tuple[bytes, int]:
     """Return (the complete lines of the run's telemetry file after byte ``offset`` as one bytes
     object, new offset); a half-written last line is left for the next read."""
-    path = Path(run_dir) / TELEMETRY_FILE
+    return read_complete_lines(Path(run_dir) / TELEMETRY_FILE, offset)
+
+
+def read_complete_lines(path: Path, offset: int = 0) -> tuple[bytes, int]:
+    """Return (the complete lines of the log at ``path`` after byte ``offset`` as one bytes object,
+    new offset; nothing while the file does not exist); a half-written last line is left."""
     if not path.is_file():
         return b"", offset
     with open(path, "rb") as f:

@@ -13,6 +13,8 @@ import json
 import time
 from pathlib import Path
 
+from hybridlab.telemetry.hub import read_complete_lines
+
 LIVE_S = 30.0
 REFRESH_MS = 2000
 ROLLOVER = 100_000     # points kept per overlaid curve
@@ -34,8 +36,9 @@ class RunInfo:
 
     def refresh(self) -> None:
         """Read what was appended to the run's logs since the last refresh."""
-        metrics = self._new_lines("metrics.jsonl")
-        for line in metrics:
+        for line in self._new_bytes("metrics.jsonl").splitlines():
+            if not line.strip():
+                continue
             r = json.loads(line)
             if "reward/mean" not in r and any(k.startswith("eval/") for k in r):
                 continue  # an evaluation's line, logged at the step it followed: not a step again
@@ -61,24 +64,15 @@ class RunInfo:
         origin = self.first_time if self.first_time is not None else (self.times[0] if self.times else 0.0)
         return [t - origin for t in self.times[start:]]
 
-    def _new_lines(self, name: str) -> list[bytes]:
-        return [line for line in self._new_bytes(name).splitlines() if line.strip()]
-
     def _new_bytes(self, name: str) -> bytes:
         """Return the complete lines appended to log ``name`` since the last read, as one bytes object."""
         path = self.path / name
-        if not path.is_file():
-            return b""
-        if path.stat().st_size < self._offsets[name]:  # cut back by a resume: read it again
+        if path.is_file() and path.stat().st_size < self._offsets[name]:  # cut back by a resume: read it again
             self._offsets[name] = 0
             if name == "metrics.jsonl":
                 self.steps, self.rewards, self.times, self.cuts = [], [], [], self.cuts + 1
-        with open(path, "rb") as f:
-            f.seek(self._offsets[name])
-            data = f.read()
-        end = data.rfind(b"\n") + 1
-        self._offsets[name] += end
-        return data[:end]
+        data, self._offsets[name] = read_complete_lines(path, self._offsets[name])
+        return data
 
     @property
     def status(self) -> str:

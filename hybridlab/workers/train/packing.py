@@ -143,7 +143,8 @@ def even_micro_batches(tensors: dict[str, torch.Tensor], rows: int, total: int, 
     need, each with real rows while there are enough."""
     n, width = tensors["attention_mask"].shape
     count = -(-total // rows)
-    rows = -(-(-(-total // group)) // count) * group  # fillers only to even the ranks out, not up to ``rows``
+    runs = -(-total // group)  # the most runs of ``group`` rows a rank of the group holds
+    rows = -(-runs // count) * group  # the fewest rows that hold them: fillers only even the ranks out
     blank = pad_rows({k: v[:1] for k, v in tensors.items()}, 2)
     blank = {k: v[1:] for k, v in blank.items()}  # one row of padding only
     out, fillers = [], n
