@@ -110,14 +110,38 @@ def test_a_long_history_shows_its_curves_first_and_its_device_samples_when_parse
     assert board.memory.samples["actor r0"][0] == [t0 + s for s in range(1, 32)]
 
 
-def test_a_historys_lines_split_into_device_samples_and_the_rest_and_parse_with_nan_and_blanks():
+def test_a_historys_lines_split_into_device_samples_and_the_rest_and_parse_with_nan_and_blanks(monkeypatch):
+    from hybridlab.telemetry import record_source
     from hybridlab.telemetry.hub import parse_lines
     from hybridlab.telemetry.record_source import DEVICE, line_bounds, starts_with
 
     data = (b'{"kind": "device", "util": 1.0}\n{"kind": "dev"}\n{"kind": "metrics", "loss": NaN}\n\n'
             b'{"kind": "device", "util": 2.0}\n')
     starts, ends = line_bounds(data)
+    assert list(zip(starts.tolist(), ends.tolist())) == [(0, 31), (32, 47), (48, 80), (81, 81), (82, 113)]
+    monkeypatch.setattr(record_source, "SCAN_BLOCK", 7)  # newlines searched in blocks: lines cross them
+    assert [b.tolist() for b in line_bounds(data)] == [starts.tolist(), ends.tolist()]
+    assert [b.tolist() for b in line_bounds(b"")] == [[], []]
     assert starts_with(data, starts, DEVICE).tolist() == [True, False, False, False, True]  # a short line is not one
+    tail = data + b'{"k": 1}\n'  # a last line shorter than the prefix
+    assert starts_with(tail, line_bounds(tail)[0], DEVICE).tolist() == [True, False, False, False, True, False]
     records = parse_lines([data[a:b] for a, b in zip(starts.tolist(), ends.tolist())])
     assert [r["kind"] for r in records] == ["device", "dev", "metrics", "device"] and records[3]["util"] == 2.0
     assert math.isnan(records[2]["loss"])  # json.dumps writes NaN, which orjson refuses: parsed by json
+
+
+def test_a_served_page_of_a_finished_run_draws_its_mapping_without_importing_ray(tmp_path):
+    """The served page's process never starts Ray: importing it took 0.4 s of the first page."""
+    import subprocess
+    import sys
+
+    from hybridlab.bench.dashboard import write_run as write_bench_run
+
+    write_bench_run(tmp_path / "run", devices=2, steps=3, span_steps=1)
+    code = ("import sys; from bokeh.document import Document;"
+            " from hybridlab.telemetry.dashboard import build_dashboard;"
+            f" page = build_dashboard({str(tmp_path / 'run')!r}, template=True); page.server_doc(Document());"
+            " print('rollout engine 0 tp1' in page.dashboard.mapping_drawing.object, 'ray' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["True", "False"]

@@ -26,11 +26,13 @@ from typing import Any
 
 import yaml
 
-from hybridlab.controller.resources import STRATEGIES
 from hybridlab.errors import UserError
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward")
 TRAINING_ROLES = ("actor", "ref", "critic")  # run on megatron-core
+# a pool's Ray placement strategies; kept here, not beside the placement groups (resources.py),
+# so that reading a mapping (the dashboard draws one) does not import Ray
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 class MappingError(UserError):

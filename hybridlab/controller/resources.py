@@ -12,9 +12,8 @@ import uuid
 
 import ray
 
+from hybridlab.controller.mapping import STRATEGIES
 from hybridlab.errors import UserError
-
-STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 def connect(address: str | None = None, num_gpus: int | None = None, num_cpus: int | None = None,

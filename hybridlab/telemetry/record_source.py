@@ -23,6 +23,7 @@ from hybridlab.telemetry.hub import find_hub, parse_lines, read_bytes
 BIG_HISTORY = 8 * 2**20            # bytes
 DEVICE = b'{"kind": "device"'      # how the hub starts a device sample's line
 CHUNK = 20_000                     # lines parsed at a time in the background
+SCAN_BLOCK = 4 * 2**20             # bytes searched for newlines at a time
 
 
 class RecordSource:
@@ -104,14 +105,20 @@ class RecordSource:
 def line_bounds(data: bytes) -> tuple[np.ndarray, np.ndarray]:
     """Return the start and end offsets of the lines of ``data`` (complete lines, each ending in a
     newline), found with numpy: a long history has hundreds of thousands."""
-    ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == ord("\n"))
-    return np.concatenate(([0], ends[:-1] + 1)), ends
+    raw = np.frombuffer(data, dtype=np.uint8)
+    # in blocks: one comparison of the whole file would allocate (and page in) a mask as large as the
+    # file, which took 0.3 s of a 156 MB history's first page against 0.07 s for all of this
+    ends = np.concatenate([np.flatnonzero(raw[i:i + SCAN_BLOCK] == ord("\n")) + i
+                           for i in range(0, len(raw), SCAN_BLOCK)] or [np.zeros(0, dtype=np.int64)])
+    return np.concatenate(([0], ends[:-1] + 1))[:len(ends)], ends
 
 
 def starts_with(data: bytes, starts: np.ndarray, prefix: bytes) -> np.ndarray:
     """Return which of the lines starting at ``starts`` begin with ``prefix``."""
     raw = np.frombuffer(data, dtype=np.uint8)
-    found = np.ones(len(starts), dtype=bool)
-    for i, byte in enumerate(prefix):  # a line shorter than the prefix meets its newline, which differs
-        found &= raw[np.minimum(starts + i, len(raw) - 1)] == byte
-    return found
+    if len(raw) < len(prefix):
+        return np.zeros(len(starts), dtype=bool)
+    windows = np.lib.stride_tricks.sliding_window_view(raw, len(prefix))  # a view: row i is raw[i:i + len]
+    last = len(windows) - 1  # a line starting after it is shorter than the prefix
+    heads = windows[np.minimum(starts, last)]
+    return (heads == np.frombuffer(prefix, dtype=np.uint8)).all(axis=1) & (starts <= last)
