@@ -15,17 +15,26 @@ without the model's text, under a template that renders them otherwise) is handl
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import Callable
 
 from aiohttp import web
 
+try:
+    import httpx2 as httpx  # the OpenAI SDK's HTTP client (httpx before it)
+except ImportError:
+    import httpx
+
 from hybridlab.agents.tool_loop import ChatClient
 from hybridlab.agents.tools import CALL_PATTERN, parse_tool_calls
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=status)
+ROUTE = re.compile(r"/trajectories/(?P<trajectory>[^/]+)/v1/chat/completions")
+
+
+def _error_body(message: str) -> dict:
+    return {"error": {"message": message, "type": "invalid_request_error"}}
 
 
 def _text(content) -> str:
@@ -114,19 +123,26 @@ class Endpoint:
         await self.runner.cleanup()
 
     async def chat(self, request: web.Request) -> web.Response:
-        """POST /trajectories/{i}/v1/chat/completions."""
+        """POST /trajectories/{i}/v1/chat/completions over HTTP."""
+        status, answer = await self.answer(request.match_info["trajectory"], await request.read())
+        return web.json_response(answer, status=status)
+
+    async def answer(self, trajectory: str, body: bytes) -> tuple[int, dict]:
+        """Return (HTTP status, JSON answer) of a chat-completions request ``body`` for trajectory
+        number ``trajectory`` (as the URL spells it)."""
+        import json
+
         try:
-            trajectory = int(request.match_info["trajectory"])
-            body = await request.json()
+            number, request = int(trajectory), json.loads(body)
         except ValueError:
-            return _error(400, "the request body must be JSON, and the URL must name a trajectory number")
-        problem = request_problem(body)
+            return 400, _error_body("the request body must be JSON, and the URL must name a trajectory number")
+        problem = request_problem(request)
         if problem:
-            return _error(400, problem)
+            return 400, _error_body(problem)
         try:
-            return web.json_response(await self._complete(trajectory, body))
+            return 200, await self._complete(number, request)
         except Exception as exc:  # the agent sees what failed, not a bare 500
-            return _error(500, f"the rollout could not answer: {type(exc).__name__}: {exc}")
+            return 500, _error_body(f"the rollout could not answer: {type(exc).__name__}: {exc}")
 
     async def _complete(self, trajectory: int, body: dict) -> dict:
         messages = [{**m, "content": _text(m.get("content"))} for m in body["messages"]]
@@ -140,3 +156,34 @@ class Endpoint:
         turn = client.trajectory.segments[-1].ids if client.trajectory.turns > turns_before else []
         cut = bool(turn) and len(turn) >= client.last_room
         return reply_json(text, ids[:len(ids) - len(turn)], turn, client.trajectory.turns, cut)
+
+
+class InProcessTransport(httpx.AsyncBaseTransport):
+    """The HTTP transport of the clients handed to agent functions: a request to the endpoint's
+    own address is answered by ``Endpoint.answer`` in this process, without the socket, the HTTP
+    encoding and the server between them; any other address goes out as usual.
+
+    Over loopback HTTP a call needs several turns of the event loop before its request reaches
+    the engine, and the engine's pump steps the running requests once per turn, so the returning
+    trajectories missed several steps each call (``bench agent``: 4.7 ms per call, 74% over the
+    raw engine). Answered in-process, the call reaches the engine in the same turn."""
+
+    def __init__(self, endpoint: Endpoint):
+        self.endpoint = endpoint
+        self.outside: httpx.AsyncHTTPTransport | None = None  # built when needed: its TLS setup takes 20 ms
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """Return the endpoint's answer to ``request`` (or the network's, for another address)."""
+        route = ROUTE.fullmatch(request.url.path)
+        if request.url.host != "127.0.0.1" or request.url.port != self.endpoint.port:
+            self.outside = self.outside or httpx.AsyncHTTPTransport()
+            return await self.outside.handle_async_request(request)
+        if route is None or request.method != "POST":
+            return httpx.Response(404, json=_error_body(f"no such endpoint: {request.method} {request.url.path}"))
+        status, answer = await self.endpoint.answer(route["trajectory"], await request.aread())
+        return httpx.Response(status, json=answer)
+
+    async def aclose(self) -> None:
+        """Close the connections opened to other addresses."""
+        if self.outside is not None:
+            await self.outside.aclose()

@@ -97,15 +97,17 @@ async def _agent_trajectory(spec: AgentSpec, endpoint: Any, i: int, sample: dict
 
 async def _run_all(spec: AgentSpec, make_client: Callable[[int], ChatClient], samples: list[dict], n: int,
                    limits: AgentLimits, max_in_flight: int) -> list[Trajectory]:
-    from hybridlab.agents.endpoint import Endpoint  # aiohttp: imported where it serves
+    from hybridlab.agents.endpoint import Endpoint, InProcessTransport  # aiohttp: imported where it serves
 
     slots = asyncio.Semaphore(max_in_flight)
-    http = None
-    if spec.agent is not None:
-        import openai
-
-        http = openai.DefaultAsyncHttpxClient()  # the SDK's defaults: up to 1,000 connections
     async with Endpoint(make_client) as endpoint:
+        http = None
+        if spec.agent is not None:
+            import openai
+
+            # the SDK's client, its calls to the endpoint answered in this process (InProcessTransport)
+            http = openai.DefaultAsyncHttpxClient(transport=InProcessTransport(endpoint))
+
         async def one(i: int) -> Trajectory:
             async with slots:
                 sample = copy.deepcopy(samples[i // n])  # each trajectory may change its own
