@@ -21,7 +21,7 @@ def test_bench_dispatch_json(ray_local, capfd):
 def test_unknown_benchmark_lists_names(capfd):
     assert main(["bench", "nope", "--json"]) == 2
     assert ("unknown benchmark 'nope'; choose one of: agent, dashboard, dispatch, dpo, e2e, learn, lora, plan, precision,"
-            " remap, rollout, soak, sync, train") in capfd.readouterr().err
+            " published, remap, rollout, soak, sync, train") in capfd.readouterr().err
 
 
 def test_a_benchmark_and_the_runs_it_starts_stay_on_loopback():

@@ -70,7 +70,7 @@ def add_commands(sub) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     p.add_argument("--devices", type=int, required=True, help="devices to map the roles on")
     p.add_argument("--nodes", type=int, default=1, help="nodes the devices are on, equally (default 1)")
-    p.add_argument("--profile", default=None, help="device profile: h100, h200, a100, a JSON file or a saved name"
+    p.add_argument("--profile", default=None, help="device profile: h100, h200, a100, h20, a JSON file or a saved name"
                                                    " (default: this machine's, from hybridlab calibrate)")
     p.add_argument("--response-mean", type=float, default=None,
                    help="mean generated tokens per sequence (default rollout.max_new_tokens)")

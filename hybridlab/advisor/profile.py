@@ -122,11 +122,13 @@ GPU_PROFILES = {
                                               " NVLink 900 GB/s bidirectional"),
     "a100": _gpu("a100", 312.0, 2.039, 80, 300, "NVIDIA A100 SXM 80GB datasheet: 312 TFLOPS bf16, 2.039 TB/s,"
                                                " 80 GB, NVLink 600 GB/s bidirectional"),
+    "h20": _gpu("h20", 148.0, 4.0, 96, 450, "NVIDIA H20 datasheet: 148 TFLOPS bf16, 4.0 TB/s, 96 GB,"
+                                           " NVLink 900 GB/s bidirectional"),
 }
 
 
 def load_profile(name_or_path: str | Path | None = None) -> DeviceProfile:
-    """Return a profile: a GPU kind (h100, h200, a100), a JSON file, or a saved profile's name
+    """Return a profile: a GPU kind (h100, h200, a100, h20), a JSON file, or a saved profile's name
     (default: this machine's, which ``hybridlab calibrate`` writes). Raises UserError saying
     how to get one when there is none."""
     name = str(name_or_path or LOCAL)

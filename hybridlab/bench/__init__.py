@@ -21,6 +21,7 @@ BENCHES = {
     "agent": "hybridlab.bench.agent",
     "dashboard": "hybridlab.bench.dashboard",
     "plan": "hybridlab.bench.plan",
+    "published": "hybridlab.bench.published",
 }
 
 

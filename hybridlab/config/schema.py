@@ -327,7 +327,7 @@ class TrainerConfig:
     call_deadline_floor_s: float = 120.0  # derived deadline: 5x the longest recent call of its stage, at least this
     spare_processes: int = 0            # warmed-up worker processes kept for remaps and re-created roles
     advise_every: int = 20              # the mapping advisor: measured step against its prediction (0: off)
-    advisor_profile: str = "local"      # its device profile: local (hybridlab calibrate), h100, h200, a100, a file
+    advisor_profile: str = "local"      # its device profile: local (hybridlab calibrate), h100, h200, a100, h20, a file
     # CPU nodes: pin each worker process to its devices' share of the cores
     bind_threads: bool = setting(False, change="fixed",
                                  why="worker processes are pinned to their cores (or not) when the session starts them")

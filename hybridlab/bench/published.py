@@ -1,0 +1,193 @@
+"""The mapping advisor against published GPU runs: each run's step predicted from a GPU kind's
+profile (``advisor/profile.py``: datasheet peaks and stated efficiency assumptions) and the
+run's published configuration, then compared with the published figures. Nothing is measured
+here and nothing is fitted to the published figures; where a run does not publish something the
+model needs (a prompt length), the value assumed is stated in the row.
+
+- NeMo-RL's GRPO throughput tables (H100, Megatron Core training, vLLM generation): Qwen3-30B-A3B
+  on 32 GPUs, on-policy (colocated) and one step off-policy (16 training and 16 generation
+  GPUs), from v0.6; Qwen3-32B, on-policy on 32 GPUs and one step off-policy on 64, from v0.5.
+  The published tokens/s/GPU count every sample's prompt and response (G-GBS x G-Average Seq len
+  / (step time x GPUs), within the few percent the table's notes allow for its 5-step averages).
+- verl's fully-async trainer (Qwen2.5-Math-7B, DAPO, 128 H20): the colocated synchronous step
+  against rollout and training on 64 GPUs each. The run publishes no mean response length, so
+  the speedup is predicted for three (2,048, 4,096 and 8,192 tokens of the 28K maximum).
+- The seeds' figures (../shared/seeds, 000: Llama-2-70B PPO on 64 A100 at TP 4, PP 8, DP 2, 1M
+  tokens per step): a colocated step of 0.893 s against 1.842 s for "traditional PPO", devices
+  busy 72.4% and 38.7%; predicted for the colocated mapping and for generation and training on
+  separate pools, with the arithmetic lower bound of the update alone.
+
+Keys: ``rows`` (per run: published and predicted figures, ``error`` = predicted / published - 1,
+the predicted stages, ``assumed``), ``median_abs_error`` over the NeMo-RL step times,
+``async_speedup`` and ``seeds``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+from hybridlab.advisor.cost_model import Workload, predict
+from hybridlab.advisor.profile import load_profile
+from hybridlab.config import RunConfig, apply_override, build
+from hybridlab.controller.mapping import DeviceMapping
+
+NEMO_RL = ("NVIDIA-NeMo/RL docs/about/performance-summary.md, {version} (https://docs.nvidia.com/nemo/rl/"
+           "{version}/about/performance-summary.html): H100 BF16, Megatron Core, vLLM, OpenMathInstruct-2, G-GBS 2048"
+           " (64 prompts x 32), T-GBS 512, T-Max Seq Len 4096")
+VERL_ASYNC = ("volcengine/verl docs/advance/fully_async.md and recipe/fully_async_policy/README.md (commit "
+              "19997f9e): Qwen2.5-Math-7B, DAPO, 128 H20, 512 prompts x 16 responses, max response 28K")
+SEED = "../shared/seeds/000 (a blog post's claims): Llama-2-70B PPO on 8 x 8 A100, TP 4, PP 8, DP 2"
+PROMPT_ASSUMED = 150  # tokens: NeMo-RL publishes the whole sequence's mean only (OpenMathInstruct-2 prompts are short)
+
+# the dimensions of each model's Hugging Face config (parameters counted from them)
+MODELS = {
+    "Qwen3-30B-A3B": dict(params=30_532_122_624, layers=48, hidden=2048, vocab=151_936, experts=128, top_k=8,
+                          moe_layers=48, expert_params=48 * 128 * 3 * 2048 * 768),
+    "Qwen3-32B": dict(params=32_762_123_264, layers=64, hidden=5120, vocab=151_936),
+    "Qwen2.5-Math-7B": dict(params=7_615_616_512, layers=28, hidden=3584, vocab=152_064),
+    "Llama-2-70B": dict(params=68_976_648_192, layers=80, hidden=8192, vocab=32_000),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedRun:
+    """One published row: its model, GPUs and layout (in hybridlab's mapping), and figures."""
+
+    name: str
+    version: str                   # NeMo-RL's release whose table holds the row
+    model: str
+    gpu: str
+    mapping: dict
+    off_policy: bool
+    sequence_mean: float           # G-Average Seq len: prompt and response
+    step_s: float
+    tokens_per_s_per_gpu: float
+
+
+def _pools(train: dict, gen: dict, train_devices: int, gen_devices: int = 0) -> dict:
+    """Return a mapping: the actor (with the reward) and the rollout colocated on one pool, or on
+    two (``gen_devices``)."""
+    if not gen_devices:
+        roles = {"actor": {**train, "colocate": "e"}, "rollout": {**gen, "colocate": "e"},
+                 "reward": {"dp": train_devices, "colocate": "e"}}
+        return {"pools": {"main": {"devices": train_devices}}, "roles": {r: {"pool": "main", **v}
+                                                                          for r, v in roles.items()}}
+    roles = {"actor": {"pool": "train", **train, "colocate": "t"}, "rollout": {"pool": "gen", **gen, "colocate": "g"},
+             "reward": {"pool": "train", "dp": train_devices, "colocate": "t"}}
+    return {"pools": {"train": {"devices": train_devices}, "gen": {"devices": gen_devices}}, "roles": roles}
+
+
+NEMO_RUNS = (
+    PublishedRun("NeMo-RL v0.6 Qwen3-30B-A3B on-policy, 32 H100", "0.6.0", "Qwen3-30B-A3B", "h100",
+                 _pools({"dp": 32, "ep": 8}, {"tp": 2, "dp": 16}, 32), False, 3203, 192.0, 1102.0),
+    PublishedRun("NeMo-RL v0.6 Qwen3-30B-A3B one step off-policy, 16 + 16 H100", "0.6.0", "Qwen3-30B-A3B", "h100",
+                 _pools({"dp": 8, "pp": 2, "ep": 8}, {"tp": 2, "dp": 8}, 16, 16), True, 3201, 152.0, 1414.0),
+    PublishedRun("NeMo-RL v0.5 Qwen3-32B on-policy, 32 H100", "0.5.0", "Qwen3-32B", "h100",
+                 _pools({"tp": 4, "pp": 4, "dp": 2}, {"tp": 4, "dp": 8}, 32), False, 3251, 376.0, 571.0),
+    PublishedRun("NeMo-RL v0.5 Qwen3-32B one step off-policy, 32 + 32 H100 (the split assumed)", "0.5.0",
+                 "Qwen3-32B", "h100",
+                 _pools({"tp": 4, "pp": 4, "dp": 2}, {"tp": 4, "dp": 8}, 32, 32), True, 3252, 200.0, 538.0),
+)
+
+
+def run_config(settings: list[str]) -> RunConfig:
+    """Return the RunConfig of ``key=value`` settings on the defaults (no model is read: the
+    published models are not in the zoo)."""
+    data: dict = {}
+    for pair in settings:
+        apply_override(data, pair)
+    return build(RunConfig, data)
+
+
+def _grpo(prompts: int, group: int, train_samples: int, max_new: int, off_policy: bool) -> RunConfig:
+    """GRPO as NeMo-RL and verl run it: old log-probs recomputed by the trainer, packed micro-batches."""
+    return run_config([f"data.prompts_per_step={prompts}", f"rollout.n={group}", f"rollout.max_new_tokens={max_new}",
+                       f"actor.ppo_mini_batch_size={train_samples // group}", "actor.use_rollout_log_probs=false",
+                       f"trainer.off_policy={str(off_policy).lower()}"])
+
+
+def nemo_row(run: PublishedRun) -> dict:
+    """Return the predicted against the published step and tokens/s/GPU of a NeMo-RL row."""
+    max_seq, samples = 4096, 2048   # T-Max Seq Len; G-GBS: 64 prompts x 32 generations
+    work = Workload(samples=samples, prompt_mean=PROMPT_ASSUMED, prompt_max=PROMPT_ASSUMED,
+                    response_mean=run.sequence_mean - PROMPT_ASSUMED, response_max=max_seq - PROMPT_ASSUMED,
+                    **MODELS[run.model])
+    cfg = _grpo(64, 32, 512, max_seq - PROMPT_ASSUMED, run.off_policy)
+    mapping = DeviceMapping.from_dict(run.mapping)
+    p = predict(work, cfg, mapping, load_profile(run.gpu))
+    gpus = sum(pool.devices for pool in mapping.pools.values())
+    tokens = samples * run.sequence_mean / (p.step_s * gpus)
+    return {"run": run.name, "source": NEMO_RL.format(version=run.version), "profile": run.gpu, "mapping": run.mapping,
+            "published": {"step_s": run.step_s, "tokens_per_s_per_gpu": run.tokens_per_s_per_gpu},
+            "predicted": {"step_s": round(p.step_s, 1), "tokens_per_s_per_gpu": round(tokens, 1),
+                          "stage_s": {k: round(v, 2) for k, v in p.stage_s.items()}, "overlapped": p.overlapped},
+            "error": {"step_s": round(p.step_s / run.step_s - 1, 3),
+                      "tokens_per_s_per_gpu": round(tokens / run.tokens_per_s_per_gpu - 1, 3)},
+            "assumed": [f"prompts of {PROMPT_ASSUMED} tokens (the mean sequence, prompt and response, is published)",
+                        "the reward beside the trainer; no reference pass (the table's step is training, generation,"
+                        " policy log-probs and refit)"]}
+
+
+def async_speedup(response_means: tuple[int, ...] = (2048, 4096, 8192)) -> dict:
+    """Return verl's fully-async speedup at 128 H20 (published per step: colocated 356.30 s against
+    64 + 64 GPUs at 150.63 s) against the cost model's, for each assumed mean response length."""
+    prompts, group, max_response, prompt = 512, 16, 28 * 1024, 512
+    predicted = {}
+    for mean in response_means:
+        work = Workload(samples=prompts * group, prompt_mean=prompt, prompt_max=2048, response_mean=mean,
+                        response_max=max_response, **MODELS["Qwen2.5-Math-7B"])
+        steps = []
+        for mapping, off_policy in ((_pools({"tp": 4, "dp": 32}, {"tp": 4, "dp": 32}, 128), False),
+                                    (_pools({"tp": 4, "dp": 16}, {"tp": 4, "dp": 16}, 64, 64), True)):
+            cfg = _grpo(prompts, group, 32 * group, max_response, off_policy)
+            steps.append(predict(work, cfg, DeviceMapping.from_dict(mapping), load_profile("h20")).step_s)
+        predicted[str(mean)] = {"colocated_s": round(steps[0], 1), "async_s": round(steps[1], 1),
+                                "speedup": round(steps[0] / steps[1], 3)}
+    published = round(356.30 / 150.63, 3)
+    best = max(p["speedup"] for p in predicted.values())
+    return {"source": VERL_ASYNC, "profile": "h20", "published_speedup": published, "predicted": predicted,
+            "error_at_best": round(best / published - 1, 3),
+            "assumed": [f"prompts of {prompt} tokens (at most 2,048); the mean response lengths listed",
+                        "TP 4 on both sides (the run's scripts; their Ulysses sequence parallelism is not modelled)"]}
+
+
+def seed_figures() -> dict:
+    """Return the seed's Llama-2-70B PPO figures against the colocated and the separate-pool
+    predictions, and the update's arithmetic lower bound (every FLOP at the A100's peak)."""
+    model, devices, tokens = MODELS["Llama-2-70B"], 64, 2**20
+    samples, half = tokens // 2048, 1024           # 1M tokens of 2,048-token sequences: 1,024 prompt + 1,024 response
+    work = Workload(samples=samples, prompt_mean=half, prompt_max=half, response_mean=half, response_max=half, **model)
+    cfg = run_config([f"data.prompts_per_step={samples}", "rollout.n=1", f"rollout.max_new_tokens={half}",
+                      "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
+                      f"actor.ppo_mini_batch_size={samples}", f"critic.ppo_mini_batch_size={samples}"])
+    layout = {"tp": 4, "pp": 8, "dp": 2}
+    together = {"pools": {"main": {"devices": 64}},
+                "roles": {r: {"pool": "main", **layout, "colocate": "e"} for r in ("actor", "ref", "critic")}
+                | {"rollout": {"pool": "main", "tp": 4, "dp": 16, "colocate": "e"},
+                   "reward": {"pool": "main", "dp": 64, "colocate": "e"}}}
+    apart = {"pools": {"train": {"devices": 32}, "gen": {"devices": 32}},
+             "roles": {r: {"pool": "train", "tp": 4, "pp": 4, "dp": 2, "colocate": "t"}
+                       for r in ("actor", "ref", "critic")}
+             | {"rollout": {"pool": "gen", "tp": 4, "dp": 8, "colocate": "g"},
+                "reward": {"pool": "gen", "dp": 32, "colocate": "g"}}}
+    profile = load_profile("a100")
+    out = {}
+    for name, mapping in (("colocated", together), ("separate_pools", apart)):
+        p = predict(work, cfg, DeviceMapping.from_dict(mapping), profile)
+        out[name] = {"step_s": round(p.step_s, 1), "busy": p.busy}
+    floor = 6 * model["params"] * tokens / (devices * profile.flops)  # the actor's update alone at 100% of peak
+    return {"source": SEED, "profile": "a100",
+            "published": {"colocated": {"step_s": 0.893, "busy": 0.724},
+                          "traditional": {"step_s": 1.842, "busy": 0.387}},
+            "predicted": out, "update_lower_bound_s": round(floor, 1),
+            "assumed": ["1M tokens as 512 sequences of 1,024 prompt and 1,024 response tokens; PPO with a critic of"
+                        " the same size and KL in the reward; 'traditional' as generation and training on separate"
+                        " halves, one after the other"]}
+
+
+def run() -> dict:
+    """Return the published runs' figures against the cost model's predictions."""
+    rows = [nemo_row(r) for r in NEMO_RUNS]
+    return {"benchmark": "published", "measured": False, "rows": rows,
+            "median_abs_error": round(statistics.median(abs(r["error"]["step_s"]) for r in rows), 3),
+            "async_speedup": async_speedup(), "seeds": seed_figures()}

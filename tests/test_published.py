@@ -1,0 +1,52 @@
+"""The mapping advisor against published GPU runs (``hybridlab bench published``): the models'
+sizes as their publishers state them, each prediction's derived figures as the ratios of the
+reported ones, and the arithmetic that shows a seed's step time cannot hold."""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from bench_json import run_bench
+from hybridlab.advisor.cost_model import Workload
+from hybridlab.bench.published import MODELS
+
+
+@pytest.mark.parametrize("model, total, active", [("Qwen3-30B-A3B", 30.5e9, 3.3e9), ("Qwen3-32B", 32.8e9, 32.8e9),
+                                                  ("Qwen2.5-Math-7B", 7.6e9, 7.6e9), ("Llama-2-70B", 69.0e9, 69.0e9)])
+def test_the_published_models_have_the_sizes_their_publishers_state(model, total, active):
+    work = Workload(samples=1, prompt_mean=1, prompt_max=1, response_mean=1, response_max=1, **MODELS[model])
+    assert work.params == pytest.approx(total, rel=0.01)          # model cards: 30.5B, 32.8B, 7.6B; Llama 2: 69.0B
+    assert work.active_params == pytest.approx(active, rel=0.02)  # Qwen3-30B-A3B: 3.3B activated
+
+
+def test_bench_published_compares_every_row_with_its_own_arithmetic(capfd):
+    result = run_bench(["published"], capfd)
+    assert result["measured"] is False
+    # G-Average Seq len of each row, as NeMo-RL's tables publish it
+    sequences = {"NeMo-RL v0.6 Qwen3-30B-A3B on-policy": 3203, "NeMo-RL v0.6 Qwen3-30B-A3B one step off-policy": 3201,
+                 "NeMo-RL v0.5 Qwen3-32B on-policy": 3251, "NeMo-RL v0.5 Qwen3-32B one step off-policy": 3252}
+    assert [r["run"].split(",")[0] for r in result["rows"]] == list(sequences)
+    for row, sequence in zip(result["rows"], sequences.values()):
+        gpus = sum(p["devices"] for p in row["mapping"]["pools"].values())
+        # tokens/s/GPU as NeMo-RL counts them: every sample's prompt and response over the step and all GPUs
+        assert row["predicted"]["tokens_per_s_per_gpu"] == pytest.approx(
+            2048 * sequence / (row["predicted"]["step_s"] * gpus), rel=1e-3)
+        for key in ("step_s", "tokens_per_s_per_gpu"):
+            assert row["error"][key] == pytest.approx(row["predicted"][key] / row["published"][key] - 1, abs=2e-3)
+        # on-policy the stages add up; one step off-policy (generation on its own GPUs) the step is the longer side
+        stages, off = row["predicted"]["stage_s"], "off-policy" in row["run"]
+        assert row["predicted"]["overlapped"] is off
+        expected = max(stages["generate"], sum(stages.values()) - stages["generate"]) if off else sum(stages.values())
+        assert row["predicted"]["step_s"] == pytest.approx(expected, abs=0.1)
+    assert result["median_abs_error"] == pytest.approx(
+        statistics.median(abs(r["error"]["step_s"]) for r in result["rows"]), abs=1e-3)
+    speedup = result["async_speedup"]
+    assert speedup["published_speedup"] == round(356.30 / 150.63, 3) and speedup["profile"] == "h20"
+    for p in speedup["predicted"].values():
+        assert p["speedup"] == pytest.approx(p["colocated_s"] / p["async_s"], abs=2e-3)
+    seeds = result["seeds"]
+    # the update alone, every FLOP at the A100's bf16 peak: 6 x 69.0B x 2^20 tokens / (64 x 312 TFLOP/s)
+    assert seeds["update_lower_bound_s"] == pytest.approx(6 * 68_976_648_192 * 2**20 / (64 * 312e12), abs=0.05)
+    assert seeds["update_lower_bound_s"] > 20 * seeds["published"]["colocated"]["step_s"]
+    assert seeds["predicted"]["colocated"]["step_s"] > seeds["update_lower_bound_s"]
