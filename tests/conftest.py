@@ -32,8 +32,8 @@ LONGEST = ["test_bench.py", "test_remap.py", "test_families.py", "test_resume.py
            "test_multinode.py", "test_train.py", "test_agents.py", "test_worker_faults.py", "test_fsdp.py",
            "test_controller.py", "test_bench_e2e.py", "test_widgets.py", "test_rl.py", "test_train_cli.py",
            "test_preference.py", "test_docs.py", "test_sync.py", "test_lab_browser.py", "test_dashboard.py",
-           "test_lora.py", "test_sft.py", "test_advisor.py", "test_bad_updates.py", "test_rollout.py", "test_chat.py",
-           "test_binding.py", "test_zoo.py"]
+           "test_lora.py", "test_ray_job.py", "test_sft.py", "test_advisor.py", "test_bad_updates.py",
+           "test_rollout.py", "test_chat.py", "test_binding.py", "test_zoo.py"]
 
 
 def pytest_collection_modifyitems(config, items):
