@@ -9,13 +9,13 @@ import pytest
 
 from bench_json import run_bench
 from hybridlab.advisor.cost_model import Workload
-from hybridlab.bench.published import MODELS
+from hybridlab.bench.published import model_dims
 
 
 @pytest.mark.parametrize("model, total, active", [("Qwen3-30B-A3B", 30.5e9, 3.3e9), ("Qwen3-32B", 32.8e9, 32.8e9),
                                                   ("Qwen2.5-Math-7B", 7.6e9, 7.6e9), ("Llama-2-70B", 69.0e9, 69.0e9)])
-def test_the_published_models_have_the_sizes_their_publishers_state(model, total, active):
-    work = Workload(samples=1, prompt_mean=1, prompt_max=1, response_mean=1, response_max=1, **MODELS[model])
+def test_the_published_models_parameters_counted_from_their_configs_are_what_their_cards_state(model, total, active):
+    work = Workload(samples=1, prompt_mean=1, prompt_max=1, response_mean=1, response_max=1, **model_dims(model))
     assert work.params == pytest.approx(total, rel=0.01)          # model cards: 30.5B, 32.8B, 7.6B; Llama 2: 69.0B
     assert work.active_params == pytest.approx(active, rel=0.02)  # Qwen3-30B-A3B: 3.3B activated
 
@@ -41,12 +41,17 @@ def test_bench_published_compares_every_row_with_its_own_arithmetic(capfd):
         assert row["predicted"]["step_s"] == pytest.approx(expected, abs=0.1)
     assert result["median_abs_error"] == pytest.approx(
         statistics.median(abs(r["error"]["step_s"]) for r in result["rows"]), abs=1e-3)
+    # the figures docs/advisor.md quotes (a change to the cost model that moves them moves the docs too)
+    assert [r["predicted"]["step_s"] for r in result["rows"]] == [96.8, 71.3, 249.7, 165.3]
+    assert result["median_abs_error"] == 0.416
     speedup = result["async_speedup"]
     assert speedup["published_speedup"] == round(356.30 / 150.63, 3) and speedup["profile"] == "h20"
     for p in speedup["predicted"].values():
         assert p["speedup"] == pytest.approx(p["colocated_s"] / p["async_s"], abs=2e-3)
+    assert [p["speedup"] for p in speedup["predicted"].values()] == [1.293, 0.964, 0.77]
     seeds = result["seeds"]
     # the update alone, every FLOP at the A100's bf16 peak: 6 x 69.0B x 2^20 tokens / (64 x 312 TFLOP/s)
     assert seeds["update_lower_bound_s"] == pytest.approx(6 * 68_976_648_192 * 2**20 / (64 * 312e12), abs=0.05)
     assert seeds["update_lower_bound_s"] > 20 * seeds["published"]["colocated"]["step_s"]
     assert seeds["predicted"]["colocated"]["step_s"] > seeds["update_lower_bound_s"]
+    assert [seeds["predicted"][k]["step_s"] for k in ("colocated", "separate_pools")] == [204.2, 354.1]

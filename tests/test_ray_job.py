@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -50,6 +51,7 @@ def ray_head():
     token = secrets.token_hex(32)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    log = open(os.path.join(temp_dir, "head.log"), "w")  # read on failure
     head = subprocess.Popen([RAY, "start", "--head", "--block", "--port", str(gcs), "--node-ip-address", "127.0.0.1",
                              "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
                              "--dashboard-agent-listen-port", str(agent),
@@ -57,13 +59,13 @@ def ray_head():
                              "--runtime-env-agent-port", str(runtime_env), "--metrics-export-port", str(metrics),
                              "--num-cpus", "2", "--num-gpus", "2", "--temp-dir", temp_dir,
                              "--labels", json.dumps({"hybridlab/node": "head"})],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{dashboard}"
     try:
         deadline = time.monotonic() + 180
         while True:  # the job API answers once the dashboard and its agent are up
             if head.poll() is not None:
-                pytest.fail(f"ray start --head exited {head.returncode}: {head.stdout.read()[-3000:]}")
+                pytest.fail(f"ray start --head exited {head.returncode}: {open(log.name).read()[-3000:]}")
             try:
                 request = urllib.request.Request(f"{address}/api/jobs/", headers={"Authorization": f"Bearer {token}"})
                 with urllib.request.urlopen(request, timeout=5) as reply:
@@ -76,13 +78,13 @@ def ray_head():
             time.sleep(1)
         yield address, f"127.0.0.1:{gcs}", env
     finally:
-        head.send_signal(signal.SIGTERM)
+        head.send_signal(signal.SIGTERM)  # the head stops the processes it started, as on `ray stop`
         try:
             head.wait(60)
-        except subprocess.TimeoutExpired:
-            head.kill()
-        import shutil
-
+        except subprocess.TimeoutExpired:  # its own session: nothing of the suite's clusters is in it
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(10)
+        log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -110,8 +112,11 @@ def test_hybridlab_train_runs_as_a_ray_job_and_its_dashboard_is_served_from_the_
                 break
             except OSError:
                 time.sleep(0.5)
+        else:
+            pytest.fail(f"the dashboard served on port {port} never answered")
         # the page of this run: the name its telemetry's run record carries, in the template's title
         name = json.loads((run_dir / "telemetry.jsonl").read_text().splitlines()[0])["name"]
-        assert page.status == 200 and f"<title>hybridlab · {name}</title>" in page.read().decode()
+        with page:
+            assert page.status == 200 and f"<title>hybridlab · {name}</title>" in page.read().decode()
     finally:
         server.stop()

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
+from hybridlab.bench.dashboard import write_run as write_bench_run
 from hybridlab.telemetry import dashboard as dash
 from tests.test_dashboard_panels import step_record, write_run
 
@@ -132,10 +135,6 @@ def test_a_historys_lines_split_into_device_samples_and_the_rest_and_parse_with_
 
 def test_a_served_page_of_a_finished_run_draws_its_mapping_without_importing_ray(tmp_path):
     """The served page's process never starts Ray: importing it took 0.4 s of the first page."""
-    import subprocess
-    import sys
-
-    from hybridlab.bench.dashboard import write_run as write_bench_run
 
     write_bench_run(tmp_path / "run", devices=2, steps=3, span_steps=1)
     code = ("import sys; from bokeh.document import Document;"

@@ -15,6 +15,8 @@ without the model's text, under a template that renders them otherwise) is handl
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 import time
 from typing import Callable
@@ -81,8 +83,6 @@ def reply_json(text: str | None, prompt_ids: list[int], token_ids: list[int], ca
     calls = [c for c in parse_tool_calls(text or "") if isinstance(c, dict)]
     message: dict = {"role": "assistant", "content": text or ""}
     if calls:  # as vLLM's Hermes parser answers: the text before the first call, then the calls
-        import json
-
         message["content"] = text[:CALL_PATTERN.search(text).start()].strip() or None
         message["tool_calls"] = [{"id": f"call_{call_index}_{k}", "type": "function",
                                   "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
@@ -123,24 +123,22 @@ class Endpoint:
         await self.runner.cleanup()
 
     async def chat(self, request: web.Request) -> web.Response:
-        """POST /trajectories/{i}/v1/chat/completions over HTTP."""
+        """Return the HTTP response to POST /trajectories/{i}/v1/chat/completions."""
         status, answer = await self.answer(request.match_info["trajectory"], await request.read())
         return web.json_response(answer, status=status)
 
     async def answer(self, trajectory: str, body: bytes) -> tuple[int, dict]:
         """Return (HTTP status, JSON answer) of a chat-completions request ``body`` for trajectory
         number ``trajectory`` (as the URL spells it)."""
-        import json
-
         try:
-            number, request = int(trajectory), json.loads(body)
+            number, payload = int(trajectory), json.loads(body)
         except ValueError:
             return 400, _error_body("the request body must be JSON, and the URL must name a trajectory number")
-        problem = request_problem(request)
+        problem = request_problem(payload)
         if problem:
             return 400, _error_body(problem)
         try:
-            return 200, await self._complete(number, request)
+            return 200, await self._complete(number, payload)
         except Exception as exc:  # the agent sees what failed, not a bare 500
             return 500, _error_body(f"the rollout could not answer: {type(exc).__name__}: {exc}")
 
@@ -159,9 +157,10 @@ class Endpoint:
 
 
 class InProcessTransport(httpx.AsyncBaseTransport):
-    """The HTTP transport of the clients handed to agent functions: a request to the endpoint's
-    own address is answered by ``Endpoint.answer`` in this process, without the socket, the HTTP
-    encoding and the server between them; any other address goes out as usual.
+    """The HTTP transport of the clients handed to agent functions, mounted on the endpoint's own
+    address (``mounts``): a request there is answered by ``Endpoint.answer`` in this process,
+    without the socket, the HTTP encoding and the server between them. Other addresses keep the
+    client's own transport (its connection limits, the environment's proxies).
 
     Over loopback HTTP a call needs several turns of the event loop before its request reaches
     the engine, and the engine's pump steps the running requests once per turn, so the returning
@@ -170,20 +169,33 @@ class InProcessTransport(httpx.AsyncBaseTransport):
 
     def __init__(self, endpoint: Endpoint):
         self.endpoint = endpoint
-        self.outside: httpx.AsyncHTTPTransport | None = None  # built when needed: its TLS setup takes 20 ms
+
+    def mounts(self) -> dict[str, "InProcessTransport"]:
+        """Return the ``mounts`` argument of an httpx client that sends the endpoint's calls here."""
+        return {f"http://127.0.0.1:{self.endpoint.port}": self}
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        """Return the endpoint's answer to ``request`` (or the network's, for another address)."""
+        """Return the endpoint's answer to ``request``: the server's JSON answer, a 404 naming a
+        path it does not serve, or ``httpx.ReadTimeout`` past the call's read timeout (the
+        request is then aborted in the engine)."""
         route = ROUTE.fullmatch(request.url.path)
-        if request.url.host != "127.0.0.1" or request.url.port != self.endpoint.port:
-            self.outside = self.outside or httpx.AsyncHTTPTransport()
-            return await self.outside.handle_async_request(request)
         if route is None or request.method != "POST":
             return httpx.Response(404, json=_error_body(f"no such endpoint: {request.method} {request.url.path}"))
-        status, answer = await self.endpoint.answer(route["trajectory"], await request.aread())
+        read_timeout = (request.extensions.get("timeout") or {}).get("read")
+        try:
+            status, answer = await _within(self.endpoint.answer(route["trajectory"], await request.aread()),
+                                           read_timeout)
+        except asyncio.TimeoutError:
+            raise httpx.ReadTimeout(f"no answer within the call's timeout of {read_timeout:g} s",
+                                    request=request) from None
         return httpx.Response(status, json=answer)
 
-    async def aclose(self) -> None:
-        """Close the connections opened to other addresses."""
-        if self.outside is not None:
-            await self.outside.aclose()
+
+async def _within(awaitable, seconds: float | None):
+    """Return what ``awaitable`` returns; raises asyncio.TimeoutError past ``seconds`` (None: no limit)."""
+    if seconds is None:
+        return await awaitable
+    if hasattr(asyncio, "timeout"):  # Python 3.11: in this task, so the call still reaches the engine this turn
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, seconds)  # Python 3.10: a task of its own (one turn later)

@@ -106,7 +106,7 @@ async def _run_all(spec: AgentSpec, make_client: Callable[[int], ChatClient], sa
             import openai
 
             # the SDK's client, its calls to the endpoint answered in this process (InProcessTransport)
-            http = openai.DefaultAsyncHttpxClient(transport=InProcessTransport(endpoint))
+            http = openai.DefaultAsyncHttpxClient(mounts=InProcessTransport(endpoint).mounts())
 
         async def one(i: int) -> Trajectory:
             async with slots:

@@ -39,14 +39,35 @@ VERL_ASYNC = ("volcengine/verl docs/advance/fully_async.md and recipe/fully_asyn
 SEED = "../shared/seeds/000 (a blog post's claims): Llama-2-70B PPO on 8 x 8 A100, TP 4, PP 8, DP 2"
 PROMPT_ASSUMED = 150  # tokens: NeMo-RL publishes the whole sequence's mean only (OpenMathInstruct-2 prompts are short)
 
-# the dimensions of each model's Hugging Face config (parameters counted from them)
-MODELS = {
-    "Qwen3-30B-A3B": dict(params=30_532_122_624, layers=48, hidden=2048, vocab=151_936, experts=128, top_k=8,
-                          moe_layers=48, expert_params=48 * 128 * 3 * 2048 * 768),
-    "Qwen3-32B": dict(params=32_762_123_264, layers=64, hidden=5120, vocab=151_936),
-    "Qwen2.5-Math-7B": dict(params=7_615_616_512, layers=28, hidden=3584, vocab=152_064),
-    "Llama-2-70B": dict(params=68_976_648_192, layers=80, hidden=8192, vocab=32_000),
+# each model's Hugging Face config, as much of it as its parameter count needs
+CONFIGS = {
+    "Qwen3-30B-A3B": dict(layers=48, hidden=2048, vocab=151_936, heads=32, kv_heads=4, head_dim=128, qk_norm=True,
+                          experts=128, top_k=8, expert_intermediate=768),
+    "Qwen3-32B": dict(layers=64, hidden=5120, vocab=151_936, heads=64, kv_heads=8, head_dim=128, qk_norm=True,
+                      intermediate=25_600),
+    "Qwen2.5-Math-7B": dict(layers=28, hidden=3584, vocab=152_064, heads=28, kv_heads=4, head_dim=128, qkv_bias=True,
+                            intermediate=18_944),
+    "Llama-2-70B": dict(layers=80, hidden=8192, vocab=32_000, heads=64, kv_heads=8, head_dim=128,
+                        intermediate=28_672),
 }
+
+
+def model_dims(name: str) -> dict:
+    """Return the Workload fields of model ``name`` (``CONFIGS``): its parameters counted from the
+    config (untied embeddings, gated MLPs, RMSNorms), and for an MoE its routed experts'."""
+    c = CONFIGS[name]
+    h, q, kv = c["hidden"], c["heads"] * c["head_dim"], c["kv_heads"] * c["head_dim"]
+    attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if c.get("qkv_bias") else 0)
+    attention += 2 * c["head_dim"] if c.get("qk_norm") else 0
+    experts = c.get("experts", 0)
+    expert = 3 * h * c["expert_intermediate"] if experts else 0
+    mlp = experts * expert + h * experts if experts else 3 * h * c["intermediate"]  # MoE: the experts and router
+    params = 2 * c["vocab"] * h + c["layers"] * (attention + mlp + 2 * h) + h
+    dims = dict(params=params, layers=c["layers"], hidden=h, vocab=c["vocab"])
+    if experts:
+        dims.update(experts=experts, top_k=c["top_k"], moe_layers=c["layers"],
+                    expert_params=c["layers"] * experts * expert)
+    return dims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +132,7 @@ def nemo_row(run: PublishedRun) -> dict:
     max_seq, samples = 4096, 2048   # T-Max Seq Len; G-GBS: 64 prompts x 32 generations
     work = Workload(samples=samples, prompt_mean=PROMPT_ASSUMED, prompt_max=PROMPT_ASSUMED,
                     response_mean=run.sequence_mean - PROMPT_ASSUMED, response_max=max_seq - PROMPT_ASSUMED,
-                    **MODELS[run.model])
+                    **model_dims(run.model))
     cfg = _grpo(64, 32, 512, max_seq - PROMPT_ASSUMED, run.off_policy)
     mapping = DeviceMapping.from_dict(run.mapping)
     p = predict(work, cfg, mapping, load_profile(run.gpu))
@@ -135,7 +156,7 @@ def async_speedup(response_means: tuple[int, ...] = (2048, 4096, 8192)) -> dict:
     predicted = {}
     for mean in response_means:
         work = Workload(samples=prompts * group, prompt_mean=prompt, prompt_max=2048, response_mean=mean,
-                        response_max=max_response, **MODELS["Qwen2.5-Math-7B"])
+                        response_max=max_response, **model_dims("Qwen2.5-Math-7B"))
         steps = []
         for mapping, off_policy in ((_pools({"tp": 4, "dp": 32}, {"tp": 4, "dp": 32}, 128), False),
                                     (_pools({"tp": 4, "dp": 16}, {"tp": 4, "dp": 16}, 64, 64), True)):
@@ -154,7 +175,7 @@ def async_speedup(response_means: tuple[int, ...] = (2048, 4096, 8192)) -> dict:
 def seed_figures() -> dict:
     """Return the seed's Llama-2-70B PPO figures against the colocated and the separate-pool
     predictions, and the update's arithmetic lower bound (every FLOP at the A100's peak)."""
-    model, devices, tokens = MODELS["Llama-2-70B"], 64, 2**20
+    model, devices, tokens = model_dims("Llama-2-70B"), 64, 2**20
     samples, half = tokens // 2048, 1024           # 1M tokens of 2,048-token sequences: 1,024 prompt + 1,024 response
     work = Workload(samples=samples, prompt_mean=half, prompt_max=half, response_mean=half, response_max=half, **model)
     cfg = run_config([f"data.prompts_per_step={samples}", "rollout.n=1", f"rollout.max_new_tokens={half}",
