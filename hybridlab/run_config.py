@@ -20,7 +20,7 @@ from hybridlab.algos.advantages import ADV_INPUTS
 from hybridlab.algos.preference import PREFERENCE_LOSSES, check_preference_settings
 from hybridlab.algos.rollout_correction import IS_LEVELS, parse_is_threshold, parse_rs
 from hybridlab.backend_checks import backend_problems, training_strategy  # noqa: F401 (imported from here too)
-from hybridlab.config import ConfigError, RunConfig, apply_override, build, resolve_config_path
+from hybridlab.config import ConfigError, RunConfig, config_with, resolve_config_path
 from hybridlab.controller.mapping import ROLES, DeviceMapping
 from hybridlab.dataflow.agent_stages import agent_problems, agentic, rollout_stages
 from hybridlab.dataflow.graph import Dataflow
@@ -391,8 +391,6 @@ def load_config(source: str | Path | None = None, overrides: list[str] | None = 
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    for pair in overrides or []:
-        apply_override(data, pair)
-    cfg = build(RunConfig, data)
+    cfg = config_with(data, overrides or [])
     validate_config(cfg)
     return cfg

@@ -28,7 +28,7 @@ import statistics
 
 from hybridlab.advisor.cost_model import Workload, predict
 from hybridlab.advisor.profile import load_profile
-from hybridlab.config import RunConfig, apply_override, build
+from hybridlab.config import RunConfig, config_with
 from hybridlab.controller.mapping import DeviceMapping
 
 NEMO_RL = ("NVIDIA-NeMo/RL docs/about/performance-summary.md, {version} (https://docs.nvidia.com/nemo/rl/"
@@ -111,20 +111,11 @@ NEMO_RUNS = (
 )
 
 
-def run_config(settings: list[str]) -> RunConfig:
-    """Return the RunConfig of ``key=value`` settings on the defaults (no model is read: the
-    published models are not in the zoo)."""
-    data: dict = {}
-    for pair in settings:
-        apply_override(data, pair)
-    return build(RunConfig, data)
-
-
 def _grpo(prompts: int, group: int, train_samples: int, max_new: int, off_policy: bool) -> RunConfig:
     """GRPO as NeMo-RL and verl run it: old log-probs recomputed by the trainer, packed micro-batches."""
-    return run_config([f"data.prompts_per_step={prompts}", f"rollout.n={group}", f"rollout.max_new_tokens={max_new}",
-                       f"actor.ppo_mini_batch_size={train_samples // group}", "actor.use_rollout_log_probs=false",
-                       f"trainer.off_policy={str(off_policy).lower()}"])
+    return config_with({}, [f"data.prompts_per_step={prompts}", f"rollout.n={group}",
+                            f"rollout.max_new_tokens={max_new}", f"actor.ppo_mini_batch_size={train_samples // group}",
+                            "actor.use_rollout_log_probs=false", f"trainer.off_policy={str(off_policy).lower()}"])
 
 
 def nemo_row(run: PublishedRun) -> dict:
@@ -153,7 +144,7 @@ def async_speedup(response_means: tuple[int, ...] = (2048, 4096, 8192)) -> dict:
     """Return verl's fully-async speedup at 128 H20 (published per step: colocated 356.30 s against
     64 + 64 GPUs at 150.63 s) against the cost model's, for each assumed mean response length."""
     prompts, group, max_response, prompt = 512, 16, 28 * 1024, 512
-    predicted = {}
+    predicted, profile = {}, load_profile("h20")
     for mean in response_means:
         work = Workload(samples=prompts * group, prompt_mean=prompt, prompt_max=2048, response_mean=mean,
                         response_max=max_response, **model_dims("Qwen2.5-Math-7B"))
@@ -161,7 +152,7 @@ def async_speedup(response_means: tuple[int, ...] = (2048, 4096, 8192)) -> dict:
         for mapping, off_policy in ((_pools({"tp": 4, "dp": 32}, {"tp": 4, "dp": 32}, 128), False),
                                     (_pools({"tp": 4, "dp": 16}, {"tp": 4, "dp": 16}, 64, 64), True)):
             cfg = _grpo(prompts, group, 32 * group, max_response, off_policy)
-            steps.append(predict(work, cfg, DeviceMapping.from_dict(mapping), load_profile("h20")).step_s)
+            steps.append(predict(work, cfg, DeviceMapping.from_dict(mapping), profile).step_s)
         predicted[str(mean)] = {"colocated_s": round(steps[0], 1), "async_s": round(steps[1], 1),
                                 "speedup": round(steps[0] / steps[1], 3)}
     published = round(356.30 / 150.63, 3)
@@ -178,9 +169,9 @@ def seed_figures() -> dict:
     model, devices, tokens = model_dims("Llama-2-70B"), 64, 2**20
     samples, half = tokens // 2048, 1024           # 1M tokens of 2,048-token sequences: 1,024 prompt + 1,024 response
     work = Workload(samples=samples, prompt_mean=half, prompt_max=half, response_mean=half, response_max=half, **model)
-    cfg = run_config([f"data.prompts_per_step={samples}", "rollout.n=1", f"rollout.max_new_tokens={half}",
-                      "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
-                      f"actor.ppo_mini_batch_size={samples}", f"critic.ppo_mini_batch_size={samples}"])
+    cfg = config_with({}, [f"data.prompts_per_step={samples}", "rollout.n=1", f"rollout.max_new_tokens={half}",
+                           "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
+                           f"actor.ppo_mini_batch_size={samples}", f"critic.ppo_mini_batch_size={samples}"])
     layout = {"tp": 4, "pp": 8, "dp": 2}
     together = {"pools": {"main": {"devices": 64}},
                 "roles": {r: {"pool": "main", **layout, "colocate": "e"} for r in ("actor", "ref", "critic")}

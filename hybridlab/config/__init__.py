@@ -6,11 +6,11 @@ reward registries, compose them one level up: ``hybridlab.run_config`` (``load_c
 """
 from __future__ import annotations
 
-from hybridlab.config.loading import apply_override, build, resolve_config_path
+from hybridlab.config.loading import apply_override, build, config_with, resolve_config_path
 from hybridlab.config.schema import (CONFIG_DIR, ActorConfig, AlgorithmConfig, ConfigError, CriticConfig,
                                      DataConfig, RewardConfig, RolloutConfig, RunConfig, TrainerConfig,
                                      WarmStartConfig)
 
 __all__ = ["CONFIG_DIR", "ActorConfig", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig",
            "RewardConfig", "RolloutConfig", "RunConfig", "TrainerConfig", "WarmStartConfig", "apply_override",
-           "build", "resolve_config_path"]
+           "build", "config_with", "resolve_config_path"]

@@ -118,6 +118,14 @@ def apply_override(data: dict, pair: str) -> None:
             raise ConfigError(f"{'.'.join(parts[:i + 1])} is not a section; cannot set {key}")
 
 
+def config_with(data: dict, overrides) -> RunConfig:
+    """Return the RunConfig of ``data`` (a config's plain form, changed in place) with ``key=value``
+    ``overrides`` applied; unvalidated: the checks across keys are ``run_config.validate_config``'s."""
+    for pair in overrides:
+        apply_override(data, pair)
+    return build(RunConfig, data)
+
+
 def resolve_config_path(source: str | Path) -> Path:
     """Return the YAML file for ``source``: a path, or a preset name from configs/."""
     path = Path(source)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from hybridlab.config import ConfigError, RunConfig, apply_override, build
+from hybridlab.config import ConfigError, RunConfig, config_with
 from hybridlab.controller.mapping import DeviceMapping, MappingError
 from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.pairs import step_inputs
@@ -105,10 +105,7 @@ class Change:
 def prepare_update(rl: "RLSession", overrides: tuple[str, ...]) -> Change:
     """Return the Change that ``key=value`` overrides make to ``rl`` as it is now; raises
     ConfigError naming the key (unknown, invalid, fixed for the run) or the remap's problems."""
-    data = rl.cfg.to_dict()
-    for pair in overrides:
-        apply_override(data, pair)
-    new = build(RunConfig, data)
+    new = config_with(rl.cfg.to_dict(), overrides)
     validate_config(new)
     if new.mapping is not None and new.trainer.devices != rl.cfg.trainer.devices:
         raise ConfigError("trainer.devices sizes the default mapping, but this session has an explicit one;"
