@@ -339,32 +339,6 @@ def test_the_same_app_is_served_by_the_cli_and_by_panel_serve(rl, how, monkeypat
         proc.wait(10)
 
 
-def test_status_line_names_the_phase_from_warm_start_to_evaluation(tmp_path):
-    """A viewer who opens the page during the warm start sees the warm start, not 'step 0'."""
-    from hybridlab.telemetry.hub import TelemetryHub
-
-    hub = TelemetryHub(str(tmp_path))  # the hub's own file format, written in this process
-    board = Dashboard(tmp_path)
-    hub.add("run", [{"name": "grpo", "processor": "Test CPU (avx512_bf16, no AMX)"}])
-    hub.add("phase", [{"phase": "warm start", "step": 0, "max_steps": 4000}])
-    board.update()
-    assert board.status.object == "run grpo · warm start step 0/4000 · Test CPU (avx512_bf16, no AMX) · live"
-    hub.add("phase", [{"phase": "warm start", "step": 250, "max_steps": 4000, "accuracy": 0.125, "target": 0.5}])
-    board.update()
-    assert "warm start step 250/4000 · held-out accuracy 12.5% of target 50%" in board.status.object
-    hub.add("phase", [{"phase": "evaluate", "step": 0}])
-    board.update()
-    assert "evaluating after RL step 0" in board.status.object
-    hub.add("eval", [{"step": 0, "accuracy": 0.5}])
-    hub.add("metrics", [{"step": 1, "reward/mean": 0.25}])
-    board.update()
-    assert "RL step 1 · mean reward 0.250" in board.status.object
-    hub.close()
-    (tmp_path / "summary.json").write_text(json.dumps({"failed": False}))
-    board.update()  # no new record: the status still follows the run
-    assert board.status.object.endswith(" · finished")
-
-
 def test_a_page_served_off_localhost_shows_nothing_without_login(rl, tmp_path, monkeypatch):
     """Bound to 0.0.0.0 (reached here through 127.0.0.1 only), the page needs Panel's login: a
     client without it gets the login form, no page and no session, so no control action; a

@@ -1,6 +1,7 @@
 """Reading a run's telemetry as the dashboard does: a long history's curves first and its device
-samples parsed in the background, its lines split and parsed (NaN and blank lines too), and the
-runs beside it, listed on the runs page and overlaid on a run's page (read only when overlaid)."""
+samples parsed in the background, its lines split and parsed (NaN and blank lines too), the runs
+beside it, listed on the runs page and overlaid on a run's page (read only when overlaid), and
+the status line it derives from the run's phases."""
 from __future__ import annotations
 
 import json
@@ -144,3 +145,29 @@ def test_a_served_page_of_a_finished_run_draws_its_mapping_without_importing_ray
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-2:] == ["True", "False"]
+
+
+def test_status_line_names_the_phase_from_warm_start_to_evaluation(tmp_path):
+    """A viewer who opens the page during the warm start sees the warm start, not 'step 0'."""
+    from hybridlab.telemetry.hub import TelemetryHub
+
+    hub = TelemetryHub(str(tmp_path))  # the hub's own file format, written in this process
+    board = dash.Dashboard(tmp_path)
+    hub.add("run", [{"name": "grpo", "processor": "Test CPU (avx512_bf16, no AMX)"}])
+    hub.add("phase", [{"phase": "warm start", "step": 0, "max_steps": 4000}])
+    board.update()
+    assert board.status.object == "run grpo · warm start step 0/4000 · Test CPU (avx512_bf16, no AMX) · live"
+    hub.add("phase", [{"phase": "warm start", "step": 250, "max_steps": 4000, "accuracy": 0.125, "target": 0.5}])
+    board.update()
+    assert "warm start step 250/4000 · held-out accuracy 12.5% of target 50%" in board.status.object
+    hub.add("phase", [{"phase": "evaluate", "step": 0}])
+    board.update()
+    assert "evaluating after RL step 0" in board.status.object
+    hub.add("eval", [{"step": 0, "accuracy": 0.5}])
+    hub.add("metrics", [{"step": 1, "reward/mean": 0.25}])
+    board.update()
+    assert "RL step 1 · mean reward 0.250" in board.status.object
+    hub.close()
+    (tmp_path / "summary.json").write_text(json.dumps({"failed": False}))
+    board.update()  # no new record: the status still follows the run
+    assert board.status.object.endswith(" · finished")
