@@ -272,3 +272,32 @@ def test_critic_values_learn_a_target_at_tp2(tiny, tmp_path):
         assert (packed - padded)[mask].abs().max() < 1e-5 and (padded[mask] - 1.0).abs().mean() < 0.5
         out = checkpoint.export_hf(critic, tiny, tmp_path / "critic")
         assert (out / "value_head.safetensors").is_file()
+
+
+ENGINE_IMPORTS = """
+import socket, sys, torch
+from hybridlab.workers.train.engine import MegatronEngine
+sock = socket.socket(); sock.bind(("127.0.0.1", 0))
+import os; os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+sock.close()
+compile_before = torch.compile
+MegatronEngine(sys.argv[1])
+from megatron.core import jit
+from megatron.core.fusions import fused_bias_geglu, fused_bias_swiglu
+print([torch.compile is compile_before, jit.jit_fuser is jit.noop_decorator,
+       [hasattr(f, "_torchdynamo_orig_callable") for f in (fused_bias_swiglu.bias_swiglu, fused_bias_geglu.bias_geglu)],
+       "torch._inductor.compile_fx" in sys.modules, "wandb" in sys.modules])
+import wandb  # a worker's own import of W&B still works
+"""
+
+
+def test_a_megatron_engine_starts_without_compiling_the_fused_kernels_it_never_runs(tiny_dir):
+    """Megatron's fused kernels stay plain functions (every fusion is off, so none runs), so a
+    training process never imports Inductor's compiler or W&B for them; torch.compile is itself."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", ENGINE_IMPORTS, str(tiny_dir)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[True, True, [False, False], False, False]"

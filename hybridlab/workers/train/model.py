@@ -15,6 +15,8 @@ def init_parallel(tp: int, pp: int, seed: int = 0, ep: int = 1) -> None:
     Roles colocated in one process share this state, so they must use the same tp, pp and ep.
     """
     import torch.distributed as dist
+
+    from hybridlab.workers.train import megatron_import  # noqa: F401  (first: Megatron without torch.compile)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
