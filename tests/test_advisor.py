@@ -144,6 +144,9 @@ def test_off_policy_overlaps_generation_only_on_devices_of_its_own():
                                     abs=1e-3)
     off = predict(WORK, load_config(None, [*OFF, "trainer.off_policy=true"]), split, ROUND)
     assert off.overlapped and off.step_s == pytest.approx(max(0.146, rest))
+    deeper = predict(WORK, load_config(None, [*OFF, "trainer.off_policy=true", "trainer.max_staleness=3"]), split,
+                     ROUND)  # a deeper queue: the same steady state for steps of the mean times
+    assert deeper.step_s == off.step_s and deeper.stage_s == off.stage_s
     beside = {**SPLIT, "roles": {**SPLIT["roles"], "reward": {"pool": "gen", "colocate": "g"},
                                  "rollout": {"pool": "gen", "colocate": "g"}}}
     behind = predict(WORK, load_config(None, [*OFF, "trainer.off_policy=true"]),

@@ -28,7 +28,9 @@ the formulas), divided over the role's data-parallel ranks and tensor/pipeline s
 Stages run one after another. With ``trainer.off_policy`` the next step's generation runs during
 this step's other stages, but only when the rollout's devices are not the trainers' and no other
 stage runs in the rollout's processes (a reward there waits behind the next generation): the
-step is then the longer of the two sides. Busy fraction: the device-seconds the stages keep busy over
+step is then the longer of the two sides. A ``trainer.max_staleness`` above 1 gives the same
+steady state: every step costs the mean times here, and a deeper queue only evens out steps
+whose generation and training times vary. Busy fraction: the device-seconds the stages keep busy over
 ``step_s x devices``. Memory per device comes from ``explain.estimate_memory``.
 """
 from __future__ import annotations
