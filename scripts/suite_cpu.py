@@ -7,13 +7,15 @@
 0.3 s; then it prints the CPU seconds and the number of processes of each kind (Ray worker
 processes by their actor class, Ray's own daemons, the pytest workers, browsers, ...) and
 writes the per-process figures to ``--out`` as JSON. A process that exits between two reads
-loses at most its last 0.3 s. The suite is bound by CPU on our 2-core machines (docs/tests.md),
+loses at most its last 0.3 s, and one that starts and exits between two reads is not seen; the
+monitor leaves itself out. The suite is bound by CPU on our 2-core machines (docs/tests.md),
 so these seconds are what a change to the suite can save.
 
 ``split`` divides a run's wall time (``WALL_S``, pytest's last line) between the tests whose
 functions already existed at git revision ``REV`` and the tests added since, in proportion to
 their summed durations in the JUnit report (``pytest --junitxml``): how much of the suite a
-set of issues added, against the allowance each issue gave itself.
+set of issues added, against the allowance each issue gave itself. Tests are matched by function
+name, so a new test named as an older one (in another module) counts as older.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TICKS = os.sysconf("SC_CLK_TCK")
-KINDS = ("raylet", "gcs_server", "log_monitor", "dashboard", "hybridlab", "pytest", "jupyter", "chromium")
+# the first that a command line names (hybridlab first: `hybridlab dashboard` is ours, not Ray's)
+KINDS = ("hybridlab", "raylet", "gcs_server", "log_monitor", "dashboard", "pytest", "jupyter", "chromium")
 
 
 def process_kind(cmdline: str, comm: str) -> str:
@@ -45,6 +48,8 @@ def read_processes() -> dict[tuple[str, str], tuple[str, str, float]]:
     """Return {(pid, start time): (command line, command name, CPU seconds)} of every process."""
     out = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
+        if pid == str(os.getpid()):
+            continue
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -103,6 +108,8 @@ def split(junit: Path, wall_s: float, rev: str) -> dict:
         if era == "since":
             modules[case.get("classname")] += float(case.get("time"))
     total = sum(seconds.values())
+    if not total:
+        raise SystemExit(f"{junit}: no test durations to split")
     return {era: {"test_s": round(seconds[era], 1), "tests": count[era],
                   "wall_s": round(wall_s * seconds[era] / total, 1)} for era in ("then", "since")} | {
         "since_by_module": {m: round(s, 1) for m, s in modules.most_common()}, "rev": rev}

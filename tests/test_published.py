@@ -50,12 +50,12 @@ def test_bench_published_compares_every_row_with_its_own_arithmetic(capfd):
         assert p["speedup"] == pytest.approx(p["colocated_s"] / p["async_s"], abs=2e-3)
     assert [p["speedup"] for p in speedup["predicted"].values()] == [1.293, 0.964, 0.77]
     for p in speedup["predicted"].values():  # partial rollouts priced: the training side still sets the step
-        stages = p["async_stages_s"]
+        stages = p["async_partial_rollouts_stages_s"]
         assert p["async_partial_rollouts_s"] == p["async_s"]
         assert p["async_s"] == pytest.approx(sum(stages.values()) - stages["generate"], abs=0.2)
         assert p["async_s"] > 1.5 * stages["generate"]
-    assert speedup["predicted"]["2048"]["async_stages_s"]["generate"] == 51.5  # docs/advisor.md quotes these
-    assert [speedup["predicted"]["2048"]["async_stages_s"][k] for k in ("old_logprob", "update_actor")] == [70.8, 260.1]
+    at_2k = speedup["predicted"]["2048"]["async_partial_rollouts_stages_s"]  # docs/advisor.md quotes these
+    assert [at_2k[k] for k in ("generate", "old_logprob", "update_actor")] == [51.5, 70.8, 260.1]
     seeds = result["seeds"]
     # the update alone, every FLOP at the A100's bf16 peak: 6 x 69.0B x 2^20 tokens / (64 x 312 TFLOP/s)
     assert seeds["update_lower_bound_s"] == pytest.approx(6 * 68_976_648_192 * 2**20 / (64 * 312e12), abs=0.05)

@@ -159,7 +159,7 @@ def async_speedup(response_means: tuple[int, ...] = (2048, 4096, 8192)) -> dict:
         predicted[str(mean)] = {"colocated_s": round(sync.step_s, 1), "async_s": round(ahead.step_s, 1),
                                 "speedup": round(sync.step_s / ahead.step_s, 3),
                                 "async_partial_rollouts_s": round(partial.step_s, 1),
-                                "async_stages_s": {k: round(v, 1) for k, v in partial.stage_s.items()}}
+                                "async_partial_rollouts_stages_s": {k: round(v, 1) for k, v in partial.stage_s.items()}}
     published = round(356.30 / 150.63, 3)
     best = max(p["speedup"] for p in predicted.values())
     return {"source": VERL_ASYNC, "profile": "h20", "published_speedup": published, "predicted": predicted,
