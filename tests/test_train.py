@@ -275,24 +275,22 @@ def test_critic_values_learn_a_target_at_tp2(tiny, tmp_path):
 
 
 ENGINE_IMPORTS = """
-import socket, sys, torch
+import inspect, os, socket, sys, torch
 from hybridlab.workers.train.engine import MegatronEngine
 sock = socket.socket(); sock.bind(("127.0.0.1", 0))
-import os; os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
 sock.close()
 compile_before = torch.compile
 MegatronEngine(sys.argv[1])
 from megatron.core import jit
-from megatron.core.fusions import fused_bias_geglu, fused_bias_swiglu
-import inspect
-def compiled_in(value):  # a function torch.compile wrapped, or a class's methods that are
+from megatron.core.fusions import fused_bias_geglu, fused_bias_swiglu  # loaded for certain: scanned below
+def compiled_in(value):  # a function torch.compile wrapped, or a class with such methods
     found = [value] + (list(vars(value).values()) if isinstance(value, type) else [])
     return any(inspect.isfunction(f) and "_torchdynamo_orig_callable" in f.__dict__ for f in found)
 compiled = sorted({f"{value.__module__}.{value.__qualname__}" for name, module in list(sys.modules.items())
                    if name.startswith("megatron.") and module is not None
                    for value in list(vars(module).values()) if compiled_in(value)})
 print([torch.compile is compile_before, jit.jit_fuser is jit.noop_decorator,
-       [hasattr(f, "_torchdynamo_orig_callable") for f in (fused_bias_swiglu.bias_swiglu, fused_bias_geglu.bias_geglu)],
        "torch._inductor.compile_fx" in sys.modules, "wandb" in sys.modules, compiled])
 import wandb  # a worker's own import of W&B still works
 """
@@ -307,4 +305,5 @@ def test_a_megatron_engine_starts_without_compiling_the_fused_kernels_it_never_r
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", ENGINE_IMPORTS, str(tiny_dir)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "[True, True, [False, False], False, False, []]"
+    # every fused kernel (bias_swiglu, bias_geglu, ...) among the modules scanned: none compiled
+    assert done.stdout.strip().splitlines()[-1] == "[True, True, False, False, []]"

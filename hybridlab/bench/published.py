@@ -147,12 +147,11 @@ def async_speedup(response_means: tuple[int, ...] = (2048, 4096, 8192)) -> dict:
     predicted, profile = {}, load_profile("h20")
     colocated = DeviceMapping.from_dict(_pools({"tp": 4, "dp": 32}, {"tp": 4, "dp": 32}, 128))
     split = DeviceMapping.from_dict(_pools({"tp": 4, "dp": 16}, {"tp": 4, "dp": 16}, 64, 64))
+    on, off = (_grpo(prompts, group, 32 * group, max_response, off_policy) for off_policy in (False, True))
     for mean in response_means:
         work = Workload(samples=prompts * group, prompt_mean=prompt, prompt_max=2048, response_mean=mean,
                         response_max=max_response, **model_dims("Qwen2.5-Math-7B"))
-        sync = predict(work, _grpo(prompts, group, 32 * group, max_response, False), colocated, profile)
-        off = _grpo(prompts, group, 32 * group, max_response, True)
-        ahead = predict(work, off, split, profile)
+        sync, ahead = predict(work, on, colocated, profile), predict(work, off, split, profile)
         # partial rollouts: unfinished responses go on into the next step, so the generator decodes
         # the mean length at a full batch instead of waiting out the longest response
         partial = predict(dataclasses.replace(work, response_max=mean), off, split, profile)
