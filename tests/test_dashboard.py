@@ -308,6 +308,22 @@ def test_hub_file_holds_every_kind_and_replays(rl):
     assert [r["step"] for r in syncs if r["reason"] == "step"] == list(range(1, steps + 1))
 
 
+def test_the_hub_writes_one_callers_records_in_the_order_they_were_sent(ray_local, tmp_path):
+    """A refused remap then an accepted one, sent a moment apart, must read so in the file:
+    a hub serving calls on several threads wrote them either way round."""
+    import ray
+
+    from hybridlab.telemetry.hub import TELEMETRY_FILE, start_hub
+
+    hub = start_hub(tmp_path)
+    for i in range(300):  # fire and forget, as the session's emit does
+        hub.add.remote("control", [{"i": i}])
+    ray.get(hub.since.remote(0))  # a read waits for the writes sent before it
+    lines = (tmp_path / TELEMETRY_FILE).read_text().splitlines()
+    assert [json.loads(line)["i"] for line in lines] == list(range(300))
+    ray.kill(hub)
+
+
 def _free_port() -> int:
     import socket
 

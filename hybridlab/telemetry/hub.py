@@ -42,7 +42,7 @@ class TelemetryHub:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(run_dir) / TELEMETRY_FILE
         self._file = open(self.path, "ab")
-        self._lock = threading.Lock()    # the actor serves several calls at once
+        self._lock = threading.Lock()    # also used in-process, where any thread may call it
 
     def add(self, kind: str, items: list[dict]) -> int:
         """Append records of ``kind``; returns the file's size in bytes after them."""
@@ -70,7 +70,9 @@ def start_hub(run_dir: str | os.PathLike):
 
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    actor = ray.remote(num_cpus=0, max_concurrency=4)(TelemetryHub)
+    # One thread: Ray runs a caller's calls in the order sent only on a single-threaded actor, and
+    # a reader then sees every record sent before its call (the calls are quick file appends).
+    actor = ray.remote(num_cpus=0)(TelemetryHub)
     # On the controller's node: the run directory is written there, and the hub outlives any
     # other node of a multi-node cluster that goes away.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
