@@ -2,6 +2,8 @@
 key. Timings are measured, never asserted; what is deterministic is: the work each side did,
 exactness flags, and every ratio key being the ratio of the reported figures it comes from.
 The end-to-end benchmark's tests are in test_bench_e2e.py (a unit of work of their own)."""
+import sys
+
 import pytest
 
 from bench_json import assert_ratio, run_bench
@@ -94,16 +96,19 @@ def test_bench_dpo_json_reads_the_same_pairs_on_both_sides(ray_local, capfd):
     assert "benchmark dpo: pairs must be an integer of at least 1, got 0" in capfd.readouterr().err
 
 
+AGENT_OPTS = ["--opt", "model=tiny", "--opt", "trajectories=6", "--opt", "in_flight=3", "--opt", "max_turns=3",
+              "--opt", "max_call_tokens=6", "--opt", "latency_ms=20", "--opt", "jitter_ms=10"]
+
+
 def test_bench_agent_json_generates_the_planned_tokens_in_every_mode(capfd):
     from hybridlab.bench.agent import make_plans
 
-    result = run_bench(["agent", "--opt", "model=tiny", "--opt", "trajectories=6", "--opt", "in_flight=3",
-                        "--opt", "max_turns=3", "--opt", "max_call_tokens=6", "--opt", "latency_ms=20",
-                        "--opt", "jitter_ms=10"], capfd)
+    result = run_bench(["agent", *AGENT_OPTS], capfd)
     plans = make_plans(6, 3, 6, 20, 10, 0)
     planned = sum(t for plan in plans for t, _ in plan)
     assert result["model_tokens"] == planned and result["model_calls"] == sum(len(p) for p in plans)
-    assert sorted(result["modes"]) == ["async", "async_no_latency", "lockstep", "raw_no_latency"]
+    assert result["engine"] == "inprocess"
+    assert sorted(result["modes"]) == ["async", "async_no_latency", "lockstep", "lockstep_raw", "raw_no_latency"]
     assert {m["tokens_generated"] for m in result["modes"].values()} == {planned}  # the same work on every side
     modes = result["modes"]
     assert_ratio(result["speedup"], modes["lockstep"]["seconds"], modes["async"]["seconds"], 3)
@@ -114,6 +119,28 @@ def test_bench_agent_json_generates_the_planned_tokens_in_every_mode(capfd):
     assert result["trajectories_per_s"] == modes["async"]["trajectories_per_s"] and result["processor"]
     assert main(["bench", "agent", "--opt", "jitter_ms=80", "--json"]) == 2
     assert "benchmark agent: need 0 <= jitter_ms <= latency_ms, got jitter_ms=80" in capfd.readouterr().err
+    assert main(["bench", "agent", "--opt", "engine=llm", "--json"]) == 2
+    assert "benchmark agent: engine must be one of inprocess, asyncllm, got 'llm'" in capfd.readouterr().err
+
+
+def test_bench_agent_on_vllms_asyncllm_runs_every_mode_in_its_engine_process():
+    """The alternative engine the rollout does not take, measured by the same modes: run as a
+    user runs it (vLLM starts its engine core process by spawning, which needs a real __main__)."""
+    import json
+    import subprocess
+
+    from hybridlab.bench.agent import make_plans
+
+    cli = "import sys; from hybridlab.cli import main; sys.exit(main(sys.argv[1:]))"
+    out = subprocess.run([sys.executable, "-c", cli, "bench", "agent", *AGENT_OPTS, "--opt", "engine=asyncllm",
+                          "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    planned = sum(t for plan in make_plans(6, 3, 6, 20, 10, 0) for t, _ in plan)
+    assert result["engine"] == "asyncllm" and result["model_tokens"] == planned
+    assert {m: v["tokens_generated"] for m, v in result["modes"].items()} == dict.fromkeys(
+        ["async", "lockstep", "lockstep_raw", "async_no_latency", "raw_no_latency"], planned)
+    assert "Traceback" not in out.stderr  # AsyncLLM's own shutdown at exit included
 
 
 def test_bench_rollout_json(ray_local, capfd):

@@ -95,8 +95,10 @@ async def _agent_trajectory(spec: AgentSpec, endpoint: Any, i: int, sample: dict
     return trajectory
 
 
-async def _run_all(spec: AgentSpec, make_client: Callable[[int], ChatClient], samples: list[dict], n: int,
-                   limits: AgentLimits, max_in_flight: int) -> list[Trajectory]:
+async def run_trajectories(spec: AgentSpec, make_client: Callable[[int], ChatClient], samples: list[dict], n: int,
+                           limits: AgentLimits, max_in_flight: int) -> list[Trajectory]:
+    """Return ``n`` trajectories per sample, at most ``max_in_flight`` running at once, each
+    making its model calls through ``make_client(i)`` (the agent's behind the endpoint)."""
     from hybridlab.agents.endpoint import Endpoint, InProcessTransport  # aiohttp: imported where it serves
 
     slots = asyncio.Semaphore(max_in_flight)
@@ -152,7 +154,7 @@ def run_agents(llm: Any, tokenizer: Any, samples: list[dict], n: int, params: Ca
         return ChatClient(engine, tokenizer, params, limits, version, None if seed is None else seed * 100_003 + i,
                           schemas)
 
-    return asyncio.run(_run_all(spec, make_client, samples, n, limits, max_in_flight))
+    return asyncio.run(run_trajectories(spec, make_client, samples, n, limits, max_in_flight))
 
 
 def agent_batch(trajectories: list[Trajectory], pad_id: int, budget: int, prompt_len: int | None = None) -> Batch:
