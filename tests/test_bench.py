@@ -110,6 +110,10 @@ def test_bench_agent_json_generates_the_planned_tokens_in_every_mode(capfd):
     assert result["engine"] == "inprocess"
     assert sorted(result["modes"]) == ["async", "async_no_latency", "lockstep", "lockstep_raw", "raw_no_latency"]
     assert {m["tokens_generated"] for m in result["modes"].values()} == {planned}  # the same work on every side
+    # the baseline's batches: every live trajectory of a wave (3 here) per turn, turn by turn
+    waves = [plans[i:i + 3] for i in range(0, 6, 3)]
+    assert result["lockstep_batches"] == [sum(len(p) > turn for p in wave) for wave in waves
+                                          for turn in range(max(map(len, wave)))]
     modes = result["modes"]
     assert_ratio(result["speedup"], modes["lockstep"]["seconds"], modes["async"]["seconds"], 3)
     assert result["endpoint_overhead"] == round(modes["async_no_latency"]["seconds"]
@@ -121,12 +125,17 @@ def test_bench_agent_json_generates_the_planned_tokens_in_every_mode(capfd):
     assert "benchmark agent: need 0 <= jitter_ms <= latency_ms, got jitter_ms=80" in capfd.readouterr().err
     assert main(["bench", "agent", "--opt", "engine=llm", "--json"]) == 2
     assert "benchmark agent: engine must be one of inprocess, asyncllm, got 'llm'" in capfd.readouterr().err
+    assert main(["bench", "agent", "--opt", "model=tiny", "--opt", "max_turns=8", "--opt", "max_call_tokens=128",
+                 "--json"]) == 2
+    assert ("with max_turns=8 and max_call_tokens=128 a planned trajectory reaches 920 tokens, past the engine's"
+            " context of 512") in capfd.readouterr().err
 
 
 def test_bench_agent_on_vllms_asyncllm_runs_every_mode_in_its_engine_process():
     """The alternative engine the rollout does not take, measured by the same modes: run as a
     user runs it (vLLM starts its engine core process by spawning, which needs a real __main__)."""
     import json
+    import re
     import subprocess
 
     from hybridlab.bench.agent import make_plans
@@ -140,6 +149,7 @@ def test_bench_agent_on_vllms_asyncllm_runs_every_mode_in_its_engine_process():
     assert result["engine"] == "asyncllm" and result["model_tokens"] == planned
     assert {m: v["tokens_generated"] for m, v in result["modes"].items()} == dict.fromkeys(
         ["async", "lockstep", "lockstep_raw", "async_no_latency", "raw_no_latency"], planned)
+    assert re.search(r"\(EngineCore pid=\d+\)", out.stderr)  # vLLM's engine core process logged
     assert "Traceback" not in out.stderr  # AsyncLLM's own shutdown at exit included
 
 

@@ -309,19 +309,20 @@ def test_hub_file_holds_every_kind_and_replays(rl):
 
 
 def test_the_hub_writes_one_callers_records_in_the_order_they_were_sent(ray_local, tmp_path):
-    """A refused remap then an accepted one, sent a moment apart, must read so in the file:
-    a hub serving calls on several threads wrote them either way round."""
-    import ray
+    """A refused remap then an accepted one, sent a moment apart, must read so in the file: a
+    hub serving calls on several threads wrote them either way round. ``flush`` waits for them."""
+    from hybridlab.telemetry.run import RunTelemetry
 
-    from hybridlab.telemetry.hub import TELEMETRY_FILE, start_hub
-
-    hub = start_hub(tmp_path)
-    for i in range(300):  # fire and forget, as the session's emit does
-        hub.add.remote("control", [{"i": i}])
-    ray.get(hub.since.remote(0))  # a read waits for the writes sent before it
-    lines = (tmp_path / TELEMETRY_FILE).read_text().splitlines()
-    assert [json.loads(line)["i"] for line in lines] == list(range(300))
-    ray.kill(hub)
+    telemetry = RunTelemetry(tmp_path)
+    telemetry.start({}, {"name": "order"})
+    try:
+        for i in range(300):  # fire and forget, as the session's emit does
+            telemetry.emit("control", {"i": i})
+        telemetry.flush()
+        records = [json.loads(line) for line in (tmp_path / "telemetry.jsonl").read_text().splitlines()]
+        assert [r["i"] for r in records if r["kind"] == "control"] == list(range(300))
+    finally:
+        telemetry.close()
 
 
 def _free_port() -> int:

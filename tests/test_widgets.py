@@ -128,6 +128,7 @@ def test_suggest_fills_in_the_advisors_mapping_and_apply_moves_the_session_onto_
 def telemetry(rl, kind: str) -> list[dict]:
     from hybridlab.telemetry.hub import TELEMETRY_FILE
 
+    rl.telemetry.flush()  # what the session sent so far, written
     lines = (rl.run_dir / TELEMETRY_FILE).read_text().splitlines()
     return [r for r in map(json.loads, lines) if r.get("kind") == kind]
 

@@ -39,6 +39,7 @@ GOAL_SPEEDUP = 1.5
 GOAL_OVERHEAD = 0.10
 TOOL_TEXT = "ok"
 ENGINES = ("inprocess", "asyncllm")
+CONTEXT = 512  # each engine's context: the longest trajectory the options allow must fit
 
 
 def check_options(trajectories: int, in_flight: int, max_turns: int, max_call_tokens: int, latency_ms: float,
@@ -83,7 +84,7 @@ def _samples(plans: list, prompt: str, latency: bool) -> list[dict]:
              "extra_info": {"plan": [(t, w if latency else 0.0) for t, w in plan]}} for plan in plans]
 
 
-class AsyncLLMEngine:
+class AsyncLLMAdapter:
     """``await engine.generate(ids, params)`` on vLLM's ``AsyncLLM`` (one final output per call)."""
 
     def __init__(self, llm: Any):
@@ -107,11 +108,13 @@ class AsyncLLMEngine:
 class LockstepEngine:
     """The turn-synchronous baseline's engine: ``generate`` holds each call until every live
     trajectory of the wave has made its call of the turn (``calls_per_turn``, from the plans),
-    then hands the turn's calls to ``engine`` together, which batches them."""
+    then hands the turn's calls to ``engine`` together, which batches them (``batches``: the
+    size of each batch released)."""
 
     def __init__(self, engine: Any, calls_per_turn: list[int]):
         self.engine, self.calls_per_turn, self.turn = engine, calls_per_turn, 0
         self.held: list[tuple[list[int], Any, asyncio.Future]] = []
+        self.batches: list[int] = []
 
     async def generate(self, prompt_ids: list[int], params: Any) -> tuple[list[int], list[float]]:
         """Return (sampled ids, their log-probs) once the turn's batch has run."""
@@ -119,28 +122,37 @@ class LockstepEngine:
         self.held.append((prompt_ids, params, future))
         if len(self.held) == self.calls_per_turn[self.turn]:
             batch, self.held, self.turn = self.held, [], self.turn + 1
-            results = await asyncio.gather(*(self.engine.generate(ids, p) for ids, p, _ in batch))
-            for (_, _, waiting), result in zip(batch, results):
-                waiting.set_result(result)
+            self.batches.append(len(batch))
+            try:
+                results = await asyncio.gather(*(self.engine.generate(ids, p) for ids, p, _ in batch))
+            except Exception as exc:  # every held call fails with the batch, none waits forever
+                for _, _, waiting in batch:
+                    if not waiting.done():
+                        waiting.set_exception(exc)
+            else:
+                for (_, _, waiting), result in zip(batch, results):
+                    waiting.set_result(result)
         return await future
 
 
 class Workload:
-    """The plans and what every mode needs to run them on one engine (``engine.generate``)."""
+    """The plans and what every mode needs to run them on one engine (``engine.generate``, set
+    once the engine runs)."""
 
-    def __init__(self, engine: Any, tokenizer: Any, params, plans: list, prompt: str, in_flight: int,
-                 context_len: int):
+    def __init__(self, tokenizer: Any, params, plans: list, prompt: str, in_flight: int):
         from hybridlab.agents.tool_loop import AgentLimits
 
-        self.engine, self.tokenizer, self.params, self.plans = engine, tokenizer, params, plans
+        self.engine: Any = None
+        self.tokenizer, self.params, self.plans = tokenizer, params, plans
         self.prompt, self.in_flight = prompt, in_flight
         self.prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                         add_generation_prompt=True, tokenize=True)["input_ids"]
         self.context = _context_ids(tokenizer)
         self.limits = AgentLimits(max_turns=64, max_tokens=10_000, budget=10_000, tool_timeout_s=0.0,
-                                  context=context_len)
+                                  context=CONTEXT)
+        self.lockstep_batches: list[int] = []
 
-    async def agents(self, plans: list, latency: bool, engine: Any = None) -> int:
+    async def run_agents(self, plans: list, latency: bool, engine: Any = None) -> int:
         """Run the planned agent on ``plans`` through the endpoint; returns the model tokens generated."""
         from hybridlab.agents.rollout import AgentSpec, run_trajectories
         from hybridlab.agents.tool_loop import ChatClient
@@ -159,14 +171,17 @@ class Workload:
         generated = 0
         for wave in self._waves():
             calls_per_turn = [sum(len(p) > turn for p in wave) for turn in range(max(map(len, wave)))]
-            generated += await self.agents(wave, True, LockstepEngine(self.engine, calls_per_turn))
+            engine = LockstepEngine(self.engine, calls_per_turn)
+            generated += await self.run_agents(wave, True, engine)
+            self.lockstep_batches += engine.batches
         return generated
 
     async def lockstep_raw(self) -> int:
-        """The baseline's waves on precomputed ids, every tool of a turn slept; returns tokens."""
-        generated = 0
+        """The baseline's waves on precomputed ids, waiting as ``lockstep`` does: a turn for the
+        tools of the trajectories that go on, the wave's end for every last tool; returns tokens."""
+        generated, loop = 0, asyncio.get_running_loop()
         for wave in self._waves():
-            ids = [list(self.prompt_ids) for _ in wave]
+            ids, ends = [list(self.prompt_ids) for _ in wave], [0.0]
             for turn in range(max(map(len, wave))):
                 live = [i for i, p in enumerate(wave) if len(p) > turn]
                 outs = await asyncio.gather(*(self.engine.generate(ids[i], self.params(wave[i][turn][0], None))
@@ -174,10 +189,12 @@ class Workload:
                 for i, (sampled, _) in zip(live, outs):
                     ids[i] += sampled + self.context
                     generated += len(sampled)
-                await asyncio.sleep(max(wave[i][turn][1] for i in live))  # waiting for the slowest tool
+                ends += [loop.time() + wave[i][turn][1] for i in live if len(wave[i]) == turn + 1]
+                await asyncio.sleep(max([wave[i][turn][1] for i in live if len(wave[i]) > turn + 1], default=0))
+            await asyncio.sleep(max(ends) - loop.time())  # the last tools, slept beside the later turns
         return generated
 
-    async def raw(self) -> int:
+    async def raw_calls(self) -> int:
         """The agent's calls straight to the engine, ``in_flight`` at once, no latency; returns tokens."""
         generated, slots = [], asyncio.Semaphore(self.in_flight)
 
@@ -216,36 +233,44 @@ async def _timed(run) -> tuple[float, int]:
 
 async def measure(work: Workload) -> dict[str, tuple[float, int]]:
     """Return each mode's (seconds, model tokens generated), after a warm-up of one wave."""
-    await work.agents(work.plans[:work.in_flight], False)
-    return {"async": await _timed(work.agents(work.plans, True)),
+    await work.run_agents(work.plans[:work.in_flight], False)
+    return {"async": await _timed(work.run_agents(work.plans, True)),
             "lockstep": await _timed(work.lockstep()),
             "lockstep_raw": await _timed(work.lockstep_raw()),
-            "async_no_latency": await _timed(work.agents(work.plans, False)),
-            "raw_no_latency": await _timed(work.raw())}
+            "async_no_latency": await _timed(work.run_agents(work.plans, False)),
+            "raw_no_latency": await _timed(work.raw_calls())}
 
 
-async def _measure_on_asyncllm(path: str, seed: int, make_work) -> dict[str, tuple[float, int]]:
+async def _measure_on_asyncllm(path: str, seed: int, work: "Workload") -> dict[str, tuple[float, int]]:
+    import os
+
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    # set up as start_llm sets up the in-process engine: no prefix caching, no stats logging,
+    # vLLM's compiled helpers run as Python (in the engine core, which inherits the environment)
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=path, dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 << 20, enforce_eager=True,
-        seed=seed, logprobs_mode="processed_logprobs"))
+        model=path, dtype="float32", max_model_len=CONTEXT, kv_cache_memory_bytes=256 << 20, enforce_eager=True,
+        seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=False, disable_log_stats=True))
     try:
-        return await measure(make_work(AsyncLLMEngine(llm), 512))
+        work.engine = AsyncLLMAdapter(llm)
+        return await measure(work)
     finally:
         llm.shutdown()
+        work.engine = None
         del llm  # now: its __del__ shuts down again, which fails once the interpreter is exiting
         gc.collect()
 
 
-def _measure_in_process(path: str, seed: int, make_work) -> dict[str, tuple[float, int]]:
+def _measure_in_process(path: str, seed: int, work: "Workload") -> dict[str, tuple[float, int]]:
     from hybridlab.agents.engine import AsyncEngine
     from hybridlab.workers.rollout.vllm_engine import close_llm, start_llm
 
-    llm = start_llm(path, 512, 256, "float32", seed)
+    llm = start_llm(path, CONTEXT, 256, "float32", seed)
     try:
-        return asyncio.run(measure(make_work(AsyncEngine(llm), llm.llm_engine.model_config.max_model_len)))
+        work.engine = AsyncEngine(llm)
+        return asyncio.run(measure(work))
     finally:
         close_llm(llm)
 
@@ -257,6 +282,7 @@ def run(model: str = "small", trajectories: int = 128, in_flight: int = 32, max_
     baseline (``speedup``), and the endpoint's ``overhead`` against the raw engine."""
     from transformers import AutoTokenizer
 
+    from hybridlab.errors import UserError
     from hybridlab.models.zoo import resolve_model
     from hybridlab.workers.rollout.sampling import SamplingConfig
     from hybridlab.workers.rollout.vllm_engine import sampling_params
@@ -268,11 +294,15 @@ def run(model: str = "small", trajectories: int = 128, in_flight: int = 32, max_
     tokens = sum(t for plan in plans for t, _ in plan)
     cfg = SamplingConfig(temperature=1.0, ignore_eos=True)
     params = lambda max_tokens, call_seed: sampling_params(cfg, [], n=1, max_tokens=max_tokens, seed=call_seed)
-    make_work = lambda eng, context_len: Workload(eng, tokenizer, params, plans, "12+34=", in_flight, context_len)
+    work = Workload(tokenizer, params, plans, "12+34=", in_flight)
+    longest = len(work.prompt_ids) + max(sum(t + len(work.context) for t, _ in plan) for plan in plans)
+    if longest > CONTEXT:  # a call with no room left would never reach the engine
+        raise UserError(f"benchmark agent: with max_turns={max_turns} and max_call_tokens={max_call_tokens} a planned"
+                        f" trajectory reaches {longest} tokens, past the engine's context of {CONTEXT}; lower either")
     if engine == "asyncllm":
-        measured = asyncio.run(_measure_on_asyncllm(path, seed, make_work))
+        measured = asyncio.run(_measure_on_asyncllm(path, seed, work))
     else:
-        measured = _measure_in_process(path, seed, make_work)
+        measured = _measure_in_process(path, seed, work)
     seconds = {mode: round(s, 4) for mode, (s, _) in measured.items()}  # the ratios are of the reported figures
     rates = {mode: {"trajectories_per_s": round(trajectories / seconds[mode], 2),
                     "tokens_per_s": round(tokens / seconds[mode], 1), "seconds": seconds[mode],
@@ -286,7 +316,7 @@ def run(model: str = "small", trajectories: int = 128, in_flight: int = 32, max_
             "trajectories_per_s": rates["async"]["trajectories_per_s"], "tokens_per_s": rates["async"]["tokens_per_s"],
             "baseline_trajectories_per_s": rates["lockstep"]["trajectories_per_s"],
             "baseline_tokens_per_s": rates["lockstep"]["tokens_per_s"], "speedup": round(speedup, 3),
-            "endpoint_overhead": round(overhead, 4),
+            "endpoint_overhead": round(overhead, 4), "lockstep_batches": work.lockstep_batches,
             # the wall time the endpoint adds, over the model calls (in_flight of them at once), in ms
             "endpoint_extra_ms_per_call": round(1000 * (seconds["async_no_latency"] - seconds["raw_no_latency"])
                                                 / calls, 2),

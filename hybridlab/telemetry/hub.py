@@ -53,6 +53,11 @@ class TelemetryHub:
                 self._file.flush()
             return self.path.stat().st_size
 
+    def size(self) -> int:
+        """Return the file's size in bytes; a caller's earlier records are in it (calls run in order)."""
+        with self._lock:
+            return self.path.stat().st_size
+
     def since(self, offset: int) -> tuple[list[dict], int]:
         """Return (the records after byte ``offset`` of the run's file, the offset after them)."""
         with self._lock:

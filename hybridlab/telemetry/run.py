@@ -47,6 +47,14 @@ class RunTelemetry:
         if self.hub is not None:
             self.hub.add.remote(kind, [{"time": time.time(), **record}])
 
+    def flush(self) -> None:
+        """Wait until every record this process has sent is in the telemetry file (``emit``
+        does not wait; the hub writes one process's records in the order sent)."""
+        if self.hub is not None:
+            import ray
+
+            ray.get(self.hub.size.remote())
+
     def mark_checkpoint(self, step: int) -> int | None:
         """Mark a checkpoint in the telemetry file; returns the file's size after the mark."""
         if self.hub is None:
