@@ -125,10 +125,12 @@ class LockstepEngine:
             self.batches.append(len(batch))
             try:
                 results = await asyncio.gather(*(self.engine.generate(ids, p) for ids, p, _ in batch))
-            except Exception as exc:  # every held call fails with the batch, none waits forever
+            except BaseException as exc:  # every held call fails (or is cancelled) with the batch: none waits
                 for _, _, waiting in batch:
                     if not waiting.done():
-                        waiting.set_exception(exc)
+                        waiting.cancel() if isinstance(exc, asyncio.CancelledError) else waiting.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
             else:
                 for (_, _, waiting), result in zip(batch, results):
                     waiting.set_result(result)
@@ -247,12 +249,22 @@ async def _measure_on_asyncllm(path: str, seed: int, work: "Workload") -> dict[s
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    # set up as start_llm sets up the in-process engine: no prefix caching, no stats logging,
-    # vLLM's compiled helpers run as Python (in the engine core, which inherits the environment)
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=path, dtype="float32", max_model_len=CONTEXT, kv_cache_memory_bytes=256 << 20, enforce_eager=True,
-        seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=False, disable_log_stats=True))
+    from vllm.platforms import current_platform
+
+    # set up as start_llm sets up the in-process engine: no prefix caching, no stats logging, and
+    # on the CPU vLLM's compiled helpers run as Python (in the engine core: it inherits the environment)
+    before = os.environ.get("TORCHDYNAMO_DISABLE")
+    if current_platform.is_cpu():
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
+            model=path, dtype="float32", max_model_len=CONTEXT, kv_cache_memory_bytes=256 << 20, enforce_eager=True,
+            seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=False, disable_log_stats=True))
+    finally:  # the engine core has started
+        if before is None:
+            os.environ.pop("TORCHDYNAMO_DISABLE", None)
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = before
     try:
         work.engine = AsyncLLMAdapter(llm)
         return await measure(work)
@@ -295,7 +307,8 @@ def run(model: str = "small", trajectories: int = 128, in_flight: int = 32, max_
     cfg = SamplingConfig(temperature=1.0, ignore_eos=True)
     params = lambda max_tokens, call_seed: sampling_params(cfg, [], n=1, max_tokens=max_tokens, seed=call_seed)
     work = Workload(tokenizer, params, plans, "12+34=", in_flight)
-    longest = len(work.prompt_ids) + max(sum(t + len(work.context) for t, _ in plan) for plan in plans)
+    # a turn adds its tokens, the end marker and the tool's turn (``context``)
+    longest = len(work.prompt_ids) + max(sum(t + 1 + len(work.context) for t, _ in plan) for plan in plans)
     if longest > CONTEXT:  # a call with no room left would never reach the engine
         raise UserError(f"benchmark agent: with max_turns={max_turns} and max_call_tokens={max_call_tokens} a planned"
                         f" trajectory reaches {longest} tokens, past the engine's context of {CONTEXT}; lower either")

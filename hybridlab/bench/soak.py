@@ -59,6 +59,7 @@ def run(model: str = "small", steps: int = 300, save_every: int = 50, warmup: in
             rss: dict[str, list[float]] = {name: [] for name in processes}
             fds_start = {name: _fds(pid) for name, pid in processes.items()}
             telemetry = rl.run_dir / TELEMETRY_FILE
+            rl.telemetry.flush()  # the records sent so far, on disk
             telemetry_start = telemetry.stat().st_size
             checkpoint_s, step_s = [], []
             for step in range(1, steps + 1):
@@ -74,6 +75,7 @@ def run(model: str = "small", steps: int = 300, save_every: int = 50, warmup: in
                 if step % 50 == 0:
                     print(f"soak: step {step}/{steps}", flush=True)
             fds_end = {name: _fds(pid) for name, pid in processes.items()}
+            rl.telemetry.flush()
             telemetry_bytes = telemetry.stat().st_size - telemetry_start
             restarts = rl.worker_restarts
         finally:
