@@ -26,8 +26,10 @@ not take (weights would have to be loaded into that process), measured on the sa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
+import os
 import random
 import time
 import uuid
@@ -145,6 +147,7 @@ class Workload:
         from hybridlab.agents.tool_loop import AgentLimits
 
         self.engine: Any = None
+        self.processes: list[str] = []  # the vLLM processes the engine runs in besides this one
         self.tokenizer, self.params, self.plans = tokenizer, params, plans
         self.prompt, self.in_flight = prompt, in_flight
         self.prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
@@ -243,31 +246,55 @@ async def measure(work: Workload) -> dict[str, tuple[float, int]]:
             "raw_no_latency": await _timed(work.raw_calls())}
 
 
-async def _measure_on_asyncllm(path: str, seed: int, work: "Workload") -> dict[str, tuple[float, int]]:
-    import os
+def engine_processes() -> list[str]:
+    """Return the titles of this process's vLLM child processes (``VLLM::EngineCore``, ...)."""
+    import psutil
 
+    names = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            names.append(child.name())
+        except psutil.Error:  # gone meanwhile
+            continue
+    return sorted(n for n in names if n.startswith("VLLM::"))
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """Set environment variables for the block (processes started in it inherit them)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+async def _measure_on_asyncllm(path: str, seed: int, work: "Workload") -> dict[str, tuple[float, int]]:
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from vllm.platforms import current_platform
-
-    # set up as start_llm sets up the in-process engine: no prefix caching, no stats logging, and
-    # on the CPU vLLM's compiled helpers run as Python (in the engine core: it inherits the environment)
-    before = os.environ.get("TORCHDYNAMO_DISABLE")
+    # Set up as start_llm sets up the in-process engine: no prefix caching, no stats logging, and on
+    # the CPU vLLM's compiled helpers run as Python (in the engine core: it inherits the environment).
+    # vLLM's own executor on the CPU, whatever an in-process engine set here before: the model in a
+    # process of its own ("OMP requires the MP executor", vllm/platforms/cpu.py).
+    values = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     if current_platform.is_cpu():
-        os.environ["TORCHDYNAMO_DISABLE"] = "1"
-    try:
+        values["TORCHDYNAMO_DISABLE"] = "1"
+    with _environment(values):  # until the engine's processes have started
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=path, dtype="float32", max_model_len=CONTEXT, kv_cache_memory_bytes=256 << 20, enforce_eager=True,
             seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=False, disable_log_stats=True))
-    finally:  # the engine core has started
-        if before is None:
-            os.environ.pop("TORCHDYNAMO_DISABLE", None)
-        else:
-            os.environ["TORCHDYNAMO_DISABLE"] = before
     try:
         work.engine = AsyncLLMAdapter(llm)
-        return await measure(work)
+        measured = await measure(work)
+        work.processes = engine_processes()  # while the engine still runs
+        return measured
     finally:
         llm.shutdown()
         work.engine = None
@@ -282,7 +309,9 @@ def _measure_in_process(path: str, seed: int, work: "Workload") -> dict[str, tup
     llm = start_llm(path, CONTEXT, 256, "float32", seed)
     try:
         work.engine = AsyncEngine(llm)
-        return asyncio.run(measure(work))
+        measured = asyncio.run(measure(work))
+        work.processes = engine_processes()
+        return measured
     finally:
         close_llm(llm)
 
@@ -324,7 +353,8 @@ def run(model: str = "small", trajectories: int = 128, in_flight: int = 32, max_
     overhead = seconds["async_no_latency"] / seconds["raw_no_latency"] - 1
     calls = sum(len(p) for p in plans)
     return {"benchmark": "agent", "processor": describe()["processor"], "threads": usable_cores(), "model": model,
-            "engine": engine, "trajectories": trajectories, "in_flight": in_flight, "model_calls": calls,
+            "engine": engine, "engine_processes": work.processes, "trajectories": trajectories,
+            "in_flight": in_flight, "model_calls": calls,
             "model_tokens": tokens, "latency_ms": latency_ms, "jitter_ms": jitter_ms, "modes": rates,
             "trajectories_per_s": rates["async"]["trajectories_per_s"], "tokens_per_s": rates["async"]["tokens_per_s"],
             "baseline_trajectories_per_s": rates["lockstep"]["trajectories_per_s"],
