@@ -17,6 +17,8 @@ import itertools
 import uuid
 from typing import Any
 
+from hybridlab.workers.rollout.vllm_engine import sampled_logprobs
+
 
 class AsyncEngine:
     """``await engine.generate(ids, params)`` on an in-process ``vllm.LLM``."""
@@ -46,9 +48,7 @@ class AsyncEngine:
             if self.waiting.pop(request_id, None) is not None:
                 self.engine.abort_request([request_id])
             raise
-        completion = out.outputs[0]
-        ids = list(completion.token_ids)
-        return ids, [step[t].logprob for step, t in zip(completion.logprobs, ids)]
+        return sampled_logprobs(out.outputs[0])
 
     async def _pump(self) -> None:
         while self.waiting:

@@ -26,10 +26,10 @@ not take (weights would have to be loaded into that process), measured on the sa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import itertools
 import os
+import unittest.mock
 import random
 import time
 import uuid
@@ -98,13 +98,14 @@ class AsyncLLMAdapter:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        from hybridlab.workers.rollout.vllm_engine import sampled_logprobs
+
         params.output_kind = RequestOutputKind.FINAL_ONLY
         out = None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
                                            f"{self.prefix}{next(self.ids)}"):
             pass
-        ids = list(out.outputs[0].token_ids)
-        return ids, [step[t].logprob for step, t in zip(out.outputs[0].logprobs, ids)]
+        return sampled_logprobs(out.outputs[0])
 
 
 class LockstepEngine:
@@ -259,21 +260,6 @@ def engine_processes() -> list[str]:
     return sorted(n for n in names if n.startswith("VLLM::"))
 
 
-@contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    """Set environment variables for the block (processes started in it inherit them)."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 async def _measure_on_asyncllm(path: str, seed: int, work: "Workload") -> dict[str, tuple[float, int]]:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
@@ -286,7 +272,7 @@ async def _measure_on_asyncllm(path: str, seed: int, work: "Workload") -> dict[s
     values = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     if current_platform.is_cpu():
         values["TORCHDYNAMO_DISABLE"] = "1"
-    with _environment(values):  # until the engine's processes have started
+    with unittest.mock.patch.dict(os.environ, values):  # until the engine's processes have started
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=path, dtype="float32", max_model_len=CONTEXT, kv_cache_memory_bytes=256 << 20, enforce_eager=True,
             seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=False, disable_log_stats=True))

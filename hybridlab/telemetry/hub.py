@@ -36,37 +36,33 @@ def hub_name(run_dir: str | os.PathLike) -> str:
 
 
 class TelemetryHub:
-    """Append-only store of a run's telemetry (wrapped as a Ray actor by ``start_hub``)."""
+    """Append-only store of a run's telemetry (wrapped as a Ray actor by ``start_hub``, which
+    runs one call at a time: no lock needed)."""
 
     def __init__(self, run_dir: str):
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(run_dir) / TELEMETRY_FILE
         self._file = open(self.path, "ab")
-        self._lock = threading.Lock()    # also used in-process, where any thread may call it
 
     def add(self, kind: str, items: list[dict]) -> int:
         """Append records of ``kind``; returns the file's size in bytes after them."""
         data = "".join(json.dumps({"kind": kind, **item}, default=float) + "\n" for item in items).encode()
-        with self._lock:
-            if not self._file.closed:
-                self._file.write(data)
-                self._file.flush()
-            return self.path.stat().st_size
+        if not self._file.closed:
+            self._file.write(data)
+            self._file.flush()
+        return self.path.stat().st_size
 
     def size(self) -> int:
         """Return the file's size in bytes; a caller's earlier records are in it (calls run in order)."""
-        with self._lock:
-            return self.path.stat().st_size
+        return self.path.stat().st_size
 
     def since(self, offset: int) -> tuple[list[dict], int]:
         """Return (the records after byte ``offset`` of the run's file, the offset after them)."""
-        with self._lock:
-            return read_records(self.path.parent, offset)
+        return read_records(self.path.parent, offset)
 
     def close(self) -> None:
         """Close the file (the records stay readable)."""
-        with self._lock:
-            self._file.close()
+        self._file.close()
 
 
 def start_hub(run_dir: str | os.PathLike):

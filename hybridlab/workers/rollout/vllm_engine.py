@@ -176,10 +176,17 @@ def generate(llm, prompts: list[list[int]], cfg: SamplingConfig, stop_ids: list[
     responses, logprobs = [], []
     for out in outputs:
         for completion in out.outputs:
-            ids = list(completion.token_ids)
+            ids, sampled = sampled_logprobs(completion)
             responses.append(ids)
-            logprobs.append([step[t].logprob for step, t in zip(completion.logprobs, ids)])
+            logprobs.append(sampled)
     return responses, logprobs
+
+
+def sampled_logprobs(completion) -> tuple[list[int], list[float]]:
+    """Return a vLLM completion's token ids and the log-prob each was sampled with (the engine
+    runs with ``logprobs=0``: each step holds the sampled token's)."""
+    ids = list(completion.token_ids)
+    return ids, [step[t].logprob for step, t in zip(completion.logprobs, ids)]
 
 
 def reload_weights(llm, named: list[tuple[str, torch.Tensor]], tied: bool) -> int:
