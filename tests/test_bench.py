@@ -127,7 +127,7 @@ def test_bench_agent_json_generates_the_planned_tokens_in_every_mode(capfd):
     assert "benchmark agent: engine must be one of inprocess, asyncllm, got 'llm'" in capfd.readouterr().err
     assert main(["bench", "agent", "--opt", "model=tiny", "--opt", "max_turns=8", "--opt", "max_call_tokens=128",
                  "--json"]) == 2
-    assert ("with max_turns=8 and max_call_tokens=128 a planned trajectory reaches 928 tokens, past the engine's"
+    assert ("with max_turns=8 and max_call_tokens=128 a planned trajectory reaches 936 tokens, past the engine's"
             " context of 512") in capfd.readouterr().err
 
 

@@ -220,15 +220,17 @@ class Workload:
 
 
 def _context_ids(tokenizer: Any) -> list[int]:
-    """The ids a tool turn adds after a model turn (ChatML-like markers and the tool's text)."""
+    """The ids the endpoint adds after a model turn that ended without its end-of-turn token
+    (``ignore_eos``): the template's end-of-turn markers and the tool's turn."""
     from hybridlab.agents.conversation import Conversation
 
     conversation = Conversation(tokenizer)
     first = [{"role": "user", "content": "x"}]
-    conversation.prompt(first)
-    conversation.record_reply([tokenizer.eos_token_id], [0.0], 0)
-    ids = conversation.prompt([*first, {"role": "assistant", "content": ""}, {"role": "tool", "content": TOOL_TEXT}])
-    return ids[len(conversation.trajectory.prompt_ids) + 1:]
+    prompt = conversation.prompt(first)
+    reply = tokenizer.encode("x", add_special_tokens=False)
+    text = conversation.record_reply(reply, [0.0] * len(reply), 0)
+    ids = conversation.prompt([*first, {"role": "assistant", "content": text}, {"role": "tool", "content": TOOL_TEXT}])
+    return ids[len(prompt) + len(reply):]
 
 
 async def _timed(run) -> tuple[float, int]:
@@ -322,8 +324,7 @@ def run(model: str = "small", trajectories: int = 128, in_flight: int = 32, max_
     cfg = SamplingConfig(temperature=1.0, ignore_eos=True)
     params = lambda max_tokens, call_seed: sampling_params(cfg, [], n=1, max_tokens=max_tokens, seed=call_seed)
     work = Workload(tokenizer, params, plans, "12+34=", in_flight)
-    # a turn adds its tokens, the end marker and the tool's turn (``context``)
-    longest = len(work.prompt_ids) + max(sum(t + 1 + len(work.context) for t, _ in plan) for plan in plans)
+    longest = len(work.prompt_ids) + max(sum(t + len(work.context) for t, _ in plan) for plan in plans)
     if longest > CONTEXT:  # a call with no room left would never reach the engine
         raise UserError(f"benchmark agent: with max_turns={max_turns} and max_call_tokens={max_call_tokens} a planned"
                         f" trajectory reaches {longest} tokens, past the engine's context of {CONTEXT}; lower either")
