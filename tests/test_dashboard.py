@@ -235,16 +235,20 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
 
 
 def _stepping(rl):
-    """Step ``rl`` in a thread, resting 0.5 s after each step; returns the function that stops it
-    and waits for its last step. At full speed on a core shared with the browser, the tiny run
-    left the page no time to answer (a locator, even a screenshot, timed out after 30 s) when
-    the other core was busy too; start_background itself is tested in test_widgets and test_remap."""
+    """Step ``rl`` in a thread, resting after each step as long as it took (at least 0.5 s), so
+    the run takes at most half of the core it shares with the browser on any processor; returns
+    the function that stops it and waits for its last step. At full speed the tiny run left the
+    page no time to answer (a locator, even a screenshot, timed out after 30 s) when the other
+    core was busy too, and with a fixed 0.5 s rest so did a step twice as slow (the AVX2-only
+    machine: a tab's click found it never stable); start_background itself is tested in
+    test_widgets and test_remap."""
     stop = threading.Event()
 
     def loop() -> None:
         while not stop.is_set():
+            started = time.perf_counter()
             rl.step()
-            stop.wait(0.5)
+            stop.wait(max(0.5, time.perf_counter() - started))
 
     thread = threading.Thread(target=loop, daemon=True, name="dashboard-test-steps")
     thread.start()

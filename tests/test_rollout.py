@@ -61,16 +61,21 @@ def test_loaded_weights_give_the_same_greedy_outputs_as_transformers(rollout, tr
     assert torch.equal(after["response_mask"], expected["response_mask"])
     assert (after["rollout_log_probs"] - expected["rollout_log_probs"]).abs().max() < 1e-4
     # What 300 seeded SFT steps (conftest) taught: the answers' form and size before their digits.
-    # Each greedy answer is a number ending with </s>, within 10 of the sum, and none of these 16 is
-    # exact yet; transformers' generate, on each prompt alone, gives the same verdicts.
+    # Each greedy answer is a number ending with </s> near the sum, few of these 16 exact yet, and
+    # transformers' generate, on each prompt alone, gives the same verdicts. The seeded fixture is
+    # not the same on every processor (its 300 steps round differently): on the AMD EPYC with
+    # AVX-512 every answer was within 10 and none exact; on the AVX2-only one within 14 (4.1 on
+    # average) and one exact. An untrained model's answers are not numbers near the sum at all.
     decoded = [r[m.bool()].tolist() for r, m in zip(after["responses"], after["response_mask"])]
     assert all(d[-1] == 2 for d in decoded)                                # ends with </s>
     _, tok = load_hf(trained_dir)
     texts = [tok.decode(d, skip_special_tokens=True) for d in decoded]
-    assert all(t.isdigit() and abs(int(t) - int(g)) <= 10 for t, g in zip(texts, prompts["answer"])), texts
+    assert all(t.isdigit() for t in texts), texts
+    errors = [abs(int(t) - int(g)) for t, g in zip(texts, prompts["answer"])]
+    assert max(errors) <= 20 and sum(errors) / len(errors) <= 10, (texts, errors)
     task = get_task("arith")
     right = [task.check(t, g)[0] for t, g in zip(texts, prompts["answer"])]
-    assert right == transformers_greedy_verdicts(trained_dir, prompts) and sum(right) == 0, texts
+    assert right == transformers_greedy_verdicts(trained_dir, prompts) and sum(right) <= 2, texts
 
 
 def test_samples_are_interleaved_and_log_probs_match_a_recomputation(rollout, trained_dir, prompts):
