@@ -103,7 +103,7 @@ def test_impossible_layouts_are_rejected_before_launch(tmp_path):
         spec.check_layout(1, 3)
 
 
-RESULTS: dict = {}  # weights after one step, per layout, compared by the last tests
+RESULTS: dict = {}  # weights after one step, per layout, and the TP 2 checkpoint: made by the tests below
 
 
 @pytest.fixture(scope="module")
@@ -218,26 +218,45 @@ def test_packed_token_budget_micro_batches_give_the_padded_numbers_at_tp2_pp2(ti
         assert actor.sft_step(BATCH)[0]["padded_token_share"] == pytest.approx(1 - real / (9 * width))
 
 
-def test_one_step_gives_the_same_weights_in_every_layout(tiny):
+MAKERS = {"tp1": test_tp1_logprobs_match_transformers_and_sft_step, "tp2": test_tp2_actor_and_colocated_ref,
+          "ckpt": test_tp2_actor_and_colocated_ref, "tp2_two_steps": test_tp2_actor_and_colocated_ref,
+          "pp2": test_pp2_logprobs_and_step, "tp2dp2": test_tp2_dp2_step,
+          "packed_tp2pp2": test_packed_token_budget_micro_batches_give_the_padded_numbers_at_tp2_pp2}
+
+
+def made(key: str, tiny: str, tmp_path_factory) -> object:
+    """Return ``RESULTS[key]``, running the test that makes it first when it has not run (a test
+    chosen alone with ``pytest -k NAME``): every test sets up what it compares with."""
+    if key not in RESULTS:
+        maker = MAKERS[key]
+        if "tmp_path_factory" in maker.__code__.co_varnames:
+            maker(tiny, tmp_path_factory)
+        else:
+            maker(tiny)
+    return RESULTS[key]
+
+
+def test_one_step_gives_the_same_weights_in_every_layout(tiny, tmp_path_factory):
     original = load_hf_state(tiny)
-    assert max_diff(RESULTS["tp1"], original) > 5e-4          # the step moved the weights
+    results = {key: made(key, tiny, tmp_path_factory) for key in ("tp1", "tp2", "pp2", "tp2dp2", "packed_tp2pp2")}
+    assert max_diff(results["tp1"], original) > 5e-4          # the step moved the weights
     for layout in ("tp2", "pp2", "tp2dp2", "packed_tp2pp2"):
         # 1e-4 is a tenth of the step (lr 1e-3): AdamW's first step is +-lr per element, so a
         # wrong gradient anywhere would show as a difference of up to 2e-3. Micro-batches split
         # differently per layout (3+3+2 rows at DP1, 3+1 at DP2) and still give the same step.
-        assert max_diff(RESULTS[layout], RESULTS["tp1"]) < 1e-4, layout
+        assert max_diff(results[layout], results["tp1"]) < 1e-4, layout
 
 
-def test_checkpoint_saved_at_tp2_resumes_at_tp1(tiny):
-    ckpt = RESULTS["ckpt"]
+def test_checkpoint_saved_at_tp2_resumes_at_tp1(tiny, tmp_path_factory):
+    ckpt = made("ckpt", tiny, tmp_path_factory)
     assert (ckpt / "optimizer" / "adamw.safetensors").is_file() and (ckpt / "config.json").is_file()
     assert sorted(p.name for p in ckpt.glob("*.safetensors")) == ["model.safetensors"]  # what vLLM loads
     roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=str(ckpt), optim=OPTIM, micro_batch_size=3))}
     with session_for(roles) as s:
-        assert max_diff(gathered(s.groups["actor"]), RESULTS["tp2"]) == 0.0
+        assert max_diff(gathered(s.groups["actor"]), made("tp2", tiny, tmp_path_factory)) == 0.0
         assert checkpoint.load_optimizer(s.groups["actor"], ckpt) == 1
         s.groups["actor"].sft_step(BATCH)
-        assert max_diff(gathered(s.groups["actor"]), RESULTS["tp2_two_steps"]) < 1e-4
+        assert max_diff(gathered(s.groups["actor"]), made("tp2_two_steps", tiny, tmp_path_factory)) < 1e-4
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
