@@ -12,7 +12,7 @@ RUN_DIR ?=
 install: $(STAMP) chromium
 
 # Re-installs only when the pinned requirements or the package metadata change.
-$(STAMP): requirements.txt pyproject.toml scripts/install.sh
+$(STAMP): requirements.txt pyproject.toml scripts/install.sh scripts/top_level.py
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/install.sh
 	touch $(STAMP)
 
