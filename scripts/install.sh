@@ -50,7 +50,7 @@ echo "installing pinned requirements (first time: several minutes, about 4.5 GB)
 "$VENV/bin/python" -m pip uninstall --quiet --yes rfc3987-syntax 2>/dev/null || true
 "$VENV/bin/python" -m pip install --quiet --no-deps -e .
 # About half of the wheels leave out top_level.txt, and without it every `import transformers`
-# (each worker, driver and kernel) spends 0.88 s of CPU inferring import names from all ~47,000
+# (each worker, driver and kernel) spends 0.85 s of CPU inferring import names from all ~47,000
 # installed file names; this writes the names Python would infer (tests/test_install.py checks them).
 "$VENV/bin/python" scripts/top_level.py
 install_chromium

@@ -32,9 +32,10 @@ def test_importing_ray_does_not_load_the_slow_iri_format_checker():
 
 def test_every_distribution_declares_the_import_names_python_would_infer_from_its_files():
     # Without top_level.txt, packages_distributions() (called by every `import transformers`) reads
-    # every file list of the environment: 0.88 s of CPU per process on our AVX2-only machine.
+    # every file list of the environment: 0.85 s of CPU per process on our AVX2-only machine.
     # scripts/install.sh runs scripts/top_level.py, which writes the file where a wheel left it
     # out, with the names Python would infer, and lists it in RECORD (without a hash) for pip.
+    import importlib.metadata as md
     import importlib.util
     from pathlib import Path
 
@@ -43,9 +44,8 @@ def test_every_distribution_declares_the_import_names_python_would_infer_from_it
     spec.loader.exec_module(top_level)
     dists = [d for d in top_level.installed() if str(getattr(d, "_path", "")).endswith(".dist-info")]
     assert [d.metadata["Name"] for d in dists if d.read_text("top_level.txt") is None
-            and top_level.inferred_top_level(d)] == []
+            and md._top_level_inferred(d)] == []
     ours = [d for d in dists if f"{d._path.name}/top_level.txt,,\n" in (d.read_text("RECORD") or "")]
     assert len(ours) > 100  # about half of this environment's wheels leave it out
     for d in ours:  # the mapping is the one Python infers, only quicker to read
-        declared = sorted(d.read_text("top_level.txt").split())
-        assert declared == sorted(top_level.inferred_top_level(d)), d.metadata["Name"]
+        assert sorted(d.read_text("top_level.txt").split()) == sorted(md._top_level_inferred(d)), d.metadata["Name"]
