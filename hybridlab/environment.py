@@ -67,6 +67,13 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+def processor_family() -> str:
+    """Return the processor's family and model numbers, e.g. ``"family 25, model 17"``: what tells
+    apart machines that ``processor()`` names alike."""
+    info = _cpuinfo()
+    return f"family {info.get('cpu family', '?')}, model {info.get('model', '?')}"
+
+
 def processor() -> str:
     """Return the processor's model name with the features that matter, e.g.
     ``"AMD EPYC (avx512_bf16, no AMX)"`` or ``"AMD EPYC (no AVX-512, no AMX)"``: the label every

@@ -22,6 +22,7 @@ BENCHES = {
     "dashboard": "hybridlab.bench.dashboard",
     "plan": "hybridlab.bench.plan",
     "published": "hybridlab.bench.published",
+    "start": "hybridlab.bench.start",
 }
 
 

@@ -72,12 +72,12 @@ class HostSet:
                 pass
 
 
-def _spare_offers(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass], spares: "SparePool | None",
+def _spare_offers(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass], spares: Sequence[SparePool],
                   cpus: float, gpus: float, timeout: float) -> list[dict | None]:
     """Return, per bundle, its node and devices where a spare process could take it (else None)."""
     offers: list = [None] * len(bundles)
     classes = {name: rc.cls for name, rc in roles.items()}
-    usable = sum(s.can_host(classes) for s in spares.spares) if spares is not None else 0
+    usable = sum(s.can_host(classes) for pool in spares for s in pool.spares)
     if usable:
         asked = [bundle_devices.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=i)).remote() for pg, i in bundles[:usable]]
@@ -91,10 +91,11 @@ def _spare_offers(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass
 
 def spawn_hosts(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass], *, gpus: float = 1.0,
                 cpus: float = 1.0, env: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S,
-                spares: "SparePool | None" = None) -> HostSet:
+                spares: Sequence[SparePool] = ()) -> HostSet:
     """Place one worker process per (placement group, bundle index) and construct ``roles`` in
-    each; returns the set. A process comes from ``spares`` (warmed up, adopting the bundle's
-    devices) where one is on the bundle's node, else it is started here."""
+    each; returns the set. A process comes from the first of ``spares`` (pools of warmed-up
+    processes: the session's, then the kernel's) with one on the bundle's node that can host
+    ``roles``; it adopts the bundle's devices and ``env``. Else a process is started here."""
     env = {k: str(v) for k, v in (env or {}).items()}
     classes = {name: rc.cls for name, rc in roles.items()}
     # An empty runtime_env still forces fresh processes; pass one only when there is an env to set.
@@ -113,10 +114,12 @@ def spawn_hosts(bundles: Sequence[tuple[Any, int]], roles: dict[str, RoleClass],
     hosts, placements = [], []
     try:
         for (pg, i), offer in zip(bundles, offers):
-            spare = spares.take(offer["node_id"], classes) if offer else None
+            spare = next((a for a in (p.take(offer["node_id"], classes) for p in spares) if a is not None),
+                         None) if offer else None
             if spare is not None:
+                lease = {**offer, "env": {**env, **offer["env"]}}  # what a new process here would have had
                 try:
-                    placements.append(ray.get(spare.adopt.remote(offer, threads), timeout=60.0))
+                    placements.append(ray.get(spare.adopt.remote(lease, threads), timeout=60.0))
                     hosts.append(spare)
                     continue
                 except (RayError, GetTimeoutError):  # it died on the way: a new process instead

@@ -12,6 +12,7 @@ import enum
 import gc
 import os
 import random
+import sys
 import socket
 import time
 import traceback
@@ -124,6 +125,22 @@ def collector_paused() -> Iterator[None]:
         gc.freeze()
 
 
+_LIBRARY_ROOTS = tuple({os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+_HYBRIDLAB_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
+
+
+def library_module(module: Any) -> bool:
+    """True for a module of an installed package, the standard library (built in or not) or
+    hybridlab; False for a user's own (a reward function's file, a notebook's helpers), which a
+    warm process of the kernel must not import ahead: a later session imports it as it is then."""
+    attrs = getattr(module, "__dict__", {})  # never getattr: a lazy module's __getattr__ would import
+    path = attrs.get("__file__")
+    if path is None:  # built in, or a namespace package: judged by where its parts live
+        paths = list(attrs.get("__path__") or [])
+        return all(os.path.realpath(p).startswith((*_LIBRARY_ROOTS, _HYBRIDLAB_ROOT)) for p in paths)
+    return os.path.realpath(path).startswith((*_LIBRARY_ROOTS, _HYBRIDLAB_ROOT))
+
+
 class RemoteError(Exception):
     """Raised inside a host when a worker method fails; carries the formatted traceback."""
 
@@ -145,6 +162,7 @@ class WorkerHost:
 
     def __init__(self, env: dict[str, str]):
         os.environ.update(env)
+        self.started_env = dict(env)  # what it was started with (a spare adopted later drops what it no longer has)
         self.workers: dict[str, Worker] = {}
         self.rank = -1
         self.gpu_ids: list[str] | None = None  # set when a spare adopts a bundle's devices
@@ -184,18 +202,23 @@ class WorkerHost:
             touched = bool(torch is not None and torch.cuda.is_initialized())
         return {**self.placement(), "failed_imports": failed, "device_touched": touched}
 
-    def loaded_modules(self) -> list[str]:
+    def loaded_modules(self, libraries_only: bool = False) -> list[str]:
         """Return the names of the modules this process has imported, in import order (what a
-        spare imports ahead of the same roles)."""
+        spare imports ahead of the same roles); with ``libraries_only``, those of installed
+        packages, the standard library and hybridlab alone (``library_module``)."""
         import sys
 
-        return [name for name in list(sys.modules) if not name.startswith("__")]
+        return [name for name, module in list(sys.modules.items())
+                if not name.startswith("__") and (not libraries_only or library_module(module))]
 
     def adopt(self, lease: dict, threads: int | None = None) -> dict:
-        """Take a bundle's devices (``spares.bundle_devices``): their ids and the device variables
-        Ray sets there (``CUDA_VISIBLE_DEVICES``), before anything touches a device, and the
-        thread count a new process there would have; returns ``placement()`` with them."""
+        """Take a bundle's devices (``spares.bundle_devices``): their ids and the environment a new
+        process there would have (the device variables Ray sets, ``CUDA_VISIBLE_DEVICES``, and the
+        session's; variables it was started with that are not among them are removed), before
+        anything touches a device, and that process's thread count; returns ``placement()``."""
         self.gpu_ids = list(lease["gpu_ids"])
+        for gone in self.started_env.keys() - lease["env"].keys():  # a session's variable the adopter does not set
+            os.environ.pop(gone, None)
         os.environ.update(lease["env"])
         if threads is not None:
             set_threads(threads)

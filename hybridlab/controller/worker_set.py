@@ -16,6 +16,7 @@ from hybridlab.controller.group import DEFAULT_TIMEOUT_S, HostSet, RoleClass, Wo
 from hybridlab.controller.mapping import DeviceMapping, MappingError
 from hybridlab.controller.resources import ResourcePool, connect
 from hybridlab.controller.spares import SparePool
+from hybridlab.controller.warm_pool import WarmPool
 from hybridlab.controller.watch import CallWatch
 from hybridlab.telemetry.timeline import Timeline
 
@@ -29,8 +30,11 @@ class WorkerSet:
     def __init__(self, mapping: DeviceMapping, workers: dict[str, RoleClass | type], *,
                  address: str | None = None, num_gpus: int | None = None, model: Any = None,
                  env: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S, ray_temp_dir: str | None = None,
-                 spares: int = 0):
+                 spares: int = 0, warm: WarmPool | None = None, warm_roles: dict[str, type] | None = None):
         self.mapping = mapping
+        # the kernel's warm pool (controller/warm_pool.py): adopted from at start, refilled after it
+        # with processes that can host ``warm_roles`` (default: this set's roles)
+        self.warm, self.warm_roles = warm, dict(warm_roles or {})
         self.role_classes = {r: w if isinstance(w, RoleClass) else RoleClass(w) for r, w in workers.items()}
         self.model, self.env, self.timeout = model, dict(env or {}), timeout
         self._connect_args = dict(address=address, num_gpus=num_gpus, temp_dir=ray_temp_dir)
@@ -63,7 +67,17 @@ class WorkerSet:
         self._check(self.mapping, resources.get("GPU", 0))
         self._spawn(self.mapping, list(self.mapping.process_sets()))
         self.set_spares(self._spare_count)  # after the workers are built (they then share the cores with the first steps)
+        if self.warm is not None and self.warm.size:  # for the next session of this process
+            modules = ray.get([s.hosts[0].loaded_modules.remote(libraries_only=True) for s in self._sets],
+                              timeout=self.timeout)
+            self.warm.refill({**{r: w.cls for r, w in self.role_classes.items()}, **self.warm_roles}, self.env,
+                             [name for names in modules for name in names])
         return self
+
+    def _spare_pools(self) -> list[SparePool]:
+        """Return the pools a new process may come from: this set's spares, then the kernel's."""
+        kernel = self.warm.pool() if self.warm is not None else None
+        return [p for p in (self.spares, kernel) if p is not None]
 
     def _learn_modules(self, sets: list[HostSet]) -> None:
         """Let spares import what these worker processes imported (the engines import most of
@@ -113,7 +127,7 @@ class WorkerSet:
                 sharing = mapping.sets_in_pool(pool_name)
                 done.append(spawn_hosts(pool.bundles(), {m: self.role_classes[m] for m in members},
                                         gpus=1.0 / sharing, cpus=pool.cpus_per_device / sharing, env=self.env,
-                                        timeout=self.timeout, spares=self.spares))
+                                        timeout=self.timeout, spares=self._spare_pools()))
         except BaseException:
             for hostset in done:
                 hostset.kill(close_timeout=5.0)

@@ -96,6 +96,11 @@ def role_classes(cfg: RunConfig, mapping, model_dir: str) -> dict:
     return {role: ROLE_SPECS[role].role_class(cfg, layout, model_dir) for role, layout in mapping.roles.items()}
 
 
+def worker_classes() -> dict[str, type]:
+    """Return ``{role: worker class}`` for every role there is (what a warm process can host)."""
+    return {name: spec.worker_class() for name, spec in ROLE_SPECS.items()}
+
+
 def _changed_keys(old: RunConfig, new: RunConfig) -> set[str]:
     """Return the dotted keys whose values differ (sections compared field by field)."""
     out: set[str] = set()

@@ -29,6 +29,7 @@ from hybridlab.config import ConfigError, RunConfig
 from hybridlab.controller.binding import BIND_ENV
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.controller.resources import connect
+from hybridlab.controller.warm_pool import warm_pool
 from hybridlab.controller.watch import dump_stacks
 from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.dataflow import checkpoints
@@ -39,7 +40,7 @@ from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.live import LiveEdits
 from hybridlab.dataflow.pairs import PairSource, load_pairs
 from hybridlab.dataflow.prompts import PromptFit, PromptSource, load_samples, tokenize_prompts
-from hybridlab.dataflow.roles import role_classes
+from hybridlab.dataflow.roles import role_classes, worker_classes
 from hybridlab.dataflow.step import Stepping, StepResult
 from hybridlab.dataflow.warm_start import warm_start
 from hybridlab.environment import describe, usable_cores
@@ -137,12 +138,7 @@ class RLSession(Stepping, LiveEdits):
                 model_dir = self._warm_start(model_dir)
             self.model_dir = model_dir
             self.spec = ModelSpec.read(model_dir)
-            self.workers = WorkerSet(self.mapping, role_classes(self.cfg, self.mapping, str(model_dir)),
-                                   address=self._ray["address"], env=env, ray_temp_dir=self._ray["temp_dir"],
-                                   spares=self.cfg.trainer.spare_processes)
-            self.workers.watch.stacks_dir = self.run_dir / "stacks"
-            self.workers.start()
-            self.telemetry.watch(self.workers, self._run_controls(), paused=lambda: self.paused)
+            self._start_workers(model_dir, env)
         except BaseException:
             self.shutdown()  # nothing half-started stays behind; start() may be called again
             raise
@@ -160,6 +156,17 @@ class RLSession(Stepping, LiveEdits):
             self._emit("resume", {"step": self.step_count, "checkpoint": self._resume_from.name})
         self._start_advisor()
         return self
+
+    def _start_workers(self, model_dir: Path, env: dict) -> None:
+        """Start the mapping's worker processes (in the kernel's warm processes where there are
+        some: controller/warm_pool.py) and have the telemetry watch their calls."""
+        self.workers = WorkerSet(self.mapping, role_classes(self.cfg, self.mapping, str(model_dir)),
+                                 address=self._ray["address"], env=env, ray_temp_dir=self._ray["temp_dir"],
+                                 spares=self.cfg.trainer.spare_processes, warm=warm_pool(),
+                                 warm_roles=worker_classes())
+        self.workers.watch.stacks_dir = self.run_dir / "stacks"
+        self.workers.start()
+        self.telemetry.watch(self.workers, self._run_controls(), paused=lambda: self.paused)
 
     def _start_advisor(self) -> None:
         """Check the mapping against the advisor's prediction every trainer.advise_every steps."""

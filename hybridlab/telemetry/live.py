@@ -50,10 +50,11 @@ class LiveReporter:
 
     def __init__(self, run_dir: Path, running: Callable[[], list[dict]], actions: dict[str, Callable],
                  emit: Callable[[str, dict], None], period_s: float = 1.0,
-                 paused: Callable[[], bool] | None = None):
+                 paused: Callable[[], bool] | None = None, samples: Callable[[], list[dict]] | None = None):
         self.requests = Path(run_dir) / CONTROL_DIR
         self.running, self.actions, self.emit, self.period = running, actions, emit, period_s
         self.paused = paused
+        self.samples = samples  # device samples of the controller's own (the kernel's warm pool)
         self._last: tuple = ()
         self._paused = False
         self._stop = threading.Event()
@@ -86,6 +87,8 @@ class LiveReporter:
             except FileNotFoundError:  # another reporter of the same run took it
                 continue
             self._carry_out(action, payload)
+        for sample in self.samples() if self.samples is not None else []:
+            self.emit("device", sample)
         paused = self.paused() if self.paused is not None else False
         if paused != self._paused:  # paused or let go from the notebook, too
             self._paused = paused

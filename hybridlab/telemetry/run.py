@@ -40,7 +40,9 @@ class RunTelemetry:
             return
 
         session.timeline.subscribe(lambda spans: self.hub.add.remote("span", [dataclasses.asdict(s) for s in spans]))
-        self.reporter = LiveReporter(self.run_dir, session.watch.running, actions, self.emit, paused=paused).start()
+        warm = session.warm  # the kernel's warm pool: its memory on the System section
+        self.reporter = LiveReporter(self.run_dir, session.watch.running, actions, self.emit, paused=paused,
+                                     samples=warm.samples if warm is not None else None).start()
 
     def emit(self, kind: str, record: dict) -> None:
         """Send one record of ``kind`` to the hub, stamped with the time (no-op without a hub)."""
