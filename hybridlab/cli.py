@@ -226,6 +226,10 @@ def cmd_bench(args) -> int:
         except TypeError as exc:
             raise UserError(f"benchmark {args.name!r}: {exc}") from None
     print(json.dumps(result) if args.json else json.dumps(result, indent=2), flush=True)
+    if args.json and args.command_line:
+        # Ray forwards its workers' output to this process asynchronously, until the process exits:
+        # whatever arrives after the JSON goes to standard error, so that standard output is the JSON alone
+        os.dup2(2, 1)
     return 0
 
 
@@ -361,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     if extra and getattr(args, "cmd", None) != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
+    args.command_line = argv is None  # this process is the `hybridlab` command, not a call from Python
+    if args.command_line:  # one session per process here: no warm pool (controller/warm_pool.py) to fill for the next
+        os.environ["HYBRIDLAB_WARM_PROCESSES"] = "0"
     if getattr(args, "config", None) and "=" in args.config and hasattr(args, "overrides"):
         # train, explain, plan: argparse took the first override for a config; only overrides were given
         args.overrides, args.config = [args.config, *args.overrides], None

@@ -122,7 +122,8 @@ def validate_config(cfg: RunConfig) -> None:
          *_size_problems(cfg), *_warm_start_problems(cfg), *_trainer_problems(cfg), *_reward_problems(cfg),
          *_dpo_problems(cfg)]
     _check_data_and_model(cfg, p)
-    p += _dataflow_and_mapping_problems(cfg)
+    if not any(x.startswith("algorithm.adv_estimator:") for x in p):  # the stages' inputs follow the estimator
+        p += _dataflow_and_mapping_problems(cfg)
     if p:
         raise ConfigError("config is invalid:\n  - " + "\n  - ".join(p))
 

@@ -16,6 +16,10 @@ from hybridlab.environment import use_loopback
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No warm pool (controller/warm_pool.py) for the suite's sessions, nor for the notebook kernels and
+# documentation examples it starts: a suite bound by CPU gains nothing from warming processes ahead, and
+# each would take a core from the test running meanwhile. The pool's own tests turn it on.
+os.environ["HYBRIDLAB_WARM_PROCESSES"] = "0"
 # The suite's traffic stays on loopback. Ray's single-machine mode: every Ray cluster the tests
 # start (their own, the subprocesses', the simulated nodes of test_multinode) binds and connects
 # on 127.0.0.1 instead of this machine's network address (read when Ray is imported); gloo's
@@ -29,17 +33,24 @@ use_loopback()
 # whichever worker is free, so the long ones go out first and the workers finish close together.
 # The others follow in file order; a stale list costs balance, never correctness.
 LONGEST = ["test_bench.py", "test_remap.py", "test_families.py", "test_resume.py", "test_notebook.py",
-           "test_multinode.py", "test_train.py", "test_agents.py", "test_worker_faults.py", "test_fsdp.py",
+           "test_train.py", "test_agents.py", "test_worker_faults.py", "test_fsdp.py",
            "test_controller.py", "test_bench_e2e.py", "test_widgets.py", "test_rl.py", "test_train_cli.py",
            "test_preference.py", "test_docs.py", "test_sync.py", "test_lab_browser.py", "test_dashboard.py",
            "test_lora.py", "test_ray_job.py", "test_sft.py", "test_advisor.py", "test_bad_updates.py",
-           "test_rollout.py", "test_chat.py", "test_binding.py", "test_zoo.py"]
+           "test_rollout.py", "test_chat.py", "test_zoo.py"]
+
+
+# Modules handed out last, whatever their length: each stops this worker's shared cluster (test_multinode
+# runs two nodes of its own; test_binding's ``every_core`` starts one without the worker's core pin), and
+# the module after it would start the shared one again (about 11 s of CPU). Last, none comes after them.
+LAST = ["test_multinode.py", "test_binding.py"]
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST)}
+    rank.update({name: len(LONGEST) + 1 + i for i, name in enumerate(LAST)})  # after the modules in file order
     module = {item: item.nodeid.split("::")[0].rsplit("/", 1)[-1] for item in items}
-    items.sort(key=lambda item: rank.get(module[item], len(rank)))  # stable: a module's tests keep their order
+    items.sort(key=lambda item: rank.get(module[item], len(LONGEST)))  # stable: a module's tests keep their order
 
 
 ALL_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))

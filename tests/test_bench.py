@@ -23,7 +23,7 @@ def test_bench_dispatch_json(ray_local, capfd):
 def test_unknown_benchmark_lists_names(capfd):
     assert main(["bench", "nope", "--json"]) == 2
     assert ("unknown benchmark 'nope'; choose one of: agent, dashboard, dispatch, dpo, e2e, learn, lora, plan, precision,"
-            " published, remap, rollout, soak, sync, train") in capfd.readouterr().err
+            " published, remap, rollout, soak, start, sync, train") in capfd.readouterr().err
 
 
 def test_a_benchmark_and_the_runs_it_starts_stay_on_loopback():
@@ -154,8 +154,18 @@ def test_bench_agent_on_vllms_asyncllm_runs_every_mode_in_its_engine_process():
     assert "Traceback" not in out.stderr  # AsyncLLM's own shutdown at exit included
 
 
-def test_bench_rollout_json(ray_local, capfd):
-    result = run_bench(["rollout", "--opt", "model=tiny", "--opt", "prompts=4", "--opt", "max_new_tokens=8"], capfd)
+def test_bench_rollout_json_alone_on_standard_output(ray_address):
+    """The command as a script runs it, attached to a cluster whose workers log (vLLM's warnings
+    among them): with --json, standard output is the one JSON object and nothing else."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "hybridlab.cli", "bench", "rollout", "--opt", "model=tiny", "--opt",
+                          "prompts=4", "--opt", "max_new_tokens=8", "--json"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("\n") == 1 and out.stdout.endswith("}\n"), out.stdout[-2000:]
+    result = json.loads(out.stdout)
     assert {"ours_tokens_per_s", "vllm_tokens_per_s", "hf_tokens_per_s", "ratio_vs_vllm", "ratio_vs_hf"} <= set(result)
     # every side generated the tokens its figure is divided by: 4 prompts x 8, end-of-sequence ignored
     assert result["generated_tokens"] == {"ours": 32, "vllm": 32, "hf": 32}
@@ -215,6 +225,12 @@ def test_bench_soak_json(ray_local, capfd):
         assert {"rss_mb_start", "rss_mb_end", "slope_mb_per_100_steps", "slope_pct_per_100_steps", "fds_start",
                 "fds_end"} <= set(figures) and figures["rss_mb_end"] > 100
     assert result["telemetry_bytes_per_step"] > 1000  # spans, device samples and metrics of every step
+    # the verdict is the figures': every process's slope within the goal's share of its RSS per 100 steps
+    from hybridlab.bench.soak import GOAL_PCT_PER_100_STEPS
+
+    assert result["goal_pct_per_100_steps"] == GOAL_PCT_PER_100_STEPS
+    assert result["goal_met"] is all(f["slope_pct_per_100_steps"] <= GOAL_PCT_PER_100_STEPS
+                                     for f in result["processes"].values())
 
 
 def test_soak_slope_and_goal_on_constructed_series():
@@ -294,3 +310,14 @@ def test_bench_plan_predicts_each_measured_mapping_and_measures_the_planners_pic
     assert first["gap"] == round(first["measured_s"] / first["best_measured_s"] - 1, 3)
     assert main(["bench", "plan", "--mappings", "sideways", "--json"]) == 2
     assert "mappings must be 'all' or names from colocated, colocated_off_policy" in capfd.readouterr().err
+
+
+def test_bench_start_json_adopts_the_warm_pool_in_the_second_start(ray_address, capfd):
+    result = run_bench(["start", "--models", "tiny"], capfd)
+    r = result["models"]["tiny"]
+    assert {"first_start_s", "second_start_s", "no_pool_start_s", "processes", "adopted", "pool_ready"} <= set(r)
+    assert r["processes"] == r["adopted"] == r["pool_ready"] == 1  # the default session's one process, adopted
+    assert_ratio(r["second_over_first"], r["second_start_s"], r["first_start_s"], 3)
+    assert_ratio(r["pool_speedup"], r["no_pool_start_s"], r["second_start_s"], 3)
+    assert r["goal_met"] is (r["second_over_first"] <= result["goal_second_over_first"] == 0.5)
+    assert result["goal_met"] is r["goal_met"] and result["processor_family"].startswith("family ")

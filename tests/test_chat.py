@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+import hybridlab.algos as A
 from hybridlab.errors import UserError
 from hybridlab.evaluate import greedy_texts, load_hf
 from hybridlab.protocol import Batch
@@ -116,9 +117,10 @@ def test_a_chat_jsonl_trains_on_the_ids_of_the_chat_template(ray_local, trained_
     rl = RLSession("grpo", [f"model={trained_dir}", f"data.train_files={tmp_path / 'chat.jsonl'}",
                             "warm_start.max_steps=0", "trainer.devices=1", "data.prompts_per_step=4", "rollout.n=2",
                             "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=4", "trainer.progress=false",
-                            f"trainer.run_dir={tmp_path / 'run'}"])
+                            "actor.use_rollout_log_probs=false", f"trainer.run_dir={tmp_path / 'run'}"])
     with rl:
         result = rl.step()
+    assert "old_logprob" in [name for name, _ in result.stages]  # the actor scores the sequences itself
     tokenizer = AutoTokenizer.from_pretrained(trained_dir)
     by_prompt = {json.dumps(r["prompt"]): r["prompt"] for r in rows}
     rendered = {tuple(tokenizer.apply_chat_template(m, add_generation_prompt=True)["input_ids"])
@@ -133,7 +135,9 @@ def test_a_chat_jsonl_trains_on_the_ids_of_the_chat_template(ray_local, trained_
         assert b["input_ids"][i, width - len(ids):width].tolist() == ids
     mask = b["response_mask"].bool()
     assert (b["old_log_probs"] - b["rollout_log_probs"])[mask].abs().max() < 1e-4
-    assert "actor/pg_loss" in result.metrics
+    # one mini-batch, so the update saw ratio 1: its loss is the aggregate of -advantages on these tokens
+    expected = A.agg_loss(-b["advantages"], mask.float(), rl.cfg.actor.loss_agg_mode)
+    assert result.metrics["actor/pg_loss"] == pytest.approx(float(expected), rel=1e-5, abs=1e-6)
 
 
 def test_a_task_in_chat_form_renders_for_the_rollout_and_the_warm_start(tiny_dir):

@@ -140,7 +140,8 @@ def test_a_ppo_run_on_fsdp2_equals_megatrons_remaps_to_dp2_and_resumes(ray_local
             assert (batch["old_log_probs"] - batch["rollout_log_probs"])[mask].abs().max() < 1e-4
             saved = actor_state(rl)
             rl.save_checkpoint()
-    assert sum(m["reward/mean"] for m in steps["megatron"]) > 0  # the losses are not all zero
+    # the losses compared below are not all zero (a comparison of zeros would pass whatever the backend)
+    assert all(abs(m["actor/pg_loss"]) > 0 and m["critic/vf_loss"] > 0 for m in steps["megatron"])
     for step, (megatron, fsdp2) in enumerate(zip(steps["megatron"], steps["fsdp2"])):
         for key in COMPARED:
             assert fsdp2[key] == pytest.approx(megatron[key], abs=1e-4), (step, key)

@@ -10,9 +10,10 @@ import tempfile
 import pytest
 import ray
 
-from hybridlab.controller.mapping import DeviceMapping
+from hybridlab.controller.mapping import DeviceMapping, MappingError
 from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.controller.worker import Dispatch, Worker, register
+from hybridlab.errors import UserError
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -73,7 +74,7 @@ def test_spread_lands_on_both_nodes_and_ranks_map_stably(cluster):
 
 def test_too_few_devices_is_refused_before_anything_starts(cluster):
     big = DeviceMapping.from_dict({"pools": {"p": {"devices": 6}}, "roles": {"actor": {"pool": "p", "dp": 6}}})
-    with pytest.raises(Exception, match="too few devices: the pools need 6 devices, the cluster has 4 GPUs"):
+    with pytest.raises(MappingError, match="too few devices: the pools need 6 devices, the cluster has 4 GPUs"):
         WorkerSet(big, {"actor": Where}, address=cluster.address).start()
 
 
@@ -85,7 +86,7 @@ def node_ids() -> dict[str, str]:
 def test_a_pool_pinned_to_a_label_no_node_carries_is_refused_at_once_naming_the_nodes(cluster):
     nowhere = DeviceMapping.from_dict({"pools": {"p": {"devices": 1, "node_labels": {LABEL: "third"}}},
                                        "roles": {"actor": {"pool": "p"}}})
-    with pytest.raises(Exception, match=r"pool 'p': no node carries the labels \{'hybridlab/node': 'third'\}"
+    with pytest.raises(UserError, match=r"pool 'p': no node carries the labels \{'hybridlab/node': 'third'\}"
                                         r" \(pools.p.node_labels\); nodes: ") as refused:
         WorkerSet(nowhere, {"actor": Where}, address=cluster.address).start()
     for name in ("head", "second"):  # each node named with its devices and labels
@@ -101,12 +102,19 @@ SETTINGS = ["warm_start.max_steps=0", "data.prompts_per_step=8", "rollout.n=4", 
             "trainer.eval_every=0"]
 
 
+def rollout_actor_gap(batch) -> float:
+    """Return the largest |rollout log-prob - actor's old log-prob| over the batch's response tokens."""
+    mask = batch["response_mask"].bool()
+    return float((batch["old_log_probs"] - batch["rollout_log_probs"])[mask].abs().max())
+
+
 def test_an_rl_run_across_two_nodes_equals_the_same_run_on_one(cluster, trained_dir, tmp_path):
     """Actor and reference on one node, rollout and reward on the other: the weights sync across
     the node boundary every step, and the seeded steps equal those of the same run on one node."""
     from hybridlab.dataflow.session import RLSession
 
-    settings = [*SETTINGS, "actor.use_kl_loss=true"]
+    # the old log-probs recomputed on the actor: a weight sync that never landed shows as a rollout/actor gap
+    settings = [*SETTINGS, "actor.use_kl_loss=true", "actor.use_rollout_log_probs=false"]
 
     def run(train: str, gen: str) -> tuple[dict, list[dict]]:
         mapping = {"pools": {"train": {"devices": 1, "node_labels": {LABEL: train}},
@@ -122,6 +130,7 @@ def test_an_rl_run_across_two_nodes_equals_the_same_run_on_one(cluster, trained_
             rl.shutdown()
         repeatable = [{k: v for k, v in s.metrics.items() if not k.startswith(("timing/", "perf/", "sync/"))}
                       for s in steps]
+        assert all(rollout_actor_gap(s.batch) < 1e-4 for s in steps)  # each step sampled the synced weights
         return where, repeatable, [s.metrics["sync/bytes"] for s in steps]
 
     nodes = node_ids()
@@ -152,7 +161,8 @@ def test_losing_the_rollout_node_re_creates_its_roles_on_the_other_and_the_run_g
     filler = placement_group([{"GPU": 1}], bundle_label_selector=[{LABEL: "head"}])  # the head's second device
     ray.get(filler.ready(), timeout=60)
     rl = RLSession(None, [f"model={trained_dir}", *SETTINGS, f"mapping={json.dumps(mapping)}", "trainer.max_restarts=2",
-                          f"trainer.run_dir={tmp_path / 'run'}"], ray_address=cluster.address).start()
+                          "actor.use_rollout_log_probs=false", f"trainer.run_dir={tmp_path / 'run'}"],
+                   ray_address=cluster.address).start()
     try:
         remove_placement_group(filler)
         assert {p["node_id"] for p in rl.workers.groups["rollout"].placements} == {nodes["second"]}
@@ -163,7 +173,9 @@ def test_losing_the_rollout_node_re_creates_its_roles_on_the_other_and_the_run_g
         again = rl.step()
         assert rl.restarts[-1]["recreated"] == ["reward", "rollout"] and again.metrics["faults/worker_restarts"] == 1
         assert {p["node_id"] for p in rl.workers.groups["rollout"].placements} == {nodes["head"]}
-        assert first.metrics["reward/mean"] >= 0 and again.metrics["sync/bytes"] > 0
+        # the re-created rollout was given the actor's weights: it samples what the actor scores
+        assert again.metrics["sync/bytes"] > 0 and rollout_actor_gap(first.batch) < 1e-4
+        assert rollout_actor_gap(again.batch) < 1e-4
     finally:
         rl.shutdown()
 

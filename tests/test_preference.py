@@ -118,6 +118,8 @@ def test_dpo_on_megatron_and_fsdp2_trains_as_trls_dpo_trainer(ray_local, tiny_di
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
+    import ray
+
     from hybridlab.algos.preference import dpo_loss_fn
     from hybridlab.batching import preference_batch
     from hybridlab.controller.group import RoleClass
@@ -131,45 +133,62 @@ def test_dpo_on_megatron_and_fsdp2_trains_as_trls_dpo_trainer(ray_local, tiny_di
         for p in ref.parameters():
             p.add_(0.05 * torch.randn_like(p))
     ref.save_pretrained(tmp_path / "ref")
-    for (types, weights), split in (((["sigmoid"], None), {"tp": 2}), ((["ipo", "sft"], [1.0, 0.5]), {"pp": 2})):
-        args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, beta=0.1, report_to=[],
-                         bf16=False, use_cpu=True, save_strategy="no", max_steps=3, learning_rate=1e-3, logging_steps=1,
-                         lr_scheduler_type="constant", loss_type=types, loss_weights=weights, seed=0)
-        trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32),
-                             ref_model=AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32),
-                             args=args, train_dataset=Dataset.from_dict(PAIRS), processing_class=tokenizer)
-        trl_batch = next(iter(trainer.get_train_dataloader()))
-        trainer.train()
-        first = trainer.state.log_history[0]
-        theirs = {k: v.detach() for k, v in trainer.model.state_dict().items()}
+    optim = {"lr": 1e-3, "grad_clip": 1.0, "warmup_steps": 0}
 
-        # the same pairs in verl's layout: prompt ids, then each pair's chosen and rejected response
-        ids, completion = trl_batch["input_ids"], trl_batch["completion_mask"].bool()
-        real = trl_batch["attention_mask"].bool()
-        prompts = [ids[i][real[i] & ~completion[i]].tolist() for i in range(len(ids))]
-        responses = [ids[i][completion[i]].tolist() for i in range(len(ids))]
-        half = len(ids) // 2
-        batch = preference_batch(prompts[:half], responses[:half], responses[half:], tokenizer.pad_token_id)
-        batch.tensors["ref_log_prob"] = hf_logprobs(str(tmp_path / "ref"), batch).float()
-        loss_fn = dpo_loss_fn(types, weights, beta=0.1)
-        for strategy, layout, rows in (("megatron", split, 2), ("fsdp2", {"dp": 2}, 4)):
-            optim = {"lr": 1e-3, "grad_clip": 1.0, "warmup_steps": 0}
-            model_split = {k: v for k, v in layout.items() if k != "dp"}
-            roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=str(tiny_dir), optim=optim,
-                                                                micro_batch_size=rows, strategy=strategy,
-                                                                **model_split))}
-            with session_for(roles, **layout) as s:
-                actor = s.groups["actor"]
-                if strategy == "megatron":
-                    actor.configure(micro_batch_tokens=16, remove_padding=True)
-                metrics = [actor.update_actor(batch, loss_fn)[0] for _ in range(3)]
-                ours = gathered(actor)
-            for key in ("loss", *METRICS):
-                assert metrics[0][key] == pytest.approx(first[key], abs=1e-5), (types, strategy, layout, key)
-            # the loss's scale (each micro-batch's and rank's share) shows in the gradient norm
-            assert metrics[0]["grad_norm"] == pytest.approx(first["grad_norm"], rel=1e-4), (types, strategy)
-            assert max_diff(ours, {k: theirs[k] for k in ours}) < 1e-4, (types, strategy)
-            assert max_diff(ours, {k: v for k, v in gathered_initial(tiny_dir).items() if k in ours}) > 1e-3
+    def actor_roles(strategy: str, rows: int, split: dict) -> dict:
+        return {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=str(tiny_dir), optim=optim, micro_batch_size=rows,
+                                                            strategy=strategy, **split))}
+
+    # One FSDP2 session (two data-parallel ranks of two pairs each) serves both losses: before the
+    # second it is set back to the model's weights with zero AdamW moments at step 0, which is what a
+    # new session starts from. Megatron's layout differs per loss (TP2, then PP2): a session each.
+    fsdp2 = session_for(actor_roles("fsdp2", 4, {}), dp=2)
+    fresh = fsdp2.groups["actor"].checkpoint_state()
+    for part in filter(None, fresh):
+        part.update(exp_avg={k: torch.zeros_like(v) for k, v in part["model"].items()},
+                    exp_avg_sq={k: torch.zeros_like(v) for k, v in part["model"].items()}, adam_step=0.0)
+    fresh_ref = ray.put(fresh)
+    try:
+        for (types, weights), split in (((["sigmoid"], None), {"tp": 2}), ((["ipo", "sft"], [1.0, 0.5]), {"pp": 2})):
+            args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, beta=0.1, report_to=[],
+                             bf16=False, use_cpu=True, save_strategy="no", max_steps=3, learning_rate=1e-3,
+                             logging_steps=1, lr_scheduler_type="constant", loss_type=types, loss_weights=weights,
+                             seed=0)
+            trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32),
+                                 ref_model=AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32),
+                                 args=args, train_dataset=Dataset.from_dict(PAIRS), processing_class=tokenizer)
+            trl_batch = next(iter(trainer.get_train_dataloader()))
+            trainer.train()
+            first = trainer.state.log_history[0]
+            theirs = {k: v.detach() for k, v in trainer.model.state_dict().items()}
+
+            # the same pairs in verl's layout: prompt ids, then each pair's chosen and rejected response
+            ids, completion = trl_batch["input_ids"], trl_batch["completion_mask"].bool()
+            real = trl_batch["attention_mask"].bool()
+            prompts = [ids[i][real[i] & ~completion[i]].tolist() for i in range(len(ids))]
+            responses = [ids[i][completion[i]].tolist() for i in range(len(ids))]
+            half = len(ids) // 2
+            batch = preference_batch(prompts[:half], responses[:half], responses[half:], tokenizer.pad_token_id)
+            batch.tensors["ref_log_prob"] = hf_logprobs(str(tmp_path / "ref"), batch).float()
+            loss_fn = dpo_loss_fn(types, weights, beta=0.1)
+            with session_for(actor_roles("megatron", 2, split), **split) as megatron:
+                actor = megatron.groups["actor"]
+                actor.configure(micro_batch_tokens=16, remove_padding=True)
+                runs = {"megatron": ([actor.update_actor(batch, loss_fn)[0] for _ in range(3)], gathered(actor))}
+            actor = fsdp2.groups["actor"]
+            actor.load_state([fresh_ref])
+            reset = gathered(actor)
+            assert max_diff(reset, {k: v for k, v in gathered_initial(tiny_dir).items() if k in reset}) == 0
+            runs["fsdp2"] = ([actor.update_actor(batch, loss_fn)[0] for _ in range(3)], gathered(actor))
+            for strategy, (metrics, ours) in runs.items():
+                for key in ("loss", *METRICS):
+                    assert metrics[0][key] == pytest.approx(first[key], abs=1e-5), (types, strategy, key)
+                # the loss's scale (each micro-batch's and rank's share) shows in the gradient norm
+                assert metrics[0]["grad_norm"] == pytest.approx(first["grad_norm"], rel=1e-4), (types, strategy)
+                assert max_diff(ours, {k: theirs[k] for k in ours}) < 1e-4, (types, strategy)
+                assert max_diff(ours, {k: v for k, v in gathered_initial(tiny_dir).items() if k in ours}) > 1e-3
+    finally:
+        fsdp2.shutdown()
 
 
 def gathered_initial(model_dir) -> dict:
@@ -226,9 +245,14 @@ def test_a_grpo_session_switches_to_online_dpo_and_back(ray_local, tiny_dir, tmp
         assert bool((scores[0::2] > scores[1::2]).all())  # each chosen sample scored above its rejected one
         assert m["actor/grad_norm"] > 0 and m["sync/bytes"] > 0  # a DPO step was taken and synced
         assert {"actor/loss", *METRICS} <= set(m)  # TRL's names
-        rl.update("dpo.online=false")
+        # back to GRPO, the old log-probs computed by the actor: the rollout sampled with the DPO-updated
+        # weights, so its log-probs are the actor's (a sync that never landed would leave them apart)
+        rl.update("dpo.online=false", "actor.use_rollout_log_probs=false")
         back = rl.step()
         assert "advantages/mean" in back.metrics and "dpo/pairs" not in back.metrics
+        assert "old_logprob" in [name for name, _ in back.stages]
+        mask = back.batch["response_mask"].bool()
+        assert (back.batch["old_log_probs"] - back.batch["rollout_log_probs"])[mask].abs().max() < 1e-4
 
 
 def test_offline_dpo_trains_on_a_preference_file(ray_local, tiny_dir, tmp_path):

@@ -18,7 +18,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -102,21 +101,34 @@ def test_hybridlab_train_runs_as_a_ray_job_and_its_dashboard_is_served_from_the_
     assert [r["step"] for r in rows if "reward/mean" in r] == [1]
     assert json.loads((run_dir / "summary.json").read_text())["failed"] is False
 
-    from hybridlab.telemetry.serving import serve
+    # the run's dashboard served from the head: `hybridlab dashboard` submitted as a second job, fetched there
+    port, served = free_ports(1)[0], f"hybridlab-dashboard-{secrets.token_hex(4)}"
+    submit = subprocess.run([RAY, "job", "submit", "--address", address, "--submission-id", served, "--no-wait", "--",
+                             sys.executable, "-m", "hybridlab.cli", "dashboard", str(run_dir), "--port", str(port),
+                             "--address", "127.0.0.1"], env=env, capture_output=True, text=True, timeout=120)
+    assert submit.returncode == 0, submit.stdout + submit.stderr
 
-    server, port = serve(Path(run_dir), port=0, address="127.0.0.1", threaded=True)
+    def job_logs() -> str:
+        logs = subprocess.run([RAY, "job", "logs", "--address", address, served], env=env, capture_output=True,
+                              text=True, timeout=60)
+        return (logs.stdout + logs.stderr)[-3000:]
+
     try:
-        for _ in range(120):  # the server thread starts listening shortly after serve returns
+        deadline = time.monotonic() + 180
+        while True:  # the job starts `hybridlab dashboard` on the head, which listens once Panel is up
             try:
                 page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30)
                 break
             except OSError:
-                time.sleep(0.5)
-        else:
-            pytest.fail(f"the dashboard served on port {port} never answered")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the dashboard job never answered on port {port}: {job_logs()}")
+                time.sleep(1)
         # the page of this run: the name its telemetry's run record carries, in the template's title
         name = json.loads((run_dir / "telemetry.jsonl").read_text().splitlines()[0])["name"]
         with page:
             assert page.status == 200 and f"<title>hybridlab · {name}</title>" in page.read().decode()
+        status = subprocess.run([RAY, "job", "status", "--address", address, served], env=env, capture_output=True,
+                                text=True, timeout=60)
+        assert "RUNNING" in status.stdout + status.stderr  # the page came from the job, still serving
     finally:
-        server.stop()
+        subprocess.run([RAY, "job", "stop", "--address", address, served], env=env, capture_output=True, timeout=60)

@@ -5,6 +5,7 @@ and settings built into workers apply live or re-create only their role."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -131,6 +132,19 @@ def fixed_batch(rl):
                                                            "max_tokens": 6, "seed": 123})
 
 
+def assert_steps_in_sync(rl) -> None:
+    """Take a step on the session's current mapping and check its numbers: the reward logged is its
+    batch's, and afterwards the rollout samples what the actor scores (the step's sync landed)."""
+    result = rl.step()
+    scores = result.batch["token_level_scores"].sum(-1)
+    assert result.metrics["reward/mean"] == pytest.approx(float(scores.mean()))
+    assert math.isfinite(result.metrics["actor/pg_loss"])
+    batch = fixed_batch(rl)
+    actor = rl.workers.groups["actor"].compute_log_prob(batch)["old_log_probs"]
+    mask = batch["response_mask"].bool()
+    assert mask.any() and (actor - batch["rollout_log_probs"])[mask].abs().max() < 1e-4
+
+
 def test_actor_tp_1_to_2_keeps_log_probs_and_the_next_loss_within_1e5(rl, reference):
     if rl.step_count == 0:  # run alone: where the test above leaves the seeded run (3 steps, actor | rollout)
         on_layout(rl, SEPARATE)  # a remap keeps the run bit for bit (the test above)
@@ -169,7 +183,7 @@ def test_rollout_dp_1_to_2_fed_by_two_trainer_dp_ranks_on_resized_pools(rl):
     pairs = sync.plan["bytes_per_pair"]  # as planned: replica r from trainer DP rank r, nothing crosses
     assert set(pairs) == {"0->0", "1->1"} and pairs["0->0"] == pairs["1->1"] == sync.bytes_moved // 2
     assert sync.bytes_per_pair == pairs  # and as measured: the transfer ran its plan
-    assert "reward/mean" in rl.step().metrics
+    assert_steps_in_sync(rl)
 
 
 @pytest.mark.parametrize("pair,reason", [
@@ -210,7 +224,7 @@ def test_bad_remaps_are_refused_naming_the_role_and_nothing_changes(rl):
         assert message in str(err.value), str(err.value)
     assert rl.mapping == mapping
     assert sorted(p["pid"] for s in rl.workers._sets for p in s.placements) == pids
-    assert "reward/mean" in rl.step().metrics  # still training on the old mapping
+    assert_steps_in_sync(rl)  # still training on the old mapping
 
 
 def test_live_settings_apply_to_running_workers_without_restarts(rl):
@@ -248,7 +262,7 @@ def test_a_setting_built_into_the_rollout_re_creates_only_its_processes(rl):
     assert report.reason == "update" and report.roles_recreated == ["reward", "rollout"]
     assert {p["pid"] for p in rl.workers.groups["actor"].placements} == actor_pids
     assert_equal_state(before, actor_state(rl))
-    assert "reward/mean" in rl.step().metrics
+    assert_steps_in_sync(rl)
 
 
 def vllm_has_shm_communicator() -> bool:
@@ -325,7 +339,8 @@ def test_rollout_tp_1_to_2_samples_what_tp_1_samples_separate_and_colocated(rl):
     actor = rl.workers.groups["actor"].compute_log_prob(batch)["old_log_probs"]
     mask = batch["response_mask"].bool()
     assert (actor - batch["rollout_log_probs"])[mask].abs().max() < 1e-4
-    assert rl.sync_weights().mode == "colocated" and "reward/mean" in rl.step().metrics
+    assert rl.sync_weights().mode == "colocated"
+    assert_steps_in_sync(rl)
 
 
 def test_a_remap_during_a_background_run_lands_at_a_step_boundary(rl):

@@ -10,6 +10,7 @@ import torch
 
 import hybridlab.algos as A
 from hybridlab.algos.advantages import compute_advantage
+from hybridlab.algos.rollout_correction import compute_rollout_correction_and_rejection_mask
 from hybridlab.dataflow.graph import DataflowError, StageError
 from hybridlab.dataflow.session import RLSession
 from hybridlab.dataflow.stages import STAGES, register_stage
@@ -294,15 +295,18 @@ def test_remax_and_dapo_dataflows(rl):
         assert set(b["reward_baselines"].tolist()) <= {0.0, 1.0}  # the greedy answer's rule reward
         rl.update("algorithm.adv_estimator=grpo", "algorithm.filter_groups.enable=true",
                   "dataflow=[generate, reward, filter_groups, old_logprob, advantages, update_actor, sync_weights]")
-        result = rl.step()
+        for _ in range(4):  # a step that dropped a group: which seeded step draws one depends on the steps before
+            result = rl.step()
+            if result.metrics["filter_groups/kept_fraction"] < 1:
+                break
         b, m = result.batch, result.metrics
         groups = {}
         for uid, score in zip(b["uid"], b["token_level_scores"].sum(-1).tolist()):
             groups.setdefault(uid, []).append(score)
-        # The step's samples are seeded (trainer.seed + the step count), and they hold both kinds of
-        # group: some whose rewards all drew equal, dropped, and some that differ, kept. kept_fraction
-        # is the kept prompts over every prompt generated (8 a round); it is below 1 only when a group
-        # was dropped, since a first round whose 8 groups all differ fills the step at once.
+        # The step's samples hold both kinds of group: some whose rewards all drew equal, dropped, and
+        # some that differ, kept. kept_fraction is the kept prompts over every prompt generated (8 a
+        # round); it is below 1 only when a group was dropped, since a first round whose 8 groups all
+        # differ fills the step at once.
         rounds, kept = m["filter_groups/generation_rounds"], m["filter_groups/kept_prompts"]
         assert 0 < kept == len(groups) <= rl.cfg.data.prompts_per_step and rounds >= 1
         assert m["filter_groups/kept_fraction"] == pytest.approx(kept / (rl.cfg.data.prompts_per_step * rounds))
@@ -352,24 +356,35 @@ def step_with_a_reward_difference(rl, what: str):
 
 def test_every_policy_loss_preset_steps_through_update_with_finite_loss_and_gradient(rl):
     """The presets of verl's policy losses, switched live on one session (DP 2); each step's
-    policy loss and gradient norm are finite and the loss is the preset's."""
+    policy loss and gradient norm are finite, and the loss is the preset's: one mini-batch, so the
+    update sees ratio 1 and its loss is the preset's loss function on the whole batch at ratio 1
+    (clip_cov aside: it masks a random subset of tokens in the worker)."""
+    from hybridlab.algos.losses import get_policy_loss_fn
     from hybridlab.run_config import load_config
 
     saved = [f"actor.{k}={json.dumps(getattr(rl.cfg.actor, k))}" for k in LOSS_KEYS] + [
         f"algorithm.adv_estimator={rl.cfg.algorithm.adv_estimator}", f"dataflow={json.dumps(rl.dataflow.names)}",
-        f"algorithm.norm_adv_by_std_in_grpo={str(rl.cfg.algorithm.norm_adv_by_std_in_grpo).lower()}"]
+        f"algorithm.norm_adv_by_std_in_grpo={str(rl.cfg.algorithm.norm_adv_by_std_in_grpo).lower()}",
+        f"actor.ppo_mini_batch_size={rl.cfg.actor.ppo_mini_batch_size}"]
     before = pids(rl)
     try:
-        rl.update("algorithm.adv_estimator=grpo", "actor.use_kl_loss=false",
+        rl.update("algorithm.adv_estimator=grpo", "actor.use_kl_loss=false", "actor.ppo_mini_batch_size=8",
                   "dataflow=[generate, reward, old_logprob, advantages, update_actor, sync_weights]")
         for preset in ("gspo", "cispo", "gpg", "clip_cov", "kl_cov", "sapo", "gmpo"):
             cfg = load_config(preset)
             rl.update(*[f"actor.{k}={json.dumps(getattr(cfg.actor, k))}" for k in LOSS_KEYS],
                       f"algorithm.norm_adv_by_std_in_grpo={str(cfg.algorithm.norm_adv_by_std_in_grpo).lower()}")
-            m = step_with_a_reward_difference(rl, preset).metrics
+            result = step_with_a_reward_difference(rl, preset)
+            b, m = result.batch, result.metrics
             assert rl.cfg.actor.policy_loss == cfg.actor.policy_loss
             assert torch.isfinite(torch.tensor([m["actor/pg_loss"], m["actor/grad_norm"]])).all(), (preset, m)
             assert m["actor/grad_norm"] > 0, preset
+            if preset != "clip_cov":
+                expected, _ = get_policy_loss_fn(cfg.actor.policy_loss)(
+                    old_log_prob=b["old_log_probs"], log_prob=b["old_log_probs"], advantages=b["advantages"],
+                    response_mask=b["response_mask"].float(), loss_agg_mode=rl.cfg.actor.loss_agg_mode,
+                    config=rl.cfg.actor)
+                assert m["actor/pg_loss"] == pytest.approx(float(expected), rel=1e-5, abs=1e-6), preset
         assert pids(rl) == before  # live: no worker was re-created
     finally:
         rl.update(*saved)
@@ -393,12 +408,20 @@ def test_rollout_correction_and_the_other_verl_estimators_run_live(rl, tmp_path)
         result = rl.step()
         b, m = result.batch, result.metrics
         kept = b["response_mask"].bool()
+        sampled = b["attention_mask"][:, -b["responses"].shape[1]:]  # the response tokens before rejection
+        rejected = 1 - float(kept.sum() / sampled.sum())
+        assert 0 < rejected < 1, rejected  # the threshold told tokens apart: some rejected, some kept
         log_ratio = b["old_log_probs"] - b["rollout_log_probs"]
         assert torch.equal(b["rollout_is_weights"][kept], log_ratio.exp().clamp(max=2.0)[kept])
         assert (log_ratio.exp() - 1 - log_ratio)[kept].max() <= 1e-12  # what stays passed the k3 threshold
-        for key in ("rollout_corr/rollout_is_mean", "rollout_corr/kl", "rollout_corr/k3_kl",
-                    "rollout_corr/rollout_rs_token_k3_masked_fraction", "rollout_corr/chi2_seq"):
-            assert math.isfinite(m[key]), key
+        # the weights, the mask and every metric are the rejection function's on the step's own fields
+        weights, mask, expected = compute_rollout_correction_and_rejection_mask(
+            b["old_log_probs"], b["rollout_log_probs"], sampled.to(b["response_mask"].dtype), rollout_is="token",
+            rollout_rs="token_k3", rollout_rs_threshold=1e-12)
+        assert torch.equal(mask.bool(), kept) and torch.equal(weights, b["rollout_is_weights"])
+        assert expected["rollout_corr/rollout_rs_token_k3_masked_fraction"] == pytest.approx(rejected)
+        for key, value in expected.items():
+            assert m[key] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), key
         assert math.isfinite(m["actor/pg_loss"])
 
         rl.update(f"{rc}.bypass_mode=true", f"{rc}.loss_type=reinforce", f"{rc}.rollout_is=sequence",
@@ -419,11 +442,11 @@ def test_rollout_correction_and_the_other_verl_estimators_run_live(rl, tmp_path)
             "rloo_vectorized": A.compute_rloo_vectorized_outcome_advantage, "opo": A.compute_opo_outcome_advantage,
             "gpg": A.compute_gpg_outcome_advantage,
             "gdpo": A.compute_gdpo_outcome_advantage}
-        taught = []
         for estimator in ("grpo_vectorized", "grpo_passk", "rloo_vectorized", "opo", "gpg", "gdpo",
                           "optimal_token_baseline", "tir_optimal_token_baseline"):
             rl.update(f"algorithm.adv_estimator={estimator}")
-            result = rl.step()
+            # a step with a reward difference, so that the comparison below tells estimators apart
+            result = step_with_a_reward_difference(rl, estimator)
             b, m = result.batch, result.metrics
             assert math.isfinite(m["actor/pg_loss"]) and math.isfinite(m["actor/grad_norm"]), estimator
             mask = b["response_mask"].float()
@@ -433,9 +456,7 @@ def test_rollout_correction_and_the_other_verl_estimators_run_live(rl, tmp_path)
                                                                 b["old_log_probs"], b["sum_pi_squared"])
             else:
                 expected, _ = grouped[estimator](b["token_level_rewards"], mask, b["uid"])
-                taught.append(bool(expected.abs().sum() > 0))
-            assert torch.allclose(b["advantages"], expected, atol=1e-6), estimator
-        assert any(taught)  # seeded steps: some drew a reward difference, so the checks above tell estimators apart
+            assert expected.abs().sum() > 0 and torch.allclose(b["advantages"], expected, atol=1e-6), estimator
         assert pids(rl) == before
 
         module = tmp_path / "parts.py"  # GDPO's reward components, from a reward function's dict answer

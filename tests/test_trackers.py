@@ -101,7 +101,8 @@ def test_an_unknown_logger_is_named():
                                                       " wandb, mlflow"]
     assert logger_problems("wandb") == ["trainer.logger: a list of names from console, tensorboard, wandb, mlflow,"
                                         " got 'wandb'"]
-    with pytest.raises(Exception, match="trainer.logger: 'neptune' not one of"):
-        from hybridlab.run_config import load_config
+    from hybridlab.config import ConfigError
+    from hybridlab.run_config import load_config
 
+    with pytest.raises(ConfigError, match="trainer.logger: 'neptune' not one of"):
         load_config(None, ["trainer.logger=[console,neptune]"])

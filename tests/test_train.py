@@ -1,10 +1,13 @@
 """The megatron-core training engine inside worker groups, checked against transformers."""
+import functools
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
 
 from hybridlab.batching import sequences_batch
+from hybridlab.controller.calls import WorkerError
 from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.controller.worker_set import WorkerSet
@@ -29,11 +32,18 @@ def random_batch(n=8, seed=0):
 BATCH = random_batch()
 
 
-def hf_logprobs(model_dir, batch, sum_pi_squared: bool = False):
-    """transformers' log-probs of the responses (and the sum of squared token probabilities)."""
+@functools.lru_cache(maxsize=2)
+def _hf_model(model_dir: str, written: tuple):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def hf_logprobs(model_dir, batch, sum_pi_squared: bool = False):
+    """transformers' log-probs of the responses (and the sum of squared token probabilities).
+    The model is loaded once per checkpoint (a folder written again is loaded again)."""
+    written = tuple(sorted((p.name, p.stat().st_mtime_ns) for p in Path(model_dir).glob("*.safetensors")))
+    model = _hf_model(str(model_dir), written)
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                        position_ids=batch["position_ids"]).logits.double()
@@ -174,7 +184,7 @@ def test_bf16_compute_keeps_fp32_weights_and_moments_and_switches_live(tiny):
         packed = actor.compute_log_prob(BATCH)["old_log_probs"]
         assert (packed - padded)[mask].abs().max() < 0.1  # bf16 rounding apart, the same numbers
         assert actor.sft_step(BATCH)[0]["padded_token_share"] < 0.5
-        with pytest.raises(Exception, match="precision must be one of fp32, bf16, got 'fp16'"):
+        with pytest.raises(WorkerError, match="precision must be one of fp32, bf16, got 'fp16'"):
             actor.configure(precision="fp16")
 
 

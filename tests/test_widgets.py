@@ -16,6 +16,7 @@ import torch
 
 from hybridlab.dataflow.graph import DataflowError
 from hybridlab.dataflow.session import RLSession
+from tests.test_remap import assert_steps_in_sync
 
 SETTINGS = ["warm_start.max_steps=0", "data.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=6",
             "actor.ppo_mini_batch_size=8", "data.test_samples=16", "trainer.progress=false", "trainer.eval_every=0"]
@@ -91,7 +92,7 @@ def test_a_valid_mapping_applies_and_shows_its_report(rl):
     assert "Applied after step" in editor.status.value and "re-created actor, reward, rollout" in editor.status.value
     assert rl.mapping.roles["rollout"].pool == "gen" and rl.mapping.roles["actor"].pool == "main"
     assert rl.workers.groups["actor"].hostset is not rl.workers.groups["rollout"].hostset
-    assert "reward/mean" in rl.step().metrics
+    assert_steps_in_sync(rl)
 
 
 SPLIT = {"pools": {"main": {"devices": 1}, "gen": {"devices": 1}},
@@ -121,7 +122,7 @@ def test_suggest_fills_in_the_advisors_mapping_and_apply_moves_the_session_onto_
     assert DeviceMapping.from_dict(editor.mapping_dict()) == found.best.mapping  # the table holds it
     editor.apply_button.click()
     assert "Applied after step" in editor.status.value and rl.mapping == found.best.mapping
-    assert "reward/mean" in rl.step().metrics
+    assert_steps_in_sync(rl)
     assert rl.suggest_mapping(bound).same  # nothing faster now
 
 

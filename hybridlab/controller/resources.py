@@ -30,8 +30,10 @@ def connect(address: str | None = None, num_gpus: int | None = None, num_cpus: i
     if not ray.is_initialized():
         env = {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                             "RAY_DEDUP_LOGS": "0",
-                            # vLLM's per-engine INFO lines drown the notebook; warnings still show.
-                            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}}
+                            # vLLM's per-engine INFO lines drown the notebook; warnings still show, on
+                            # standard error (vLLM's default is standard output, which `--json` keeps for data)
+                            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+                            "VLLM_LOGGING_STREAM": os.environ.get("VLLM_LOGGING_STREAM", "ext://sys.stderr")}}
         if address:
             ray.init(address=address, runtime_env=env, log_to_driver=True)
         else:
