@@ -64,15 +64,17 @@ def test_loaded_weights_give_the_same_greedy_outputs_as_transformers(rollout, tr
     # Each greedy answer is a number ending with </s> near the sum, few of these 16 exact yet, and
     # transformers' generate, on each prompt alone, gives the same verdicts. The seeded fixture is
     # not the same on every processor (its 300 steps round differently): on the AMD EPYC with
-    # AVX-512 every answer was within 10 and none exact; on the AVX2-only one within 14 (4.1 on
-    # average) and one exact. An untrained model's answers are not numbers near the sum at all.
+    # AVX-512 of family 26 every answer was within 10 and none exact; on the one of family 25
+    # within 9 (4.75 on average) and none exact; on the AVX2-only one within 14 (4.1 on average)
+    # and one exact. Held to that: within 14, at most 6 on average. An untrained model's answers
+    # are not numbers near the sum at all.
     decoded = [r[m.bool()].tolist() for r, m in zip(after["responses"], after["response_mask"])]
     assert all(d[-1] == 2 for d in decoded)                                # ends with </s>
     _, tok = load_hf(trained_dir)
     texts = [tok.decode(d, skip_special_tokens=True) for d in decoded]
     assert all(t.isdigit() for t in texts), texts
     errors = [abs(int(t) - int(g)) for t, g in zip(texts, prompts["answer"])]
-    assert max(errors) <= 20 and sum(errors) / len(errors) <= 10, (texts, errors)
+    assert max(errors) <= 14 and sum(errors) / len(errors) <= 6, (texts, errors)
     task = get_task("arith")
     right = [task.check(t, g)[0] for t, g in zip(texts, prompts["answer"])]
     assert right == transformers_greedy_verdicts(trained_dir, prompts) and sum(right) <= 2, texts
