@@ -28,6 +28,17 @@ async def two_calls(client, sample):
     return {"reward": right, "acc": right, "tool_turns": 1}
 
 
+async def two_calls_parity(client, sample):
+    """The two_calls conversation, rewarded 1 when the token ids the model sampled first add up
+    to an odd number: a reward that differs within a group of samples of one prompt."""
+    messages = list(sample["extra_info"]["messages"])
+    first = await client.chat.completions.create(model="any-name", messages=messages, max_tokens=6)
+    messages.append({"role": "assistant", "content": first.choices[0].message.content or ""})
+    messages.append({"role": "tool", "content": f"the answer is {sample['ground_truth']}"})
+    await client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+    return float(sum(first.choices[0].model_extra["token_ids"]) % 2)
+
+
 async def fails_on_odd(client, sample):
     """Call the model once, then raise where the right answer is odd."""
     await client.chat.completions.create(model="policy", messages=sample["extra_info"]["messages"], max_tokens=2)

@@ -220,22 +220,9 @@ def agent_rl(ray_local, chat_trained_dir, tmp_path_factory):
 def test_an_unchanged_openai_agent_trains_grpo_on_exact_multi_turn_tokens(agent_rl, chat_trained_dir):
     from transformers import AutoTokenizer
 
-    import hybridlab.algos as A
-    from tests.test_remap import actor_state
-
     rl, log = agent_rl
     tok = AutoTokenizer.from_pretrained(chat_trained_dir)
-    weights = actor_state(rl)
     first, second = rl.step(), rl.step()
-    moved = actor_state(rl)
-    # the GRPO update on the trajectories: the step's advantages are GRPO's on its rewards and groups,
-    # some of them drew a reward difference, and the actor's weights moved
-    for result in (first, second):
-        b = result.batch
-        expected, _ = A.compute_grpo_outcome_advantage(b["token_level_rewards"], b["response_mask"].float(), b["uid"])
-        assert torch.allclose(b["advantages"], expected, atol=1e-5)
-    assert any(r.batch["advantages"].abs().sum() > 0 for r in (first, second))
-    assert any(not torch.equal(weights[k], moved[k]) for k in weights if k.startswith("model/"))
     for result in (first, second):
         b, m = result.batch, result.metrics
         assert len(b) == 16 and math.isfinite(m["actor/pg_loss"])
@@ -289,6 +276,32 @@ def test_an_unchanged_openai_agent_trains_grpo_on_exact_multi_turn_tokens(agent_
     # A first turn that ended with </s> (the template writes <|im_end|>) makes the second call re-tokenized.
     ended_with_eos = sum(record["calls"][0]["token_ids"][-1] == 2 for record in calls[16:])
     assert second.metrics["agent/retokenized_share"] == ended_with_eos / 32
+
+
+def test_the_agents_grpo_update_follows_its_rewards_and_moves_the_weights(agent_rl):
+    """GRPO on multi-turn trajectories whose reward differs within a group (the parity of the first
+    call's sampled ids): the step's advantages are GRPO's on its rewards and groups, and the actor's
+    weights move (the two_calls agent's answers, told the sum by the tool, are all right: no difference)."""
+    import hybridlab.algos as A
+    from tests.test_remap import actor_state
+
+    rl, _ = agent_rl
+    rl.update(f"rollout.agent={AGENTS}:two_calls_parity")
+    try:
+        weights = actor_state(rl)
+        for _ in range(4):  # which seeded step first draws a difference depends on the steps before
+            result = rl.step()
+            if result.batch["advantages"].abs().sum() > 0:
+                break
+        moved = actor_state(rl)
+    finally:
+        rl.update(f"rollout.agent={AGENTS}:two_calls")
+    b = result.batch
+    rewards = b["token_level_scores"].sum(-1)
+    assert set(rewards.tolist()) == {0.0, 1.0} and result.metrics["agent/turns_mean"] == 2.0
+    expected, _ = A.compute_grpo_outcome_advantage(b["token_level_rewards"], b["response_mask"].float(), b["uid"])
+    assert expected.abs().sum() > 0 and torch.allclose(b["advantages"], expected, atol=1e-5)
+    assert any(not torch.equal(weights[k], moved[k]) for k in weights if k.startswith("model/"))
 
 
 def test_a_raising_agent_scores_error_score_is_counted_and_warned_once(agent_rl):
