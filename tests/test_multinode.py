@@ -111,6 +111,7 @@ def rollout_actor_gap(batch) -> float:
 def test_an_rl_run_across_two_nodes_equals_the_same_run_on_one(cluster, trained_dir, tmp_path):
     """Actor and reference on one node, rollout and reward on the other: the weights sync across
     the node boundary every step, and the seeded steps equal those of the same run on one node."""
+    from hybridlab.controller.resources import connect
     from hybridlab.dataflow.session import RLSession
 
     # the old log-probs recomputed on the actor: a weight sync that never landed shows as a rollout/actor gap
@@ -133,6 +134,7 @@ def test_an_rl_run_across_two_nodes_equals_the_same_run_on_one(cluster, trained_
         assert all(rollout_actor_gap(s.batch) < 1e-4 for s in steps)  # each step sampled the synced weights
         return where, repeatable, [s.metrics["sync/bytes"] for s in steps]
 
+    connect(address=cluster.address)  # run alone too: node_ids() asks the cluster before any session does
     nodes = node_ids()
     one_where, one, _ = run("head", "head")
     two_where, two, synced = run("head", "second")

@@ -64,7 +64,7 @@ def test_cli_sft_then_eval_json(tmp_path, capsys):
     assert main(["sft", "--task", "reverse", "--model", "tiny", "--out", str(out), "--steps", "30",
                  "--eval", "20"]) == 0
     trained = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert trained["steps"] == 30
+    assert trained["steps"] == 30 and trained["final_loss"] < trained["first_loss"]
     assert main(["eval", "--model", str(out), "--task", "reverse", "--n", "20", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["n"] == 20 and result["task"] == "reverse"
