@@ -1,6 +1,7 @@
 """The resharding planner: every rollout rank gets exactly its shard, from ranks that hold it."""
 import pytest
 
+from hybridlab.errors import UserError
 from hybridlab.models.spec import ModelSpec
 from hybridlab.reshard.plan import ReshardPlan, RolloutLayout, TrainerLayout, hf_shapes, plan_reshard, split_dim
 
@@ -70,7 +71,8 @@ def test_whole_tensor_plan_gives_every_engine_rank_every_byte_from_the_trainer_s
 
 
 def test_a_trainer_layout_that_cannot_split_is_refused():
-    with pytest.raises(Exception, match="not divisible by pp=3"):
+    with pytest.raises(UserError, match=r"^cannot split this qwen2 model as tp=1, pp=3: 4 layers are not divisible"
+                                        r" by pp=3$"):
         plan_reshard(SPEC, TrainerLayout(pp=3), RolloutLayout())
 
 
