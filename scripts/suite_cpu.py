@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/suite_cpu.py run [--out FILE] -- COMMAND ...   (e.g. the `make test` command)
     .venv/bin/python scripts/suite_cpu.py split JUNIT.xml WALL_S REV
+    .venv/bin/python scripts/suite_cpu.py modules OUT.json MODULES.jsonl  (a run with HYBRIDLAB_SUITE_MODULES)
 
 ``run`` starts COMMAND and, until it exits, reads every process's CPU time from ``/proc`` every
 0.3 s; then it prints the CPU seconds and the number of processes of each kind (Ray worker
@@ -44,8 +45,8 @@ def process_kind(cmdline: str, comm: str) -> str:
     return next((k for k in KINDS if k in cmdline or k in comm), comm)
 
 
-def read_processes() -> dict[tuple[str, str], tuple[str, str, float]]:
-    """Return {(pid, start time): (command line, command name, CPU seconds)} of every process."""
+def read_processes() -> dict[tuple[str, str], tuple[str, str, float, str]]:
+    """Return {(pid, start time): (command line, command name, CPU seconds, parent pid)} of every process."""
     out = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         if pid == str(os.getpid()):
@@ -56,24 +57,24 @@ def read_processes() -> dict[tuple[str, str], tuple[str, str, float]]:
         except OSError:  # it exited meanwhile
             continue
         comm, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        out[(pid, fields[19])] = (cmdline.strip(), comm, (int(fields[11]) + int(fields[12])) / TICKS)
+        out[(pid, fields[19])] = (cmdline.strip(), comm, (int(fields[11]) + int(fields[12])) / TICKS, fields[1])
     return out
 
 
 def run(command: list[str], out: Path | None) -> int:
     """Run ``command``, print CPU seconds per process kind; returns its exit status."""
-    before = {key: cpu for key, (_, _, cpu) in read_processes().items()}  # what ran before counts from here
+    before = {key: cpu for key, (_, _, cpu, _) in read_processes().items()}  # what ran before counts from here
     seen: dict[tuple[str, str], list] = {}
     child = subprocess.Popen(command)
     while child.poll() is None:
-        for key, (cmdline, comm, cpu) in read_processes().items():
-            entry = seen.setdefault(key, [cmdline, comm, 0.0])
+        for key, (cmdline, comm, cpu, ppid) in read_processes().items():
+            entry = seen.setdefault(key, [cmdline, comm, 0.0, ppid])
             entry[2] = cpu - before.get(key, 0.0)
             if cmdline and not cmdline.startswith("ray::IDLE"):  # a Ray worker names its actor once it has one
                 entry[0] = cmdline
         time.sleep(0.3)
     cpu, count = collections.Counter(), collections.Counter()
-    for cmdline, comm, seconds in seen.values():
+    for cmdline, comm, seconds, _ in seen.values():
         kind = process_kind(cmdline, comm)
         cpu[kind] += seconds
         count[kind] += seconds > 0
@@ -83,9 +84,51 @@ def run(command: list[str], out: Path | None) -> int:
         print(f"{seconds:9.1f} s CPU  {count[kind]:5d} processes  {kind}")
     print(f"{sum(cpu.values()):9.1f} s CPU in all")
     if out:
-        out.write_text(json.dumps([{"kind": process_kind(c, n), "cmdline": c[:200], "cpu_s": round(s, 2)}
-                                   for c, n, s in seen.values() if s > 0]))
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        out.write_text(json.dumps([{"kind": process_kind(c, n), "cmdline": c[:200], "cpu_s": round(s, 2), "pid": pid,
+                                    "ppid": ppid, "start": round(boot + int(start) / TICKS, 2)}
+                                   for (pid, start), (c, n, s, ppid) in seen.items()]))
     return child.returncode
+
+
+def by_module(processes: list[dict], modules_log: Path) -> dict:
+    """Return CPU seconds and process counts per test module and per what started each process.
+
+    ``modules_log`` has a JSON line ``{"pid", "module", "time"}`` each time a pytest worker begins
+    a module (``HYBRIDLAB_SUITE_MODULES`` set for the run: tests/conftest.py writes it). A process
+    belongs to the pytest worker among its ancestors and to the module that worker was running
+    when the process started; what started it is its ancestor just below that worker (an
+    in-process Ray cluster's raylet or GCS for a session's workers, a `hybridlab` driver, a
+    notebook kernel, a benchmark's own Python process, ...)."""
+    starts: dict[str, list[tuple[float, str]]] = collections.defaultdict(list)
+    for line in modules_log.read_text().splitlines():
+        r = json.loads(line)
+        starts[str(r["pid"])].append((r["time"], r["module"]))
+    parent = {p["pid"]: p["ppid"] for p in processes}
+    kind = {p["pid"]: p["kind"] for p in processes}
+    cpu, count = collections.Counter(), collections.Counter()
+    for p in processes:
+        chain, pid = [], p["pid"]
+        while pid in parent and pid not in starts and len(chain) < 50:
+            chain.append(pid)
+            pid = parent[pid]
+        if pid not in starts:
+            module, starter = "(outside the tests)", p["kind"]
+        elif not chain:
+            module, starter = "(the pytest processes themselves)", "pytest"
+        else:
+            module = next((m for t, m in reversed(starts[pid]) if t <= p["start"]), starts[pid][0][1])
+            starter = kind[chain[-1]] if chain else "pytest worker"
+            starter = "session (Ray cluster of the test process)" if starter in ("raylet", "gcs_server") else starter
+        cpu[(module, starter)] += p["cpu_s"]
+        count[(module, starter)] += p["cpu_s"] > 0
+    modules = collections.Counter()
+    for (module, _), seconds in cpu.items():
+        modules[module] += seconds
+    return {"modules": {m: round(s, 1) for m, s in modules.most_common()},
+            "by_starter": [{"module": m, "started_by": k, "cpu_s": round(s, 1), "processes": count[(m, k)]}
+                           for (m, k), s in cpu.most_common()]}
 
 
 def test_functions(rev: str) -> set[str]:
@@ -125,7 +168,13 @@ def main() -> int:
     split_verb.add_argument("junit", type=Path)
     split_verb.add_argument("wall_s", type=float)
     split_verb.add_argument("rev")
+    module_verb = verbs.add_parser("modules", help="CPU per test module and per what started each process")
+    module_verb.add_argument("processes", type=Path, help="run --out's file")
+    module_verb.add_argument("modules_log", type=Path, help="the HYBRIDLAB_SUITE_MODULES file of the same run")
     args = parser.parse_args()
+    if args.verb == "modules":
+        print(json.dumps(by_module(json.loads(args.processes.read_text()), args.modules_log), indent=1))
+        return 0
     if args.verb == "split":
         print(json.dumps(split(args.junit, args.wall_s, args.rev), indent=1))
         return 0

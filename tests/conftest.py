@@ -46,6 +46,23 @@ LONGEST = ["test_bench.py", "test_remap.py", "test_families.py", "test_resume.py
 LAST = ["test_multinode.py", "test_binding.py"]
 
 
+SUITE_MODULES = os.environ.get("HYBRIDLAB_SUITE_MODULES")  # scripts/suite_cpu.py modules: when each module began
+_MODULE: dict[str, str] = {}
+
+
+def pytest_runtest_logstart(nodeid, location):
+    """With HYBRIDLAB_SUITE_MODULES set, append a line to that file each time this process begins a
+    test module: its pid, the module and the time (what scripts/suite_cpu.py attributes processes by)."""
+    module = nodeid.split("::")[0]
+    if SUITE_MODULES and _MODULE.get("now") != module:
+        import json
+        import time
+
+        _MODULE["now"] = module
+        with open(SUITE_MODULES, "a") as log:
+            log.write(json.dumps({"pid": str(os.getpid()), "module": module, "time": time.time()}) + "\n")
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST)}
     rank.update({name: len(LONGEST) + 1 + i for i, name in enumerate(LAST)})  # after the modules in file order
