@@ -73,6 +73,8 @@ class WarmPool:
 
         here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         procs = [p for p in self.processes() if p["node_id"] == here]
+        for gone in self._psutil.keys() - {p["pid"] for p in procs}:  # adopted or stopped since the last sample
+            del self._psutil[gone]
         rss = cpu = 0.0
         for p in procs:
             try:
