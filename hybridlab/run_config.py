@@ -26,7 +26,8 @@ from hybridlab.dataflow.agent_stages import agent_problems, agentic, rollout_sta
 from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.pairs import step_inputs
 from hybridlab.dataflow.prompts import has_test_prompts
-from hybridlab.dataflow.stages import STAGES, get_stage, rollout_log_probs_inexact, wants_sum_pi_squared
+from hybridlab.dataflow.logprob_stages import rollout_log_probs_inexact, wants_sum_pi_squared
+from hybridlab.dataflow.stages import STAGES, get_stage
 from hybridlab.errors import UserError
 from hybridlab.models.chat import template_file
 from hybridlab.models.spec import ModelSpec

@@ -348,7 +348,7 @@ def test_off_policy_agent_rollouts_are_generated_a_step_ahead_and_carry_the_vers
     rl, _ = agent_rl
     rl.update("trainer.off_policy=true")
     try:
-        before = rl.rollout_version  # the updates the engine's weights have had
+        before = rl.state.rollout_version  # the updates the engine's weights have had
         first, second = rl.step(), rl.step()  # the second step's trajectories were submitted during the first
     finally:
         rl.update("trainer.off_policy=false")
@@ -362,7 +362,7 @@ def test_off_policy_agent_rollouts_are_generated_a_step_ahead_and_carry_the_vers
         assert set(versions.tolist()) == {before}
         assert set(b["rollout_versions"][~b["response_mask"].bool()].tolist()) == {-1}  # tool turns, padding
     assert not set(first.batch["uid"]) & set(second.batch["uid"])  # the look-ahead took the next prompts
-    assert rl.rollout_version == before + 2
+    assert rl.state.rollout_version == before + 2
 
 
 SPLIT = {"pools": {"train": {"devices": 1}, "gen": {"devices": 2}},
@@ -379,13 +379,13 @@ def test_agent_training_goes_on_through_a_remap_and_a_resume(agent_rl):
     gap = (moved.batch["old_log_probs"] - moved.batch["rollout_log_probs"])[moved.batch["response_mask"].bool()].abs()
     assert len(moved.batch) == 16 and moved.metrics["agent/turns_mean"] == 2.0 and gap.max() < 1e-4
     rl.save_checkpoint()
-    done, run_dir, version = rl.step_count, rl.cfg.trainer.run_dir, rl.actor_version
+    done, run_dir, version = rl.state.step_count, rl.cfg.trainer.run_dir, rl.state.actor_version
     rl.shutdown()
     resumed = RLSession.resume(run_dir)
     try:
-        assert (resumed.actor_version, resumed.rollout_version) == (version, version)
+        assert (resumed.state.actor_version, resumed.state.rollout_version) == (version, version)
         result = resumed.step()
-        assert resumed.step_count == done + 1 and len(result.batch) == 16
+        assert resumed.state.step_count == done + 1 and len(result.batch) == 16
         assert set(result.batch["rollout_versions"][result.batch["response_mask"].bool()].tolist()) == {version}
         assert result.metrics["agent/turns_mean"] == 2.0 and result.metrics["agent/errors"] == 0
     finally:

@@ -18,7 +18,7 @@ POISONED: set[int] = set()  # steps whose advantages become NaN
 @register_stage("poison_advantages", None, ("advantages",), ("advantages",))
 def poison_advantages(ctx, batch: Batch):
     """Test stage: NaN advantages in the steps listed in POISONED (a broken reward or estimator)."""
-    step = ctx.rl.step_count + 1
+    step = ctx.state.step_count + 1
     if step not in POISONED:
         return None, {}
     return Batch({"advantages": torch.full_like(batch["advantages"], float("nan"))}), {}
@@ -43,27 +43,27 @@ def weights(rl) -> dict[str, torch.Tensor]:
 
 
 def test_a_nan_update_is_skipped_counted_and_not_synced(rl):
-    assert "actor/skipped" in rl.step().metrics and rl.bad_updates == 0
-    before, version = weights(rl), rl.actor_version
-    POISONED.add(rl.step_count + 1)
+    assert "actor/skipped" in rl.step().metrics and rl.state.bad_updates == 0
+    before, version = weights(rl), rl.state.actor_version
+    POISONED.add(rl.state.step_count + 1)
     with pytest.warns(RuntimeWarning, match="2 update\\(s\\) skipped for a NaN or inf loss or gradient norm"):
         m = rl.step().metrics
     assert m["actor/skipped"] == 2 and m["faults/bad_updates"] == 2  # both mini-batches
     assert m["sync/skipped"] == 1 and m["sync/bytes"] == 0
     after = weights(rl)
     assert all(torch.equal(before[k], after[k]) for k in before)  # the weights stay as they were
-    assert rl.actor_version == rl.rollout_version == version     # and so does the policy version
+    assert rl.state.actor_version == rl.state.rollout_version == version     # and so does the policy version
     m = rl.step().metrics  # a clean step: updates and syncs again; the count stays
     assert m["actor/skipped"] == 0 and m["faults/bad_updates"] == 2 and m["sync/bytes"] > 0
-    assert rl.actor_version == rl.rollout_version == version + 1
-    assert rl.bad_steps_in_a_row == 0
+    assert rl.state.actor_version == rl.state.rollout_version == version + 1
+    assert rl.state.bad_steps_in_a_row == 0
 
 
 def test_max_bad_updates_in_a_row_stop_the_run_with_the_last_good_weights(rl):
-    good, start = weights(rl), rl.step_count
+    good, start = weights(rl), rl.state.step_count
     POISONED.update(range(start + 1, start + 10))
     summary = rl.train(8)
-    assert rl.step_count == summary["steps"] == start + 2
+    assert rl.state.step_count == summary["steps"] == start + 2
     assert "2 steps in a row had a NaN or inf loss or gradient norm" in summary["stopped_by"]
     saved = read_role(checkpoint_dirs(rl.run_dir)[-1] / "actor")["model"]
     assert all(torch.equal(good[k], saved[k]) for k in good)  # the checkpoint holds the last good weights

@@ -105,7 +105,7 @@ def test_chat_data_for_a_model_without_a_template_is_refused_naming_the_file(tmp
     rl = RLSession(None, [*common, f"data.chat_template={template}", f"trainer.run_dir={tmp_path / 'run2'}"])
     with pytest.raises(AssertionError, match="reached Ray"):  # every prompt rendered: on to Ray
         rl.start()
-    assert rl.tokenizer.decode(rl.prompts.ids[0]).startswith("[system] Add.\n[user] ")
+    assert rl.tokenizer.decode(rl.state.prompts.ids[0]).startswith("[system] Add.\n[user] ")
 
 
 def test_a_chat_jsonl_trains_on_the_ids_of_the_chat_template(ray_local, trained_dir, tmp_path):

@@ -173,7 +173,8 @@ def test_rollout_correction_places_its_stage_as_verl_does():
     """Decoupled: the actor recomputes old log-probs and the correction runs after the KL
     penalty, before advantages, its weights reaching the actor's update. Bypass: the rollout's
     log-probs are the old ones (even off-policy) and the loss is bypass_mode."""
-    from hybridlab.dataflow.stages import actor_loss_settings, get_stage
+    from hybridlab.dataflow.stages import get_stage
+    from hybridlab.dataflow.update_stages import actor_loss_settings
 
     cfg = load_config(None, ["algorithm.rollout_correction.rollout_is=token", "algorithm.use_kl_in_reward=true"])
     names = dataflow_names(cfg)

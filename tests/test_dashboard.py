@@ -36,7 +36,7 @@ def _finished(rl) -> list[int]:
     """End the module's session (its hub writes the telemetry file out; a test run alone first
     runs a step); returns the steps the telemetry file holds."""
     if rl.workers is not None:
-        if rl.step_count == 0:
+        if rl.state.step_count == 0:
             rl.step()
         rl.shutdown()
     records = [json.loads(line) for line in (rl.run_dir / "telemetry.jsonl").read_text().splitlines()]
@@ -198,7 +198,7 @@ def test_served_dashboard_renders_and_follows_the_run(rl):
             page = browser.new_page(viewport={"width": 1400, "height": 1100})
             page.goto(f"http://localhost:{port}/", timeout=60_000)
             first = _status_step(page)
-            assert first == rl.step_count
+            assert first == rl.state.step_count
             _smoothing_and_axis_change_the_plots(page)
             run = _stepping(rl)  # until the test stops it: the page follows a run that goes on
             deadline = time.time() + 120
@@ -268,7 +268,7 @@ def test_a_setting_that_needs_a_role_adds_it_to_the_default_mapping_and_the_dash
         rl.update("actor.use_kl_loss=true", f"mapping={explicit}")
     assert rl.cfg.actor.use_kl_loss is False and "ref" not in rl.workers.groups
     rl.update("actor.use_kl_loss=true")  # the default mapping gains the reference model
-    report = rl.remaps[-1]
+    report = rl.state.remaps[-1]
     assert report.roles_added == ["ref"] and report.reason == "update"
     assert (report.roles_recreated, report.processes_started, report.bytes_moved) == ([], 0, 0)  # joined in place
     assert "ref_logprob" in rl.dataflow.names and "actor/kl_loss" in rl.step().metrics
@@ -282,10 +282,10 @@ def test_a_setting_that_needs_a_role_adds_it_to_the_default_mapping_and_the_dash
 
 
 def test_hub_file_holds_every_kind_and_replays(rl):
-    if rl.step_count == 0:  # run alone: the remap and the steps with an evaluation the tests above make
+    if rl.state.step_count == 0:  # run alone: the remap and the steps with an evaluation the tests above make
         rl.update("actor.use_kl_loss=true")
         rl.train(1)
-    steps = rl.step_count
+    steps = rl.state.step_count
     live = Dashboard(rl.run_dir)
     assert live.source.hub is not None  # in the session's process it reads the live hub
     live.update()

@@ -331,7 +331,7 @@ def test_a_run_remaps_the_actor_and_resumes_with_its_state_exact(families, name,
         saved = actor_state(rl)
         rl.save_checkpoint()
     with RLSession.resume(tmp_path / "run") as resumed:
-        assert resumed.step_count == 3 and resumed.mapping == rl.mapping
+        assert resumed.state.step_count == 3 and resumed.mapping == rl.mapping
         assert_equal_state(saved, actor_state(resumed))
         resumed.step()
         assert actor_state(resumed)["step"].item() == 4

@@ -155,7 +155,7 @@ def test_a_ppo_run_on_fsdp2_equals_megatrons_remaps_to_dp2_and_resumes(ray_local
         again = resumed.step()  # recreated, rolled back to the step-4 checkpoint, step 5 again
         assert again.step == 5 and pids(resumed, "actor") != trainers
         assert repeatable(again.metrics) == repeatable(reference)
-        assert resumed.restarts[-1]["recreated"] == ["actor", "critic", "ref"]
+        assert resumed.state.restarts[-1]["recreated"] == ["actor", "critic", "ref"]
 
 
 # a reward that varies within each group on an untrained model, so that GRPO's advantages and

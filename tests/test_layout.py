@@ -1,8 +1,10 @@
-"""The code stays readable as it grows: no import cycle among hybridlab's modules, no module over
-400 lines, no function over 60 (docs/architecture.md, "Limits"). Static: nothing is imported."""
+"""The code stays readable as it grows: no import cycle among hybridlab's modules, no import from a
+higher layer (type hints count), no private attribute read from outside, no module over 400 lines,
+no function over 60 (docs/architecture.md, "Limits"). Static: nothing is imported."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hybridlab"
@@ -162,3 +164,112 @@ def test_no_function_over_60_lines():
                 if lines > MAX_FUNCTION_LINES:
                     long[f"{name}.{node.name}"] = lines
     assert long == {}, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+# The layers, lowest first: a module imports only from its own layer and the ones below it,
+# counting imports inside functions and ``if TYPE_CHECKING:`` type hints (docs/architecture.md,
+# "Layers"). A module belongs to the layer of the longest prefix that names it.
+LAYERS = [
+    ("base", ["errors", "atomic", "environment", "faults", "protocol", "user_code", "config"]),
+    ("engines", ["batching", "models", "algos", "tasks", "reshard", "workers", "agents", "controller", "telemetry",
+                 "sft", "evaluate"]),
+    ("step", ["dataflow", "backend_checks", "run_config", "explain"]),
+    ("advisor", ["advisor"]),
+    ("notebook", ["notebook"]),
+    ("run", ["dataflow.session", "dataflow.step", "dataflow.live", "dataflow.train_loop", "dataflow.remap",
+             "dataflow.recovery", "dataflow.checkpoints"]),
+    ("commands", ["cli", "bench", "advisor.calibrate", "advisor.commands"]),
+]
+
+
+def layer_of(module: str) -> int:
+    """Return the index in LAYERS of a hybridlab module's layer; raises KeyError for one in none."""
+    name = module.removeprefix("hybridlab.")
+    found = [(len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes
+             if name == p or name.startswith(p + ".")]
+    if not found:
+        raise KeyError(f"{module} is in no layer of tests/test_layout.py's LAYERS")
+    return max(found)[1]
+
+
+def every_import(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of a module, type hints' included."""
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Return 'a (layer) -> b (layer)' for each import of a higher layer's module."""
+    out = []
+    for module, targets in sorted(graph.items()):
+        if module == "hybridlab":
+            continue
+        for target in sorted(targets - {"hybridlab"}):
+            if layer_of(target) > layer_of(module):
+                out.append(f"{module} ({LAYERS[layer_of(module)][0]}) -> {target} ({LAYERS[layer_of(target)][0]})")
+    return out
+
+
+def test_no_import_from_a_higher_layer(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "_imports", every_import)
+    found = layer_violations(import_graph(modules()))
+    assert found == [], "imports from a higher layer (type hints count):\n" + "\n".join(found)
+
+
+def test_the_layer_check_counts_type_hints_and_deferred_imports(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "_imports", every_import)
+    mods = {"hybridlab.dataflow.context": (Path("c.py"), ast.parse(
+                "if TYPE_CHECKING:\n    from hybridlab.dataflow.session import RLSession\n")),
+            "hybridlab.errors": (Path("e.py"), ast.parse("def f():\n    from hybridlab.cli import main\n")),
+            "hybridlab.dataflow.session": (Path("s.py"), ast.parse("from hybridlab.errors import UserError\n")),
+            "hybridlab.cli": (Path("cli.py"), ast.parse(""))}
+    assert layer_violations(import_graph(mods)) == [
+        "hybridlab.dataflow.context (step) -> hybridlab.dataflow.session (run)",
+        "hybridlab.errors (base) -> hybridlab.cli (commands)"]
+
+
+# Private attributes read across modules on purpose: a third-party object's, where the library
+# offers no public way (each with its reason); anything else of hybridlab's is public or stays inside.
+THIRD_PARTY_PRIVATE = {
+    "hybridlab/agents/endpoint.py": {"site._server"},           # aiohttp: the bound port of a port-0 site
+    "hybridlab/telemetry/dashboard.py": {"self.tabs._names"},   # Panel: a Tabs' titles
+    "hybridlab/workers/rollout/vllm_engine.py": {"manager._adapter_manager", "parallel_state._TP",
+                                                 "parallel_state._PP", "torch._dynamo", "super()._distributed_args"},
+    "hybridlab/workers/train/cpu_compat.py": {"mp_random._get_cuda_rng_state", "mp_random._set_cuda_rng_state"},
+    "hybridlab/workers/train/engine.py": {"import torch._utils._flatten_dense_tensors",  # torch's bucket flattening
+                                          "import torch._utils._unflatten_dense_tensors"},
+    "hybridlab/workers/train/fsdp_engine.py": {"model._no_split_modules"},   # transformers: the blocks to wrap
+    "hybridlab/workers/train/fsdp_model.py": {"lm._no_split_modules"},
+    # the worker's dispatch marks on its methods, read by the worker host (one concept, two classes)
+    "hybridlab/controller/worker.py": {"fn._hl_dispatch", "fn._hl_blocking"},
+    "hybridlab/controller/group.py": {"self.group._dispatch"},
+}
+
+
+def private_reach_ins(path: Path, tree: ast.Module) -> set[str]:
+    """Return a module's reads of another object's private attribute (``x._name``, not ``self._name``
+    or ``cls._name``) and its imports of another module's private name."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                out.add(ast.unparse(node))
+        if isinstance(node, ast.ImportFrom):
+            out |= {f"import {node.module}.{a.name}" for a in node.names if a.name.startswith("_")}
+    return out
+
+
+def test_no_private_reach_ins():
+    found = {}
+    for name, (path, tree) in modules().items():
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        extra = private_reach_ins(path, tree) - THIRD_PARTY_PRIVATE.get(rel, set())
+        if name == "hybridlab.dataflow.session":  # its own classmethod sets up the instance it returns
+            extra -= {"rl._resume_from"}
+        if extra:
+            found[rel] = sorted(extra)
+    assert found == {}, f"private attributes or names read from outside their module: {found}"
+
+
+def test_the_reach_in_check_sees_attributes_and_imports():
+    tree = ast.parse("from a import _b, c\nself._ok = rl._edits\ncls._fine = 1\n")
+    assert private_reach_ins(Path("x.py"), tree) == {"import a._b", "rl._edits"}

@@ -173,7 +173,7 @@ def test_losing_the_rollout_node_re_creates_its_roles_on_the_other_and_the_run_g
         second = next(n for n in cluster.worker_nodes if n.node_id == nodes["second"])
         cluster.remove_node(second)
         again = rl.step()
-        assert rl.restarts[-1]["recreated"] == ["reward", "rollout"] and again.metrics["faults/worker_restarts"] == 1
+        assert rl.state.restarts[-1]["recreated"] == ["reward", "rollout"] and again.metrics["faults/worker_restarts"] == 1
         assert {p["node_id"] for p in rl.workers.groups["rollout"].placements} == {nodes["head"]}
         # the re-created rollout was given the actor's weights: it samples what the actor scores
         assert again.metrics["sync/bytes"] > 0 and rollout_actor_gap(first.batch) < 1e-4

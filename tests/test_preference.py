@@ -226,7 +226,7 @@ def test_a_grpo_session_switches_to_online_dpo_and_back(ray_local, tiny_dir, tmp
         assert "ref" not in rl.workers.groups
         before, pids = actor_state(rl), [p["pid"] for p in rl.workers.groups["actor"].placements]
         rl.update("dpo.online=true", "dpo.beta=0.2")
-        report = rl.remaps[-1]
+        report = rl.state.remaps[-1]
         assert "ref" in rl.workers.groups  # the switch started the reference, in the actor's processes
         assert (report.roles_added, report.roles_recreated, report.processes_started, report.bytes_moved) == \
             (["ref"], [], 0, 0)

@@ -14,7 +14,7 @@ import ray
 import torch
 
 from hybridlab.config import ConfigError
-from hybridlab.dataflow.remap import parse_mapping
+from hybridlab.dataflow.remap_checks import parse_mapping
 from hybridlab.dataflow.session import RLSession
 from hybridlab.workers.train.checkpoint import merge_state
 
@@ -95,7 +95,7 @@ def rl(ray_local, trained_dir, tmp_path_factory):
 
 
 def test_same_layout_remap_keeps_state_and_the_run_bit_for_bit(rl, reference):
-    assert rl.step_count == 0 and rl.cfg.mapping is None  # the module's session as started: first in the module
+    assert rl.state.step_count == 0 and rl.cfg.mapping is None  # the module's session as started: first in the module
     steps = [rl.step().metrics for _ in range(2)]
     before = actor_state(rl)
     pids = {p["pid"] for p in rl.workers.groups["actor"].placements}
@@ -146,11 +146,11 @@ def assert_steps_in_sync(rl) -> None:
 
 
 def test_actor_tp_1_to_2_keeps_log_probs_and_the_next_loss_within_1e5(rl, reference):
-    if rl.step_count == 0:  # run alone: where the test above leaves the seeded run (3 steps, actor | rollout)
+    if rl.state.step_count == 0:  # run alone: where the test above leaves the seeded run (3 steps, actor | rollout)
         on_layout(rl, SEPARATE)  # a remap keeps the run bit for bit (the test above)
         for _ in range(3):
             rl.step()
-    assert rl.step_count == 3 and rl.mapping == parse_mapping(SEPARATE)
+    assert rl.state.step_count == 3 and rl.mapping == parse_mapping(SEPARATE)
     batch = fixed_batch(rl)
     log_probs = rl.workers.groups["actor"].compute_log_prob(batch)["old_log_probs"]
     mask = batch["response_mask"].bool()
@@ -229,14 +229,14 @@ def test_bad_remaps_are_refused_naming_the_role_and_nothing_changes(rl):
 
 def test_live_settings_apply_to_running_workers_without_restarts(rl):
     pids = sorted(p["pid"] for s in rl.workers._sets for p in s.placements)
-    remaps = len(rl.remaps)
+    remaps = len(rl.state.remaps)
     rl.update("actor.lr=5e-5", "actor.warmup_steps=0", "actor.grad_clip=0.5", "actor.micro_batch_size=16",
               "rollout.temperature=0.9")
     for settings in rl.workers.groups["actor"].settings():
         assert settings["micro_batch_size"] == 16 and settings["temperature"] == 0.9
         assert settings["optim"]["lr"] == 5e-5 and settings["optim"]["grad_clip"] == 0.5
         assert settings["optim"]["warmup_steps"] == 0
-    assert sorted(p["pid"] for s in rl.workers._sets for p in s.placements) == pids and len(rl.remaps) == remaps
+    assert sorted(p["pid"] for s in rl.workers._sets for p in s.placements) == pids and len(rl.state.remaps) == remaps
     metrics = rl.step().metrics
     assert metrics["actor/lr"] == pytest.approx(5e-5)
 
@@ -258,7 +258,7 @@ def test_a_setting_built_into_the_rollout_re_creates_only_its_processes(rl):
     actor_pids = {p["pid"] for p in rl.workers.groups["actor"].placements}
     before = actor_state(rl)
     rl.update("rollout.kv_cache_mb=32")
-    report = rl.remaps[-1]
+    report = rl.state.remaps[-1]
     assert report.reason == "update" and report.roles_recreated == ["reward", "rollout"]
     assert {p["pid"] for p in rl.workers.groups["actor"].placements} == actor_pids
     assert_equal_state(before, actor_state(rl))
@@ -346,7 +346,7 @@ def test_rollout_tp_1_to_2_samples_what_tp_1_samples_separate_and_colocated(rl):
 def test_a_remap_during_a_background_run_lands_at_a_step_boundary(rl):
     if rl.mapping == parse_mapping(COLOCATED):
         on_layout(rl, SEPARATE)  # run alone: start from another layout, so the remap below moves roles
-    start = rl.step_count
+    start = rl.state.step_count
     run = rl.start_background(4)
     try:
         report = rl.remap(COLOCATED)
@@ -365,7 +365,7 @@ def test_adding_the_critic_then_moving_it_to_another_pool_carries_its_state(rl):
     mapping["pools"]["c1"] = {"devices": 1}
     mapping["roles"]["critic"] = {"pool": "c1"}
     rl.update("algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=8", f"mapping={json.dumps(mapping)}")
-    report = rl.remaps[-1]
+    report = rl.state.remaps[-1]
     assert report.roles_added == ["critic"] and report.roles_recreated == []  # nothing else restarted
     assert "values" in rl.dataflow.names and "critic/vf_loss" in rl.step().metrics
     parts = [p for p in rl.workers.groups["critic"].checkpoint_state() if p]

@@ -140,11 +140,11 @@ def test_one_step_off_policy_records_staleness(rl):
         # bounded staleness: two rollouts kept ahead (the change drops the pending one first)
         rl.update("trainer.max_staleness=2")
         deeper = [rl.step().metrics["rollout/staleness"] for _ in range(4)]
-        assert len(rl.ahead.pending) == 2
+        assert len(rl.state.ahead.pending) == 2
     finally:
         rl.update("trainer.off_policy=false", "trainer.max_staleness=1")
     assert first.metrics["rollout/staleness"] == 0 and second.metrics["rollout/staleness"] == 1
-    assert deeper == [0, 1, 2, 2] and rl.ahead.pending == []
+    assert deeper == [0, 1, 2, 2] and rl.state.ahead.pending == []
     assert "advantages" in second.batch and second.metrics["sync/bytes"] > 0
     # rollouts submitted ahead (collected by the next step's thread) still count as generate
     generated = [s for s in rl.workers.timeline.spans(since=since) if s.method == "generate"]
@@ -154,25 +154,24 @@ def test_one_step_off_policy_records_staleness(rl):
 def test_refill_rounds_generate_now_and_leave_the_next_steps_rollout_alone(rl):
     """DAPO's refills (rerun_rollout) are on-policy even off-policy: the look-ahead rollout
     submitted for the next step is neither consumed nor replaced by them."""
-    from hybridlab.dataflow.context import StepContext
 
     rl.update("trainer.off_policy=true")
     try:
         rl.step()
-        pending = list(rl.ahead.pending)
-        batch = StepContext(rl).rerun_rollout(["generate", "reward"])
-        assert rl.ahead.pending == pending and len(pending) == 1
+        pending = list(rl.state.ahead.pending)
+        batch = rl.context().rerun_rollout(["generate", "reward"])
+        assert rl.state.ahead.pending == pending and len(pending) == 1
         assert len(batch) == rl.cfg.data.prompts_per_step * rl.cfg.rollout.n and "token_level_scores" in batch
     finally:
         rl.update("trainer.off_policy=false")
 
 
 def test_a_stop_request_ends_train_after_the_current_step_and_is_consumed(rl):
-    steps = rl.step_count
+    steps = rl.state.step_count
     rl.request_stop()  # before train() starts: still honoured
     summary = rl.train(5)
-    assert summary["stopped_by"] == "stop requested" and rl.step_count == steps
-    assert rl.train(1)["stopped_by"] == "steps" and rl.step_count == steps + 1
+    assert summary["stopped_by"] == "stop requested" and rl.state.step_count == steps
+    assert rl.train(1)["stopped_by"] == "steps" and rl.state.step_count == steps + 1
 
 
 def test_a_failing_stage_is_named(rl):
@@ -230,15 +229,15 @@ def test_a_policy_gradient_step_raises_positive_advantage_samples_and_lowers_the
     import ray
 
     from hybridlab.algos.objectives import actor_loss
-    from hybridlab.dataflow.context import StepContext
     from hybridlab.dataflow.prompts import prompt_batch
-    from hybridlab.dataflow.stages import SEQUENCE_FIELDS, actor_loss_settings
+    from hybridlab.dataflow.fields import SEQUENCE_FIELDS
+    from hybridlab.dataflow.update_stages import actor_loss_settings
     from hybridlab.protocol import Batch
     from hybridlab.workers.train.checkpoint import merge_state
 
     samples = rl.test_samples[:16]
     greedy = rl.workers.groups["rollout"].generate(prompt_batch(samples, rl.tokenizer, list(range(len(samples)))),
-                                                   StepContext(rl).sampling(n=1, temperature=0.0))
+                                                   rl.context().sampling(n=1, temperature=0.0))
     eos = rl.tokenizer.eos_token_id
     digits = [set(r[m.bool()].tolist()) - {eos} for r, m in zip(greedy["responses"], greedy["response_mask"])]
     pair = next(((i, j) for i in range(len(digits)) for j in range(i + 1, len(digits))

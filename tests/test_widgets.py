@@ -146,8 +146,8 @@ def test_the_live_advisor_checks_its_prediction_and_the_page_remaps_onto_a_propo
         rl.step()
         rl.advisor.wait()
     last = rl.advisor.last
-    recent = [h for h in rl.history if h["step"] > last["since_step"]][-5:]
-    assert last["step"] == rl.step_count and last["steps"] == len(recent) >= 2
+    recent = [h for h in rl.state.history if h["step"] > last["since_step"]][-5:]
+    assert last["step"] == rl.state.step_count and last["steps"] == len(recent) >= 2
     assert last["measured_s"] == round(statistics.median(h["timing/step_s"] for h in recent), 4)
     work = dataclasses.replace(session_workload(rl), response_mean=statistics.mean(
         h["response_length/mean"] for h in recent))
@@ -210,32 +210,32 @@ def test_controls_run_pause_and_stop_a_background_run_and_edits_wait_for_a_bound
     assert "No run to pause" in controls.status.value and not rl.paused
     with pytest.raises(RuntimeError, match="no run to pause"):
         rl.pause()
-    start = rl.step_count
+    start = rl.state.step_count
     controls.buttons["Start"].click()
     assert "Running 40 steps" in controls.status.value
     deadline = time.time() + 120
-    while rl.step_count < start + 1 and time.time() < deadline:
+    while rl.state.step_count < start + 1 and time.time() < deadline:
         time.sleep(0.1)
     controls.buttons["Pause"].click()
     assert rl.wait_until_held(120)
-    held = rl.step_count
+    held = rl.state.step_count
     time.sleep(2.0)
-    assert rl.step_count == held and rl.paused  # held at a boundary
+    assert rl.state.step_count == held and rl.paused  # held at a boundary
     deadline = time.time() + 10
     while "Paused after step" not in controls.status.value and time.time() < deadline:
         time.sleep(0.1)
     assert f"Paused after step {held}" in controls.status.value  # said once it is actually held
     controls.buttons["Start"].click()  # a second run is refused and the paused one stays paused
-    assert "a background run is going" in controls.status.value and rl.paused and rl.step_count == held
+    assert "a background run is going" in controls.status.value and rl.paused and rl.state.step_count == held
     controls.buttons["Step"].click()  # while held, one step by hand
-    assert f"Ran step {held + 1}" in controls.status.value and rl.step_count == held + 1
+    assert f"Ran step {held + 1}" in controls.status.value and rl.state.step_count == held + 1
     editor = rl.mapping_editor()  # an edit while held applies at once (no step holds the boundary)
     editor.role("reward").colocate.value = ""
     editor.apply_button.click()
-    assert "Applied after step" in editor.status.value and rl.remaps[-1].step == held + 1
+    assert "Applied after step" in editor.status.value and rl.state.remaps[-1].step == held + 1
     controls.buttons["Resume"].click()
     deadline = time.time() + 120
-    while rl.step_count < held + 2 and time.time() < deadline:
+    while rl.state.step_count < held + 2 and time.time() < deadline:
         time.sleep(0.1)
     controls.buttons["Step"].click()  # refused: the background run is stepping
     assert "a background run is stepping; Pause it first" in controls.status.value
@@ -255,6 +255,6 @@ def test_controls_run_pause_and_stop_a_background_run_and_edits_wait_for_a_bound
     controls.buttons["Stop"].click()  # stop while paused: the run ends at once, summary written
     controls.wait(300)
     assert "Finished at step" in controls.status.value and "stop requested" in controls.status.value
-    assert (rl.run_dir / "summary.json").is_file() and rl.step_count < start + 40 and not rl.paused
-    assert controls.progress.value == rl.step_count - start
+    assert (rl.run_dir / "summary.json").is_file() and rl.state.step_count < start + 40 and not rl.paused
+    assert controls.progress.value == rl.state.step_count - start
     assert "reward/mean" in controls.metrics.value

@@ -82,26 +82,26 @@ def test_a_killed_actor_rolls_back_to_the_checkpoint_and_the_step_repeats_exactl
     actor, rollout = pids(rl, "actor"), pids(rl, "rollout")
     kill(rl, "actor")
     again = rl.step()
-    assert again.step == 2 and rl.step_count == 2          # rolled back to step 1, step 2 run again
+    assert again.step == 2 and rl.state.step_count == 2          # rolled back to step 1, step 2 run again
     assert repeatable(again.metrics) == repeatable(reference)
     assert again.metrics["faults/worker_restarts"] == 1
     assert pids(rl, "actor") != actor and pids(rl, "rollout") == rollout  # only the dead role is new
-    event = rl.restarts[-1]
+    event = rl.state.restarts[-1]
     assert (event["role"], event["failure"], event["recreated"], event["rolled_back_to"]) == ("actor", "died", ["actor"], 1)
     steps = [json.loads(line)["step"] for line in (rl.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]  # the step logged before the kill was cut and logged again, once
 
 
 def test_a_killed_rollout_is_recreated_resynced_and_its_step_repeats_exactly(rl):
-    if rl.step_count == 0:  # run alone: a step first, so that the rollout holds trained weights to lose
+    if rl.state.step_count == 0:  # run alone: a step first, so that the rollout holds trained weights to lose
         rl.step()
-    step, restarts = rl.step_count, rl.worker_restarts
+    step, restarts = rl.state.step_count, rl.state.worker_restarts
     rl.save_checkpoint()
     actor, reward = pids(rl, "actor"), pids(rl, "reward")
     kill(rl, "rollout")
     killed = rl.step()                          # generate fails; nothing was updated: the step runs again
-    prompts_after = rl.prompts.state()
-    event = rl.restarts[-1]
+    prompts_after = rl.state.prompts.state()
+    event = rl.state.restarts[-1]
     assert (event["role"], event["failure"], event["recreated"], event["rolled_back_to"]) == \
         ("rollout", "died", ["rollout"], None)
     assert pids(rl, "actor") == actor and pids(rl, "reward") == reward
@@ -109,9 +109,9 @@ def test_a_killed_rollout_is_recreated_resynced_and_its_step_repeats_exactly(rl)
     # the same step without the kill: roll back to the checkpoint by killing the actor, run the step again
     kill(rl, "actor")
     reference = rl.step()
-    assert rl.restarts[-1]["rolled_back_to"] == step and reference.step == step + 1
+    assert rl.state.restarts[-1]["rolled_back_to"] == step and reference.step == step + 1
     assert repeatable(killed.metrics) == repeatable(reference.metrics)
-    assert rl.prompts.state() == prompts_after  # the retried step took its prompts once
+    assert rl.state.prompts.state() == prompts_after  # the retried step took its prompts once
 
 
 HANG = '''
@@ -135,7 +135,7 @@ def test_a_hanging_reward_call_is_reported_stuck_with_its_stack_and_the_run_goes
     path.write_text(HANG.format(marker=str(tmp_path / "hung")))
     rl.update(f"reward.function={path}:score", "reward.kind=function", "reward.timeout_s=0",
               "trainer.call_deadline_s=10")
-    restarts = rl.worker_restarts
+    restarts = rl.state.worker_restarts
     start = time.time()
     with served_page(rl) as page:  # the dashboard's Stuck calls section, in a browser, while it hangs
         page.get_by_text("Stuck calls", exact=True).wait_for(timeout=60_000)  # not alarmed: nothing is late
@@ -145,7 +145,7 @@ def test_a_hanging_reward_call_is_reported_stuck_with_its_stack_and_the_run_goes
         result = stepping.result(timeout=600)
         page.get_by_text("Stuck calls", exact=True).wait_for(timeout=30_000)  # the call ended: no alarm
     assert time.time() - start >= 10  # waited for the deadline, not less
-    event = rl.restarts[-1]
+    event = rl.state.restarts[-1]
     assert (event["role"], event["method"], event["failure"], event["rolled_back_to"]) == \
         ("reward", "compute_reward", "stuck", None)
     assert result.metrics["faults/worker_restarts"] == restarts + 1
@@ -178,21 +178,21 @@ def test_a_killed_critic_rolls_back_and_a_killed_ref_is_recreated_with_the_model
               "critic.ppo_mini_batch_size=8", f"dataflow={PPO_FLOW}")
     rl.step()
     rl.save_checkpoint()
-    step, critic, actor = rl.step_count, pids(rl, "critic"), pids(rl, "actor")
+    step, critic, actor = rl.state.step_count, pids(rl, "critic"), pids(rl, "actor")
     clean = rl.step()  # the step without a fault: what the critic's case must repeat
     assert {"critic/values_mean", "critic/vf_loss", "actor/reward_kl_penalty"} <= set(clean.metrics)
     kill(rl, "critic")
     again = rl.step()  # the critic's state is lost: back to the checkpoint, the step since run again
-    assert (rl.restarts[-1]["role"], rl.restarts[-1]["rolled_back_to"]) == ("critic", step)
-    assert rl.step_count == step + 1 and pids(rl, "critic") != critic and pids(rl, "actor") == actor
+    assert (rl.state.restarts[-1]["role"], rl.state.restarts[-1]["rolled_back_to"]) == ("critic", step)
+    assert rl.state.step_count == step + 1 and pids(rl, "critic") != critic and pids(rl, "actor") == actor
     # the seeded step gives the clean run's numbers (values, KL reward, critic and actor losses)
     assert again.step == clean.step == step + 1
     assert repeatable(again.metrics) == repeatable(clean.metrics)
     restarts = again.metrics["faults/worker_restarts"]
     kill(rl, "ref")
     retried = rl.step()  # ref_logprob fails before any update: the step runs again, nothing rolled back
-    assert (rl.restarts[-1]["role"], rl.restarts[-1]["rolled_back_to"]) == ("ref", None)
-    assert retried.step == rl.step_count == step + 2 and retried.metrics["faults/worker_restarts"] == restarts + 1
+    assert (rl.state.restarts[-1]["role"], rl.state.restarts[-1]["rolled_back_to"]) == ("ref", None)
+    assert retried.step == rl.state.step_count == step + 2 and retried.metrics["faults/worker_restarts"] == restarts + 1
     # the re-created reference holds the model it was built from: its log-probs are transformers' on it
     b = retried.batch
     mask = b["response_mask"].bool()
@@ -202,29 +202,29 @@ def test_a_killed_critic_rolls_back_and_a_killed_ref_is_recreated_with_the_model
 def test_max_restarts_stops_the_run_naming_the_worker_with_a_checkpoint(rl, monkeypatch):
     from hybridlab.dataflow.checkpoints import checkpoint_dirs
 
-    if rl.worker_restarts == 0:  # run alone: a restart first, so that the limit counts one
+    if rl.state.worker_restarts == 0:  # run alone: a restart first, so that the limit counts one
         kill(rl, "rollout")
         rl.step()
-    assert rl.worker_restarts > 0
-    rl.update(f"trainer.max_restarts={rl.worker_restarts}")
-    step = rl.step_count
+    assert rl.state.worker_restarts > 0
+    rl.update(f"trainer.max_restarts={rl.state.worker_restarts}")
+    step = rl.state.step_count
     monkeypatch.setenv("HYBRIDLAB_FAULT", f"kill:rollout:generate@{step + 2}")  # the driver kills it then
     summary = rl.train(steps=3)
     assert summary["failed"] is True and summary["steps"] == step + 1
     assert summary["stopped_by"] == (f"worker rollout rank 0 died in generate during step {step + 2}, after"
-                                     f" {rl.worker_restarts} restart(s) already (trainer.max_restarts="
-                                     f"{rl.worker_restarts}); the run stops")
+                                     f" {rl.state.worker_restarts} restart(s) already (trainer.max_restarts="
+                                     f"{rl.state.worker_restarts}); the run stops")
     assert checkpoint_dirs(rl.run_dir)[-1].name == f"step-{step + 1:06d}"  # the last finished step is saved
     with pytest.raises(WorkerLost, match="worker rollout rank 0 died in generate"):
         rl.step()  # stepping by hand: the same error
     records = [json.loads(line) for line in (rl.run_dir / "telemetry.jsonl").read_text().splitlines()]
-    assert [r["kind"] for r in records if r["kind"] == "restart"] == ["restart"] * rl.worker_restarts
+    assert [r["kind"] for r in records if r["kind"] == "restart"] == ["restart"] * rl.state.worker_restarts
 
 
 def test_the_dashboard_marks_each_restart_and_keeps_each_step_once(rl):
     from hybridlab.telemetry.dashboard import Dashboard
 
-    if not rl.restarts:  # run alone: a restart for the page to mark
+    if not rl.state.restarts:  # run alone: a restart for the page to mark
         rl.save_checkpoint()
         kill(rl, "actor")
         rl.step()
@@ -232,7 +232,7 @@ def test_the_dashboard_marks_each_restart_and_keeps_each_step_once(rl):
     board.update()
     # every restart the session made, in order (in the whole module: actor, rollout, actor, reward stuck,
     # critic, ref); the death that stopped the run under max_restarts is not one
-    assert [(r["role"], r["failure"]) for r in board.restarts] == [(r["role"], r["failure"]) for r in rl.restarts]
-    assert board.curves.data["step"] == list(range(1, rl.step_count + 1))  # rolled-back steps replaced
-    last = rl.restarts[-1]
+    assert [(r["role"], r["failure"]) for r in board.restarts] == [(r["role"], r["failure"]) for r in rl.state.restarts]
+    assert board.curves.data["step"] == list(range(1, rl.state.step_count + 1))  # rolled-back steps replaced
+    last = rl.state.restarts[-1]
     assert f"{len(board.restarts)} worker restart(s), last: {last['role']} {last['failure']}" in board.status.object

@@ -26,7 +26,7 @@ from hybridlab.config import RunConfig
 from hybridlab.controller.mapping import DeviceMapping
 
 if TYPE_CHECKING:
-    from hybridlab.dataflow.session import RLSession
+    from hybridlab.dataflow.session_verbs import SessionVerbs
 
 PROPOSE_AT = 1.15
 MIN_STEPS = 2  # steps after a remap before it is judged (the first one warms the new processes)
@@ -46,9 +46,9 @@ class Snapshot:
     after_remap: bool
 
     @classmethod
-    def of(cls, rl: "RLSession", since_step: int, after_remap: bool) -> "Snapshot":
+    def of(cls, rl: "SessionVerbs", since_step: int, after_remap: bool) -> "Snapshot":
         """Return the snapshot of ``rl`` over its steps after ``since_step``."""
-        recent = [dict(h) for h in rl.history if h["step"] > since_step][-RECENT_STEPS:]
+        recent = [dict(h) for h in rl.state.history if h["step"] > since_step][-RECENT_STEPS:]
         gpus = {group: sorted({g for r in roles if r in rl.workers.groups for p in rl.workers.groups[r].placements
                                for g in p.get("gpu_ids", [])}) for group, roles in GROUPS.items()}
         return cls(rl.cfg, rl.mapping, recent, gpus, since_step, after_remap)
@@ -89,11 +89,11 @@ def advice(snap: Snapshot, profile: DeviceProfile, work: Workload) -> dict:
 class LiveAdvisor:
     """See the module docstring; ``emit(kind, record)`` sends the records to the telemetry hub."""
 
-    def __init__(self, rl: "RLSession", emit: Callable[[str, dict], None]):
+    def __init__(self, rl: "SessionVerbs", emit: Callable[[str, dict], None]):
         self.rl, self.emit = rl, emit
         self._thread: threading.Thread | None = None
-        self._remaps_seen = len(rl.remaps)
-        self._since, self._after_remap = rl.step_count, False
+        self._remaps_seen = len(rl.state.remaps)
+        self._since, self._after_remap = rl.state.step_count, False
         self.last: dict | None = None
         self._work: tuple[tuple, Workload] | None = None  # the workload, and the settings it was read under
         self._profiles: dict[str, DeviceProfile] = {}
@@ -101,8 +101,8 @@ class LiveAdvisor:
     def __call__(self, result) -> None:
         """The step callback: start an advice in the background every ``trainer.advise_every`` steps."""
         rl, every = self.rl, self.rl.cfg.trainer.advise_every
-        if len(rl.remaps) != self._remaps_seen:  # a remap: the next advice covers only the steps after it
-            self._remaps_seen, self._since, self._after_remap = len(rl.remaps), rl.remaps[-1].step, True
+        if len(rl.state.remaps) != self._remaps_seen:  # a remap: the next advice covers only the steps after it
+            self._remaps_seen, self._since, self._after_remap = len(rl.state.remaps), rl.state.remaps[-1].step, True
         if not every or result.step % every or result.step - self._since < MIN_STEPS:
             return
         if self._thread is not None and self._thread.is_alive():

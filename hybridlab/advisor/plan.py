@@ -21,7 +21,7 @@ from hybridlab.advisor.cost_model import Prediction, Workload, pool_devices, pre
 from hybridlab.advisor.profile import DeviceProfile
 from hybridlab.config import RunConfig
 from hybridlab.controller.mapping import DeviceMapping
-from hybridlab.dataflow.remap import remap_problems
+from hybridlab.dataflow.remap_checks import remap_problems
 from hybridlab.errors import UserError
 
 TRAINERS = ("actor", "ref", "critic")

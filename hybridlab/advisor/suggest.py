@@ -17,7 +17,7 @@ from hybridlab.advisor.plan import Candidate, best, plan
 from hybridlab.advisor.profile import DeviceProfile, load_profile
 
 if TYPE_CHECKING:
-    from hybridlab.dataflow.session import RLSession
+    from hybridlab.dataflow.session_verbs import SessionVerbs
 
 RECENT_STEPS = 5  # the steps whose response lengths stand for the next ones
 
@@ -48,18 +48,18 @@ class Suggestion:
         return (f"Suggested: {self.best.label}: predicted {new:.3f} s per step against {now:.3f} s now"
                 f" ({self.speedup:.2f}x, profile {self.profile}).")
 
-    def apply(self, rl: "RLSession"):
+    def apply(self, rl: "SessionVerbs"):
         """Remap ``rl`` onto the suggested mapping; returns rl.remap's report."""
         return rl.remap(self.best.mapping.to_dict())
 
 
-def session_workload(rl: "RLSession") -> Workload:
+def session_workload(rl: "SessionVerbs") -> Workload:
     """Return the session's workload, with the recent steps' mean response length when there are any."""
-    lengths = [h["response_length/mean"] for h in rl.history[-RECENT_STEPS:] if "response_length/mean" in h]
+    lengths = [h["response_length/mean"] for h in rl.state.history[-RECENT_STEPS:] if "response_length/mean" in h]
     return Workload.of(rl.cfg, rl.model_dir, response_mean=sum(lengths) / len(lengths) if lengths else None)
 
 
-def suggest_mapping(rl: "RLSession", profile: DeviceProfile | str | None = None) -> Suggestion:
+def suggest_mapping(rl: "SessionVerbs", profile: DeviceProfile | str | None = None) -> Suggestion:
     """Return the Suggestion for ``rl`` on the devices of its mapping (``profile``: a
     DeviceProfile, a name or file for ``load_profile``; default this machine's)."""
     profile = profile if isinstance(profile, DeviceProfile) else load_profile(profile)

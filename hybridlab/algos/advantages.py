@@ -33,7 +33,8 @@ def get_adv_estimator_fn(name: str):
     return ADV_ESTIMATORS[name]
 
 
-def _cfg(config: Any, key: str, default: Any) -> Any:
+def config_get(config: Any, key: str, default: Any) -> Any:
+    """Return ``config[key]`` (a dict) or ``config.key``, or ``default`` where it is missing (or no config)."""
     if config is None:
         return default
     if isinstance(config, dict):
@@ -41,7 +42,8 @@ def _cfg(config: Any, key: str, default: Any) -> Any:
     return getattr(config, key, default)
 
 
-def _groups(index: Sequence) -> dict[Any, list[int]]:
+def group_indices(index: Sequence) -> dict[Any, list[int]]:
+    """Return {group id: the rows of that group, in order} for a batch's ``index`` (its uids)."""
     groups: dict[Any, list[int]] = defaultdict(list)
     for i, key in enumerate(index):
         groups[key.item() if isinstance(key, torch.Tensor) else key].append(i)
@@ -80,7 +82,7 @@ def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
     unless ``norm_adv_by_std_in_grpo`` is False (Dr.GRPO); returns (advantages, advantages)."""
     scores = token_level_rewards.sum(dim=-1).clone()
     with torch.no_grad():
-        for rows in _groups(index).values():
+        for rows in group_indices(index).values():
             group = scores[rows]
             mean, std = (group.mean(), group.std()) if len(rows) > 1 else (torch.tensor(0.0), torch.tensor(1.0))
             scores[rows] = (group - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else group - mean
@@ -95,7 +97,7 @@ def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
     its raw score); returns (advantages, advantages)."""
     scores = token_level_rewards.sum(dim=-1).clone()
     with torch.no_grad():
-        for rows in _groups(index).values():
+        for rows in group_indices(index).values():
             n = len(rows)
             if n > 1:
                 group = scores[rows]
@@ -111,7 +113,7 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Ten
     returns (advantages, returns). Tokens outside the mask (padding, or tool output inside a
     multi-turn response) get no return and add no reward; the running return passes through
     them unchanged, so a reward after such a span still reaches the tokens before it (verl 0.9.1)."""
-    gamma = _cfg(config, "gamma", kwargs.get("gamma", 1.0))
+    gamma = config_get(config, "gamma", kwargs.get("gamma", 1.0))
     with torch.no_grad():
         returns = torch.zeros_like(token_level_rewards)
         running = torch.zeros_like(token_level_rewards[:, 0])
@@ -132,7 +134,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards: 
     length = token_level_rewards.shape[-1]
     scores = token_level_rewards.sum(dim=-1).clone()
     with torch.no_grad():
-        for rows in _groups(index).values():
+        for rows in group_indices(index).values():
             if len(rows) > 1:
                 scores[rows] = scores[rows] - scores[rows].mean()
         scores = scores.unsqueeze(-1).tile([1, length]) * response_mask
@@ -158,16 +160,16 @@ def compute_advantage(name: str, batch_fields: dict, config=None) -> tuple[torch
     fn = get_adv_estimator_fn(name)
     rewards, mask = batch_fields["token_level_rewards"], batch_fields["response_mask"].to(torch.float32)
     if name == "gae":
-        return fn(rewards, batch_fields["values"], mask, _cfg(config, "gamma", 1.0), _cfg(config, "lam", 1.0))
+        return fn(rewards, batch_fields["values"], mask, config_get(config, "gamma", 1.0), config_get(config, "lam", 1.0))
     kwargs: dict[str, Any] = {"token_level_rewards": rewards, "response_mask": mask, "config": config}
     if "uid" in ADV_INPUTS[name]:
         kwargs["index"] = batch_fields["uid"]
     if name in ("grpo", "grpo_vectorized"):
-        kwargs["norm_adv_by_std_in_grpo"] = _cfg(config, "norm_adv_by_std_in_grpo", True)
+        kwargs["norm_adv_by_std_in_grpo"] = config_get(config, "norm_adv_by_std_in_grpo", True)
     for key in ("reward_baselines", "old_log_probs", "sum_pi_squared", "rollout_is_weights"):
         if key in ADV_INPUTS[name] or key in OPTIONAL_ADV_INPUTS.get(name, ()) and key in batch_fields:
             kwargs[key] = batch_fields[key]
-    if name == "gdpo" and _cfg(config, "gdpo_reward_keys", None):  # each reward component, as verl passes them
+    if name == "gdpo" and config_get(config, "gdpo_reward_keys", None):  # each reward component, as verl passes them
         infos = batch_fields["reward_extra_info"]
         present = {k for parts in infos for k in parts}
         kwargs["non_tensor_batch"] = {k: [parts.get(k, float("nan")) for parts in infos] for k in present}

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from hybridlab.algos.advantages import _cfg, _groups, compute_grpo_outcome_advantage, register_adv_est
+from hybridlab.algos.advantages import config_get, group_indices, compute_grpo_outcome_advantage, register_adv_est
 from hybridlab.algos.functional import masked_whiten
 
 
@@ -75,11 +75,11 @@ def compute_grpo_passk_outcome_advantage(token_level_rewards: torch.Tensor, resp
     """Pass@k: in each group only the best sample learns, with advantage (best - second best),
     divided by the group's std unless ``config.norm_adv_by_std_in_grpo`` is False. Every group
     needs at least 2 samples. Returns (advantages, advantages)."""
-    norm = _cfg(config, "norm_adv_by_std_in_grpo", True)
+    norm = config_get(config, "norm_adv_by_std_in_grpo", True)
     scores = token_level_rewards.sum(dim=-1)
     advantages = torch.zeros_like(scores)
     with torch.no_grad():
-        for key, rows in _groups(index).items():
+        for key, rows in group_indices(index).items():
             if len(rows) < 2:
                 raise ValueError(f"grpo_passk needs at least 2 samples per group (rollout.n >= 2); group {key!r} "
                                  f"has {len(rows)}")
@@ -99,7 +99,7 @@ def compute_opo_outcome_advantage(token_level_rewards: torch.Tensor, response_ma
     lengths = response_mask.sum(dim=-1)
     scores = token_level_rewards.sum(dim=-1).clone()
     with torch.no_grad():
-        for rows in _groups(index).values():
+        for rows in group_indices(index).values():
             if len(rows) > 1:
                 scores[rows] = scores[rows] - (lengths[rows] * scores[rows]).sum() / lengths[rows].sum()
         scores = scores.unsqueeze(-1) * response_mask
@@ -115,7 +115,7 @@ def compute_gpg_outcome_advantage(token_level_rewards: torch.Tensor, response_ma
     scores = token_level_rewards.sum(dim=-1).clone()
     with torch.no_grad():
         alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)
-        for rows in _groups(index).values():
+        for rows in group_indices(index).values():
             mean = scores[rows].mean() if len(rows) > 1 else torch.tensor(0.0)
             scores[rows] = alpha * (scores[rows] - mean) / f_norm
         scores = scores.unsqueeze(-1) * response_mask
@@ -132,7 +132,7 @@ def compute_gdpo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
     components it is GRPO of the total reward, whitened. Returns (advantages, advantages)."""
     components, weights = [token_level_rewards], None
     if config is not None and non_tensor_batch is not None and batch is not None:
-        keys = _cfg(config, "gdpo_reward_keys", None)
+        keys = config_get(config, "gdpo_reward_keys", None)
         if not keys:
             raise ValueError("gdpo needs algorithm.gdpo_reward_keys: the reward components your reward function "
                              "returns in its dict (for example [format_reward, accuracy_reward])")
@@ -146,7 +146,7 @@ def compute_gdpo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
             placed[torch.arange(len(placed)), last] = torch.as_tensor(np.asarray(non_tensor_batch[key],
                                                                                  dtype=np.float32))
             components.append(placed)
-        weights = _cfg(config, "gdpo_reward_weights", None)
+        weights = config_get(config, "gdpo_reward_weights", None)
     weights = torch.ones(len(components)) if weights is None else torch.tensor(list(weights), dtype=torch.float32)
     total = sum(w * compute_grpo_outcome_advantage(c, response_mask, index, epsilon, norm_adv_by_std_in_grpo)[0]
                 for w, c in zip(weights, components))

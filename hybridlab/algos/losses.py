@@ -118,7 +118,8 @@ def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adva
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
-def _get(config: Any, key: str, default: Any = None) -> Any:
+def config_value(config: Any, key: str, default: Any = None) -> Any:
+    """Return ``config[key]`` (a dict) or ``config.key``, or ``default`` where it is missing or None."""
     if config is None:
         return default
     value = config.get(key, default) if isinstance(config, dict) else getattr(config, key, default)
@@ -128,7 +129,7 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
 def agg_settings(config: Any) -> dict:
     """Return agg_loss's keyword arguments from a config's ``global_batch_info`` (dp_size,
     batch_num_tokens, global_batch_size, loss_scale_factor), which is all verl's policy losses read."""
-    return {k: v for k, v in (_get(config, "global_batch_info", {}) or {}).items() if v is not None}
+    return {k: v for k, v in (config_value(config, "global_batch_info", {}) or {}).items() if v is not None}
 
 
 @register_policy_loss("vanilla")
@@ -141,11 +142,11 @@ def compute_policy_loss_vanilla(old_log_prob: torch.Tensor, log_prob: torch.Tens
 
     Returns (pg_loss, metrics): actor/pg_clipfrac, actor/ppo_kl, actor/pg_clipfrac_lower (floats).
     """
-    clip = _get(config, "clip_ratio", 0.2)
+    clip = config_value(config, "clip_ratio", 0.2)
     pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
         old_log_prob, log_prob, advantages, response_mask, cliprange=clip,
-        cliprange_low=_get(config, "clip_ratio_low", clip), cliprange_high=_get(config, "clip_ratio_high", clip),
-        clip_ratio_c=_get(config, "clip_ratio_c", 3.0), loss_agg_mode=loss_agg_mode,
+        cliprange_low=config_value(config, "clip_ratio_low", clip), cliprange_high=config_value(config, "clip_ratio_high", clip),
+        clip_ratio_c=config_value(config, "clip_ratio_c", 3.0), loss_agg_mode=loss_agg_mode,
         rollout_is_weights=rollout_is_weights, agg=agg_settings(config), **share)
     return pg_loss, {"actor/pg_clipfrac": float(clipfrac.detach()), "actor/ppo_kl": float(ppo_kl.detach()),
                      "actor/pg_clipfrac_lower": float(clipfrac_lower.detach())}

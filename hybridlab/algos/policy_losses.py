@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from hybridlab.algos.functional import masked_mean
-from hybridlab.algos.losses import _get, agg_loss, agg_settings, compute_policy_loss_vanilla, register_policy_loss
+from hybridlab.algos.losses import config_value, agg_loss, agg_settings, compute_policy_loss_vanilla, register_policy_loss
 from hybridlab.algos.rollout_correction import compute_rollout_correction_and_rejection_mask
 
 POLICY_LOSS_DEFAULTS = {"clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.0002,
@@ -37,15 +37,15 @@ POLICY_LOSS_DEFAULTS = {"clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_
 
 def loss_setting(config: Any, key: str) -> Any:
     """Return ``config.policy_loss.<key>`` (verl's PolicyLossConfig), or verl's default."""
-    section = _get(config, "policy_loss")
+    section = config_value(config, "policy_loss")
     if isinstance(section, str):  # hybridlab's actor.policy_loss names the loss; settings sit beside it
         section = config
-    return _get(section, key, POLICY_LOSS_DEFAULTS.get(key))
+    return config_value(section, key, POLICY_LOSS_DEFAULTS.get(key))
 
 
 def _clips(config: Any) -> tuple[float, float]:
-    clip = _get(config, "clip_ratio", 0.2)
-    return _get(config, "clip_ratio_low", clip), _get(config, "clip_ratio_high", clip)
+    clip = config_value(config, "clip_ratio", 0.2)
+    return config_value(config, "clip_ratio_low", clip), config_value(config, "clip_ratio_high", clip)
 
 
 def _aggregate(pg_losses, response_mask, mode, config, rollout_is_weights, share) -> torch.Tensor:
@@ -90,8 +90,8 @@ def compute_policy_loss_sapo(old_log_prob, log_prob, advantages, response_mask, 
     Returns (loss, metrics)."""
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
-    tau_pos = torch.as_tensor(_get(config, "tau_pos", 1.0), dtype=advantages.dtype)
-    tau_neg = torch.as_tensor(_get(config, "tau_neg", 1.05), dtype=advantages.dtype)
+    tau_pos = torch.as_tensor(config_value(config, "tau_pos", 1.0), dtype=advantages.dtype)
+    tau_neg = torch.as_tensor(config_value(config, "tau_neg", 1.05), dtype=advantages.dtype)
     tau = torch.where(advantages > 0, tau_pos, tau_neg)
     gates = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     pg_loss = _aggregate(-gates * advantages, response_mask, "seq-mean-token-mean", config, rollout_is_weights, share)
@@ -231,7 +231,7 @@ def _dppo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, conf
     low, high = _clips(config)
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
-    cap = _get(config, "clip_ratio_c", 20.0)
+    cap = config_value(config, "clip_ratio_c", 20.0)
     keep_pos, keep_neg = inside_band(log_prob, old_log_prob, low, high)
     valid = torch.where(advantages > 0, keep_pos, keep_neg).detach().float()
     pg_losses = -advantages * torch.clamp(ratio, max=cap).detach() * log_prob * valid
@@ -287,15 +287,15 @@ def compute_policy_loss_bypass_mode(old_log_prob, log_prob, advantages, response
     if settings is None:
         raise ValueError("the bypass_mode policy loss needs rollout_correction settings (loss_type, rollout_is, "
                          "rollout_is_threshold, rollout_rs, rollout_rs_threshold)")
-    loss_type = _get(settings, "loss_type", "ppo_clip")
+    loss_type = config_value(settings, "loss_type", "ppo_clip")
     if loss_type not in ("ppo_clip", "reinforce"):
         raise ValueError(f"rollout_correction.loss_type must be 'ppo_clip' or 'reinforce', got {loss_type!r}")
     with torch.no_grad():
         weights, mask, corr_metrics = compute_rollout_correction_and_rejection_mask(
-            log_prob, old_log_prob, response_mask, rollout_is=_get(settings, "rollout_is"),
-            rollout_is_threshold=_get(settings, "rollout_is_threshold", 2.0),
-            rollout_is_batch_normalize=_get(settings, "rollout_is_batch_normalize", False),
-            rollout_rs=_get(settings, "rollout_rs"), rollout_rs_threshold=_get(settings, "rollout_rs_threshold"))
+            log_prob, old_log_prob, response_mask, rollout_is=config_value(settings, "rollout_is"),
+            rollout_is_threshold=config_value(settings, "rollout_is_threshold", 2.0),
+            rollout_is_batch_normalize=config_value(settings, "rollout_is_batch_normalize", False),
+            rollout_rs=config_value(settings, "rollout_rs"), rollout_rs_threshold=config_value(settings, "rollout_rs_threshold"))
     if loss_type == "reinforce":
         pg_loss, metrics = compute_policy_loss_reinforce(old_log_prob, log_prob, advantages, mask, loss_agg_mode,
                                                          config, weights, **share)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridlab.algos.advantages import _groups, register_adv_est
+from hybridlab.algos.advantages import group_indices, register_adv_est
 
 
 def _returns_and_weights(token_level_rewards, response_mask, old_log_probs, sum_pi_squared, rollout_is_weights):
@@ -45,7 +45,7 @@ def compute_optimal_token_baseline_advantage(token_level_rewards: torch.Tensor, 
         returns, w = _returns_and_weights(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
                                           rollout_is_weights)
         baselines = torch.zeros_like(returns)
-        for rows in _groups(index).values():
+        for rows in group_indices(index).values():
             if len(rows) == 1:
                 continue
             mask = response_mask[rows]
@@ -78,7 +78,7 @@ def compute_multi_turn_optimal_token_baseline_advantage(token_level_rewards: tor
             packed_w[i, :n], packed_g[i, :n] = w[i, own[i]], returns[i, own[i]]
         baselines = torch.zeros_like(packed_g)
         live = [i for i in range(len(lengths)) if lengths[i] > 0]
-        for rows in _groups([index[i] for i in live]).values():
+        for rows in group_indices([index[i] for i in live]).values():
             rows = [live[r] for r in rows]
             if len(rows) == 1:
                 continue

@@ -77,7 +77,7 @@ def run(model: str = "small", steps: int = 300, save_every: int = 50, warmup: in
             fds_end = {name: _fds(pid) for name, pid in processes.items()}
             rl.telemetry.flush()
             telemetry_bytes = telemetry.stat().st_size - telemetry_start
-            restarts = rl.worker_restarts
+            restarts = rl.state.worker_restarts
         finally:
             rl.shutdown()
     per_process = {name: {**rss_figures(values, warmup), "fds_start": fds_start[name], "fds_end": fds_end[name]}

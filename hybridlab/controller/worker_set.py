@@ -49,6 +49,10 @@ class WorkerSet:
         self.set_spares(spares)  # checked now; the spares start with the workers
         self._check(mapping)
 
+    def worker_pids(self) -> set[int]:
+        """Return the process ids of every worker process (each process set's hosts)."""
+        return {p["pid"] for s in self._sets for p in s.placements}
+
     # ------------------------------------------------------------ lifecycle
     def _check(self, mapping: DeviceMapping, cluster_gpus: float | None = None) -> None:
         have = ", ".join(self.role_classes) or "none"

@@ -16,7 +16,7 @@ import torch
 
 from hybridlab.agents.rollout import STAT_FIELDS, AgentSettings
 from hybridlab.dataflow.fields import SEQUENCE_FIELDS
-from hybridlab.dataflow.stages import _finish_reward, generation_metrics, register_stage, reward_inputs
+from hybridlab.dataflow.generation_stages import finish_reward, generation_metrics, reward_inputs
 from hybridlab.protocol import Batch
 
 if TYPE_CHECKING:
@@ -75,16 +75,15 @@ def agent_metrics(out: Batch) -> dict:
     return metrics
 
 
-@register_stage("generate_agent", "rollout", ("prompt_ids", "uid"), AGENT_OUTPUTS, replaces_rows=True)
 def generate_agent(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Run rollout.n agent trajectories per prompt (tools, an agent function or an environment),
     many at once; the model's tokens are trained, tool and template tokens are context."""
     rollout = ctx.group("rollout")
     # Every model turn records the policy version the engines hold when the rollout starts: the
     # rollout worker runs it, ahead or not, before any later sync reaches it.
-    settings = agent_settings(ctx.cfg, ctx.rl.rollout_version)
+    settings = agent_settings(ctx.cfg, ctx.state.rollout_version)
     if ctx.cfg.trainer.off_policy and not ctx.rerunning:
-        out, staleness = ctx.rl.ahead.take(
+        out, staleness = ctx.state.ahead.take(
             ctx, batch, lambda prompts, sampling: rollout.generate_agent.submit(prompts, sampling, settings))
     else:
         out, staleness = rollout.generate_agent(batch, ctx.sampling(), settings), 0
@@ -103,8 +102,6 @@ def own_scores(batch: Batch, error_score: float) -> tuple[torch.Tensor, torch.Te
     return scores, torch.tensor([info.get("acc", math.nan) for info in infos], dtype=torch.float32)
 
 
-@register_stage("agent_reward", None, ("agent_reward", "agent_error", "response_mask"),
-                ("token_level_scores", "token_level_rewards", "acc", "reward_extra_info"))
 def agent_reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Take the reward each agent function or environment returned (one that raised scores
     reward.error_score)."""
@@ -113,8 +110,8 @@ def agent_reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     errors = batch["agent_error"].bool()
     scores, acc = own_scores(batch, ctx.cfg.reward.error_score)
     infos = batch.objects.get("agent_info") or [{} for _ in range(len(batch))]
-    if errors.any() and not ctx.rl.reward_error_sources & {"agent"}:  # warned once per run; counted every step
-        ctx.rl.reward_error_sources.add("agent")
+    if errors.any() and not ctx.state.reward_error_sources & {"agent"}:  # warned once per run; counted every step
+        ctx.state.reward_error_sources.add("agent")
         first = next(m for m, e in zip(batch["agent_error_msg"], errors.tolist()) if e)
         ctx.warn(f"the agent {'environment' if ctx.cfg.rollout.env else 'function'} failed on"
                  f" {int(errors.sum())} of {len(batch)} trajectories (scored"
@@ -122,7 +119,7 @@ def agent_reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
                  f" first: {first}")
     out = Batch({"token_level_scores": on_last_token(scores, batch["response_mask"]), "acc": acc},
                 {"reward_extra_info": [{k: v for k, v in info.items() if k != "acc"} for info in infos]})
-    return _finish_reward(ctx, batch, out)
+    return finish_reward(ctx, batch, out)
 
 
 def agent_problems(cfg, rollout_tp: int) -> list[str]:
@@ -172,7 +169,7 @@ def greedy_scores(ctx: "StepContext", prompts: Batch) -> Batch:
     if not agentic(ctx.cfg):
         generated = rollout.generate(prompts, sampling)
         return reward.compute_reward(generated.select(reward_inputs(generated)))
-    out = rollout.generate_agent(prompts, sampling, agent_settings(ctx.cfg, ctx.rl.rollout_version))
+    out = rollout.generate_agent(prompts, sampling, agent_settings(ctx.cfg, ctx.state.rollout_version))
     if not own_reward(ctx.cfg):
         return reward.compute_reward(out.select(reward_inputs(out)))
     scores, acc = own_scores(out, ctx.cfg.reward.error_score)

@@ -24,19 +24,19 @@ class RolloutAhead:
         """Return (the responses for this step, their staleness: steps since their submission) and top up the rollouts ahead with this step's prompts (``batch``) and, on
         the first step, further draws. ``submit(prompts, sampling)`` starts one rollout and
         returns its future (default: the rollout group's ``generate``)."""
-        step, depth = ctx.rl.step_count, ctx.cfg.trainer.max_staleness
+        step, depth = ctx.state.step_count, ctx.cfg.trainer.max_staleness
         seed = ctx.sampling()["seed"]
         submit = submit or ctx.group("rollout").generate.submit
         if not self.pending:  # nothing ahead yet: this step's prompts now, the next ones ahead
             self.pending.append((submit(batch, ctx.sampling()), step))
-            batch = ctx.rl.prompts.next()
+            batch = ctx.state.prompts.next()
         future, submitted = self.pending.pop(0)
         out = future.result()
         while len(self.pending) < depth:
             ahead = len(self.pending) + 1
             self.pending.append((submit(batch, ctx.sampling(seed=seed + ahead)), step))
             if len(self.pending) < depth:
-                batch = ctx.rl.prompts.next()
+                batch = ctx.state.prompts.next()
         return out, step - submitted
 
     def drop(self) -> None:

@@ -34,6 +34,7 @@ from hybridlab.telemetry.hub import TELEMETRY_FILE
 from hybridlab.workers.train.checkpoint import ADAPTER_FILE, OPTIMIZER_FILE, save_checkpoint
 
 if TYPE_CHECKING:
+    from hybridlab.dataflow.run_state import TrainProgress
     from hybridlab.dataflow.session import RLSession
 
 CHECKPOINTS = "checkpoints"
@@ -59,30 +60,26 @@ def latest(run_dir: Path) -> Path:
     return found[-1]
 
 
-def save(rl: "RLSession", train_state: dict) -> Path:
-    """Write a checkpoint of ``rl`` after its current step; returns its folder. ``train_state``
-    is what ``train()`` needs to go on (evaluation before, curve so far, seconds run)."""
+def save(rl: "RLSession", progress: "TrainProgress | None") -> Path:
+    """Write a checkpoint of ``rl`` after its current step; returns its folder. ``progress`` is
+    what ``train()`` needs to go on (evaluation before, curve so far, seconds run)."""
     root = rl.run_dir / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     _remove_partial(root)
-    target = root / f"step-{rl.step_count:06d}"
+    target = root / f"step-{rl.state.step_count:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
     try:
         for role in STATEFUL_ROLES:
             if role in rl.workers.groups:
                 save_checkpoint(rl.workers.groups[role], rl.model_dir, tmp / role)
-        fault_point("checkpoint_write", rl.step_count)
+        fault_point("checkpoint_write", rl.state.step_count)
         torch.save({"python": random.getstate(), "numpy": _numpy_state(), "torch": torch.get_rng_state()},
                    tmp / "driver_rng.pt")
         # the config as it is now: live updates and remaps since the start carry over
         (tmp / "config.yaml").write_text(yaml.safe_dump(rl.cfg.to_dict(), sort_keys=False))
         write_json(tmp / "session.json", {
-            "step": rl.step_count, "actor_version": rl.actor_version, "time": time.time(),
-            "mapping": rl.mapping.to_dict(),
-            "prompts": rl.prompts.state(), "kl_ctrl": dict(vars(rl.kl_ctrl)), "history": rl.history,
-            "faults": {"bad_updates": rl.bad_updates, "bad_steps_in_a_row": rl.bad_steps_in_a_row,
-                       "worker_restarts": rl.worker_restarts},
-            "train": train_state, "metrics_bytes": rl.log.tell(), "telemetry_bytes": rl.telemetry.mark_checkpoint(rl.step_count)})
+            **rl.state.record(progress), "time": time.time(), "mapping": rl.mapping.to_dict(),
+            "metrics_bytes": rl.log.tell(), "telemetry_bytes": rl.telemetry.mark_checkpoint(rl.state.step_count)})
         if target.exists():  # the same step saved again (a stop right after a periodic save)
             shutil.rmtree(target)
         tmp.rename(target)
@@ -120,16 +117,7 @@ def restore(rl: "RLSession", checkpoint: Path, record: dict) -> None:
         folder = checkpoint / role
         if role in rl.workers.groups and folder.is_dir():
             rl.workers.groups[role].load_state([ray.put([read_role(folder)])])
-    rl.step_count = record["step"]
-    # the sync below gives it to the rollout; a checkpoint from before versions were saved has
-    # one per step (off by the steps whose every update was skipped)
-    rl.actor_version = record.get("actor_version", record["step"])
-    rl.history = record["history"]
-    rl.prompts.set_state(record["prompts"])
-    rl.bad_updates = record["faults"]["bad_updates"]
-    rl.bad_steps_in_a_row = record["faults"]["bad_steps_in_a_row"]
-    rl.worker_restarts = record["faults"].get("worker_restarts", 0)
-    vars(rl.kl_ctrl).update(record["kl_ctrl"])
+    rl.state.load(record)
     rng = torch.load(checkpoint / "driver_rng.pt", weights_only=False)
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])

@@ -8,6 +8,7 @@ roles live on different devices.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any, Iterable, Sequence
@@ -15,6 +16,17 @@ from typing import Any, Iterable, Sequence
 from hybridlab.dataflow.stages import STAGES, Stage, get_stage
 from hybridlab.errors import UserError
 from hybridlab.protocol import Batch
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one RL step produced: the final Batch (every field the stages wrote), metrics, and
+    ``stages``: each stage with the fields it added, in the order the stages finished."""
+
+    step: int
+    batch: Batch
+    metrics: dict[str, Any]
+    stages: list[tuple[str, list[str]]] = dataclasses.field(default_factory=list)
 
 
 class DataflowError(UserError):

@@ -5,7 +5,7 @@
 ``pair_best_worst`` pairs each prompt's best-scored sample (chosen) with its worst (rejected) and
 drops the prompts whose samples all score the same; ``update_actor_dpo`` takes optimizer steps
 of the ``dpo`` settings' loss (``hybridlab.algos.preference``) on those pairs against the
-reference. ``stages.py`` registers them with the other stages.
+reference. ``stages.py`` lists them in the stage table.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def pair_best_worst(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
         group_scores = scores[members]
         if group_scores.max() > group_scores.min():  # first of the best, first of the worst
             rows += [members[int(group_scores.argmax())], members[int(group_scores.argmin())]]
-    dp = ctx.rl.mapping.roles["actor"].dp
+    dp = ctx.workers.mapping.roles["actor"].dp
     pairs = len(rows) // 2 // dp * dp  # every data-parallel rank gets whole pairs, as many as the others
     pairs_batch = as_pairs(batch.take(rows[:2 * pairs]))
     if not pairs:
@@ -56,5 +56,5 @@ def update_actor_dpo(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
     results = [ctx.group("actor").update_actor(data, loss) for _ in range(a.ppo_epochs)]
     metrics = mean_metrics(results)
     ctx.actor_unchanged = metrics.get("skipped", 0.0) == len(results)
-    fault_point("update_actor", ctx.rl.step_count + 1)
+    fault_point("update_actor", ctx.state.step_count + 1)
     return None, {(k if "/" in k else f"actor/{k}"): v for k, v in metrics.items()}

@@ -61,18 +61,18 @@ def step_start(rl: "RLSession") -> StepStart:
     """Return the controller state a retried step must start from."""
     import numpy as np
 
-    return StepStart(rl.prompts.state(), (random.getstate(), np.random.get_state(), torch.get_rng_state()),
-                     dict(vars(rl.kl_ctrl)))
+    return StepStart(rl.state.prompts.state(), (random.getstate(), np.random.get_state(), torch.get_rng_state()),
+                     dict(vars(rl.state.kl_ctrl)))
 
 
 def _back_to(rl: "RLSession", start: StepStart) -> None:
     import numpy as np
 
-    rl.prompts.set_state(start.prompts)
+    rl.state.prompts.set_state(start.prompts)
     random.setstate(start.rng[0])
     np.random.set_state(start.rng[1])
     torch.set_rng_state(start.rng[2])
-    vars(rl.kl_ctrl).update(start.kl)
+    vars(rl.state.kl_ctrl).update(start.kl)
 
 
 def worker_failure(exc: BaseException) -> WorkerError | None:
@@ -91,7 +91,7 @@ def with_recovery(rl: "RLSession", attempt: Callable[["StepContext"], T]) -> T:
     dead or stuck workers and trying again as the module docstring says."""
     while True:
         start = step_start(rl)
-        ctx = StepContext(rl)
+        ctx = rl.context()
         try:
             return attempt(ctx)
         except Exception as exc:
@@ -149,21 +149,21 @@ def recover(rl: "RLSession", err: WorkerError, dead: set[str], ctx: "StepContext
     touched = any(set(s.outputs(rl.cfg)) & UPDATES for s in ctx.started)
     rollback = touched or bool(dead & set(STATEFUL))
     what = f"worker {err.role} rank {err.rank} {err.kind} in {err.method}"
-    if rl.worker_restarts >= rl.cfg.trainer.max_restarts:
-        raise WorkerLost(f"{what} during step {rl.step_count + 1}, after {rl.worker_restarts} restart(s) already"
+    if rl.state.worker_restarts >= rl.cfg.trainer.max_restarts:
+        raise WorkerLost(f"{what} during step {rl.state.step_count + 1}, after {rl.state.worker_restarts} restart(s) already"
                          f" (trainer.max_restarts={rl.cfg.trainer.max_restarts}); the run stops",
                          can_save=not rollback) from None
     ckpt = checkpoints.checkpoint_dirs(rl.run_dir)[-1] if rollback and checkpoints.checkpoint_dirs(rl.run_dir) else None
     if rollback and ckpt is None:
-        raise WorkerLost(f"{what} during step {rl.step_count + 1}, and the trainers' state is lost with no"
+        raise WorkerLost(f"{what} during step {rl.state.step_count + 1}, and the trainers' state is lost with no"
                          " checkpoint to go back to (train() writes one at its start; call save_checkpoint()"
                          " when stepping by hand)", can_save=False) from None
     refuse_lost_nodes(rl, dead, what, can_save=not rollback)
-    rl.worker_restarts += 1
+    rl.state.worker_restarts += 1
     t0 = time.perf_counter()
-    print(f"{what}; re-creating {', '.join(sorted(dead))} (restart {rl.worker_restarts} of at most"
+    print(f"{what}; re-creating {', '.join(sorted(dead))} (restart {rl.state.worker_restarts} of at most"
           f" {rl.cfg.trainer.max_restarts})", file=sys.stderr, flush=True)
-    rl.ahead.pending = []  # its workers may be gone; the look-ahead is submitted again
+    rl.state.ahead.pending = []  # its workers may be gone; the look-ahead is submitted again
     for pool_roles in {rl.workers.colocated(r) for r in dead}:
         rl.workers.recreate(pool_roles[0], close_timeout=2.0)
     if rollback:
@@ -172,15 +172,15 @@ def recover(rl: "RLSession", err: WorkerError, dead: set[str], ctx: "StepContext
 
         rl.log = MetricsLog(rl.run_dir, "tensorboard" in rl.cfg.trainer.logger, purge_after=record["step"])
         rl.trackers.rewind(record["step"])
-        restarts = rl.worker_restarts  # restarts count for the whole run, rolled back or not
+        restarts = rl.state.worker_restarts  # restarts count for the whole run, rolled back or not
         checkpoints.restore(rl, ckpt, record)
-        rl.worker_restarts = restarts
+        rl.state.worker_restarts = restarts
     else:
         _back_to(rl, start)
         if "rollout" in dead and "actor" in rl.workers.groups:
             rl.sync_weights(reason="restart")
-    event = {"step": rl.step_count, "role": err.role, "rank": err.rank, "method": err.method, "failure": err.kind,
-             "recreated": sorted(dead), "rolled_back_to": rl.step_count if rollback else None,
-             "restarts": rl.worker_restarts, "seconds": round(time.perf_counter() - t0, 3)}
-    rl.restarts.append(event)
-    rl._emit("restart", event)
+    event = {"step": rl.state.step_count, "role": err.role, "rank": err.rank, "method": err.method, "failure": err.kind,
+             "recreated": sorted(dead), "rolled_back_to": rl.state.step_count if rollback else None,
+             "restarts": rl.state.worker_restarts, "seconds": round(time.perf_counter() - t0, 3)}
+    rl.state.restarts.append(event)
+    rl.emit("restart", event)

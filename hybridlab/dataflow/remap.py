@@ -13,12 +13,11 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from hybridlab.config import ConfigError, RunConfig, config_with
-from hybridlab.controller.mapping import DeviceMapping, MappingError
+from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.pairs import step_inputs
+from hybridlab.dataflow.remap_checks import remap_problems
 from hybridlab.dataflow.roles import ROLE_SPECS, plan_update, role_classes
 from hybridlab.run_config import dataflow_names, default_mapping, validate_config
 from hybridlab.workers.train.checkpoint import merge_state
@@ -58,34 +57,6 @@ class RemapReport:
                 f"{self.processes_started} processes started ({self.spares_used} of them spares), "
                 f"{self.processes_stopped} stopped; {self.bytes_moved / 2**20:.1f} MB moved in memory; "
                 f"{self.seconds['total']:.1f} s")
-
-
-def parse_mapping(value: DeviceMapping | dict | str) -> DeviceMapping:
-    """Return a DeviceMapping from a DeviceMapping, a dict or YAML text; MappingError names what is wrong."""
-    if isinstance(value, DeviceMapping):
-        return value
-    if isinstance(value, str):
-        try:
-            return DeviceMapping.from_yaml(value)  # text or a file path; duplicate keys are errors
-        except yaml.YAMLError as exc:
-            raise MappingError(f"mapping: not valid YAML: {exc}") from None
-    return DeviceMapping.from_dict(value)  # names anything that is not a mapping
-
-
-def remap_problems(cfg: RunConfig, mapping: DeviceMapping, cluster_gpus: float, model_dir: str | None = None) -> list[str]:
-    """Return every reason ``mapping`` cannot run ``cfg``'s dataflow here (empty when it can):
-    the config's own checks with the running model (``model_dir``: its heads and layers against
-    the layouts) and the mapping, and the devices against the cluster."""
-    checked = dataclasses.replace(cfg, mapping=mapping.to_dict(), **({"model": model_dir} if model_dir else {}))
-    try:
-        validate_config(checked)
-        problems = []
-    except ConfigError as exc:
-        problems = [line.strip()[2:] for line in str(exc).splitlines()[1:]] or [str(exc)]
-    need = sum(p.devices for p in mapping.pools.values())
-    if need > cluster_gpus:
-        problems.append(f"mapping: the pools need {need} devices, the cluster has {cluster_gpus:g}")
-    return problems
 
 
 @dataclasses.dataclass
@@ -143,13 +114,13 @@ def apply_change(rl: "RLSession", change: Change) -> RemapReport | None:
     re-created or moved, else None. A remap that fails after the old workers stopped leaves
     the session marked broken (``rl.broken`` says why; ``step()`` raises it)."""
     if rl.workers is None:  # not started: the workers will be built from the new config
-        rl._set_config(change.cfg, change.flow, {})
+        rl.apply_config(change.cfg, change.flow, {})
         rl.mapping = change.mapping
         return None
     if not change.remap:
-        rl._set_config(change.cfg, change.flow, change.configure)
+        rl.apply_config(change.cfg, change.flow, change.configure)
         return None
-    rl._drop_pending()
+    rl.state.ahead.drop()
     try:
         report = apply(rl, change.cfg, change.mapping, change.recreate, change.reason)
     except BaseException as exc:
@@ -157,9 +128,9 @@ def apply_change(rl: "RLSession", change: Change) -> RemapReport | None:
                      f" this session cannot continue: call shutdown() and start a new one")
         raise
     # roles that kept their processes take their new live settings (re-created ones have them)
-    rl._set_config(change.cfg, change.flow,
+    rl.apply_config(change.cfg, change.flow,
                    {r: v for r, v in change.configure.items() if r not in report.roles_recreated + report.roles_added})
-    rl.remaps.append(report)
+    rl.state.remaps.append(report)
     return report
 
 
@@ -170,7 +141,7 @@ def apply(rl: "RLSession", cfg: RunConfig, mapping: DeviceMapping, recreate: set
     session = rl.workers
     t0 = time.perf_counter()
     mapping_before = rl.mapping.to_dict()
-    pids_before = {p["pid"] for s in session._sets for p in s.placements}
+    pids_before = session.worker_pids()
     taken_before = session.spares.taken if session.spares else 0
     seconds: dict[str, float] = {}
     carried = _CarriedState(rl)
@@ -191,9 +162,9 @@ def apply(rl: "RLSession", cfg: RunConfig, mapping: DeviceMapping, recreate: set
         sync_bytes = rl.sync_weights(reason="remap").bytes_moved  # new engines start from the warm start's weights
         seconds["sync"] = time.perf_counter() - t
     seconds["total"] = time.perf_counter() - t0
-    pids_after = {p["pid"] for s in session._sets for p in s.placements}
+    pids_after = session.worker_pids()
     old_roles, new_roles = set(mapping_before["roles"]), set(mapping.roles)
-    report = RemapReport(step=rl.step_count, roles_recreated=sorted(changed & old_roles & new_roles),
+    report = RemapReport(step=rl.state.step_count, roles_recreated=sorted(changed & old_roles & new_roles),
                          roles_added=sorted(new_roles - old_roles), roles_removed=sorted(old_roles - new_roles),
                          processes_started=len(pids_after - pids_before),
                          processes_stopped=len(pids_before - pids_after),
@@ -202,7 +173,7 @@ def apply(rl: "RLSession", cfg: RunConfig, mapping: DeviceMapping, recreate: set
                          mapping_before=mapping_before, mapping_after=mapping.to_dict(), reason=reason)
     with open(rl.run_dir / REMAP_LOG, "a") as f:
         f.write(json.dumps(report.as_dict()) + "\n")
-    rl._emit("remap", report.as_dict())
+    rl.emit("remap", report.as_dict())
     session.refill_spares()  # after the sync: warming spares would compete with it for the cores
     return report
 

@@ -9,7 +9,7 @@ from hybridlab.dataflow.prompts import PROMPT_FIELDS
 from hybridlab.protocol import Batch
 
 if TYPE_CHECKING:
-    from hybridlab.dataflow.step import StepResult
+    from hybridlab.dataflow.graph import StepResult
 
 # table column -> the Batch field it summarizes (reward: summed; the rest: mean over response tokens)
 COLUMNS = {

@@ -33,15 +33,15 @@ from hybridlab.controller.warm_pool import warm_pool
 from hybridlab.controller.watch import dump_stacks
 from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.dataflow import checkpoints
-from hybridlab.dataflow.ahead import RolloutAhead
-from hybridlab.dataflow.context import BackgroundRun
 from hybridlab.dataflow.edits import StepBoundary
 from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.live import LiveEdits
 from hybridlab.dataflow.pairs import PairSource, load_pairs
 from hybridlab.dataflow.prompts import PromptFit, PromptSource, load_samples, tokenize_prompts
 from hybridlab.dataflow.roles import role_classes, worker_classes
-from hybridlab.dataflow.step import Stepping, StepResult
+from hybridlab.dataflow.run_state import RunState, TrainProgress
+from hybridlab.dataflow.graph import StepResult
+from hybridlab.dataflow.step import BackgroundRun, Stepping
 from hybridlab.dataflow.warm_start import warm_start
 from hybridlab.environment import describe, usable_cores
 from hybridlab.explain import explain
@@ -72,32 +72,20 @@ class RLSession(Stepping, LiveEdits):
         self.mapping = DeviceMapping.from_dict(self.cfg.mapping or default_mapping(self.cfg, names))
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(self.cfg.trainer.run_dir or Path("runs") / f"{self.cfg.name}-{stamp}")
-        self.kl_ctrl = get_kl_controller(self.cfg.algorithm.kl_ctrl)
+        self.state = RunState(get_kl_controller(self.cfg.algorithm.kl_ctrl))  # what steps read and write
         self._ray = dict(address=ray_address, temp_dir=ray_temp_dir)
         self.workers = None
-        self.step_count = 0
-        self.actor_version = 0    # updates of the actor's weights: stages writing @actor_updated that changed them
-        self.rollout_version = 0  # the actor_version the rollout engines hold (set by each sync)
-        self.history: list[dict] = []  # the metrics of the newest HISTORY_STEPS steps
-        self.ahead = RolloutAhead()  # off-policy: the next steps' rollouts, submitted ahead
         self.telemetry = RunTelemetry(self.run_dir)  # the hub, span stream, live reporter (trainer.telemetry)
         self.log = None        # MetricsLog, once started
         self.trackers = Trackers([])  # W&B and MLflow (trainer.logger), once started
-        self._stop_requested = False
-        self._training = False     # a train() loop runs (in this thread or a background one)
-        self.bad_updates = 0           # optimizer steps skipped for a NaN or inf, in all
-        self.bad_steps_in_a_row = 0    # steps in a row with a skipped update (trainer.max_bad_updates)
-        self.worker_restarts = 0       # dead or stuck workers re-created (trainer.max_restarts)
-        self.restarts: list[dict] = [] # what each restart re-created and restored
-        self.reward_error_sources: set[str] = set()  # data sources whose reward failures were warned about
-        self._edits = StepBoundary()  # a step, or an edit of the session; never both
+        self.stop_requested = False  # request_stop(): the running (or next) train() stops after its step
+        self.training = False        # a train() loop runs (in this thread or a background one)
+        self.boundary = StepBoundary()  # a step, or an edit of the session; never both
         self.broken: str | None = None   # why the session cannot step (a remap failed halfway)
         self.environment: dict = {}
-        self.remaps: list = []      # RemapReports, in order
         self.warm_start_info: dict | None = None  # steps, seconds, held-out accuracy of the warm start
         self.background: BackgroundRun | None = None   # the latest start_background() run
         self._resume_from: Path | None = None   # the checkpoint resume() continues from
-        self._train_state: dict | None = None   # train()'s progress restored from it
         self.step_callbacks: list = []  # called with each StepResult (notebook widgets follow the run)
         self.advisor = None  # the mapping advisor's LiveAdvisor: its check every trainer.advise_every steps
 
@@ -122,12 +110,12 @@ class RLSession(Stepping, LiveEdits):
         if self.cfg.data.preferences:  # offline DPO: each step's batch is pairs, not prompts
             pairs = load_pairs(self.cfg)
             check_chat(self.tokenizer, pairs + self.test_samples, model_dir)
-            self.prompts = PairSource(pairs, self.tokenizer, self.cfg.data.prompts_per_step,
+            self.state.prompts = PairSource(pairs, self.tokenizer, self.cfg.data.prompts_per_step,
                                       seed=self.cfg.data.seed, context=self._model_fit.context)
         else:
             train = load_samples(self.cfg, "train")
             check_chat(self.tokenizer, train + self.test_samples, model_dir)
-            self.prompts = PromptSource(train, self.tokenizer, self.cfg.data.prompts_per_step,
+            self.state.prompts = PromptSource(train, self.tokenizer, self.cfg.data.prompts_per_step,
                                         seed=self.cfg.data.seed, fit=self._prompt_fit())
         tokenize_prompts(self.test_samples, self.tokenizer, self._prompt_fit())
         try:
@@ -152,8 +140,8 @@ class RLSession(Stepping, LiveEdits):
                                       t.mlflow_uri, resumed_at=record["step"] if record else None)
         if record is not None:
             checkpoints.restore(self, self._resume_from, record)
-            self._train_state = record["train"]
-            self._emit("resume", {"step": self.step_count, "checkpoint": self._resume_from.name})
+            self.state.train_progress = TrainProgress.from_record(record["train"])
+            self.emit("resume", {"step": self.state.step_count, "checkpoint": self._resume_from.name})
         self._start_advisor()
         return self
 
@@ -173,7 +161,7 @@ class RLSession(Stepping, LiveEdits):
         from hybridlab.advisor.live import LiveAdvisor
 
         if self.advisor is None:
-            self.advisor = LiveAdvisor(self, self._emit)
+            self.advisor = LiveAdvisor(self, self.emit)
             self.step_callbacks.append(self.advisor)
 
     @classmethod
@@ -213,14 +201,16 @@ class RLSession(Stepping, LiveEdits):
         return {role: training_strategy(self.cfg, "critic" if role == "critic" else "actor")
                 for role in ("actor", "ref", "critic") if role in self.mapping.roles}
 
-    def save_checkpoint(self) -> Path:
-        """Write a checkpoint of the run now (between steps); returns its folder."""
-        with self._edits.lock:
-            return checkpoints.save(self, dict(self._train_state or {}))
+    def save_checkpoint(self, progress: TrainProgress | None = None) -> Path:
+        """Write a checkpoint of the run now (between steps; ``progress``: train()'s, which a resumed
+        train() goes on from); returns its folder."""
+        with self.boundary.lock:
+            return checkpoints.save(self, progress)
 
-    def _emit(self, kind: str, record: dict) -> None:
+    def emit(self, kind: str, record: dict) -> None:
+        """Send a run record of ``kind`` to the telemetry (dashboard, telemetry.jsonl) and the trackers."""
         self.telemetry.emit(kind, record)
-        self.trackers.event(kind, record, self.step_count)
+        self.trackers.event(kind, record, self.state.step_count)
 
     def dashboard(self):
         """Return the live dashboard of this run (display it in a notebook cell); its one
@@ -229,12 +219,12 @@ class RLSession(Stepping, LiveEdits):
 
     def _warm_start(self, base: Path) -> Path:
         """Run (or reuse) the warm start; returns the checkpoint directory."""
-        path, self.warm_start_info = warm_start(self.cfg, self.run_dir, base, self._emit)
+        path, self.warm_start_info = warm_start(self.cfg, self.run_dir, base, self.emit)
         return path
 
     def shutdown(self) -> None:
         """Stop the workers and close the logs (the Ray connection stays for the kernel)."""
-        self.ahead.pending = []
+        self.state.ahead.pending = []
         self.telemetry.stop_watching()
         if self.workers is not None:
             self.workers.shutdown()

@@ -12,12 +12,11 @@ weight sync, as part of RLSession (a mixin; the state they use is set up in sess
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
-from typing import Any
 
-from hybridlab.dataflow.context import BackgroundRun, StepContext
+from hybridlab.dataflow.context import StepContext
+from hybridlab.dataflow.graph import StepResult
 from hybridlab.dataflow.prompts import prompt_batch
 from hybridlab.dataflow.recovery import with_recovery
 from hybridlab.dataflow.rows import batch_rows
@@ -26,19 +25,6 @@ from hybridlab.dataflow.train_loop import run_training
 from hybridlab.protocol import Batch
 from hybridlab.reshard.transfer import sync_mapped
 from hybridlab.telemetry.busy import session_busy
-
-HISTORY_STEPS = 1000  # the newest steps' metrics kept in memory (and in checkpoints)
-
-
-@dataclasses.dataclass
-class StepResult:
-    """What one RL step produced: the final Batch (every field the stages wrote), metrics, and
-    ``stages``: each stage with the fields it added, in the order the stages finished."""
-
-    step: int
-    batch: Batch
-    metrics: dict[str, Any]
-    stages: list[tuple[str, list[str]]] = dataclasses.field(default_factory=list)
 
 
 class Stepping:
@@ -50,8 +36,13 @@ class Stepping:
             self.start()
         if self.broken:
             raise RuntimeError(self.broken)
-        with self._edits.step():  # edits queued during the previous step apply before this one
+        with self.boundary.step():  # edits queued during the previous step apply before this one
             return with_recovery(self, self._step)  # a dead or stuck worker: re-created, the step run again
+
+    def context(self) -> StepContext:
+        """Return a fresh StepContext of this session: what a stage sees (config, worker groups,
+        the run's state, the sync), e.g. to call a stage's helpers by hand."""
+        return StepContext(self.cfg, self.workers, self.state, self._dataflow.names, self.sync_weights)
 
     def _step(self, ctx: StepContext) -> StepResult:
         """The step itself: the next prompts through the dataflow, then the step's records."""
@@ -59,28 +50,26 @@ class Stepping:
         self.workers.watch.configure(t.call_deadline_floor_s, t.call_deadline_s)
         start, wall = time.perf_counter(), time.time()
         trace: list[tuple[str, list[str]]] = []
-        batch, metrics = self._dataflow.run(ctx, self.prompts.next(), trace=trace)
+        batch, metrics = self._dataflow.run(ctx, self.state.prompts.next(), trace=trace)
         seconds = time.perf_counter() - start
         tokens = int(batch["response_mask"].sum()) if "response_mask" in batch else 0
         bad = int(metrics.get("actor/skipped", 0) + metrics.get("critic/skipped", 0))
-        self.bad_updates += bad
-        self.bad_steps_in_a_row = self.bad_steps_in_a_row + 1 if bad else 0
+        state = self.state
+        state.count_bad_updates(bad)
         if bad:
-            ctx.warn(f"step {self.step_count + 1}: {bad} update(s) skipped for a NaN or inf loss or gradient norm;"
+            ctx.warn(f"step {state.step_count + 1}: {bad} update(s) skipped for a NaN or inf loss or gradient norm;"
                      " the weights stay as they were")
-        metrics["faults/bad_updates"] = self.bad_updates
-        metrics["faults/worker_restarts"] = self.worker_restarts
+        metrics["faults/bad_updates"] = self.state.bad_updates
+        metrics["faults/worker_restarts"] = self.state.worker_restarts
         metrics.setdefault("rollout/staleness", 0)
         metrics.update({"timing/step_s": seconds, "perf/tokens_per_s": tokens / seconds if seconds else 0.0,
                         "warnings": len(ctx.warnings)})
         metrics.update(session_busy(self.workers, wall, time.time()))
-        self.step_count += 1
-        self.history.append({"step": self.step_count, **metrics})
-        del self.history[:-HISTORY_STEPS]  # bounded: metrics.jsonl keeps every step
-        self.log.write(self.step_count, metrics)
-        self.trackers.log(self.step_count, metrics)
-        self._emit("metrics", {"step": self.step_count, **metrics})
-        result = StepResult(self.step_count, batch, metrics, trace)
+        state.add_step(metrics)
+        self.log.write(self.state.step_count, metrics)
+        self.trackers.log(self.state.step_count, metrics)
+        self.emit("metrics", {"step": self.state.step_count, **metrics})
+        result = StepResult(self.state.step_count, batch, metrics, trace)
         for callback in list(self.step_callbacks):
             try:
                 callback(result)
@@ -94,8 +83,8 @@ class Stepping:
         lora = self.cfg.actor.lora
         report = sync_mapped(self.workers.groups, self.mapping, self.spec,
                              adapter=lora.rank > 0 and lora.sync == "adapter")
-        self.rollout_version = self.actor_version
-        self._emit("sync", {"step": self.step_count + (reason == "step"), "bytes": report.bytes_moved,
+        self.state.rollout_version = self.state.actor_version
+        self.emit("sync", {"step": self.state.step_count + (reason == "step"), "bytes": report.bytes_moved,
                             "buckets": report.buckets, "seconds": report.seconds, "mode": report.mode,
                             "reason": reason, "bytes_per_pair": report.plan.get("bytes_per_pair", {})})
         return report
@@ -108,7 +97,7 @@ class Stepping:
             return {"accuracy": float("nan"), "n": 0, "reward_mean": float("nan")}
         prompts = prompt_batch(samples, self.tokenizer, list(range(len(samples))), self._prompt_fit())
         # under the step lock: a remap or an edit waits for the evaluation as for a step
-        with self._edits.lock, self.workers.timeline.staged("evaluate"):  # the dashboard labels calls by stage
+        with self.boundary.lock, self.workers.timeline.staged("evaluate"):  # the dashboard labels calls by stage
             scored = with_recovery(self, lambda ctx: greedy_scores(ctx, prompts))
         return {"accuracy": float(scored["acc"].nanmean()), "n": len(samples),
                 "reward_mean": float(scored["token_level_scores"].sum(-1).mean())}
@@ -125,13 +114,13 @@ class Stepping:
         the end and on a stop; writes and returns the summary (``summary.json``)."""
         if self.workers is None:
             self.start()
-        self._training = True
+        self.training = True
         try:
             return run_training(self, steps)
         finally:  # a pause or stop asked for after the last step must not hold the next run
-            self._training = False
-            self._stop_requested = False
-            self._edits.resume()
+            self.training = False
+            self.stop_requested = False
+            self.boundary.resume()
 
     def start_background(self, steps: int | None = None) -> "BackgroundRun":
         """Run ``train(steps)`` in a background thread so the notebook kernel stays responsive;
@@ -142,3 +131,40 @@ class Stepping:
             raise RuntimeError("a background run is going: stop() or wait() for it before starting another")
         self.background = BackgroundRun(self, steps)
         return self.background
+
+
+class BackgroundRun:
+    """``RLSession.train`` running in a thread; the kernel stays free while it runs."""
+
+    def __init__(self, rl: "Stepping", steps: int | None):
+        import threading
+
+        self.rl, self.summary, self.error = rl, None, None
+        self._thread = threading.Thread(target=self._run, args=(steps,), name="hybridlab-train", daemon=True)
+        self._thread.start()
+
+    def _run(self, steps: int | None) -> None:
+        try:
+            self.summary = self.rl.train(steps)
+        except BaseException as exc:  # kept for wait() to re-raise in the kernel's thread
+            self.error = exc
+
+    def done(self) -> bool:
+        """Return True once training has finished (or failed)."""
+        return not self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Ask the run to stop after the current step (it still evaluates and writes its summary)."""
+        self.rl.request_stop()
+
+    def wait(self, timeout: float | None = None) -> dict | None:
+        """Wait for the run to end; returns its summary (re-raises its error), or None if it is
+        still running after ``timeout`` seconds."""
+        self._thread.join(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.summary
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else f"running, step {self.rl.state.step_count}"
+        return f"BackgroundRun({state})"

@@ -10,7 +10,7 @@ loop then runs the lost steps again, and their evaluations are made again.
 """
 from __future__ import annotations
 
-import time
+import dataclasses
 from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from hybridlab.atomic import write_json
 from hybridlab.dataflow import checkpoints
 from hybridlab.dataflow.recovery import WorkerLost
+from hybridlab.dataflow.run_state import TrainProgress
 
 if TYPE_CHECKING:
     from hybridlab.dataflow.session import RLSession
@@ -25,110 +26,112 @@ if TYPE_CHECKING:
 
 def run_training(rl: "RLSession", steps: int | None = None) -> dict:
     """Run the loop on a started session; returns the summary (also written to summary.json)."""
-    resumed, rl._train_state = rl._train_state, None
-    if resumed:  # go on from the checkpoint's evaluations and run time
-        steps = steps or max(0, rl.cfg.trainer.steps - rl.step_count)
-        curve, before, last = list(resumed["curve"]), resumed["before"], resumed["last"]
-        started = time.perf_counter() - resumed["seconds"]
+    state = rl.state
+    progress, state.train_progress = state.train_progress, None
+    if progress is not None:  # resumed: go on from the checkpoint's evaluations and run time
+        steps, saved = steps or max(0, rl.cfg.trainer.steps - state.step_count), state.step_count
+        progress.start_clock()
     else:
-        steps = steps or rl.cfg.trainer.steps
-        started, curve = time.perf_counter(), []
+        steps, saved, progress = steps or rl.cfg.trainer.steps, -1, TrainProgress(before={}, last={}, curve=[])
+        progress.start_clock()
         try:
-            before = last = record_eval(rl, curve, 0.0)
+            progress.before = progress.last = record_eval(rl, progress)
         except WorkerLost as lost:  # the workers went before the first step (a lost node)
-            before = last = {"step": rl.step_count, "accuracy": float("nan"), "n": 0}
-            return stop_lost(rl, lost, before, last, curve, started)
-    saved = rl.step_count if resumed else -1
-    if rl.cfg.trainer.max_restarts and not checkpoints.checkpoint_dirs(rl.run_dir):
-        saved = checkpoint(rl, before, last, curve, started)  # what a dead trainer goes back to
+            progress.before = progress.last = {"step": state.step_count, "accuracy": float("nan"), "n": 0}
+            return stop_lost(rl, lost, progress)
+        if rl.cfg.trainer.max_restarts and not checkpoints.checkpoint_dirs(rl.run_dir):
+            saved = checkpoint(rl, progress)  # what a dead trainer goes back to
     stopped = "steps"
-    first, target = rl.step_count, rl.step_count + steps
+    first, target = state.step_count, state.step_count + steps
     bar = tqdm(total=steps, desc=f"{rl.cfg.name} rl", disable=not rl.cfg.trainer.progress, dynamic_ncols=True)
-    while rl.step_count < target:
-        started += wait_while_paused(rl, bar)  # paused time is not run time
+    while state.step_count < target:
+        progress.hold(wait_while_paused(rl, bar))  # paused time is not run time
         t = rl.cfg.trainer  # read each step: update() may change the time limit and evaluations
-        if reason := stop_reason(rl, started):
+        if reason := stop_reason(rl, progress):
             stopped = reason
             break
         try:
             result = rl.step()
-            curve[:] = [c for c in curve if c["step"] < rl.step_count]  # evaluations of steps rolled back
-            saved = min(saved, rl.step_count - 1)
-            bar.n = rl.step_count - first
+            progress.curve[:] = [c for c in progress.curve if c["step"] < state.step_count]  # steps rolled back
+            saved = min(saved, state.step_count - 1)
+            bar.n = state.step_count - first
             bar.refresh()
             bar.set_postfix(reward=f"{result.metrics.get('reward/mean', float('nan')):.3f}",
                             acc=f"{result.metrics.get('accuracy', float('nan')):.3f}")
-            if t.eval_every and rl.step_count % t.eval_every == 0:
-                last = record_eval(rl, curve, time.perf_counter() - started)
-                bar.write(f"step {rl.step_count}: greedy test accuracy {last['accuracy']:.3f}")
+            if t.eval_every and state.step_count % t.eval_every == 0:
+                progress.last = record_eval(rl, progress)
+                bar.write(f"step {state.step_count}: greedy test accuracy {progress.last['accuracy']:.3f}")
         except WorkerLost as lost:
             bar.close()
-            return stop_lost(rl, lost, before, last, curve, started)
-        if t.save_every and rl.step_count % t.save_every == 0:
-            saved = checkpoint(rl, before, last, curve, started)
-        if rl.bad_steps_in_a_row >= t.max_bad_updates:  # skipped updates kept the last good weights
-            stopped = (f"{rl.bad_steps_in_a_row} steps in a row had a NaN or inf loss or gradient norm (their updates"
-                       " were skipped; the checkpoint holds the last good weights); check the learning rate, the"
-                       " rewards and the advantages")
+            return stop_lost(rl, lost, progress)
+        if t.save_every and state.step_count % t.save_every == 0:
+            saved = checkpoint(rl, progress)
+        if state.bad_steps_in_a_row >= t.max_bad_updates:  # skipped updates kept the last good weights
+            stopped = (f"{state.bad_steps_in_a_row} steps in a row had a NaN or inf loss or gradient norm (their"
+                       " updates were skipped; the checkpoint holds the last good weights); check the learning"
+                       " rate, the rewards and the advantages")
             break
     bar.close()
-    with rl._edits.lock:  # a queued edit may drop the pending rollout too
-        rl._drop_pending()
-    # the last step may just have been evaluated: same weights, so its result stands
-    try:
-        after = last if curve and curve[-1]["step"] == rl.step_count else \
-            record_eval(rl, curve, time.perf_counter() - started)
+    return finish(rl, progress, saved, stopped)
+
+
+def finish(rl: "RLSession", progress: TrainProgress, saved: int, stopped: str) -> dict:
+    """End the loop: drop the rollouts ahead, evaluate (unless the last step just was), checkpoint
+    (unless step ``saved`` is the last) and write the summary; returns it."""
+    with rl.boundary.lock:  # a queued edit may drop the pending rollout too
+        rl.state.ahead.drop()
+    curve, step = progress.curve, rl.state.step_count
+    try:  # the last step may just have been evaluated: same weights, so its result stands
+        after = progress.last if curve and curve[-1]["step"] == step else record_eval(rl, progress)
     except WorkerLost as lost:
-        return stop_lost(rl, lost, before, last, curve, started)
-    if saved != rl.step_count:  # always a checkpoint at the end and on a stop
-        checkpoint(rl, before, after, curve, started)
-    return write_summary(rl, before, after, curve, time.perf_counter() - started, stopped)
+        return stop_lost(rl, lost, progress)
+    if saved != step:  # always a checkpoint at the end and on a stop
+        checkpoint(rl, dataclasses.replace(progress, last=after))
+    return write_summary(rl, progress.before, after, curve, progress.elapsed(), stopped)
 
 
 def wait_while_paused(rl: "RLSession", bar) -> float:
     """Hold the loop here, between steps, while ``pause()`` says so; returns the seconds held."""
-    if not rl._edits.paused:
+    if not rl.boundary.paused:
         return 0.0
     bar.set_description(f"{rl.cfg.name} rl (paused)")
-    held = rl._edits.wait_while_paused()
+    held = rl.boundary.wait_while_paused()
     bar.set_description(f"{rl.cfg.name} rl")
     return held
 
 
-def stop_reason(rl: "RLSession", started: float) -> str | None:
+def stop_reason(rl: "RLSession", progress: TrainProgress) -> str | None:
     """Return why the loop must stop before another step (time limit, a stop asked for), or None."""
     t = rl.cfg.trainer
-    if time.perf_counter() > started + t.max_minutes * 60:
+    if progress.elapsed() > t.max_minutes * 60:
         return f"time limit ({t.max_minutes:g} min)"
-    return "stop requested" if rl._stop_requested else None
+    return "stop requested" if rl.stop_requested else None
 
 
-def stop_lost(rl: "RLSession", lost: WorkerLost, before: dict, last: dict, curve: list, started: float) -> dict:
+def stop_lost(rl: "RLSession", lost: WorkerLost, progress: TrainProgress) -> dict:
     """End a run whose workers are lost: a checkpoint when the trainers still hold the last
     finished step, and a failed summary saying why; returns the summary."""
     if lost.can_save:
-        checkpoint(rl, before, last, curve, started)
-    return write_summary(rl, before, last, curve, time.perf_counter() - started, str(lost), failed=True)
+        checkpoint(rl, progress)
+    return write_summary(rl, progress.before, progress.last, progress.curve, progress.elapsed(), str(lost),
+                         failed=True)
 
 
-def checkpoint(rl: "RLSession", before: dict, last: dict, curve: list, started: float) -> int:
+def checkpoint(rl: "RLSession", progress: TrainProgress) -> int:
     """Checkpoint the run with the loop's progress; returns the step saved."""
-    rl._train_state = {"before": before, "last": last, "curve": list(curve), "seconds": time.perf_counter() - started}
-    try:
-        rl.save_checkpoint()
-    finally:
-        rl._train_state = None
-    return rl.step_count
+    rl.save_checkpoint(progress)
+    return rl.state.step_count
 
 
-def record_eval(rl: "RLSession", curve: list[dict], seconds: float) -> dict:
-    """Evaluate now, append the point to ``curve``, log and emit it; returns the evaluation."""
-    rl._emit("phase", {"phase": "evaluate", "step": rl.step_count})
+def record_eval(rl: "RLSession", progress: TrainProgress) -> dict:
+    """Evaluate now, append the point to the progress's curve, log and emit it; returns the evaluation."""
+    step, seconds = rl.state.step_count, round(progress.elapsed(), 1)
+    rl.emit("phase", {"phase": "evaluate", "step": step})
     ev = rl.evaluate()
-    curve.append({"step": rl.step_count, "accuracy": ev["accuracy"], "seconds": round(seconds, 1)})
-    rl.log.write(rl.step_count, {"eval/accuracy": ev["accuracy"]})
-    rl.trackers.log(rl.step_count, {"eval/accuracy": ev["accuracy"]})
-    rl._emit("eval", {"step": rl.step_count, "accuracy": ev["accuracy"]})
+    progress.curve.append({"step": step, "accuracy": ev["accuracy"], "seconds": seconds})
+    rl.log.write(step, {"eval/accuracy": ev["accuracy"]})
+    rl.trackers.log(step, {"eval/accuracy": ev["accuracy"]})
+    rl.emit("eval", {"step": step, "accuracy": ev["accuracy"]})
     return ev
 
 
@@ -136,15 +139,15 @@ def write_summary(rl: "RLSession", before: dict, after: dict, curve: list, secon
                   failed: bool = False) -> dict:
     """Write and return ``summary.json``: accuracies, steps, timings, curve, restarts,
     environment, config; ``failed``: the run stopped on lost workers."""
-    step_s = sum(h.get("timing/step_s", 0.0) for h in rl.history)
-    sync_s = sum(h.get("sync/seconds", 0.0) for h in rl.history)
+    step_s = sum(h.get("timing/step_s", 0.0) for h in rl.state.history)
+    sync_s = sum(h.get("sync/seconds", 0.0) for h in rl.state.history)
     summary = {
         "run_dir": str(rl.run_dir), "name": rl.cfg.name, "algorithm": rl.cfg.algorithm.adv_estimator,
         "dataflow": rl.dataflow.names, "model": rl.cfg.model, "task": rl.cfg.data.task,
         "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"], "eval_n": after["n"],
-        "steps": rl.step_count, "stopped_by": stopped, "failed": failed, "rl_seconds": round(seconds, 1),
-        "worker_restarts": rl.worker_restarts, "restarts": rl.restarts,
-        "mean_step_s": round(step_s / len(rl.history), 3) if rl.history else None,
+        "steps": rl.state.step_count, "stopped_by": stopped, "failed": failed, "rl_seconds": round(seconds, 1),
+        "worker_restarts": rl.state.worker_restarts, "restarts": rl.state.restarts,
+        "mean_step_s": round(step_s / len(rl.state.history), 3) if rl.state.history else None,
         "sync_fraction_of_step": round(sync_s / step_s, 4) if step_s else None,
         "eval_curve": curve, "warm_start": rl.warm_start_info,
         "environment": rl.environment, "config": rl.cfg.to_dict(),

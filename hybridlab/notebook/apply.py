@@ -12,7 +12,7 @@ import ipywidgets as widgets
 from hybridlab.errors import UserError
 
 if TYPE_CHECKING:
-    from hybridlab.dataflow.session import RLSession
+    from hybridlab.dataflow.session_verbs import SessionVerbs
 
 FOREGROUND_NOTE = ("While a cell of this notebook is running, Jupyter delivers clicks only after that"
                    " cell ends; during a background run (start_background) they apply at the next step.")
@@ -30,12 +30,12 @@ def problems_of(exc: BaseException) -> list[str]:
     return items or lines or [exc.__class__.__name__]
 
 
-def running_in_background(rl: "RLSession") -> bool:
+def running_in_background(rl: "SessionVerbs") -> bool:
     """True while a background run of ``rl`` is going."""
     return rl.background is not None and not rl.background.done()
 
 
-def stepping_in_background(rl: "RLSession") -> bool:
+def stepping_in_background(rl: "SessionVerbs") -> bool:
     """True while a background run of ``rl`` is going and not held by ``pause()``."""
     return running_in_background(rl) and not rl.held
 
@@ -47,7 +47,7 @@ class Applier:
     so the kernel stays free; ``wait()`` returns once it was applied (or refused).
     """
 
-    def __init__(self, rl: "RLSession", status: widgets.HTML):
+    def __init__(self, rl: "SessionVerbs", status: widgets.HTML):
         self.rl, self.status = rl, status
         self.thread: threading.Thread | None = None
         self.result: Any = None
@@ -76,7 +76,7 @@ class Applier:
                     self.status.value = problem_list("Not applied:", problems_of(exc))
 
         if stepping_in_background(self.rl):
-            self.status.value = _note(f"Queued: applies at the next step boundary (step {self.rl.step_count + 1}"
+            self.status.value = _note(f"Queued: applies at the next step boundary (step {self.rl.state.step_count + 1}"
                                       " is running).")
             self.thread = threading.Thread(target=work, name="hybridlab-widget-apply", daemon=True)
             self.thread.start()

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 import ipywidgets as widgets
 
 from hybridlab.dataflow.rows import batch_rows, fields_after
-from hybridlab.dataflow.step import StepResult
+from hybridlab.dataflow.graph import StepResult
 from hybridlab.protocol import Batch
 
 if TYPE_CHECKING:
-    from hybridlab.dataflow.session import RLSession
+    from hybridlab.dataflow.session_verbs import SessionVerbs
 
 
 class BatchTable(widgets.VBox):
@@ -47,7 +47,7 @@ class BatchTable(widgets.VBox):
         self.table.value = f"<table style='border-collapse:collapse'><tr>{head}</tr>{body}</table>"
 
 
-def inspect(rl: "RLSession", result: "StepResult | Batch", stage: str | None = None,
+def inspect(rl: "SessionVerbs", result: "StepResult | Batch", stage: str | None = None,
             limit: int = 64) -> "BatchTable | AgentInspector":
     """Return a BatchTable of the first ``limit`` samples (the title says how many of how many)
     of a step's batch as it was after ``stage`` (default: after the whole step), or of a Batch;

@@ -11,8 +11,8 @@ import ipywidgets as widgets
 from hybridlab.notebook.apply import FOREGROUND_NOTE, ok, problem_list, problems_of, running_in_background
 
 if TYPE_CHECKING:
-    from hybridlab.dataflow.session import RLSession
-    from hybridlab.dataflow.step import StepResult
+    from hybridlab.dataflow.session_verbs import SessionVerbs
+    from hybridlab.dataflow.graph import StepResult
 
 SHOWN = ("reward/mean", "accuracy", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean",
          "timing/step_s")
@@ -21,7 +21,7 @@ SHOWN = ("reward/mean", "accuracy", "actor/pg_loss", "actor/grad_norm", "actor/e
 class Controls(widgets.VBox):
     """Buttons that call ``start_background``, ``pause``, ``resume``, ``step`` and ``stop``."""
 
-    def __init__(self, rl: "RLSession", steps: int | None = None):
+    def __init__(self, rl: "SessionVerbs", steps: int | None = None):
         self.rl = rl
         self.steps = widgets.BoundedIntText(value=steps or rl.cfg.trainer.steps, min=1, max=10**7,
                                             description="steps", layout=widgets.Layout(width="180px"))
@@ -32,7 +32,7 @@ class Controls(widgets.VBox):
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="step")
         self.metrics = widgets.HTML()
         self.status = widgets.HTML()
-        self._first_step = rl.step_count
+        self._first_step = rl.state.step_count
         self._thread: threading.Thread | None = None
         rl.step_callbacks.append(self._on_step)
         super().__init__([widgets.HBox([self.steps, *self.buttons.values()]), self.progress, self.metrics,
@@ -45,7 +45,7 @@ class Controls(widgets.VBox):
             self.status.value = problem_list("Not started:", ["a background run is going (Resume it if it is"
                                                               " paused, or Stop it first)"])
             return
-        self._first_step = self.rl.step_count
+        self._first_step = self.rl.state.step_count
         self.progress.min, self.progress.max, self.progress.value = 0, self.steps.value, 0
         try:
             run = self.rl.start_background(self.steps.value)
@@ -69,7 +69,7 @@ class Controls(widgets.VBox):
     def _say_when_held(self) -> None:
         while self.rl.paused and running_in_background(self.rl):
             if self.rl.wait_until_held(0.2):
-                self.status.value = ok(f"Paused after step {self.rl.step_count}. Edits and Step work now;"
+                self.status.value = ok(f"Paused after step {self.rl.state.step_count}. Edits and Step work now;"
                                        " Resume goes on.")
                 return
 
@@ -86,7 +86,7 @@ class Controls(widgets.VBox):
         try:
             result = self.rl.step()
         except Exception as exc:
-            self.status.value = problem_list(f"Step {self.rl.step_count + 1} failed:", problems_of(exc))
+            self.status.value = problem_list(f"Step {self.rl.state.step_count + 1} failed:", problems_of(exc))
             return
         self._on_step(result)
         self.status.value = ok(f"Ran step {result.step}.")

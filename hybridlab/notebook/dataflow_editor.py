@@ -9,12 +9,11 @@ from typing import TYPE_CHECKING
 import ipywidgets as widgets
 
 from hybridlab.algos import ADV_ESTIMATORS, AGG_MODES, KL_PENALTIES, POLICY_LOSSES
-from hybridlab.dataflow import remap
 from hybridlab.dataflow.stages import STAGES
 from hybridlab.notebook.apply import FOREGROUND_NOTE, Applier, ok, problem_list, problems_of
 
 if TYPE_CHECKING:
-    from hybridlab.dataflow.session import RLSession
+    from hybridlab.dataflow.session_verbs import SessionVerbs
 
 KL_PLACES = ("off", "in reward", "in loss")
 
@@ -28,7 +27,7 @@ def _registries() -> dict[str, list[str]]:
 class DataflowEditor(widgets.VBox):
     """Stages (on/off, with role, inputs and outputs), algorithm selectors, live hyperparameters."""
 
-    def __init__(self, rl: "RLSession"):
+    def __init__(self, rl: "SessionVerbs"):
         self.rl = rl
         choices = _registries()
         self.selectors = {key: widgets.Dropdown(options=options, description=key.split(".")[-1],
@@ -131,12 +130,12 @@ class DataflowEditor(widgets.VBox):
     def validate(self) -> list[str]:
         """Show the problems of the edit (or the stages it would run); returns the problems."""
         try:
-            change = remap.prepare_update(self.rl, tuple(self.overrides()))
+            stages = self.rl.check_update(*self.overrides())
         except Exception as exc:  # ConfigError / DataflowError: their lines are the problems
             found = problems_of(exc)
             self.status.value = problem_list("This edit cannot run:", found)
             return found
-        self.status.value = ok("This edit can run. Stages: " + " → ".join(change.flow.names))
+        self.status.value = ok("This edit can run. Stages: " + " → ".join(stages))
         return []
 
     def apply(self) -> None:
@@ -148,7 +147,7 @@ class DataflowEditor(widgets.VBox):
 
         def done(_) -> str:
             self.refresh()
-            return ok(f"Applied for step {self.rl.step_count + 1}: {', '.join(overrides)}. Stages: "
+            return ok(f"Applied for step {self.rl.state.step_count + 1}: {', '.join(overrides)}. Stages: "
                       + " → ".join(self.rl.dataflow.names))
 
         self.applier(lambda: self.rl.update(*overrides), done)

@@ -10,12 +10,11 @@ import ipywidgets as widgets
 
 from hybridlab.controller.mapping import ROLES, DeviceMapping
 from hybridlab.controller.mapping_drawing import draw
-from hybridlab.dataflow import remap
 from hybridlab.errors import UserError
 from hybridlab.notebook.apply import FOREGROUND_NOTE, Applier, ok, problem_list, problems_of
 
 if TYPE_CHECKING:
-    from hybridlab.dataflow.session import RLSession
+    from hybridlab.dataflow.session_verbs import SessionVerbs
 
 SMALL = widgets.Layout(width="70px")
 
@@ -56,7 +55,7 @@ class MappingEditor(widgets.VBox):
     follows every change; **Suggest** fills in the advisor's best mapping; **Validate** lists the
     problems; **Apply** remaps the session."""
 
-    def __init__(self, rl: "RLSession"):
+    def __init__(self, rl: "SessionVerbs"):
         self.rl = rl
         current = rl.mapping
         self.pool_rows = [_PoolRow(n, p.devices, {k: v for k, v in (("strategy", p.strategy),
@@ -147,7 +146,7 @@ class MappingEditor(widgets.VBox):
     def problems(self) -> list[str]:
         """Return every reason the table's mapping cannot run in this session (empty: it can)."""
         try:
-            remap.prepare_remap(self.rl, remap.parse_mapping(self.mapping_dict()))
+            self.rl.check_remap(self.mapping_dict())
         except Exception as exc:  # MappingError or ConfigError: their lines are the problems
             return problems_of(exc)
         return []
