@@ -6,6 +6,7 @@ from typing import Sequence
 import torch
 
 from hybridlab.protocol import Batch
+from hybridlab.algos.preference import CHOSEN_TOKENS
 
 PROMPT_WIDTH = "prompt_width"  # Batch.meta key: the width rollout ranks left-pad their prompts to
 GROUP_ROWS = "group_rows"  # Batch.meta key: consecutive rows the trainer keeps in one micro-batch
@@ -90,8 +91,6 @@ def as_pairs(batch: Batch) -> Batch:
     """Return ``batch`` (rows chosen, rejected, chosen, ...) marked as preference pairs: kept
     together through micro-batching (``meta[GROUP_ROWS]`` 2), with the chosen responses' token
     total on every row (``chosen_tokens_total``, for the ``sft`` term)."""
-    from hybridlab.algos.preference import CHOSEN_TOKENS
-
     batch.tensors[CHOSEN_TOKENS] = torch.full((len(batch),), float(batch["response_mask"][0::2].sum()))
     batch.meta[GROUP_ROWS] = 2
     return batch

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 from tqdm.auto import tqdm
 
-from hybridlab.agents.traces import trace_accuracy
+from hybridlab.agents.traces import encode_trace, trace_accuracy
 from hybridlab.atomic import atomic_model_dir
 from hybridlab.errors import UserError
 from hybridlab.evaluate import accuracy
@@ -34,7 +34,6 @@ from hybridlab.tasks import Sample, Task
 @dataclasses.dataclass
 class SFTConfig:
     """Settings of a warm start; the defaults take tiny to >30% on 2-digit addition in <3 min."""
-
     steps: int = 3000
     max_seconds: float = 170.0
     batch_size: int = 64
@@ -108,7 +107,6 @@ def worked_examples(tokenizer, task: Task, samples: list[Sample], end: int,
     agent rollout records it (``hybridlab.agents.traces``)."""
     if not hasattr(task, "trace"):
         return encode_examples(tokenizer, samples, end)
-    from hybridlab.agents.traces import encode_trace
 
     return [encode_trace(tokenizer, task.trace(s), end, tools) for s in samples]
 

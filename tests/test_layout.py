@@ -273,3 +273,38 @@ def test_no_private_reach_ins():
 def test_the_reach_in_check_sees_attributes_and_imports():
     tree = ast.parse("from a import _b, c\nself._ok = rl._edits\ncls._fine = 1\n")
     assert private_reach_ins(Path("x.py"), tree) == {"import a._b", "rl._edits"}
+
+
+# hybridlab's own modules imported inside a function, outside the command line's lazy loading
+# (cli.py, bench/): each defers a heavy third-party dependency (docs/architecture.md, "Limits").
+DEFERRED = {
+    ("hybridlab/advisor/calibrate.py", "hybridlab.workers.rollout"),      # vLLM, for the engine measurement only
+    ("hybridlab/agents/rollout.py", "hybridlab.agents.endpoint"),         # aiohttp, for agents given an endpoint
+    ("hybridlab/agents/rollout.py", "hybridlab.workers.rollout.vllm_engine"),  # vLLM, in the rollout worker only
+    ("hybridlab/dataflow/session.py", "hybridlab.notebook"),              # ipywidgets, for the widget verbs
+    ("hybridlab/dataflow/session.py", "hybridlab.notebook.batch_table"),  # ipywidgets, for rl.inspect
+    ("hybridlab/workers/train/model.py", "hybridlab.workers.train"),      # Megatron, imported in its order
+}
+
+
+def deferred_imports() -> list[tuple[str, str]]:
+    """Return (file, module) for each import of a hybridlab module inside a function, outside
+    cli.py and bench/."""
+    out = []
+    for name, (path, tree) in modules().items():
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        if rel == "hybridlab/cli.py" or rel.startswith("hybridlab/bench/"):
+            continue
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out += [(rel, n.module) for n in ast.walk(fn)
+                        if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("hybridlab")]
+                out += [(rel, a.name) for n in ast.walk(fn) if isinstance(n, ast.Import)
+                        for a in n.names if a.name.startswith("hybridlab")]
+    return out
+
+
+def test_deferred_imports_only_for_heavy_dependencies():
+    found = deferred_imports()
+    assert set(found) <= DEFERRED, f"imports inside functions that are not listed in DEFERRED: {set(found) - DEFERRED}"
+    assert len(found) <= 8, f"{len(found)} deferred imports of hybridlab modules (at most 8): {found}"

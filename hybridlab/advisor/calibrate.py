@@ -26,6 +26,17 @@ import time
 import torch
 
 from hybridlab.advisor.profile import LOCAL, DeviceProfile
+from hybridlab.bench.dispatch import NoopWorker
+from hybridlab.bench.profile import matmul_gflops
+from hybridlab.controller.binding import pin_process, set_threads
+from hybridlab.controller.mapping import DeviceMapping
+from hybridlab.controller.resources import connect
+from hybridlab.controller.worker_set import WorkerSet
+from hybridlab.environment import processor, usable_cores
+from hybridlab.explain import parameter_count
+from hybridlab.models.zoo import model_config, parse_preset, resolve_model
+from hybridlab.protocol import Batch
+from hybridlab.workers.rollout.sampling import SamplingConfig
 
 ALLREDUCE_SIZES = (4 << 10, 16 << 20)
 
@@ -139,8 +150,6 @@ def _shared_memory_exchange(threads: int, repeats: int = 2000) -> float:
 def _pin(device: int, threads: int) -> None:
     """Pin this process to device ``device``'s cores (``threads`` of them, in order), as
     ``trainer.bind_threads`` pins a worker; no pinning where the platform cannot."""
-    from hybridlab.controller.binding import pin_process, set_threads
-
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     mine = cores[device * threads:(device + 1) * threads]
     if mine:
@@ -151,10 +160,7 @@ def _pin(device: int, threads: int) -> None:
 def _engine(model: str, threads: int, batches: tuple[int, ...], new_tokens: int, prompt_len: int) -> dict:
     """Return vLLM's measured prefill seconds per prompt token and decode seconds per step at
     each batch size (two lengths of generation differenced, so the prefill cancels)."""
-    from hybridlab.explain import parameter_count
-    from hybridlab.models.zoo import resolve_model
     from hybridlab.workers.rollout import vllm_engine
-    from hybridlab.workers.rollout.sampling import SamplingConfig
 
     model_dir = str(resolve_model(model))
     llm = vllm_engine.start_llm(model_dir, prompt_len + new_tokens + 8, 64, "float32", 0)
@@ -186,8 +192,6 @@ def _training(presets: tuple[str, ...], threads: int, rows: int, seq: int, steps
     parameters and median seconds per token of a forward pass and of a training step."""
     from transformers import AutoModelForCausalLM
 
-    from hybridlab.models.zoo import model_config, parse_preset
-
     torch.set_num_threads(threads)
     out = []
     for name in presets:
@@ -214,12 +218,6 @@ def _training(presets: tuple[str, ...], threads: int, rows: int, seq: int, steps
 def _call_overhead(repeats: int = 30) -> float:
     """Return the median seconds of a no-op DP call with a small Batch through the controller
     to one worker process (Ray attached or started here)."""
-    from hybridlab.bench.dispatch import NoopWorker
-    from hybridlab.controller.mapping import DeviceMapping
-    from hybridlab.controller.resources import connect
-    from hybridlab.controller.worker_set import WorkerSet
-    from hybridlab.protocol import Batch
-
     connect(num_gpus=1)
     mapping = DeviceMapping.from_dict({"pools": {"calibrate": {"devices": 1, "cpus_per_device": 0}},
                                        "roles": {"actor": {"pool": "calibrate"}}})
@@ -296,9 +294,6 @@ def measure(devices: int = 0, engine_model: str = "small", batches: tuple[int, .
             train_seq: int = 64, steps: int = 3, progress=print) -> dict:
     """Return this machine's raw measurements (see the module docstring) for ``devices`` devices
     (default: one per usable core); ``progress(text)`` reports each part as it starts."""
-    from hybridlab.controller.binding import pin_process
-    from hybridlab.environment import processor, usable_cores
-
     cores = usable_cores()
     devices = devices or cores
     threads = max(1, cores // devices)
@@ -321,8 +316,6 @@ def measure(devices: int = 0, engine_model: str = "small", batches: tuple[int, .
 def _measure_on_device(out: dict, threads: int, engine_model: str, batches: tuple[int, ...], new_tokens: int,
                        train_models: tuple[str, ...], train_rows: int, train_seq: int, steps: int, progress) -> None:
     """Fill ``out`` with what is measured on one device's cores (this process pinned to them)."""
-    from hybridlab.bench.profile import matmul_gflops
-
     progress("all-reduce between two processes (gloo, loopback)")  # before pinning: its ranks pin themselves
     out["allreduce_s"] = {str(k): v for k, v in _allreduce(threads).items()}
     out["shared_memory_exchange_s"] = _shared_memory_exchange(threads)

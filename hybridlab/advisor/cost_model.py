@@ -42,6 +42,11 @@ from pathlib import Path
 from hybridlab.advisor.profile import DeviceProfile
 from hybridlab.config import RunConfig
 from hybridlab.controller.mapping import DeviceMapping, RoleLayout
+from hybridlab.dataflow.stages import STAGES
+from hybridlab.explain import estimate_memory, expert_parameter_count, explain
+from hybridlab.models.spec import ModelSpec
+from hybridlab.models.zoo import resolve_model
+from hybridlab.run_config import dataflow_names
 
 FORWARD_STAGES = {"old_logprob": "actor", "ref_logprob": "ref", "values": "critic", "reward_model": "reward"}
 UPDATE_STAGES = {"update_actor": "actor", "update_actor_dpo": "actor", "update_critic": "critic"}
@@ -53,7 +58,6 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 @dataclasses.dataclass
 class Workload:
     """What one step computes: the model's dimensions and the step's sequences and tokens."""
-
     params: int
     layers: int
     hidden: int
@@ -98,10 +102,6 @@ class Workload:
            response_mean: float | None = None) -> "Workload":
         """Return the workload of ``cfg`` (its model's checkpoint, its prompts' lengths); responses
         are ``rollout.max_new_tokens`` long unless ``response_mean`` (e.g. a run's measured mean) is given."""
-        from hybridlab.explain import explain, expert_parameter_count
-        from hybridlab.models.spec import ModelSpec
-        from hybridlab.models.zoo import resolve_model
-
         model_dir = Path(model_dir or resolve_model(cfg.model))
         sizes, spec = explain(cfg, model_dir).sizes, ModelSpec.read(model_dir)
         new, moe = cfg.rollout.max_new_tokens, spec.moe
@@ -122,7 +122,6 @@ class Workload:
 class Prediction:
     """A predicted step: seconds per stage, the step (with overlap), the busy fraction of the
     devices, and estimated resident MB per device (and the largest)."""
-
     stage_s: dict[str, float]
     step_s: float
     busy: float
@@ -244,9 +243,6 @@ def sync_s(profile: DeviceProfile, work: Workload, mapping: DeviceMapping) -> fl
 
 def stage_seconds(profile: DeviceProfile, cfg: RunConfig, work: Workload, mapping: DeviceMapping) -> dict[str, float]:
     """Return the predicted seconds of each stage of ``cfg``'s dataflow on ``mapping``."""
-    from hybridlab.dataflow.stages import STAGES
-    from hybridlab.run_config import dataflow_names
-
     out = {}
     for name in dataflow_names(cfg):
         if name in GENERATE_STAGES:
@@ -280,8 +276,6 @@ def _devices(mapping: DeviceMapping) -> dict[str, set[int]]:
 
 
 def _stage_devices(name: str, devices: dict[str, set[int]]) -> set[int]:
-    from hybridlab.dataflow.stages import STAGES
-
     stage = STAGES[name]
     roles = [r for r in (stage.role, *stage.needs) if r and r in devices]
     return set().union(*(devices[r] for r in roles)) if roles else set()
@@ -303,8 +297,6 @@ def role_busy(prediction: Prediction, mapping: DeviceMapping, roles: tuple[str, 
 
 def memory_per_device(cfg: RunConfig, work: Workload, mapping: DeviceMapping) -> dict[str, float]:
     """Return estimated resident MB per device ("pool/index"): the sum of the process sets on it."""
-    from hybridlab.explain import estimate_memory
-
     cfg = dataclasses.replace(cfg, mapping=mapping.to_dict())
     per_set = estimate_memory(cfg, mapping, work.params, work.vocab, work.prompt_max + work.response_max,
                               work.expert_params)
@@ -319,8 +311,6 @@ def memory_per_device(cfg: RunConfig, work: Workload, mapping: DeviceMapping) ->
 def _behind_rollout(stage_s: dict[str, float], mapping: DeviceMapping) -> bool:
     """Return True when a stage other than generation and the sync runs in the rollout's
     processes: under off-policy it waits behind the next step's generation, so nothing overlaps."""
-    from hybridlab.dataflow.stages import STAGES
-
     rollout = next((members for _, members in mapping.process_sets() if "rollout" in members), ())
     return any(STAGES[n].role in rollout for n in stage_s if n not in GENERATE_STAGES and n != "sync_weights")
 

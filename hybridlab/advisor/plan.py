@@ -23,6 +23,8 @@ from hybridlab.config import RunConfig
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.dataflow.remap_checks import remap_problems
 from hybridlab.errors import UserError
+from hybridlab.models.zoo import resolve_model
+from hybridlab.run_config import dataflow_names, default_mapping
 
 TRAINERS = ("actor", "ref", "critic")
 USABLE_MEMORY = 0.9
@@ -32,7 +34,6 @@ MANY_DEVICES = 16  # above this, split pools in eighths of the devices (or whole
 @dataclasses.dataclass
 class Candidate:
     """One mapping the planner considered: its label, the prediction, or the reasons it cannot run."""
-
     label: str
     mapping: DeviceMapping
     prediction: Prediction | None = None
@@ -55,8 +56,6 @@ def layouts(devices: int, pipeline: bool = True) -> list[tuple[int, int, int]]:
 
 
 def _roles(cfg: RunConfig) -> list[str]:
-    from hybridlab.run_config import dataflow_names, default_mapping
-
     return list(default_mapping(cfg, dataflow_names(cfg))["roles"])
 
 
@@ -129,7 +128,6 @@ def plan(cfg: RunConfig, devices: int, profile: DeviceProfile, nodes: int = 1, w
         raise UserError(f"--devices: must be a positive integer, got {devices!r}")
     if not isinstance(nodes, int) or nodes < 1 or devices % nodes:
         raise UserError(f"--nodes: must be a positive integer that divides --devices ({devices}), got {nodes!r}")
-    from hybridlab.models.zoo import resolve_model
 
     work = work or Workload.of(cfg, response_mean=response_mean)
     model_dir = str(resolve_model(cfg.model))  # a directory: the heads and layers are checked too

@@ -25,10 +25,11 @@ import torch
 from hybridlab.agents.engine import AsyncEngine
 from hybridlab.agents.env_loop import check_env_class, run_env
 from hybridlab.agents.tool_loop import AgentLimits, ChatClient, drop_trailing_context, run_tool_agent
-from hybridlab.agents.tools import Tool
+from hybridlab.agents.tools import Tool, load_tools
 from hybridlab.agents.trajectory import MODEL, Trajectory, trajectories_batch
 from hybridlab.errors import UserError
 from hybridlab.protocol import Batch
+from hybridlab.user_code import load_object
 
 STAT_FIELDS = ("agent_turns", "agent_tool_calls", "agent_tool_errors", "agent_tool_timeouts", "agent_model_tokens",
                "agent_tool_tokens", "agent_retokenized")  # per-trajectory tensors the stage reads
@@ -39,7 +40,6 @@ SAMPLE_FIELDS = ("prompt", "ground_truth", "data_source", "extra_info")  # the r
 class AgentSpec:
     """What drives the trajectories: the built-in agent's tools, a user's agent function, or a
     text environment's class."""
-
     tools: dict[str, Tool] = dataclasses.field(default_factory=dict)
     agent: Callable | None = None
     env: type | None = None
@@ -185,7 +185,6 @@ def agent_batch(trajectories: list[Trajectory], pad_id: int, budget: int, prompt
 class AgentSettings:
     """The ``rollout`` settings of an agent rollout, as the stage sends them to the workers
     (``agent_stages.agent_settings``; the defaults are the config's)."""
-
     tools: str | None
     agent: str | None
     env: str | None
@@ -201,13 +200,10 @@ class AgentSettings:
 def load_spec(tools: str | None, agent: str | None, env: str | None) -> AgentSpec:
     """Return the tools, agent function or environment class that ``rollout.tools``,
     ``rollout.agent`` or ``rollout.env`` names; raises UserError."""
-    from hybridlab.user_code import load_object
-
     if agent:
         return AgentSpec(agent=check_agent_function(load_object(agent, "rollout.agent")))
     if env:
         return AgentSpec(env=check_env_class(load_object(env, "rollout.env", "class")))
-    from hybridlab.agents.tools import load_tools
 
     return AgentSpec(tools=load_tools(tools))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from hybridlab.agents.conversation import Conversation
+from hybridlab.evaluate import greedy_ids
 
 
 def encode_trace(tokenizer: Any, messages: Sequence[dict], end: int,
@@ -42,8 +43,6 @@ def trace_accuracy(model: Any, tokenizer: Any, examples: Sequence[tuple[list[int
     """Return the share of encoded traces whose every model turn greedy decoding reproduces from
     the trace before it. With a deterministic tool this is the share the model answers right
     on its own: a right call gets the trace's tool answer, so the next turn sees the trace."""
-    from hybridlab.evaluate import greedy_ids
-
     prompts, targets, owner = [], [], []
     for k, (ids, mask) in enumerate(examples):
         for start, stop in model_turns(mask):

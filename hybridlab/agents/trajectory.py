@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from hybridlab.protocol import Batch
+from hybridlab.batching import sequences_batch
 
 MODEL, TOOL, ENV, USER, TEMPLATE = "model", "tool", "env", "user", "template"  # sources of response tokens
 SOURCES = ("", MODEL, TOOL, ENV, USER, TEMPLATE)  # the codes of ``token_sources`` (0: padding)
@@ -22,7 +23,6 @@ SOURCES = ("", MODEL, TOOL, ENV, USER, TEMPLATE)  # the codes of ``token_sources
 class Segment:
     """A run of tokens from one source; model segments carry their log-probs and the weight
     version that sampled them."""
-
     ids: list[int]
     source: str
     logprobs: list[float] | None = None
@@ -32,7 +32,6 @@ class Segment:
 @dataclasses.dataclass
 class Trajectory:
     """The token record of one agent run, built only from sampled and tokenized ids."""
-
     prompt_ids: list[int]
     segments: list[Segment] = dataclasses.field(default_factory=list)
     reward: float | None = None
@@ -104,8 +103,6 @@ def trajectories_batch(trajectories: Sequence[Trajectory], pad_id: int, response
     ``responses``, ``input_ids``, ``attention_mask`` (every real token), ``position_ids``,
     ``response_mask`` (the model's tokens), ``rollout_log_probs``, ``rollout_versions`` and
     ``token_sources`` (each response token's source, coded by ``SOURCES``)."""
-    from hybridlab.batching import sequences_batch
-
     responses = [t.response_ids() for t in trajectories]
     out = sequences_batch([t.prompt_ids for t in trajectories], responses, pad_id, response_len=response_len,
                           prompt_len=prompt_len)

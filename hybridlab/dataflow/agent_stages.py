@@ -14,10 +14,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridlab.agents.rollout import STAT_FIELDS, AgentSettings
+from hybridlab.agents.rollout import AgentSettings, STAT_FIELDS, load_spec
 from hybridlab.dataflow.fields import SEQUENCE_FIELDS
 from hybridlab.dataflow.generation_stages import finish_reward, generation_metrics, reward_inputs
 from hybridlab.protocol import Batch
+from hybridlab.batching import on_last_token
+from hybridlab.errors import UserError
+from hybridlab.tasks import TASKS
 
 if TYPE_CHECKING:
     from hybridlab.dataflow.context import StepContext
@@ -105,8 +108,6 @@ def own_scores(batch: Batch, error_score: float) -> tuple[torch.Tensor, torch.Te
 def agent_reward(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     """Take the reward each agent function or environment returned (one that raised scores
     reward.error_score)."""
-    from hybridlab.batching import on_last_token
-
     errors = batch["agent_error"].bool()
     scores, acc = own_scores(batch, ctx.cfg.reward.error_score)
     infos = batch.objects.get("agent_info") or [{} for _ in range(len(batch))]
@@ -127,7 +128,6 @@ def agent_problems(cfg, rollout_tp: int) -> list[str]:
     tool-use task without its tools, more than one of tools, agent and env, a tool, agent or
     environment that cannot be loaded, impossible limits, a rollout that is not vLLM at tp 1."""
     r, p = cfg.rollout, []
-    from hybridlab.tasks import TASKS
 
     task_tools = getattr(TASKS.get(cfg.data.task), "tools", ()) if not cfg.data.train_files else ()
     if task_tools and not agentic(cfg):
@@ -141,9 +141,6 @@ def agent_problems(cfg, rollout_tp: int) -> list[str]:
         p.append("rollout.tools, rollout.agent and rollout.env: set one (the built-in agent with tools, your own"
                  " agent, or a text environment)")
     else:
-        from hybridlab.agents.rollout import load_spec
-        from hybridlab.errors import UserError
-
         try:
             load_spec(r.tools, r.agent, r.env)
         except UserError as exc:

@@ -34,13 +34,12 @@ from hybridlab.controller.watch import dump_stacks
 from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.dataflow import checkpoints
 from hybridlab.dataflow.edits import StepBoundary
-from hybridlab.dataflow.graph import Dataflow
+from hybridlab.dataflow.graph import Dataflow, StepResult
 from hybridlab.dataflow.live import LiveEdits
 from hybridlab.dataflow.pairs import PairSource, load_pairs
 from hybridlab.dataflow.prompts import PromptFit, PromptSource, load_samples, tokenize_prompts
 from hybridlab.dataflow.roles import role_classes, worker_classes
 from hybridlab.dataflow.run_state import RunState, TrainProgress
-from hybridlab.dataflow.graph import StepResult
 from hybridlab.dataflow.step import BackgroundRun, Stepping
 from hybridlab.dataflow.warm_start import warm_start
 from hybridlab.environment import describe, usable_cores
@@ -53,11 +52,12 @@ from hybridlab.protocol import Batch
 from hybridlab.run_config import dataflow_names, default_mapping, load_config, training_strategy, validate_config
 from hybridlab.telemetry.metrics import MetricsLog
 from hybridlab.telemetry.run import RunTelemetry
+from hybridlab.advisor.live import LiveAdvisor
+from hybridlab.advisor.suggest import suggest_mapping
 
 
 class RLSession(Stepping, LiveEdits):
     """RL training held by a notebook kernel or the CLI; see the module docstring."""
-
     def __init__(self, config: RunConfig | str | os.PathLike | None = None, overrides: list[str] | None = None, *,
                  ray_address: str | None = None, ray_temp_dir: str | None = None):
         if isinstance(config, RunConfig):
@@ -158,8 +158,6 @@ class RLSession(Stepping, LiveEdits):
 
     def _start_advisor(self) -> None:
         """Check the mapping against the advisor's prediction every trainer.advise_every steps."""
-        from hybridlab.advisor.live import LiveAdvisor
-
         if self.advisor is None:
             self.advisor = LiveAdvisor(self, self.emit)
             self.step_callbacks.append(self.advisor)
@@ -271,8 +269,6 @@ class RLSession(Stepping, LiveEdits):
         """Return the mapping advisor's Suggestion for this session's devices (``profile``: a
         DeviceProfile, h100/h200/a100 or a file; default this machine's from ``hybridlab calibrate``):
         the best predicted mapping, the prediction for the current one, and ``apply(rl)``."""
-        from hybridlab.advisor.suggest import suggest_mapping
-
         return suggest_mapping(self, profile)
 
     def mapping_editor(self):

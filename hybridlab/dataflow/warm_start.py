@@ -12,13 +12,13 @@ from hybridlab.config import RunConfig
 from hybridlab.evaluate import load_hf
 from hybridlab.models.chat import use_template
 from hybridlab.tasks import get_task
+from hybridlab.agents.tools import load_tools
 
 
 def tool_schemas(cfg: RunConfig) -> list[dict] | None:
     """Return the schemas of rollout.tools (what the rollout renders conversations with), or None."""
     if not cfg.rollout.tools:
         return None
-    from hybridlab.agents.tools import load_tools
 
     return [tool.schema for tool in load_tools(cfg.rollout.tools).values()]
 

@@ -10,6 +10,7 @@ import ipywidgets as widgets
 from hybridlab.dataflow.rows import batch_rows, fields_after
 from hybridlab.dataflow.graph import StepResult
 from hybridlab.protocol import Batch
+from hybridlab.notebook.trajectories import TrajectoryView
 
 if TYPE_CHECKING:
     from hybridlab.dataflow.session_verbs import SessionVerbs
@@ -17,7 +18,6 @@ if TYPE_CHECKING:
 
 class BatchTable(widgets.VBox):
     """A sortable table of ``batch_rows``: pick the column to sort by and the direction."""
-
     def __init__(self, rows: list[dict], title: str = ""):
         self.rows = rows
         columns = list(dict.fromkeys(k for row in rows for k in row))
@@ -64,14 +64,12 @@ def inspect(rl: "SessionVerbs", result: "StepResult | Batch", stage: str | None 
     table = BatchTable(batch_rows(batch[:limit], rl.tokenizer, fields), title)
     if "token_sources" not in batch or (fields is not None and "token_sources" not in fields):
         return table
-    from hybridlab.notebook.trajectories import TrajectoryView
 
     return AgentInspector(table, TrajectoryView(batch[:limit], rl.tokenizer))
 
 
 class AgentInspector(widgets.VBox):
     """An agent step's batch: the table of rows, then the trajectory chosen, token by token."""
-
     def __init__(self, table: BatchTable, trajectories):
         self.table, self.trajectories = table, trajectories
         super().__init__([table, trajectories])

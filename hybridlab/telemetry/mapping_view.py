@@ -1,6 +1,8 @@
 """The device mapping and its remaps as the dashboard shows them: a line of text, a drawing,
 and a table of every remap."""
 from __future__ import annotations
+from hybridlab.controller.mapping import DeviceMapping
+from hybridlab.controller.mapping_drawing import draw
 
 
 def mapping_text(mapping: dict) -> str:
@@ -18,9 +20,6 @@ def mapping_text(mapping: dict) -> str:
 
 def mapping_html(mapping: dict) -> str:
     """Return the mapping drawn in HTML (a box per device), or "" for one that does not read."""
-    from hybridlab.controller.mapping import DeviceMapping
-    from hybridlab.controller.mapping_drawing import draw
-
     try:
         return draw(DeviceMapping.from_dict(mapping))
     except Exception:  # an older or partial record: the one-line summary still shows it

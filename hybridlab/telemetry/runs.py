@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from hybridlab.telemetry.hub import read_complete_lines
+from hybridlab.telemetry.axes import OVERLAY_TAG
 
 LIVE_S = 30.0
 REFRESH_MS = 2000
@@ -23,7 +24,6 @@ LOGS = ("metrics.jsonl", "telemetry.jsonl")
 
 class RunInfo:
     """What the runs page knows about one run, updated from the bytes appended to its logs."""
-
     def __init__(self, path: Path):
         self.path, self.name = path, path.name
         self.steps: list[int] = []
@@ -105,7 +105,6 @@ def find_runs(root: str | Path) -> list[Path]:
 
 class RunsPage:
     """The table of runs and the overlay of the selected runs' reward curves."""
-
     def __init__(self, root: str | Path):
         import panel as pn
         from bokeh.plotting import figure
@@ -149,7 +148,6 @@ class RunsPage:
 
 class Overlay:
     """The reward curves of other runs on a figure: one line per selected run, kept current."""
-
     def __init__(self, fig, dash: str = "solid"):
         self.fig, self.dash = fig, dash
         self.lines: dict[str, tuple] = {}   # run -> (renderer, points shown, its cuts when drawn)
@@ -160,8 +158,6 @@ class Overlay:
         each line's new points (a run cut back by a resume is redrawn)."""
         from bokeh.models import ColumnDataSource
         from bokeh.palettes import Category10_10
-
-        from hybridlab.telemetry.axes import OVERLAY_TAG
 
         for key in [k for k in self.lines if k not in selected]:
             renderer = self.lines.pop(key)[0]

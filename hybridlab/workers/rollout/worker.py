@@ -20,8 +20,11 @@ from hybridlab.protocol import Batch
 from hybridlab.reshard.sources import join_slices
 from hybridlab.workers.rollout.hf_engine import generate_ids
 from hybridlab.workers.rollout.sampling import SamplingConfig, fit_prompts
-from hybridlab.workers.rollout.vllm_engine import (close_llm, engine_files, generate, load_adapter, reload_weights,
-                                                   start_llm)
+from hybridlab.workers.rollout.vllm_engine import (adapter_request, close_llm, engine_files, generate, load_adapter,
+                                                   per_request_seeds, reload_weights, sampling_params, start_llm)
+from hybridlab.agents.rollout import AgentSettings, agent_batch, agent_samples, load_spec, run_agents
+from hybridlab.agents.tool_loop import AgentLimits
+from hybridlab.models.chat import use_template
 
 BACKENDS = ("vllm", "hf")
 
@@ -32,7 +35,6 @@ class RolloutWorker(Worker):
     With ``tp > 1`` each engine spans ``tp`` consecutive ranks (replica = rank // tp); every
     rank of an engine gets the same prompts, and the engine's first rank answers.
     """
-
     def __init__(self, model_dir: str, backend: str = "vllm", max_model_len: int | None = None,
                  kv_cache_mb: int = RolloutConfig.kv_cache_mb, dtype: str = "float32", truncate_prompts: bool = False,
                  seed: int = 0, tp: int = 1, prefix_caching: bool = False, lora_rank: int = 0):
@@ -116,11 +118,6 @@ class RolloutWorker(Worker):
     def generate_agent(self, batch: Batch, sampling: SamplingConfig | dict, settings: dict) -> Batch:
         """Return n agent trajectories per prompt in verl's multi-turn layout (``hybridlab.agents``):
         the model's tokens have response_mask 1, tool and template tokens 0."""
-        from hybridlab.agents.rollout import AgentSettings, agent_batch, agent_samples, load_spec, run_agents
-        from hybridlab.agents.tool_loop import AgentLimits
-        from hybridlab.models.chat import use_template
-        from hybridlab.workers.rollout.vllm_engine import adapter_request, per_request_seeds, sampling_params
-
         if self.backend != "vllm" or self.tp > 1:
             raise ValueError("agent rollouts need the vllm backend with rollout tp=1 (the engine is driven from"
                              f" this process's event loop); this group has backend={self.backend!r}, tp={self.tp}")
