@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from hybridlab.config.schema import WarmStartConfig
 from hybridlab.errors import UserError
 
 
@@ -257,10 +258,10 @@ def _add_sft(sub) -> None:
     _add_task_args(s)
     s.add_argument("--model", default="tiny", help="zoo preset or local checkpoint directory")
     s.add_argument("--out", required=True, help="where to save the trained HF checkpoint")
-    s.add_argument("--steps", type=int, default=3000)
+    s.add_argument("--steps", type=int, default=WarmStartConfig.max_steps, help="the cap (warm_start.max_steps)")
     s.add_argument("--max-seconds", type=float, default=170.0, help="stop early after this long")
-    s.add_argument("--lr", type=float, default=3e-3)
-    s.add_argument("--batch-size", type=int, default=64)
+    s.add_argument("--lr", type=float, default=WarmStartConfig.lr)
+    s.add_argument("--batch-size", type=int, default=WarmStartConfig.batch_size)
     s.add_argument("--train-samples", type=int, default=4000, help="distinct training prompts to draw")
     s.add_argument("--target-accuracy", type=float, default=None, metavar="FRACTION",
                    help="stop once greedy accuracy on 200 held-out training prompts reaches this (e.g. 0.5);"

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from hybridlab.agents.traces import encode_trace, trace_accuracy
 from hybridlab.atomic import atomic_model_dir
+from hybridlab.config.schema import WarmStartConfig
 from hybridlab.errors import UserError
 from hybridlab.evaluate import accuracy
 from hybridlab.models.chat import as_chat, end_of_turn, prompt_ids
@@ -33,18 +34,19 @@ from hybridlab.tasks import Sample, Task
 
 @dataclasses.dataclass
 class SFTConfig:
-    """Settings of a warm start; the defaults take tiny to >30% on 2-digit addition in <3 min."""
-    steps: int = 3000
+    """Settings of a warm start; the defaults are the run's (``warm_start`` in the schema) with a
+    time limit, which takes tiny to >30% on 2-digit addition in <3 min."""
+    steps: int = WarmStartConfig.max_steps
     max_seconds: float = 170.0
-    batch_size: int = 64
-    lr: float = 3e-3
-    warmup_steps: int = 50
+    batch_size: int = WarmStartConfig.batch_size
+    lr: float = WarmStartConfig.lr
+    warmup_steps: int = WarmStartConfig.warmup_steps
     weight_decay: float = 0.01
     train_samples: int = 4000
     seed: int = 0
     target_accuracy: Optional[float] = None   # stop once held-out greedy accuracy reaches this
-    eval_every: int = 25                      # steps between held-out checks (with a target)
-    eval_samples: int = 200                   # held-out training prompts for the check
+    eval_every: int = WarmStartConfig.eval_every      # steps between held-out checks (with a target)
+    eval_samples: int = WarmStartConfig.eval_samples  # held-out training prompts for the check
     chat: bool = False                        # prompts as one user message in the chat template
     tools: Optional[list] = None              # tool schemas a traced task's conversations are rendered with
 

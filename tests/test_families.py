@@ -13,6 +13,7 @@ from hybridlab.models.zoo import model_config, resolve_model
 from hybridlab.workers.train.convert import load_hf_state
 from hybridlab.workers.train.workers import ActorWorker
 from tests.test_train import BATCH, OPTIM, gathered, hf_logprobs, random_batch, session_for
+from tests.train_settings import train_settings
 
 
 def config_of(name: str, **changes) -> dict:
@@ -95,8 +96,8 @@ def test_tp2_logprobs_equal_transformers_before_and_after_a_step(families, name,
     from hybridlab.workers.train import checkpoint
 
     model_dir = families[name]
-    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=model_dir, tp=2, optim=OPTIM,
-                                                         micro_batch_size=4))}
+    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=model_dir,
+                                                         settings=train_settings(**OPTIM, micro_batch_size=4), tp=2))}
     with session_for(roles, tp=2) as s:
         actor = s.groups["actor"]
         assert logprob_gap(model_dir, actor.compute_log_prob(BATCH)["old_log_probs"]) < 1e-5
@@ -115,8 +116,9 @@ def test_qwen3_pp2_logprobs_and_step_equal_tp1(families, tmp_path):
     qwen3 = families["qwen3"]
     results = {}
     for pp in (2, 1):
-        roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=qwen3, pp=pp, optim=OPTIM,
-                                                             micro_batch_size=4))}
+        roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=qwen3,
+                                                             settings=train_settings(**OPTIM, micro_batch_size=4),
+                                                                                     pp=pp))}
         with session_for(roles, pp=pp) as s:
             assert logprob_gap(qwen3, s.groups["actor"].compute_log_prob(BATCH)["old_log_probs"]) < 1e-5
             s.groups["actor"].sft_step(BATCH)
@@ -184,8 +186,9 @@ def test_qwen3moe_logprobs_and_a_step_agree_at_tp1_tp2_pp2_and_ep2(families, tmp
     assert sum(v for k, v in reference.items() if "tokens" in k) == 3 * 2 * int(BATCH["attention_mask"].sum())
     results = {}
     for tp, pp, ep in ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)):
-        roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=moe, tp=tp, pp=pp, ep=ep, optim=OPTIM,
-                                                             micro_batch_size=4))}
+        roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=moe,
+                                                             settings=train_settings(**OPTIM, micro_batch_size=4), tp=tp,
+                                                                                     pp=pp, ep=ep))}
         with session_for(roles, tp=tp, pp=pp, dp=ep, ep=ep) as s:
             assert logprob_gap(moe, s.groups["actor"].compute_log_prob(BATCH)["old_log_probs"]) < 1e-5
             if ep > 1:  # 7 rows: 4 on one EP rank, 3 on the other, which fills its micro-batch with padding
@@ -270,7 +273,7 @@ def test_vllm_greedy_tokens_after_steps_and_a_sync_equal_transformers(families, 
     mapping = DeviceMapping.from_dict({"pools": {"p": {"devices": 1}},
                                        "roles": {"actor": {"pool": "p", "colocate": "hybrid"},
                                                  "rollout": {"pool": "p", "colocate": "hybrid"}}})
-    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=model_dir, optim={"lr": 2e-2})),
+    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=model_dir, settings=train_settings(lr=2e-2))),
              "rollout": RoleClass(RolloutWorker, kwargs=dict(model_dir=model_dir, max_model_len=64))}
     from transformers import AutoTokenizer
 

@@ -20,6 +20,7 @@ from tests.test_remap import actor_state, assert_equal_state
 from tests.test_sync import GREEDY, hf_greedy
 from tests.test_worker_faults import kill, pids, repeatable
 from tests.test_train import BATCH, gathered, hf_logprobs, max_diff, session_for
+from tests.train_settings import train_settings
 
 TRAINING = ("actor", "ref", "critic")
 ONE_DEVICE = {"pools": {"main": {"devices": 1}},
@@ -44,18 +45,18 @@ def test_fsdp2_logprobs_and_gradients_equal_megatrons(ray_local):
     log_probs, sum_pi_squared = hf_logprobs(tiny, BATCH, sum_pi_squared=True)
     grads = {}
     for strategy, dp in (("megatron", 1), ("fsdp2", 2)):
-        roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=tiny, optim=sgd, micro_batch_size=3,
-                                                            strategy=strategy))}
+        settings = train_settings(**sgd, micro_batch_size=3, strategy=strategy)
+        roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=tiny, settings=settings))}
         with session_for(roles, dp=dp) as s:
             actor = s.groups["actor"]
             assert actor.settings()[0]["strategy"] == strategy
             out = actor.compute_log_prob(BATCH, sum_pi_squared=True)
             assert (out["old_log_probs"].double() - log_probs)[mask].abs().max() < 1e-5
             assert (out["sum_pi_squared"].double() - sum_pi_squared)[mask].abs().max() < 1e-6
-            actor.configure(micro_batch_tokens=40, remove_padding=True)  # packed, micro-batches by tokens
+            actor.configure(settings.but(micro_batch_tokens=40, remove_padding=True))  # packed, by tokens
             packed = actor.compute_log_prob(BATCH)["old_log_probs"]
             assert (packed - out["old_log_probs"])[mask].abs().max() < 1e-5
-            actor.configure(micro_batch_tokens=0, remove_padding=False)
+            actor.configure(settings)
             before = gathered(actor)
             assert actor.sft_step(BATCH)[0]["grad_norm"] > 1.0
             after = gathered(actor)

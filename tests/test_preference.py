@@ -6,6 +6,7 @@ import torch
 from hybridlab.algos.preference import (PREFERENCE_LOSSES, PreferencePairs, PreferenceSettings,
                                         check_preference_settings, preference_loss)
 from hybridlab.errors import UserError
+from tests.train_settings import train_settings
 
 PAIRS = {"prompt": ["1+2=", "3+4=", "5+6=", "7+1="], "chosen": ["3", "7", "11", "8"],
          "rejected": ["4", "12", "10", "9 9"]}  # responses of different lengths: the normalised losses differ
@@ -136,8 +137,8 @@ def test_dpo_on_megatron_and_fsdp2_trains_as_trls_dpo_trainer(ray_local, tiny_di
     optim = {"lr": 1e-3, "grad_clip": 1.0, "warmup_steps": 0}
 
     def actor_roles(strategy: str, rows: int, split: dict) -> dict:
-        return {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=str(tiny_dir), optim=optim, micro_batch_size=rows,
-                                                            strategy=strategy, **split))}
+        settings = train_settings(**optim, micro_batch_size=rows, strategy=strategy)
+        return {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=str(tiny_dir), settings=settings, **split))}
 
     # One FSDP2 session (two data-parallel ranks of two pairs each) serves both losses: before the
     # second it is set back to the model's weights with zero AdamW moments at step 0, which is what a
@@ -173,7 +174,8 @@ def test_dpo_on_megatron_and_fsdp2_trains_as_trls_dpo_trainer(ray_local, tiny_di
             loss_fn = dpo_loss_fn(types, weights, beta=0.1)
             with session_for(actor_roles("megatron", 2, split), **split) as megatron:
                 actor = megatron.groups["actor"]
-                actor.configure(micro_batch_tokens=16, remove_padding=True)
+                actor.configure(train_settings(**optim, micro_batch_size=2, strategy="megatron", micro_batch_tokens=16,
+                                                remove_padding=True))
                 runs = {"megatron": ([actor.update_actor(batch, loss_fn)[0] for _ in range(3)], gathered(actor))}
             actor = fsdp2.groups["actor"]
             actor.load_state([fresh_ref])

@@ -15,6 +15,7 @@ from hybridlab.tasks import get_task
 from hybridlab.workers.rollout.worker import RolloutWorker
 from hybridlab.workers.train import checkpoint
 from hybridlab.workers.train.workers import ActorWorker
+from tests.train_settings import train_settings
 
 GREEDY = {"temperature": 0, "max_tokens": 6}
 
@@ -41,7 +42,7 @@ def test_colocated_sync_after_a_step_matches_transformers(ray_local, trained_dir
     mapping = DeviceMapping.from_dict({"pools": {"p": {"devices": 2}},
                                        "roles": {"actor": {"pool": "p", "dp": 2, "colocate": "hybrid"},
                                                  "rollout": {"pool": "p", "dp": 2, "colocate": "hybrid"}}})
-    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=str(trained_dir), optim={"lr": 3e-3})),
+    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=str(trained_dir), settings=train_settings(lr=3e-3))),
              "rollout": RoleClass(RolloutWorker, kwargs=dict(model_dir=str(trained_dir), max_model_len=64))}
     spec = ModelSpec.from_hf(trained_dir)
     with WorkerSet(mapping, roles, timeout=300) as s:
@@ -63,7 +64,8 @@ def test_separate_sync_survives_a_trainer_layout_change(ray_local, trained_dir, 
     train_batch, prompts = data
     layout = {"pools": {"train": {"devices": 2}, "gen": {"devices": 1}},
               "roles": {"actor": {"pool": "train", "tp": 2}, "rollout": {"pool": "gen"}}}
-    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=str(trained_dir), tp=2, optim={"lr": 3e-3})),
+    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=str(trained_dir),
+                                                         settings=train_settings(lr=3e-3), tp=2)),
              "rollout": RoleClass(RolloutWorker, kwargs=dict(model_dir=str(trained_dir), max_model_len=64))}
     spec = ModelSpec.from_hf(trained_dir)
     with WorkerSet(DeviceMapping.from_dict(layout), roles, timeout=300) as s:
@@ -78,7 +80,8 @@ def test_separate_sync_survives_a_trainer_layout_change(ray_local, trained_dir, 
         assert report.bytes_per_pair == report.plan["bytes_per_pair"] and set(report.bytes_per_pair) == {"0->0", "1->0"}
 
         # Same weights, new trainer layout (TP1 x DP2): only the actor is re-created.
-        s.role_classes["actor"] = RoleClass(ActorWorker, kwargs=dict(model_dir=str(saved), optim={"lr": 3e-3}))
+        s.role_classes["actor"] = RoleClass(ActorWorker, kwargs=dict(model_dir=str(saved),
+                                                                     settings=train_settings(lr=3e-3)))
         layout["roles"]["actor"] = {"pool": "train", "dp": 2}
         assert s.remap(DeviceMapping.from_dict(layout)) == {"actor"}
         s.groups["rollout"].load_weights(sorted(checkpoint_state_of(trained_dir).items()))   # scramble back

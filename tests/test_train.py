@@ -17,6 +17,7 @@ from hybridlab.models.zoo import resolve_model
 from hybridlab.workers.train import checkpoint
 from hybridlab.workers.train.convert import hf_to_megatron, load_hf_state, megatron_to_hf
 from hybridlab.workers.train.workers import ActorWorker, CriticWorker, RefWorker
+from tests.train_settings import train_settings
 
 OPTIM = {"lr": 1e-3, "grad_clip": 1.0}
 
@@ -124,7 +125,8 @@ def tiny(ray_local):
 
 
 def test_tp1_logprobs_match_transformers_and_sft_step(tiny, tmp_path_factory):
-    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=tiny, optim=OPTIM, micro_batch_size=3))}
+    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=tiny,
+                                                         settings=train_settings(**OPTIM, micro_batch_size=3)))}
     with session_for(roles) as s:
         out = s.groups["actor"].compute_log_prob(BATCH, sum_pi_squared=True)
         mask = BATCH["response_mask"].bool()
@@ -138,8 +140,9 @@ def test_tp1_logprobs_match_transformers_and_sft_step(tiny, tmp_path_factory):
 
 
 def test_tp2_actor_and_colocated_ref(tiny, tmp_path_factory):
-    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=tiny, tp=2, optim=OPTIM, micro_batch_size=3)),
-             "ref": RoleClass(RefWorker, kwargs=dict(model_dir=tiny, tp=2))}
+    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=tiny,
+                                                         settings=train_settings(**OPTIM, micro_batch_size=3), tp=2)),
+             "ref": RoleClass(RefWorker, kwargs=dict(model_dir=tiny, settings=train_settings(), tp=2))}
     with session_for(roles, tp=2) as s:
         actor, ref = s.groups["actor"], s.groups["ref"]
         assert [p["pid"] for p in actor.placements] == [p["pid"] for p in ref.placements]
@@ -164,32 +167,33 @@ def test_bf16_compute_keeps_fp32_weights_and_moments_and_switches_live(tiny):
     """actor precision bf16: matmuls under autocast, so log-probs move off the fp32 ones (by a
     bf16-sized amount); a live switch to fp32 gives transformers' log-probs again; bf16 steps
     learn while the weights stay fp32 (the gradients and AdamW moments follow their dtype)."""
-    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=tiny, optim=OPTIM, micro_batch_size=3,
-                                                         precision="bf16"))}
+    settings = train_settings(**OPTIM, micro_batch_size=3, precision="bf16")
+    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=tiny, settings=settings))}
     with session_for(roles) as s:
         actor = s.groups["actor"]
         mask = BATCH["response_mask"].bool()
         reference = hf_logprobs(tiny, BATCH)
         gap = (actor.compute_log_prob(BATCH)["old_log_probs"].double() - reference)[mask].abs().max()
         assert 1e-4 < gap < 0.2
-        actor.configure(precision="fp32")
+        actor.configure(settings.but(precision="fp32"))
         assert actor.settings()[0]["precision"] == "fp32"
         assert (actor.compute_log_prob(BATCH)["old_log_probs"].double() - reference)[mask].abs().max() < 1e-5
-        actor.configure(precision="bf16")
+        actor.configure(settings)
         losses = [actor.sft_step(BATCH)[0]["sft_loss"] for _ in range(3)]
         assert losses[2] < losses[0]
         assert {t.dtype for t in gathered(actor).values()} == {torch.float32}
         padded = actor.compute_log_prob(BATCH)["old_log_probs"]
-        actor.configure(remove_padding=True, micro_batch_tokens=40)  # packed under bf16 autocast too
+        actor.configure(settings.but(remove_padding=True, micro_batch_tokens=40))  # packed under bf16 too
         packed = actor.compute_log_prob(BATCH)["old_log_probs"]
         assert (packed - padded)[mask].abs().max() < 0.1  # bf16 rounding apart, the same numbers
         assert actor.sft_step(BATCH)[0]["padded_token_share"] < 0.5
         with pytest.raises(WorkerError, match="precision must be one of fp32, bf16, got 'fp16'"):
-            actor.configure(precision="fp16")
+            actor.configure(settings.but(precision="fp16"))
 
 
 def test_pp2_logprobs_and_step(tiny):
-    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=tiny, pp=2, optim=OPTIM, micro_batch_size=3))}
+    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=tiny,
+                                                         settings=train_settings(**OPTIM, micro_batch_size=3), pp=2))}
     with session_for(roles, pp=2) as s:
         lp = s.groups["actor"].compute_log_prob(BATCH)["old_log_probs"]
         mask = BATCH["response_mask"].bool()
@@ -199,7 +203,8 @@ def test_pp2_logprobs_and_step(tiny):
 
 
 def test_tp2_dp2_step(tiny):
-    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=tiny, tp=2, optim=OPTIM, micro_batch_size=3))}
+    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=tiny,
+                                                         settings=train_settings(**OPTIM, micro_batch_size=3), tp=2))}
     with session_for(roles, tp=2, dp=2) as s:
         s.groups["actor"].sft_step(BATCH)
         RESULTS["tp2dp2"] = gathered(s.groups["actor"])
@@ -210,8 +215,8 @@ def test_packed_token_budget_micro_batches_give_the_padded_numbers_at_tp2_pp2(ti
     to end (attention kept inside each) in micro-batches cut by a token budget. The log-probs are
     transformers' (zeros at the padding), the step's weights are the padded step's, and the
     padded share of computed tokens drops; a live switch back gives the padded layout's share."""
-    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=tiny, tp=2, pp=2, optim=OPTIM, micro_batch_size=3,
-                                                         micro_batch_tokens=40, remove_padding=True))}
+    settings = train_settings(**OPTIM, micro_batch_size=3, micro_batch_tokens=40, remove_padding=True)
+    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=tiny, settings=settings, tp=2, pp=2))}
     mask = BATCH["response_mask"].bool()
     real, width = int(BATCH["attention_mask"].sum()), BATCH["attention_mask"].shape[1]
     with session_for(roles, tp=2, pp=2) as s:
@@ -224,7 +229,7 @@ def test_packed_token_budget_micro_batches_give_the_padded_numbers_at_tp2_pp2(ti
         # Packed micro-batches are padded only to the longest pack (one activation shape between
         # pipeline stages); padded, 3 micro-batches of 3 rows (one repeated) of the full width.
         assert 0.0 < packed_share < 0.5 * (1 - real / (8 * width))
-        actor.configure(remove_padding=False, micro_batch_tokens=0)
+        actor.configure(settings.but(remove_padding=False, micro_batch_tokens=0))
         assert actor.settings()[0]["remove_padding"] is False
         assert actor.compute_log_prob(BATCH)["old_log_probs"][~mask].abs().max() > 0  # the padded layout again
         assert actor.sft_step(BATCH)[0]["padded_token_share"] == pytest.approx(1 - real / (9 * width))
@@ -264,7 +269,8 @@ def test_checkpoint_saved_at_tp2_resumes_at_tp1(tiny, tmp_path_factory):
     at_tp2, after_two_steps = made("tp2", tiny, tmp_path_factory), made("tp2_two_steps", tiny, tmp_path_factory)
     assert (ckpt / "optimizer" / "adamw.safetensors").is_file() and (ckpt / "config.json").is_file()
     assert sorted(p.name for p in ckpt.glob("*.safetensors")) == ["model.safetensors"]  # what vLLM loads
-    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=str(ckpt), optim=OPTIM, micro_batch_size=3))}
+    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=str(ckpt),
+                                                         settings=train_settings(**OPTIM, micro_batch_size=3)))}
     with session_for(roles) as s:
         assert max_diff(gathered(s.groups["actor"]), at_tp2) == 0.0
         assert checkpoint.load_optimizer(s.groups["actor"], ckpt) == 1
@@ -275,7 +281,8 @@ def test_checkpoint_saved_at_tp2_resumes_at_tp1(tiny, tmp_path_factory):
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
 def test_small_logprobs_match_transformers(ray_local, tp, pp):
     small = str(resolve_model("small"))
-    roles = {"actor": RoleClass(RefWorker, kwargs=dict(model_dir=small, tp=tp, pp=pp, micro_batch_size=4))}
+    roles = {"actor": RoleClass(RefWorker, kwargs=dict(model_dir=small,
+                                                       settings=train_settings(micro_batch_size=4), tp=tp, pp=pp))}
     with session_for(roles, tp=tp, pp=pp) as s:
         lp = s.groups["actor"].compute_ref_log_prob(BATCH)["ref_log_prob"]
     mask = BATCH["response_mask"].bool()
@@ -288,8 +295,8 @@ def test_critic_values_learn_a_target_at_tp2(tiny, tmp_path):
         err = ((outputs["values"] - 1.0) ** 2 * mask).sum()
         return err / micro["global_tokens"], {"value_loss": err / mask.sum()}
 
-    roles = {"critic": RoleClass(CriticWorker, kwargs=dict(model_dir=tiny, tp=2, optim={"lr": 3e-3},
-                                                          micro_batch_size=4))}
+    settings = train_settings("critic", lr=3e-3, micro_batch_size=4)
+    roles = {"critic": RoleClass(CriticWorker, kwargs=dict(model_dir=tiny, settings=settings, tp=2))}
     with session_for(roles, tp=2) as s:
         critic = s.groups["critic"]
         values = critic.compute_values(BATCH)["values"]
@@ -299,7 +306,7 @@ def test_critic_values_learn_a_target_at_tp2(tiny, tmp_path):
         # packed micro-batches by a token budget give the padded layout's values (at the responses)
         mask = BATCH["response_mask"].bool()
         padded = critic.compute_values(BATCH)["values"]
-        critic.configure(remove_padding=True, micro_batch_tokens=40)
+        critic.configure(settings.but(remove_padding=True, micro_batch_tokens=40))
         packed = critic.compute_values(BATCH)["values"]
         assert (packed - padded)[mask].abs().max() < 1e-5 and (padded[mask] - 1.0).abs().mean() < 0.5
         out = checkpoint.export_hf(critic, tiny, tmp_path / "critic")
@@ -308,12 +315,14 @@ def test_critic_values_learn_a_target_at_tp2(tiny, tmp_path):
 
 ENGINE_IMPORTS = """
 import inspect, os, socket, sys, torch
+from hybridlab.config import RunConfig
 from hybridlab.workers.train.engine import MegatronEngine
+from hybridlab.workers.train.settings import TrainSettings
 sock = socket.socket(); sock.bind(("127.0.0.1", 0))
 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
 sock.close()
 compile_before = torch.compile
-MegatronEngine(sys.argv[1])
+MegatronEngine(sys.argv[1], TrainSettings.of(RunConfig()))
 from megatron.core import jit
 from megatron.core.fusions import fused_bias_geglu, fused_bias_swiglu  # loaded for certain: scanned below
 def compiled_in(value):  # a function torch.compile wrapped, or a class with such methods

@@ -148,3 +148,12 @@ def test_a_warm_start_that_misses_its_target_stops_the_run_with_the_keys_named(r
     assert "warm_start.max_steps=50" in error[0] and "warm_start.target_accuracy=0.9" in error[0]
     assert "Traceback" not in out.stderr
     assert not (run_dir / "warm_start").exists() and not (run_dir / "summary.json").exists()
+
+
+def test_the_command_line_shows_its_help_without_importing_a_heavy_library():
+    """`hybridlab --help` (and every subcommand's parser) loads only the command line: torch, Ray,
+    vLLM, Megatron, transformers and Panel are imported by the command that needs them."""
+    code = ("import sys; from hybridlab.cli import build_parser; build_parser()\n"
+            "print(sorted(m for m in ('torch', 'ray', 'vllm', 'megatron', 'transformers', 'panel') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -4,15 +4,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from hybridlab.advisor.calibrate import calibrate
-from hybridlab.advisor.plan import plan, table
-from hybridlab.advisor.profile import load_profile
-from hybridlab.environment import stdout_to_stderr, use_loopback
-from hybridlab.run_config import load_config
 
 
 def cmd_calibrate(args) -> int:
     """Measure this machine and save its profile; returns the exit status."""
+    from hybridlab.advisor.calibrate import calibrate
+    from hybridlab.environment import stdout_to_stderr, use_loopback
+
     use_loopback()  # the all-reduce and the worker call stay on loopback
     options = {"devices": args.devices, "engine_model": args.engine_model,
                "train_models": tuple(m for m in args.train_models.split(",") if m)}
@@ -33,6 +31,10 @@ def cmd_calibrate(args) -> int:
 
 def cmd_plan(args) -> int:
     """Print the ranked mappings of a config on N devices; returns the exit status."""
+    from hybridlab.advisor.plan import plan, table
+    from hybridlab.advisor.profile import load_profile
+    from hybridlab.run_config import load_config
+
     profile = load_profile(args.profile)  # refused before the config's model is read
     cfg = load_config(args.config, args.overrides)
     found = plan(cfg, args.devices, profile, nodes=args.nodes, response_mean=args.response_mean)

@@ -2,7 +2,8 @@
 
 They follow the engine's loss contract (see ``workers/train/engine.py``): each call sees one
 micro-batch and returns its share of the mini-batch loss, plus metrics. Settings arrive as a
-plain dict so the objective pickles to the workers by reference.
+plain dict so the objective pickles to the workers by reference: every one the schema declares
+with ``setting(loss=True)`` (``update_stages.actor_loss_settings``), defaults included there.
 """
 from __future__ import annotations
 
@@ -25,20 +26,20 @@ def actor_objective(cfg: dict, outputs: dict, micro: dict) -> tuple[torch.Tensor
     (this micro-batch's share of the loss, metrics)."""
     share = {"global_tokens": micro["global_tokens"], "global_seqs": micro["global_seqs"]}
     mask, log_prob, mode = micro["response_mask"].float(), outputs["log_probs"], cfg["loss_agg_mode"]
-    policy_loss = get_policy_loss_fn(cfg.get("policy_loss", "vanilla"))
-    scale = {"loss_scale_factor": cfg["loss_scale_factor"]} if cfg.get("loss_scale_factor") else {}
+    policy_loss = get_policy_loss_fn(cfg["policy_loss"])
+    scale = {"loss_scale_factor": cfg["loss_scale_factor"]} if cfg["loss_scale_factor"] else {}
     policy_cfg = {**cfg, "global_batch_info": scale}  # the totals arrive as this micro-batch's share
     pg_loss, pg_metrics = policy_loss(micro["old_log_probs"], log_prob, micro["advantages"], mask, mode, policy_cfg,
                                       micro.get("rollout_is_weights"), **share)
     loss = pg_loss
     metrics = {"actor/pg_loss": pg_loss.detach() * _scale(micro), **pg_metrics,
                "actor/entropy": masked_mean(outputs["entropy"].detach(), mask)}
-    if cfg.get("entropy_coeff", 0.0):
+    if cfg["entropy_coeff"]:
         loss = loss - cfg["entropy_coeff"] * agg_loss(outputs["entropy"], mask, mode, **scale, **share)
-    if cfg.get("use_kl_loss", False):
-        kl = kl_penalty(log_prob, micro["ref_log_prob"], cfg.get("kl_loss_type", "low_var_kl"))
+    if cfg["use_kl_loss"]:
+        kl = kl_penalty(log_prob, micro["ref_log_prob"], cfg["kl_loss_type"])
         kl_loss = agg_loss(kl, mask, mode, **scale, **share)
-        loss = loss + cfg.get("kl_loss_coef", 0.001) * kl_loss
+        loss = loss + cfg["kl_loss_coef"] * kl_loss
         metrics["actor/kl_loss"] = kl_loss.detach() * _scale(micro)
     return loss, metrics
 

@@ -19,6 +19,7 @@ import time
 import torch
 
 from hybridlab.bench.train import BenchActor, make_batch
+from hybridlab.config.schema import LoraConfig
 from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.controller.resources import connect
@@ -30,6 +31,7 @@ from hybridlab.models.zoo import resolve_model
 from hybridlab.protocol import Batch
 from hybridlab.reshard.transfer import sync_mapped
 from hybridlab.workers.rollout.worker import RolloutWorker
+from hybridlab.workers.train.settings import settings_for
 
 MODES = ("full", "lora", "lora_merged")
 SAMPLE = {"n": 1, "temperature": 1.0, "max_tokens": 8, "seed": 0}
@@ -49,9 +51,9 @@ def _mode_run(model_dir: str, spec: ModelSpec, mode: str, batch, lora: dict, ste
                                        "roles": {r: {"pool": "p", "colocate": "hybrid"} for r in ("actor", "rollout")}})
     adapter = mode == "lora"
     context = batch["input_ids"].shape[1] + SAMPLE["max_tokens"]
-    roles = {"actor": RoleClass(LoraBenchActor, kwargs=dict(model_dir=model_dir, optim={"lr": 1e-4},
-                                                            micro_batch_size=len(batch), strategy="fsdp2",
-                                                            lora=None if mode == "full" else lora)),
+    roles = {"actor": RoleClass(LoraBenchActor, kwargs=dict(model_dir=model_dir, settings=settings_for(
+                                    lr=1e-4, micro_batch_size=len(batch), strategy="fsdp2",
+                                    lora=LoraConfig(**lora) if mode != "full" else LoraConfig()))),
              "rollout": RoleClass(RolloutWorker, kwargs=dict(model_dir=model_dir, max_model_len=context,
                                                              lora_rank=lora["rank"] if adapter else 0))}
     with WorkerSet(mapping, roles, env={"OMP_NUM_THREADS": str(threads)}) as session:

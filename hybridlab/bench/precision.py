@@ -29,8 +29,8 @@ from hybridlab.models.zoo import resolve_model
 from hybridlab.protocol import Batch
 from hybridlab.workers.rollout.sampling import SamplingConfig
 from hybridlab.workers.rollout.worker import RolloutWorker
-from hybridlab.workers.train.backend import OptimConfig
 from hybridlab.workers.train.engine import MegatronEngine
+from hybridlab.workers.train.settings import settings_for
 from hybridlab.workers.train.workers import ActorWorker, sft_loss
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -55,7 +55,8 @@ def rollout_side(model_dir: str, prompts: list[list[int]], max_new_tokens: int, 
     for precision in alternating("fp32", "bf16", session_rounds):
         roles = {"rollout": RoleClass(RolloutWorker, kwargs=dict(model_dir=model_dir, kv_cache_mb=256,
                                                                  dtype=DTYPES[precision])),
-                 "actor": RoleClass(ActorWorker, kwargs=dict(model_dir=model_dir, micro_batch_size=16))}
+                 "actor": RoleClass(ActorWorker, kwargs=dict(
+                     model_dir=model_dir, settings=settings_for(lr=1e-5, micro_batch_size=16)))}
         with _session(roles, threads) as session:
             session.groups["rollout"].generate(batch, SamplingConfig(max_tokens=4))  # warm-up
             for _ in range(rounds):
@@ -84,7 +85,7 @@ class DualActor(Worker):
 
     def __init__(self, model_dir: str, micro_batch_size: int):
         self.micro_batch_size = micro_batch_size
-        self.engines = {p: MegatronEngine(model_dir, optim=OptimConfig(lr=1e-5), precision=p) for p in DTYPES}
+        self.engines = {p: MegatronEngine(model_dir, settings_for(lr=1e-5, precision=p)) for p in DTYPES}
 
     @register(Dispatch.ALL)
     def log_probs(self, batch) -> dict:

@@ -23,6 +23,7 @@ from hybridlab.reshard.transfer import sync_weights
 from hybridlab.tasks import get_task
 from hybridlab.workers.rollout.worker import RolloutWorker
 from hybridlab.workers.train import checkpoint
+from hybridlab.workers.train.settings import settings_for
 from hybridlab.workers.train.workers import ActorWorker
 
 GREEDY = {"temperature": 0, "max_tokens": 4}
@@ -49,7 +50,7 @@ def run(model: str = "mid", bucket_mb: float = 64.0, warm_steps: int = 10, rollo
     mapping = DeviceMapping.from_dict({"pools": {"p": {"devices": 1, "cpus_per_device": 2}},
                                        "roles": {"actor": {"pool": "p", "colocate": "hybrid"},
                                                  "rollout": {"pool": "p", "colocate": "hybrid"}}})
-    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=model_dir, optim={"lr": 3e-3})),
+    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=model_dir, settings=settings_for(lr=3e-3))),
              "rollout": RoleClass(RolloutWorker, kwargs=dict(model_dir=model_dir, max_model_len=128))}
     with WorkerSet(mapping, roles, env={"OMP_NUM_THREADS": "2"}) as session, \
             tempfile.TemporaryDirectory() as tmp:
@@ -86,7 +87,7 @@ def _tp_sync(model_dir: str, spec: ModelSpec, train: Batch, prompts: Batch, buck
     greedy output equals transformers' on the exported weights."""
     mapping = DeviceMapping.from_dict({"pools": {"t": {"devices": 1}, "g": {"devices": tp}},
                                        "roles": {"actor": {"pool": "t"}, "rollout": {"pool": "g", "tp": tp}}})
-    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=model_dir, optim={"lr": 3e-3})),
+    roles = {"actor": RoleClass(ActorWorker, kwargs=dict(model_dir=model_dir, settings=settings_for(lr=3e-3))),
              "rollout": RoleClass(RolloutWorker, kwargs=dict(model_dir=model_dir, max_model_len=128, tp=tp))}
     with WorkerSet(mapping, roles, env={"OMP_NUM_THREADS": "1"}) as session, tempfile.TemporaryDirectory() as tmp:
         actor, rollout = session.groups["actor"], session.groups["rollout"]

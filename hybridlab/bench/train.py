@@ -22,6 +22,7 @@ from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.environment import usable_cores
 from hybridlab.errors import UserError
 from hybridlab.models.zoo import resolve_model
+from hybridlab.workers.train.settings import settings_for
 from hybridlab.workers.train.workers import ActorWorker
 
 WARMUP = 2  # steps not timed on either side: allocator and kernel warm-up
@@ -83,8 +84,8 @@ def trainer_run(model_dir, batch, strategy: str, ranks: int, steps: int, threads
     mapping = DeviceMapping.from_dict({"pools": {"bench": {"devices": ranks, "cpus_per_device": threads / ranks}},
                                        "roles": {"actor": {"pool": "bench", split: ranks}}})
     roles = {"actor": RoleClass(BenchActor, kwargs=dict(model_dir=str(model_dir), tp=ranks if split == "tp" else 1,
-                                                        optim={"lr": 1e-5}, micro_batch_size=micro_batch_size,
-                                                        strategy=strategy))}
+                                                        settings=settings_for(lr=1e-5, strategy=strategy,
+                                                                              micro_batch_size=micro_batch_size)))}
     env = {"OMP_NUM_THREADS": str(max(1, threads // ranks))}
     with WorkerSet(mapping, roles, env=env) as session:
         actor = session.groups["actor"]

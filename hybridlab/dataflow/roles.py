@@ -17,6 +17,7 @@ from typing import Callable
 from hybridlab.config import ConfigError, RunConfig
 from hybridlab.config.schema import config_fields, setting_keys
 from hybridlab.controller.group import RoleClass
+from hybridlab.workers.train.settings import TrainSettings
 
 # Settings that cannot change once the session exists, and why (declared in the schema).
 FIXED = {key: f.metadata["why"] for key, f in config_fields() if f.metadata.get("change") == "fixed"}
@@ -24,20 +25,9 @@ FIXED = {key: f.metadata["why"] for key, f in config_fields() if f.metadata.get(
 MAPPING_KEYS = setting_keys("remap")
 
 
-def _train_settings(section: str, with_optim: bool = True) -> Callable[[RunConfig], dict]:
+def _train_settings(section: str) -> Callable[[RunConfig], dict]:
     def settings(cfg: RunConfig) -> dict:
-        sec = getattr(cfg, section)
-        out = {"micro_batch_size": sec.micro_batch_size, "micro_batch_tokens": sec.micro_batch_tokens,
-               "remove_padding": sec.remove_padding, "seed": cfg.trainer.seed,
-               # log-probs under the sampling distribution (temperature 0 = greedy: scored at 1)
-               "temperature": cfg.rollout.temperature or 1.0, "precision": sec.precision,
-               "strategy": sec.strategy, "fsdp": dataclasses.asdict(sec.fsdp)}
-        if section == "actor":  # the reference shares the actor's adapter settings (and its base model)
-            out["lora"] = dataclasses.asdict(cfg.actor.lora) if cfg.actor.lora.rank > 0 else None
-        if with_optim:
-            out["optim"] = {"lr": sec.lr, "weight_decay": sec.weight_decay, "grad_clip": sec.grad_clip,
-                            "warmup_steps": sec.warmup_steps}
-        return out
+        return {"settings": TrainSettings.of(cfg, section)}
     return settings
 
 
@@ -71,7 +61,7 @@ ROLE_SPECS: dict[str, RoleSpec] = {spec.name: spec for spec in (
     RoleSpec("actor", "hybridlab.workers.train.workers:ActorWorker", _train_settings("actor"),
              live=setting_keys("live", "actor"), stateful=True, recreate=setting_keys("recreate", "actor"),
              layout=("tp", "pp", "ep")),
-    RoleSpec("ref", "hybridlab.workers.train.workers:RefWorker", _train_settings("actor", with_optim=False),
+    RoleSpec("ref", "hybridlab.workers.train.workers:RefWorker", _train_settings("actor"),
              live=setting_keys("live", "ref"), recreate=setting_keys("recreate", "ref"),
              layout=("tp", "pp", "ep")),
     RoleSpec("critic", "hybridlab.workers.train.workers:CriticWorker", _train_settings("critic"),

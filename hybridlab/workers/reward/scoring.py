@@ -12,6 +12,7 @@ import inspect
 import math
 from typing import Any, Callable
 
+from hybridlab.config.schema import RewardConfig
 from hybridlab.errors import UserError
 from hybridlab.tasks.base import task_for_source
 from hybridlab.user_code import load_object
@@ -38,7 +39,7 @@ def load_function(spec: str) -> ScoreFn:
 class RuleScorer:
     """The built-in task scorers, chosen per sample by ``data_source``."""
 
-    def __init__(self, format_score: float = 0.0):
+    def __init__(self, format_score: float = RewardConfig.format_score):
         self.format_score = format_score
         self._tasks: dict[str, Any] = {}
 
@@ -83,7 +84,7 @@ def _is_number(value: Any) -> bool:
 Scored = tuple[float, "float | None", str, dict]  # (score, acc or None, error message or "", components)
 
 
-def score_batch(fn: ScoreFn, items: list[tuple], error_score: float, timeout_s: float = 0.0) -> list[Scored]:
+def score_batch(fn: ScoreFn, items: list[tuple], error_score: float, timeout_s: float) -> list[Scored]:
     """Score ``items`` (data_source, text, ground_truth, extra_info) with ``fn``; returns one
     (score, acc, error, components) per item, a failed item scoring ``error_score`` with its
     error and no components.

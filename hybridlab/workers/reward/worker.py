@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from hybridlab.batching import on_last_token
+from hybridlab.config.schema import RewardConfig
 from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.protocol import Batch
 from hybridlab.workers.reward.scoring import RuleScorer, load_function, score_batch
@@ -22,8 +23,9 @@ KINDS = ("rule", "function", "model")  # "model" scores through compute_model_re
 class RewardWorker(Worker):
     """One rank of the reward role; ``kind`` picks the scorer."""
 
-    def __init__(self, model_dir: str, kind: str = "rule", function: str | None = None,
-                 format_score: float = 0.0, error_score: float = 0.0, timeout_s: float = 0.0):
+    def __init__(self, model_dir: str, kind: str = RewardConfig.kind, function: str | None = RewardConfig.function,
+                 format_score: float = RewardConfig.format_score, error_score: float = RewardConfig.error_score,
+                 timeout_s: float = RewardConfig.timeout_s):
         from transformers import AutoTokenizer
 
         if kind not in KINDS:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybridlab.config.schema import RolloutConfig
 from hybridlab.workers.rollout.sampling import SamplingConfig
 
 if TYPE_CHECKING:
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 
 
 def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: int, tp: int = 1,
-              prefix_caching: bool = False, lora_rank: int = 0) -> "LLM":
+              prefix_caching: bool = RolloutConfig.prefix_caching, lora_rank: int = 0) -> "LLM":
     """Return a vLLM ``LLM`` running in this process with an explicitly sized KV cache.
 
     With ``prefix_caching`` the n samples of a prompt share its prefill (vLLM fans ``n`` out

@@ -13,7 +13,7 @@ import os
 import torch
 
 from hybridlab.batching import PROMPT_WIDTH, sequences_batch
-from hybridlab.config.schema import RolloutConfig
+from hybridlab.config.schema import DataConfig, RolloutConfig, TrainerConfig
 from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.models.stops import checkpoint_stop_ids
 from hybridlab.protocol import Batch
@@ -35,9 +35,10 @@ class RolloutWorker(Worker):
     With ``tp > 1`` each engine spans ``tp`` consecutive ranks (replica = rank // tp); every
     rank of an engine gets the same prompts, and the engine's first rank answers.
     """
-    def __init__(self, model_dir: str, backend: str = "vllm", max_model_len: int | None = None,
-                 kv_cache_mb: int = RolloutConfig.kv_cache_mb, dtype: str = "float32", truncate_prompts: bool = False,
-                 seed: int = 0, tp: int = 1, prefix_caching: bool = False, lora_rank: int = 0):
+    def __init__(self, model_dir: str, backend: str = RolloutConfig.backend, max_model_len: int | None = None,
+                 kv_cache_mb: int = RolloutConfig.kv_cache_mb, dtype: str = RolloutConfig.dtype,
+                 truncate_prompts: bool = DataConfig.truncate_prompts, seed: int = TrainerConfig.seed, tp: int = 1,
+                 prefix_caching: bool = RolloutConfig.prefix_caching, lora_rank: int = 0):
         if backend not in BACKENDS:
             raise ValueError(f"unknown rollout backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
         if tp < 1 or self.world_size % tp:

@@ -39,12 +39,12 @@ BACKENDS = {"megatron": "hybridlab.workers.train.engine:MegatronEngine",
 class OptimConfig:
     """Optimizer and learning-rate schedule of a trainable role."""
 
-    lr: float = 1e-5
-    weight_decay: float = 0.0
+    lr: float              # these four come from the role's config section (settings.TrainSettings)
+    weight_decay: float
+    grad_clip: float
+    warmup_steps: int
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
     total_steps: int = 0          # 0: constant after warm-up; else cosine decay to min_lr_ratio
     min_lr_ratio: float = 0.0
     optimizer: str = "adamw"      # "adamw" or "sgd"

@@ -17,11 +17,11 @@ import torch
 from hybridlab.models.spec import ModelSpec
 from hybridlab.workers.train import cpu_compat  # noqa: F401  (filters megatron's import warnings)
 from hybridlab.workers.train import megatron_state, packing
-from hybridlab.workers.train.backend import (LossFn, OptimConfig, check_precision, global_totals, make_optimizer,
-                                             set_lr)
+from hybridlab.workers.train.backend import LossFn, global_totals, make_optimizer, set_lr
 from hybridlab.workers.train.convert import load_hf_state
 from hybridlab.reshard.sources import local_slices, stream_colocated
 from hybridlab.workers.train.model import build_model, init_parallel
+from hybridlab.workers.train.settings import TrainSettings, apply_live
 from hybridlab.workers.train.moe import RoutingStats
 
 
@@ -79,28 +79,25 @@ def attention_mask_4d(mask: torch.Tensor) -> torch.Tensor:
 class MegatronEngine:
     """This rank's share of a model under megatron-core, with optional optimizer."""
 
-    def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, *, value_head: bool = False,
-                 optim: OptimConfig | None = None, seed: int = 0, temperature: float = 1.0, precision: str = "fp32",
-                 ep: int = 1):
-        self.precision = check_precision(precision)
+    def __init__(self, model_dir: str, settings: TrainSettings, tp: int = 1, pp: int = 1, ep: int = 1, *,
+                 value_head: bool = False, trainable: bool = True):
         self.spec = ModelSpec.from_hf(model_dir)
         self.spec.check_layout(tp, pp, ep)
-        init_parallel(tp, pp, seed, ep)
+        init_parallel(tp, pp, settings.seed, ep)
         from megatron.core import parallel_state as ps
 
         self.ps, self.tp, self.pp, self.ep = ps, tp, pp, ep
-        self.value_head, self.temperature = value_head, temperature
-        torch.manual_seed(seed)
+        self.value_head = value_head
+        apply_live(self, settings)  # precision, temperature, micro-batching (packing.py)
+        torch.manual_seed(settings.seed)
         self.model = build_model(self.spec, tp, pp, load_hf_state(model_dir), value_head=value_head)
-        self.optim_cfg = optim
+        self.optim_cfg = settings.optim() if trainable else None
         self.step_count = 0
-        # micro-batches by a token budget (0: by row count) and packed without padding (packing.py)
-        self.micro_batch_tokens, self.remove_padding = 0, False
         self.padded_token_share = 0.0   # of the last forward or update
         self.optimizer = None
         self.routing = RoutingStats(self.model, self.spec.layers, self.spec.moe.experts) if self.spec.moe else None
-        if optim is not None:
-            self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], optim)
+        if trainable:
+            self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], self.optim_cfg)
         else:
             self.model.requires_grad_(False)
 
@@ -244,7 +241,7 @@ class MegatronEngine:
 
     # -------------------------------------------------------------- public API
     @torch.no_grad()
-    def forward(self, batch, micro_batch_size: int = 8,
+    def forward(self, batch, micro_batch_size: int,
                 sum_pi_squared: bool = False) -> dict[str, torch.Tensor] | None:
         """Return log_probs and entropy (or values for a critic) for the response tokens,
         [batch, response_len], and with ``sum_pi_squared`` the sum of squared token
@@ -255,7 +252,7 @@ class MegatronEngine:
             return None
         return {k: packing.gather_rows([s[k] for s in store], micros, len(batch)) for k in store[0]}
 
-    def train_step(self, batch, loss_fn: LossFn, micro_batch_size: int = 8) -> dict[str, float]:
+    def train_step(self, batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
         """Accumulate gradients of ``loss_fn`` over micro-batches, average over DP, clip and step.
 
         Returns metrics averaged over micro-batches (and DP ranks), plus grad_norm, lr and

@@ -23,6 +23,7 @@ policy is this same model with the adapter switched off (``without_adapter``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from typing import Callable
@@ -36,8 +37,8 @@ from torch.distributed.tensor import distribute_tensor
 from hybridlab.controller.worker import Worker
 from hybridlab.workers.train import lora, packing
 from hybridlab.workers.train.fsdp_model import build_model, logprobs_entropy
-from hybridlab.workers.train.backend import (LossFn, OptimConfig, check_precision, global_totals, make_optimizer,
-                                             set_lr)
+from hybridlab.workers.train.settings import TrainSettings, apply_live
+from hybridlab.workers.train.backend import LossFn, global_totals, make_optimizer, set_lr
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -45,15 +46,15 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 class FSDPEngine:
     """This rank's FSDP2 shard of a transformers model, with optional optimizer."""
 
-    def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, *, value_head: bool = False,
-                 optim: OptimConfig | None = None, seed: int = 0, temperature: float = 1.0, precision: str = "fp32",
-                 lora_settings: lora.LoraSettings | None = None, param_offload: bool = False,
-                 optimizer_offload: bool = False):
+    def __init__(self, model_dir: str, settings: TrainSettings, tp: int = 1, pp: int = 1, *, value_head: bool = False,
+                 trainable: bool = True):
         if tp != 1 or pp != 1:
             raise ValueError(f"the fsdp2 backend shards over data-parallel ranks only: tp and pp must be 1"
                              f" (got tp={tp}, pp={pp}); use strategy megatron for tensor or pipeline parallelism")
-        self.precision = check_precision(precision)
-        self.value_head, self.temperature = value_head, temperature
+        self.value_head = value_head
+        apply_live(self, settings)  # precision, temperature, micro-batching (packing.py)
+        param_offload, optimizer_offload = settings.section.fsdp.param_offload, settings.section.fsdp.optimizer_offload
+        lora_settings = lora.LoraSettings.from_config(dataclasses.asdict(settings.lora)) if settings.lora else None
         Worker.init_distributed()
         self.rank, self.dp = dist.get_rank(), dist.get_world_size()
         cuda = torch.cuda.is_available()
@@ -63,7 +64,7 @@ class FSDPEngine:
             # host tensors, which nccl cannot take; not built yet
             raise ValueError("fsdp offload (param_offload, optimizer_offload) runs at dp 1 on GPU so far;"
                              f" this role has dp {self.dp}")
-        torch.manual_seed(seed)  # the same adapter initialisation on every rank
+        torch.manual_seed(settings.seed)  # the same adapter initialisation on every rank
         model = build_model(model_dir, value_head).to(self.device)
         layer_classes = set(model._no_split_modules or ())
         self.lora, self.lora_layers, self.adapter_config = lora_settings, {}, None
@@ -88,13 +89,12 @@ class FSDPEngine:
         # what trains and what a checkpoint holds, by checkpoint name: the whole model, or the adapter
         self.saved = self.hf_params if lora_settings is None else \
             {lora.saved_name(n): p for n, p in self.params.items() if lora.saved_name(n)}
-        self.optim_cfg = optim
+        self.optim_cfg = settings.optim() if trainable else None
         self.step_count = 0
-        self.micro_batch_tokens, self.remove_padding = 0, False
         self.padded_token_share = 0.0
         self.optimizer = None
-        if optim is not None:
-            self.optimizer = make_optimizer(list(self.saved.values()), optim)
+        if trainable:
+            self.optimizer = make_optimizer(list(self.saved.values()), self.optim_cfg)
         else:
             self.model.requires_grad_(False)
 
@@ -164,7 +164,7 @@ class FSDPEngine:
 
     # -------------------------------------------------------------- public API
     @torch.no_grad()
-    def forward(self, batch, micro_batch_size: int = 8, sum_pi_squared: bool = False) -> dict[str, torch.Tensor]:
+    def forward(self, batch, micro_batch_size: int, sum_pi_squared: bool = False) -> dict[str, torch.Tensor]:
         """Return log_probs and entropy (or values for a critic) for the response tokens,
         [batch, response_len], and with ``sum_pi_squared`` the sum of squared probabilities."""
         self.model.eval()
@@ -181,7 +181,7 @@ class FSDPEngine:
         real = [m for m in micros if m is not None]
         return {k: packing.gather_rows([o[k] for o in outs], real, len(batch)) for k in outs[0]}
 
-    def train_step(self, batch, loss_fn: LossFn, micro_batch_size: int = 8) -> dict[str, float]:
+    def train_step(self, batch, loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
         """Accumulate gradients of ``loss_fn`` over micro-batches (summed over DP), clip and step.
 
         Returns metrics averaged over micro-batches and DP ranks, plus grad_norm, lr, skipped

@@ -18,6 +18,8 @@ import dataclasses
 
 import torch
 
+from hybridlab.config.schema import LoraConfig
+
 ADAPTER = "default"           # peft's name for the one adapter a model gets
 PEFT_PREFIX = "base_model.model."
 SYNC_MODES = ("adapter", "merged")
@@ -30,9 +32,9 @@ class LoraSettings:
     but the output head, as verl's default)."""
 
     rank: int
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: str | list[str] = "all-linear"
+    alpha: float = LoraConfig.alpha
+    dropout: float = LoraConfig.dropout
+    target_modules: str | list[str] = LoraConfig.target_modules
 
     @classmethod
     def from_config(cls, section: dict) -> "LoraSettings":

@@ -9,7 +9,7 @@ from hybridlab.workers.train import cpu_compat, moe
 from hybridlab.workers.train.convert import hf_to_megatron
 
 
-def init_parallel(tp: int, pp: int, seed: int = 0, ep: int = 1) -> None:
+def init_parallel(tp: int, pp: int, seed: int, ep: int = 1) -> None:
     """Join torch.distributed (env rendezvous) and set up Megatron's TP/PP/DP (and expert) groups once.
 
     Roles colocated in one process share this state, so they must use the same tp, pp and ep.

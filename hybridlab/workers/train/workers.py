@@ -6,14 +6,12 @@ import dataclasses
 
 import torch
 
-from hybridlab.config.schema import ActorConfig
 from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.batching import GROUP_ROWS
 from hybridlab.protocol import PAD_KEY, Batch
-from hybridlab.workers.train.backend import (LossFn, OptimConfig, TrainEngine, check_precision, engine_class,
-                                             resolve_strategy)
+from hybridlab.workers.train.backend import LossFn, TrainEngine, engine_class, resolve_strategy
 from hybridlab.workers.train.checkpoint import merge_state
-from hybridlab.workers.train.lora import LoraSettings
+from hybridlab.workers.train.settings import TrainSettings, apply_live
 
 
 def sft_loss(outputs: dict, micro: dict) -> tuple[torch.Tensor, dict]:
@@ -35,28 +33,17 @@ class TrainWorker(Worker):
     value_head = False
     frozen = False
 
-    def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, optim: OptimConfig | dict | None = None,
-                 seed: int = 0, temperature: float = 1.0, micro_batch_size: int = ActorConfig.micro_batch_size,
-                 precision: str = "fp32", micro_batch_tokens: int = 0, remove_padding: bool = False,
-                 strategy: str = ActorConfig.strategy, fsdp: dict | None = None, lora: dict | None = None,
-                 ep: int = 1):
-        if isinstance(optim, dict):
-            optim = OptimConfig(**optim)
-        if optim is None and not self.frozen:
-            optim = OptimConfig()
-        self.micro_batch_size, self.seed, self.model_dir = micro_batch_size, seed, model_dir
-        self.lora = lora
-        self.strategy = self._backend(strategy)
+    def __init__(self, model_dir: str, settings: TrainSettings, tp: int = 1, pp: int = 1, ep: int = 1):
+        self.model_dir, self.train_settings = model_dir, settings
+        self.micro_batch_size, self.seed = settings.section.micro_batch_size, settings.seed
+        self.lora = settings.lora
+        self.strategy = self._backend(settings.section.strategy)
         if self.shares_actor:  # the actor's base model with its adapter off: no engine of its own
             self._engine = None
             return
-        extra = {"ep": ep} if ep > 1 else {}  # expert parallelism: megatron only (refused for fsdp2 on load)
-        if self.strategy == "fsdp2":
-            extra = {**(fsdp or {}), "lora_settings": LoraSettings.from_config(lora) if lora else None}
-        self._engine = engine_class(self.strategy)(
-            model_dir, tp, pp, value_head=self.value_head, optim=None if self.frozen else optim, seed=seed,
-            temperature=temperature, precision=precision, **extra)
-        self._engine.micro_batch_tokens, self._engine.remove_padding = micro_batch_tokens, remove_padding
+        layout = {"ep": ep} if ep > 1 else {}  # expert parallelism: megatron only (refused for fsdp2 on load)
+        self._engine = engine_class(self.strategy)(model_dir, settings, tp, pp, **layout, value_head=self.value_head,
+                                                   trainable=not self.frozen)
 
     def _backend(self, strategy: str) -> str:
         """Return the backend a configured ``strategy`` means for this worker (LoRA: fsdp2)."""
@@ -97,35 +84,26 @@ class TrainWorker(Worker):
         return {**state, "step": self.engine.step_count, "rng": torch.get_rng_state()}
 
     @register(Dispatch.ALL)
-    def configure(self, micro_batch_size: int | None = None, temperature: float | None = None,
-                  optim: dict | None = None, seed: int | None = None, precision: str | None = None,
-                  micro_batch_tokens: int | None = None, remove_padding: bool | None = None,
-                  strategy: str | None = None, fsdp: dict | None = None, lora: dict | None = None) -> None:
-        """Apply settings to the running worker (between steps): micro-batching (rows, token
-        budget, packing), log-prob temperature, compute precision (fp32 or bf16 autocast; weights
-        and moments stay fp32) and optimizer settings (lr, weight decay, clipping, warm-up),
-        keeping the optimizer's moments and the schedule's position. ``seed`` and ``strategy``
-        are only checked: they are fixed (``fsdp`` and ``lora`` are fixed too: a change of
-        ``fsdp`` re-creates the role)."""
-        if precision is not None:
-            self.engine.precision = check_precision(precision)
-        if seed is not None and seed != self.seed:
-            raise ValueError(f"the seed is fixed once a worker runs (have {self.seed}, got {seed})")
-        if strategy is not None and self._backend(strategy) != self.strategy:
+    def configure(self, settings: TrainSettings) -> None:
+        """Apply the role's new settings to the running worker (between steps): micro-batching
+        (rows, token budget, packing), log-prob temperature, compute precision (fp32 or bf16
+        autocast; weights and moments stay fp32) and optimizer settings (lr, weight decay,
+        clipping, warm-up), keeping the optimizer's moments and the schedule's position. The seed
+        and the strategy are only checked: they are fixed (``fsdp`` and ``lora`` are fixed too:
+        a change of ``fsdp`` re-creates the role)."""
+        if settings.seed != self.seed:
+            raise ValueError(f"the seed is fixed once a worker runs (have {self.seed}, got {settings.seed})")
+        if self._backend(settings.section.strategy) != self.strategy:
             raise ValueError(f"the training strategy is fixed once a worker runs (have {self.strategy},"
-                             f" got {strategy})")
-        if micro_batch_size is not None:
-            self.micro_batch_size = micro_batch_size
-        if micro_batch_tokens is not None:
-            self.engine.micro_batch_tokens = micro_batch_tokens
-        if remove_padding is not None:
-            self.engine.remove_padding = remove_padding
-        if temperature is not None:
-            self.engine.temperature = temperature
-        if optim is not None and self.engine.optimizer is not None:
-            self.engine.optim_cfg = dataclasses.replace(self.engine.optim_cfg, **optim)
+                             f" got {settings.section.strategy})")
+        apply_live(self.engine, settings)
+        self.micro_batch_size, self.train_settings = settings.section.micro_batch_size, settings
+        if self.engine.optimizer is not None:
+            s = settings.section
+            self.engine.optim_cfg = dataclasses.replace(self.engine.optim_cfg, lr=s.lr, weight_decay=s.weight_decay,
+                                                        grad_clip=s.grad_clip, warmup_steps=s.warmup_steps)
             for group in self.engine.optimizer.param_groups:
-                group["weight_decay"] = self.engine.optim_cfg.weight_decay
+                group["weight_decay"] = s.weight_decay
 
     @register(Dispatch.ALL)
     def settings(self) -> dict:
