@@ -26,7 +26,9 @@ from hybridlab.models.chat import prompt_ids, use_template
 from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import resolve_model
 from hybridlab.reshard.plan import hf_shapes
-from hybridlab.run_config import dataflow_names, default_mapping, training_strategy, validate_config
+from hybridlab.dataflow.defaults import dataflow_names, default_mapping
+from hybridlab.backend_checks import training_strategy
+from hybridlab.run_config import validate_config
 
 # Where each constant comes from.
 # - The runtime bases (``*_mb``): resident memory of a worker process beyond what the model adds:

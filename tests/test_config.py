@@ -9,7 +9,8 @@ import pytest
 from hybridlab.config import CONFIG_DIR, ConfigError, RunConfig
 from hybridlab.dataflow.graph import Dataflow, DataflowError
 from hybridlab.dataflow.prompts import PROMPT_FIELDS
-from hybridlab.run_config import dataflow_names, default_dataflow, load_config, roles_needed
+from hybridlab.dataflow.defaults import dataflow_names, default_dataflow, roles_needed
+from hybridlab.run_config import load_config
 
 INVALID = "config is invalid:\n  - "  # before each problem of a config that loads but cannot run
 

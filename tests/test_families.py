@@ -212,7 +212,8 @@ def test_an_unconverted_architecture_goes_to_fsdp2_and_megatron_refuses_it_by_na
     the architecture or the setting before any worker starts; what transformers cannot build is
     refused whatever the strategy."""
     from hybridlab.config import ConfigError
-    from hybridlab.run_config import load_config, training_strategy
+    from hybridlab.backend_checks import training_strategy
+    from hybridlab.run_config import load_config
 
     for name, config in (("gpt2", {"model_type": "gpt2", "n_layer": 2}),
                          ("yarn", config_of("qwen3", rope_parameters={"rope_type": "yarn", "factor": 4.0,

@@ -9,7 +9,8 @@ from hybridlab.config import ConfigError
 from hybridlab.controller.group import RoleClass
 from hybridlab.dataflow.session import RLSession
 from hybridlab.models.zoo import resolve_model
-from hybridlab.run_config import load_config, training_strategy
+from hybridlab.backend_checks import training_strategy
+from hybridlab.run_config import load_config
 from hybridlab.workers.train.backend import resolve_strategy
 from hybridlab.workers.train.convert import load_hf_state
 from hybridlab.workers.train.workers import ActorWorker

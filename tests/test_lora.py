@@ -10,7 +10,8 @@ from hybridlab.config import ConfigError
 from hybridlab.dataflow.roles import plan_update
 from hybridlab.dataflow.session import RLSession
 from hybridlab.protocol import Batch
-from hybridlab.run_config import load_config, training_strategy
+from hybridlab.backend_checks import training_strategy
+from hybridlab.run_config import load_config
 from hybridlab.tasks import get_task
 from hybridlab.workers.train import checkpoint
 from hybridlab.workers.train.checkpoint import ADAPTER_CONFIG, ADAPTER_FILE

@@ -107,7 +107,8 @@ def test_unreadable_files_are_refused_by_name(tmp_path):
 
 
 def test_offline_dpo_settings_are_checked_by_name(tiny_dir, tmp_path):
-    from hybridlab.run_config import dataflow_names, load_config
+    from hybridlab.dataflow.defaults import dataflow_names
+    from hybridlab.run_config import load_config
 
     cfg = load_config("dpo", [f"model={tiny_dir}"])
     assert dataflow_names(cfg) == ["ref_logprob", "update_actor_dpo", "sync_weights"]

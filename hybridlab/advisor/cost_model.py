@@ -46,7 +46,7 @@ from hybridlab.dataflow.stages import STAGES
 from hybridlab.explain import estimate_memory, expert_parameter_count, explain
 from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import resolve_model
-from hybridlab.run_config import dataflow_names
+from hybridlab.dataflow.defaults import dataflow_names
 
 FORWARD_STAGES = {"old_logprob": "actor", "ref_logprob": "ref", "values": "critic", "reward_model": "reward"}
 UPDATE_STAGES = {"update_actor": "actor", "update_actor_dpo": "actor", "update_critic": "critic"}

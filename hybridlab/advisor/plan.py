@@ -24,7 +24,7 @@ from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.dataflow.remap_checks import remap_problems
 from hybridlab.errors import UserError
 from hybridlab.models.zoo import resolve_model
-from hybridlab.run_config import dataflow_names, default_mapping
+from hybridlab.dataflow.defaults import dataflow_names, default_mapping
 
 TRAINERS = ("actor", "ref", "critic")
 USABLE_MEMORY = 0.9

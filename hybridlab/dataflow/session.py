@@ -49,7 +49,9 @@ from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import resolve_model
 from hybridlab.telemetry.trackers import Trackers
 from hybridlab.protocol import Batch
-from hybridlab.run_config import dataflow_names, default_mapping, load_config, training_strategy, validate_config
+from hybridlab.dataflow.defaults import dataflow_names, default_mapping
+from hybridlab.backend_checks import training_strategy
+from hybridlab.run_config import load_config, validate_config
 from hybridlab.telemetry.metrics import MetricsLog
 from hybridlab.telemetry.run import RunTelemetry
 from hybridlab.advisor.live import LiveAdvisor
