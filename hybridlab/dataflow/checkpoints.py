@@ -28,13 +28,14 @@ import torch
 import yaml
 
 from hybridlab.atomic import write_json
+from hybridlab.controller.worker_set import WorkerSet
+from hybridlab.dataflow.run_state import RunState, TrainProgress
 from hybridlab.errors import UserError
 from hybridlab.faults import fault_point
 from hybridlab.telemetry.hub import TELEMETRY_FILE
 from hybridlab.workers.train.checkpoint import ADAPTER_FILE, OPTIMIZER_FILE, save_checkpoint
 
 if TYPE_CHECKING:
-    from hybridlab.dataflow.run_state import TrainProgress
     from hybridlab.dataflow.session import RLSession
 
 CHECKPOINTS = "checkpoints"
@@ -60,7 +61,7 @@ def latest(run_dir: Path) -> Path:
     return found[-1]
 
 
-def save(rl: "RLSession", progress: "TrainProgress | None") -> Path:
+def save(rl: "RLSession", progress: TrainProgress | None) -> Path:
     """Write a checkpoint of ``rl`` after its current step; returns its folder. ``progress`` is
     what ``train()`` needs to go on (evaluation before, curve so far, seconds run)."""
     root = rl.run_dir / CHECKPOINTS
@@ -107,23 +108,22 @@ def prepare_logs(run_dir: Path, checkpoint: Path, telemetry: bool = True) -> dic
     return record
 
 
-def restore(rl: "RLSession", checkpoint: Path, record: dict) -> None:
-    """Load a checkpoint into a started session: trainer state into the workers (any layout),
-    the controller's state, then the actor's weights into the rollout engines."""
+def restore(workers: WorkerSet, state: RunState, checkpoint: Path, record: dict) -> None:
+    """Load a checkpoint into started workers and the run's state: trainer state into the
+    workers (any layout), the run's state (``record``: its session.json) and the controller's
+    RNGs. The rollout engines still hold the weights they had: the caller syncs them."""
     import numpy as np
     import ray
 
     for role in STATEFUL_ROLES:
         folder = checkpoint / role
-        if role in rl.workers.groups and folder.is_dir():
-            rl.workers.groups[role].load_state([ray.put([read_role(folder)])])
-    rl.state.load(record)
+        if role in workers.groups and folder.is_dir():
+            workers.groups[role].load_state([ray.put([read_role(folder)])])
+    state.load(record)
     rng = torch.load(checkpoint / "driver_rng.pt", weights_only=False)
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
-    if "actor" in rl.workers.groups and "rollout" in rl.workers.groups:
-        rl.sync_weights(reason="resume")
 
 
 def read_role(folder: Path) -> dict[str, Any]:

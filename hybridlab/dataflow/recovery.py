@@ -24,11 +24,14 @@ import sys
 import time
 from typing import TYPE_CHECKING, Callable, TypeVar
 
+import numpy as np
 import torch
 
 from hybridlab.controller.calls import WorkerError
+from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.dataflow import checkpoints
 from hybridlab.dataflow.context import StepContext
+from hybridlab.dataflow.run_state import RunState
 from hybridlab.telemetry.metrics import MetricsLog
 
 if TYPE_CHECKING:
@@ -57,22 +60,19 @@ class StepStart:
     kl: dict
 
 
-def step_start(rl: "RLSession") -> StepStart:
+def step_start(state: RunState) -> StepStart:
     """Return the controller state a retried step must start from."""
-    import numpy as np
-
-    return StepStart(rl.state.prompts.state(), (random.getstate(), np.random.get_state(), torch.get_rng_state()),
-                     dict(vars(rl.state.kl_ctrl)))
+    return StepStart(state.prompts.state(), (random.getstate(), np.random.get_state(), torch.get_rng_state()),
+                     dict(vars(state.kl_ctrl)))
 
 
-def _back_to(rl: "RLSession", start: StepStart) -> None:
-    import numpy as np
-
-    rl.state.prompts.set_state(start.prompts)
+def back_to(state: RunState, start: StepStart) -> None:
+    """Put the run's prompt stream, KL controller and the controller's RNGs back to ``start``."""
+    state.prompts.set_state(start.prompts)
     random.setstate(start.rng[0])
     np.random.set_state(start.rng[1])
     torch.set_rng_state(start.rng[2])
-    vars(rl.state.kl_ctrl).update(start.kl)
+    vars(state.kl_ctrl).update(start.kl)
 
 
 def worker_failure(exc: BaseException) -> WorkerError | None:
@@ -90,7 +90,7 @@ def with_recovery(rl: "RLSession", attempt: Callable[["StepContext"], T]) -> T:
     """Return ``attempt(ctx)`` (a step, an evaluation) with a fresh StepContext, re-creating
     dead or stuck workers and trying again as the module docstring says."""
     while True:
-        start = step_start(rl)
+        start = step_start(rl.state)
         ctx = rl.context()
         try:
             return attempt(ctx)
@@ -98,45 +98,44 @@ def with_recovery(rl: "RLSession", attempt: Callable[["StepContext"], T]) -> T:
             err = worker_failure(exc)
             if err is None:
                 raise
-            dead = lost_roles(rl, err)
+            dead = lost_roles(rl.workers, err)
             if not dead:  # the method itself raised: a bug or a bad setting, not a lost worker
                 raise
             recover(rl, err, dead, ctx, start)
 
 
-def lost_roles(rl: "RLSession", err: WorkerError) -> set[str]:
+def lost_roles(workers: WorkerSet, err: WorkerError) -> set[str]:
     """Return the roles whose processes are gone or stuck, with their colocated roles. A method
     that raised counts only if its own processes no longer answer (a peer rank died under it);
     after a death, the other process sets are asked too (a node may have gone)."""
-    session = rl.workers
-    own = set(session.colocated(err.role))
+    own = set(workers.colocated(err.role))
     if err.kind not in ("died", "stuck"):
-        return own if session.dead_roles(only=own) else set()
-    return own | session.dead_roles(timeout=30.0, exclude=own)
+        return own if workers.dead_roles(only=own) else set()
+    return own | workers.dead_roles(timeout=30.0, exclude=own)
 
 
-def refuse_lost_nodes(rl: "RLSession", dead: set[str], what: str, can_save: bool, wait_s: float = 60.0) -> None:
+def refuse_lost_nodes(workers: WorkerSet, dead: set[str], what: str, can_save: bool, wait_s: float = 60.0) -> None:
     """Raise WorkerLost, naming the node, when the ``dead`` roles' node is gone and no other node
     can hold their pool: none carries its ``node_labels``, or Ray cannot re-place its bundles
     within ``wait_s``. Returns at once when their nodes are alive."""
     import ray
 
     alive = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
-    for pool, members in rl.workers.mapping.process_sets():
+    for pool, members in workers.mapping.process_sets():
         if not set(members) & dead:
             continue
-        lost = {p["node_id"]: p.get("ip", "?") for p in rl.workers.groups[members[0]].placements
+        lost = {p["node_id"]: p.get("ip", "?") for p in workers.groups[members[0]].placements
                 if p["node_id"] not in alive}
         if not lost:
             continue
         gone = ", ".join(f"{ip} (node {node[:12]})" for node, ip in lost.items())
-        labels = rl.workers.mapping.pools[pool].node_labels
+        labels = workers.mapping.pools[pool].node_labels
         if labels and not any(all((n.get("Labels") or {}).get(k) == v for k, v in labels.items())
                               for n in alive.values()):
             raise WorkerLost(f"{what}: node {gone} is gone, and no other node carries pools.{pool}.node_labels"
                              f" {labels}; the run stops", can_save=can_save) from None
         try:
-            ray.get(rl.workers.pools[pool].pg.ready(), timeout=wait_s)
+            ray.get(workers.pools[pool].pg.ready(), timeout=wait_s)
         except ray.exceptions.GetTimeoutError:
             raise WorkerLost(f"{what}: node {gone} is gone, and Ray could not place pool {pool!r} on the other"
                              f" nodes within {wait_s:.0f} s (too few free devices); the run stops",
@@ -158,7 +157,7 @@ def recover(rl: "RLSession", err: WorkerError, dead: set[str], ctx: "StepContext
         raise WorkerLost(f"{what} during step {rl.state.step_count + 1}, and the trainers' state is lost with no"
                          " checkpoint to go back to (train() writes one at its start; call save_checkpoint()"
                          " when stepping by hand)", can_save=False) from None
-    refuse_lost_nodes(rl, dead, what, can_save=not rollback)
+    refuse_lost_nodes(rl.workers, dead, what, can_save=not rollback)
     rl.state.worker_restarts += 1
     t0 = time.perf_counter()
     print(f"{what}; re-creating {', '.join(sorted(dead))} (restart {rl.state.worker_restarts} of at most"
@@ -173,10 +172,12 @@ def recover(rl: "RLSession", err: WorkerError, dead: set[str], ctx: "StepContext
         rl.log = MetricsLog(rl.run_dir, "tensorboard" in rl.cfg.trainer.logger, purge_after=record["step"])
         rl.trackers.rewind(record["step"])
         restarts = rl.state.worker_restarts  # restarts count for the whole run, rolled back or not
-        checkpoints.restore(rl, ckpt, record)
+        checkpoints.restore(rl.workers, rl.state, ckpt, record)
+        if "actor" in rl.workers.groups and "rollout" in rl.workers.groups:
+            rl.sync_weights(reason="resume")
         rl.state.worker_restarts = restarts
     else:
-        _back_to(rl, start)
+        back_to(rl.state, start)
         if "rollout" in dead and "actor" in rl.workers.groups:
             rl.sync_weights(reason="restart")
     event = {"step": rl.state.step_count, "role": err.role, "rank": err.rank, "method": err.method, "failure": err.kind,

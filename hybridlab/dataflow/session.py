@@ -141,7 +141,9 @@ class RLSession(Stepping, LiveEdits):
         self.trackers = Trackers.open(t.logger, self.run_dir, dataclasses.asdict(self.cfg), t.project_name,
                                       t.mlflow_uri, resumed_at=record["step"] if record else None)
         if record is not None:
-            checkpoints.restore(self, self._resume_from, record)
+            checkpoints.restore(self.workers, self.state, self._resume_from, record)
+            if "actor" in self.workers.groups and "rollout" in self.workers.groups:
+                self.sync_weights(reason="resume")
             self.state.train_progress = TrainProgress.from_record(record["train"])
             self.emit("resume", {"step": self.state.step_count, "checkpoint": self._resume_from.name})
         self._start_advisor()
