@@ -5,8 +5,8 @@ from typing import Sequence
 
 import torch
 
-from hybridlab.protocol import Batch
 from hybridlab.algos.preference import CHOSEN_TOKENS
+from hybridlab.protocol import Batch
 
 PROMPT_WIDTH = "prompt_width"  # Batch.meta key: the width rollout ranks left-pad their prompts to
 GROUP_ROWS = "group_rows"  # Batch.meta key: consecutive rows the trainer keeps in one micro-batch

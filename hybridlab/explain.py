@@ -17,17 +17,17 @@ import dataclasses
 import math
 from pathlib import Path
 
+from hybridlab.backend_checks import training_strategy
 from hybridlab.config import RunConfig
 from hybridlab.controller.mapping import DeviceMapping, rank_label
 from hybridlab.controller.mapping_drawing import labels_text
+from hybridlab.dataflow.defaults import dataflow_names, default_mapping
 from hybridlab.dataflow.pairs import load_pairs, pair_ids
 from hybridlab.dataflow.prompts import load_samples
 from hybridlab.models.chat import prompt_ids, use_template
 from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import resolve_model
 from hybridlab.reshard.plan import hf_shapes
-from hybridlab.dataflow.defaults import dataflow_names, default_mapping
-from hybridlab.backend_checks import training_strategy
 from hybridlab.run_config import validate_config
 
 # Where each constant comes from.

@@ -42,11 +42,11 @@ from pathlib import Path
 from hybridlab.advisor.profile import DeviceProfile
 from hybridlab.config import RunConfig
 from hybridlab.controller.mapping import DeviceMapping, RoleLayout
+from hybridlab.dataflow.defaults import dataflow_names
 from hybridlab.dataflow.stages import STAGES
 from hybridlab.explain import estimate_memory, expert_parameter_count, explain
 from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import resolve_model
-from hybridlab.dataflow.defaults import dataflow_names
 
 FORWARD_STAGES = {"old_logprob": "actor", "ref_logprob": "ref", "values": "critic", "reward_model": "reward"}
 UPDATE_STAGES = {"update_actor": "actor", "update_actor_dpo": "actor", "update_critic": "critic"}
@@ -58,6 +58,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 @dataclasses.dataclass
 class Workload:
     """What one step computes: the model's dimensions and the step's sequences and tokens."""
+
     params: int
     layers: int
     hidden: int
@@ -122,6 +123,7 @@ class Workload:
 class Prediction:
     """A predicted step: seconds per stage, the step (with overlap), the busy fraction of the
     devices, and estimated resident MB per device (and the largest)."""
+
     stage_s: dict[str, float]
     step_s: float
     busy: float

@@ -21,10 +21,10 @@ from hybridlab.advisor.cost_model import Prediction, Workload, pool_devices, pre
 from hybridlab.advisor.profile import DeviceProfile
 from hybridlab.config import RunConfig
 from hybridlab.controller.mapping import DeviceMapping
+from hybridlab.dataflow.defaults import dataflow_names, default_mapping
 from hybridlab.dataflow.remap_checks import remap_problems
 from hybridlab.errors import UserError
 from hybridlab.models.zoo import resolve_model
-from hybridlab.dataflow.defaults import dataflow_names, default_mapping
 
 TRAINERS = ("actor", "ref", "critic")
 USABLE_MEMORY = 0.9
@@ -34,6 +34,7 @@ MANY_DEVICES = 16  # above this, split pools in eighths of the devices (or whole
 @dataclasses.dataclass
 class Candidate:
     """One mapping the planner considered: its label, the prediction, or the reasons it cannot run."""
+
     label: str
     mapping: DeviceMapping
     prediction: Prediction | None = None

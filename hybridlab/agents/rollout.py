@@ -40,6 +40,7 @@ SAMPLE_FIELDS = ("prompt", "ground_truth", "data_source", "extra_info")  # the r
 class AgentSpec:
     """What drives the trajectories: the built-in agent's tools, a user's agent function, or a
     text environment's class."""
+
     tools: dict[str, Tool] = dataclasses.field(default_factory=dict)
     agent: Callable | None = None
     env: type | None = None
@@ -185,6 +186,7 @@ def agent_batch(trajectories: list[Trajectory], pad_id: int, budget: int, prompt
 class AgentSettings:
     """The ``rollout`` settings of an agent rollout, as the stage sends them to the workers
     (``agent_stages.agent_settings``; the defaults are the config's)."""
+
     tools: str | None
     agent: str | None
     env: str | None

@@ -12,8 +12,8 @@ from typing import Sequence
 
 import torch
 
-from hybridlab.protocol import Batch
 from hybridlab.batching import sequences_batch
+from hybridlab.protocol import Batch
 
 MODEL, TOOL, ENV, USER, TEMPLATE = "model", "tool", "env", "user", "template"  # sources of response tokens
 SOURCES = ("", MODEL, TOOL, ENV, USER, TEMPLATE)  # the codes of ``token_sources`` (0: padding)
@@ -23,6 +23,7 @@ SOURCES = ("", MODEL, TOOL, ENV, USER, TEMPLATE)  # the codes of ``token_sources
 class Segment:
     """A run of tokens from one source; model segments carry their log-probs and the weight
     version that sampled them."""
+
     ids: list[int]
     source: str
     logprobs: list[float] | None = None
@@ -32,6 +33,7 @@ class Segment:
 @dataclasses.dataclass
 class Trajectory:
     """The token record of one agent run, built only from sampled and tokenized ids."""
+
     prompt_ids: list[int]
     segments: list[Segment] = dataclasses.field(default_factory=list)
     reward: float | None = None

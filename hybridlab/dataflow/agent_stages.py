@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridlab.agents.rollout import AgentSettings, STAT_FIELDS, load_spec
+from hybridlab.batching import on_last_token
 from hybridlab.dataflow.fields import SEQUENCE_FIELDS
 from hybridlab.dataflow.generation_stages import finish_reward, generation_metrics, reward_inputs
-from hybridlab.protocol import Batch
-from hybridlab.batching import on_last_token
 from hybridlab.errors import UserError
+from hybridlab.protocol import Batch
 from hybridlab.tasks import TASKS
 
 if TYPE_CHECKING:

@@ -13,7 +13,6 @@ from hybridlab.faults import kill_processes, worker_kill
 from hybridlab.protocol import Batch
 
 
-
 class StepContext:
     """What stage functions see: the config, the worker groups, the sampling settings, the run's
     state, the step's warnings and the weight sync; nothing else of the session."""

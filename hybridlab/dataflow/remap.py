@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 from hybridlab.config import ConfigError, RunConfig, config_with
 from hybridlab.controller.mapping import DeviceMapping
+from hybridlab.dataflow.defaults import dataflow_names, default_mapping
 from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.pairs import step_inputs
 from hybridlab.dataflow.remap_checks import remap_problems
 from hybridlab.dataflow.roles import ROLE_SPECS, plan_update, role_classes
-from hybridlab.dataflow.defaults import dataflow_names, default_mapping
 from hybridlab.run_config import validate_config
 from hybridlab.workers.train.checkpoint import merge_state
 

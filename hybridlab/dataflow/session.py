@@ -23,8 +23,11 @@ from pathlib import Path
 import yaml
 from transformers import AutoTokenizer
 
+from hybridlab.advisor.live import LiveAdvisor
+from hybridlab.advisor.suggest import suggest_mapping
 from hybridlab.algos.kl import get_kl_controller
 from hybridlab.atomic import write_json
+from hybridlab.backend_checks import training_strategy
 from hybridlab.config import ConfigError, RunConfig
 from hybridlab.controller.binding import BIND_ENV
 from hybridlab.controller.mapping import DeviceMapping
@@ -33,6 +36,7 @@ from hybridlab.controller.warm_pool import warm_pool
 from hybridlab.controller.watch import dump_stacks
 from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.dataflow import checkpoints
+from hybridlab.dataflow.defaults import dataflow_names, default_mapping
 from hybridlab.dataflow.edits import StepBoundary
 from hybridlab.dataflow.graph import Dataflow, StepResult
 from hybridlab.dataflow.live import LiveEdits
@@ -47,19 +51,16 @@ from hybridlab.explain import explain
 from hybridlab.models.chat import check_chat, use_template
 from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import resolve_model
-from hybridlab.telemetry.trackers import Trackers
 from hybridlab.protocol import Batch
-from hybridlab.dataflow.defaults import dataflow_names, default_mapping
-from hybridlab.backend_checks import training_strategy
 from hybridlab.run_config import load_config, validate_config
 from hybridlab.telemetry.metrics import MetricsLog
 from hybridlab.telemetry.run import RunTelemetry
-from hybridlab.advisor.live import LiveAdvisor
-from hybridlab.advisor.suggest import suggest_mapping
+from hybridlab.telemetry.trackers import Trackers
 
 
 class RLSession(Stepping, LiveEdits):
     """RL training held by a notebook kernel or the CLI; see the module docstring."""
+
     def __init__(self, config: RunConfig | str | os.PathLike | None = None, overrides: list[str] | None = None, *,
                  ray_address: str | None = None, ray_temp_dir: str | None = None):
         if isinstance(config, RunConfig):

@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Callable
 
 from hybridlab import sft
+from hybridlab.agents.tools import load_tools
 from hybridlab.atomic import write_json
 from hybridlab.config import RunConfig
 from hybridlab.evaluate import load_hf
 from hybridlab.models.chat import use_template
 from hybridlab.tasks import get_task
-from hybridlab.agents.tools import load_tools
 
 
 def tool_schemas(cfg: RunConfig) -> list[dict] | None:

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import ipywidgets as widgets
 
-from hybridlab.dataflow.rows import batch_rows, fields_after
 from hybridlab.dataflow.graph import StepResult
-from hybridlab.protocol import Batch
+from hybridlab.dataflow.rows import batch_rows, fields_after
 from hybridlab.notebook.trajectories import TrajectoryView
+from hybridlab.protocol import Batch
 
 if TYPE_CHECKING:
     from hybridlab.dataflow.session_verbs import SessionVerbs
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 class BatchTable(widgets.VBox):
     """A sortable table of ``batch_rows``: pick the column to sort by and the direction."""
+
     def __init__(self, rows: list[dict], title: str = ""):
         self.rows = rows
         columns = list(dict.fromkeys(k for row in rows for k in row))
@@ -70,6 +71,7 @@ def inspect(rl: "SessionVerbs", result: "StepResult | Batch", stage: str | None 
 
 class AgentInspector(widgets.VBox):
     """An agent step's batch: the table of rows, then the trajectory chosen, token by token."""
+
     def __init__(self, table: BatchTable, trajectories):
         self.table, self.trajectories = table, trajectories
         super().__init__([table, trajectories])

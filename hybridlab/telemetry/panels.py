@@ -11,8 +11,8 @@ import operator
 import time
 from pathlib import Path
 
-from hybridlab.telemetry.memory import leak_check
 from hybridlab.telemetry.heatmap import HeatMap
+from hybridlab.telemetry.memory import leak_check
 
 ROLLOVER = {"memory": 3600, "markers": 2000, "busy": 5000, "lengths": 5000, "matrix": 4096, "mismatch": 5000,
             "agent": 5000, "moe": 5000, "training": 100_000}
@@ -48,6 +48,7 @@ def worker_label(r: dict) -> str:
 class RunningPanel:
     """Every worker call in flight with its age; calls past their stuck-call deadline in red;
     the stacks the controller wrote, one collapsed card per worker, newest dump first."""
+
     kinds = ("running", "stacks")  # the records it reads (the dashboard hands it only these)
 
     def __init__(self):
@@ -107,6 +108,7 @@ class RunningPanel:
 class MemoryPanel:
     """Resident memory per worker over time (and torch's CUDA memory where there is one), step
     ends marked, and the leak alarm of ``telemetry.memory``."""
+
     kinds = ("device", "metrics")  # the records it reads (the dashboard hands it only these)
 
     def __init__(self, clock):
@@ -190,6 +192,7 @@ BUSY = "perf/device_busy/"
 class BusyPanel:
     """Per device, the share of each step it spent in worker calls (``perf/device_busy``), as a
     device x step heat map (bins of steps merge on long runs)."""
+
     kinds = ("metrics",)  # the records it reads (the dashboard hands it only these)
 
     def __init__(self):
@@ -218,6 +221,7 @@ class BusyPanel:
 
 class RolloutPanel:
     """Response lengths per step (p10-p90 band, median, max), tokens/s and the straggler share."""
+
     kinds = ("metrics",)  # the records it reads (the dashboard hands it only these)
 
     def __init__(self):
@@ -260,6 +264,7 @@ class MismatchPanel:
     """The rollout-vs-trainer mismatch per step (``rollout_corr/`` metrics): KL and k3-KL of the
     log-probs, the mean IS weight and the rejected share of tokens, when the step measured them
     (a step that recomputes old log-probs, or rollout correction in bypass mode)."""
+
     kinds = ("metrics",)  # the records it reads (the dashboard hands it only these)
 
     def __init__(self):
@@ -298,6 +303,7 @@ class MismatchPanel:
 
 class ReshardPanel:
     """The last weight sync's plan as a trainer-rank x rollout-rank matrix of MB, with its cost."""
+
     kinds = ("sync", "metrics")  # the records it reads (the dashboard hands it only these)
 
     def __init__(self):

@@ -13,8 +13,8 @@ import json
 import time
 from pathlib import Path
 
-from hybridlab.telemetry.hub import read_complete_lines
 from hybridlab.telemetry.axes import OVERLAY_TAG
+from hybridlab.telemetry.hub import read_complete_lines
 
 LIVE_S = 30.0
 REFRESH_MS = 2000
@@ -24,6 +24,7 @@ LOGS = ("metrics.jsonl", "telemetry.jsonl")
 
 class RunInfo:
     """What the runs page knows about one run, updated from the bytes appended to its logs."""
+
     def __init__(self, path: Path):
         self.path, self.name = path, path.name
         self.steps: list[int] = []
@@ -105,6 +106,7 @@ def find_runs(root: str | Path) -> list[Path]:
 
 class RunsPage:
     """The table of runs and the overlay of the selected runs' reward curves."""
+
     def __init__(self, root: str | Path):
         import panel as pn
         from bokeh.plotting import figure
@@ -148,6 +150,7 @@ class RunsPage:
 
 class Overlay:
     """The reward curves of other runs on a figure: one line per selected run, kept current."""
+
     def __init__(self, fig, dash: str = "solid"):
         self.fig, self.dash = fig, dash
         self.lines: dict[str, tuple] = {}   # run -> (renderer, points shown, its cuts when drawn)

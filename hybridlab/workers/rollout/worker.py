@@ -12,9 +12,12 @@ import os
 
 import torch
 
+from hybridlab.agents.rollout import AgentSettings, agent_batch, agent_samples, load_spec, run_agents
+from hybridlab.agents.tool_loop import AgentLimits
 from hybridlab.batching import PROMPT_WIDTH, sequences_batch
 from hybridlab.config.schema import DataConfig, RolloutConfig, TrainerConfig
 from hybridlab.controller.worker import Dispatch, Worker, register
+from hybridlab.models.chat import use_template
 from hybridlab.models.stops import checkpoint_stop_ids
 from hybridlab.protocol import Batch
 from hybridlab.reshard.sources import join_slices
@@ -22,9 +25,6 @@ from hybridlab.workers.rollout.hf_engine import generate_ids
 from hybridlab.workers.rollout.sampling import SamplingConfig, fit_prompts
 from hybridlab.workers.rollout.vllm_engine import (adapter_request, close_llm, engine_files, generate, load_adapter,
                                                    per_request_seeds, reload_weights, sampling_params, start_llm)
-from hybridlab.agents.rollout import AgentSettings, agent_batch, agent_samples, load_spec, run_agents
-from hybridlab.agents.tool_loop import AgentLimits
-from hybridlab.models.chat import use_template
 
 BACKENDS = ("vllm", "hf")
 
@@ -35,6 +35,7 @@ class RolloutWorker(Worker):
     With ``tp > 1`` each engine spans ``tp`` consecutive ranks (replica = rank // tp); every
     rank of an engine gets the same prompts, and the engine's first rank answers.
     """
+
     def __init__(self, model_dir: str, backend: str = RolloutConfig.backend, max_model_len: int | None = None,
                  kv_cache_mb: int = RolloutConfig.kv_cache_mb, dtype: str = RolloutConfig.dtype,
                  truncate_prompts: bool = DataConfig.truncate_prompts, seed: int = TrainerConfig.seed, tp: int = 1,

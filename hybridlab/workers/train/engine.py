@@ -15,14 +15,14 @@ from functools import partial
 import torch
 
 from hybridlab.models.spec import ModelSpec
+from hybridlab.reshard.sources import local_slices, stream_colocated
 from hybridlab.workers.train import cpu_compat  # noqa: F401  (filters megatron's import warnings)
 from hybridlab.workers.train import megatron_state, packing
 from hybridlab.workers.train.backend import LossFn, global_totals, make_optimizer, set_lr
 from hybridlab.workers.train.convert import load_hf_state
-from hybridlab.reshard.sources import local_slices, stream_colocated
 from hybridlab.workers.train.model import build_model, init_parallel
-from hybridlab.workers.train.settings import TrainSettings, apply_live
 from hybridlab.workers.train.moe import RoutingStats
+from hybridlab.workers.train.settings import TrainSettings, apply_live
 
 
 
