@@ -12,6 +12,7 @@ weight sync, as part of RLSession (a mixin; the state they use is set up in sess
 """
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 
@@ -46,30 +47,29 @@ class Stepping:
 
     def _step(self, ctx: StepContext) -> StepResult:
         """The step itself: the next prompts through the dataflow, then the step's records."""
-        t = self.cfg.trainer
+        t, state = self.cfg.trainer, self.state
         self.workers.watch.configure(t.call_deadline_floor_s, t.call_deadline_s)
         start, wall = time.perf_counter(), time.time()
         trace: list[tuple[str, list[str]]] = []
-        batch, metrics = self._dataflow.run(ctx, self.state.prompts.next(), trace=trace)
+        batch, metrics = self._dataflow.run(ctx, state.prompts.next(), trace=trace)
         seconds = time.perf_counter() - start
         tokens = int(batch["response_mask"].sum()) if "response_mask" in batch else 0
         bad = int(metrics.get("actor/skipped", 0) + metrics.get("critic/skipped", 0))
-        state = self.state
         state.count_bad_updates(bad)
         if bad:
             ctx.warn(f"step {state.step_count + 1}: {bad} update(s) skipped for a NaN or inf loss or gradient norm;"
                      " the weights stay as they were")
-        metrics["faults/bad_updates"] = self.state.bad_updates
-        metrics["faults/worker_restarts"] = self.state.worker_restarts
+        metrics["faults/bad_updates"] = state.bad_updates
+        metrics["faults/worker_restarts"] = state.worker_restarts
         metrics.setdefault("rollout/staleness", 0)
         metrics.update({"timing/step_s": seconds, "perf/tokens_per_s": tokens / seconds if seconds else 0.0,
                         "warnings": len(ctx.warnings)})
         metrics.update(session_busy(self.workers, wall, time.time()))
         state.add_step(metrics)
-        self.log.write(self.state.step_count, metrics)
-        self.trackers.log(self.state.step_count, metrics)
-        self.emit("metrics", {"step": self.state.step_count, **metrics})
-        result = StepResult(self.state.step_count, batch, metrics, trace)
+        self.log.write(state.step_count, metrics)
+        self.trackers.log(state.step_count, metrics)
+        self.emit("metrics", {"step": state.step_count, **metrics})
+        result = StepResult(state.step_count, batch, metrics, trace)
         for callback in list(self.step_callbacks):
             try:
                 callback(result)
@@ -137,8 +137,6 @@ class BackgroundRun:
     """``RLSession.train`` running in a thread; the kernel stays free while it runs."""
 
     def __init__(self, rl: "Stepping", steps: int | None):
-        import threading
-
         self.rl, self.summary, self.error = rl, None, None
         self._thread = threading.Thread(target=self._run, args=(steps,), name="hybridlab-train", daemon=True)
         self._thread.start()

@@ -10,7 +10,6 @@ loop then runs the lost steps again, and their evaluations are made again.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
@@ -28,12 +27,13 @@ def run_training(rl: "RLSession", steps: int | None = None) -> dict:
     """Run the loop on a started session; returns the summary (also written to summary.json)."""
     state = rl.state
     progress, state.train_progress = state.train_progress, None
-    if progress is not None:  # resumed: go on from the checkpoint's evaluations and run time
+    resumed = progress is not None  # then go on from the checkpoint's evaluations and run time
+    if resumed:
         steps, saved = steps or max(0, rl.cfg.trainer.steps - state.step_count), state.step_count
-        progress.start_clock()
     else:
         steps, saved, progress = steps or rl.cfg.trainer.steps, -1, TrainProgress(before={}, last={}, curve=[])
-        progress.start_clock()
+    progress.start_clock()
+    if not resumed:
         try:
             progress.before = progress.last = record_eval(rl, progress)
         except WorkerLost as lost:  # the workers went before the first step (a lost node)
@@ -85,9 +85,10 @@ def finish(rl: "RLSession", progress: TrainProgress, saved: int, stopped: str) -
         after = progress.last if curve and curve[-1]["step"] == step else record_eval(rl, progress)
     except WorkerLost as lost:
         return stop_lost(rl, lost, progress)
+    progress.last = after
     if saved != step:  # always a checkpoint at the end and on a stop
-        checkpoint(rl, dataclasses.replace(progress, last=after))
-    return write_summary(rl, progress.before, after, curve, progress.elapsed(), stopped)
+        checkpoint(rl, progress)
+    return write_summary(rl, progress, stopped)
 
 
 def wait_while_paused(rl: "RLSession", bar) -> float:
@@ -113,8 +114,7 @@ def stop_lost(rl: "RLSession", lost: WorkerLost, progress: TrainProgress) -> dic
     finished step, and a failed summary saying why; returns the summary."""
     if lost.can_save:
         checkpoint(rl, progress)
-    return write_summary(rl, progress.before, progress.last, progress.curve, progress.elapsed(), str(lost),
-                         failed=True)
+    return write_summary(rl, progress, str(lost), failed=True)
 
 
 def checkpoint(rl: "RLSession", progress: TrainProgress) -> int:
@@ -135,21 +135,22 @@ def record_eval(rl: "RLSession", progress: TrainProgress) -> dict:
     return ev
 
 
-def write_summary(rl: "RLSession", before: dict, after: dict, curve: list, seconds: float, stopped: str,
-                  failed: bool = False) -> dict:
-    """Write and return ``summary.json``: accuracies, steps, timings, curve, restarts,
-    environment, config; ``failed``: the run stopped on lost workers."""
+def write_summary(rl: "RLSession", progress: TrainProgress, stopped: str, failed: bool = False) -> dict:
+    """Write and return ``summary.json``: accuracies (``progress.before`` and ``.last``), steps,
+    timings, curve, restarts, environment, config; ``failed``: the run stopped on lost workers."""
+    before, after = progress.before, progress.last
     step_s = sum(h.get("timing/step_s", 0.0) for h in rl.state.history)
     sync_s = sum(h.get("sync/seconds", 0.0) for h in rl.state.history)
     summary = {
         "run_dir": str(rl.run_dir), "name": rl.cfg.name, "algorithm": rl.cfg.algorithm.adv_estimator,
         "dataflow": rl.dataflow.names, "model": rl.cfg.model, "task": rl.cfg.data.task,
         "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"], "eval_n": after["n"],
-        "steps": rl.state.step_count, "stopped_by": stopped, "failed": failed, "rl_seconds": round(seconds, 1),
+        "steps": rl.state.step_count, "stopped_by": stopped, "failed": failed,
+        "rl_seconds": round(progress.elapsed(), 1),
         "worker_restarts": rl.state.worker_restarts, "restarts": rl.state.restarts,
         "mean_step_s": round(step_s / len(rl.state.history), 3) if rl.state.history else None,
         "sync_fraction_of_step": round(sync_s / step_s, 4) if step_s else None,
-        "eval_curve": curve, "warm_start": rl.warm_start_info,
+        "eval_curve": progress.curve, "warm_start": rl.warm_start_info,
         "environment": rl.environment, "config": rl.cfg.to_dict(),
     }
     write_json(rl.run_dir / "summary.json", summary)

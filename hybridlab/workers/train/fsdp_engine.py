@@ -23,7 +23,6 @@ policy is this same model with the adapter switched off (``without_adapter``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import time
 from typing import Callable
@@ -36,9 +35,9 @@ from torch.distributed.tensor import distribute_tensor
 
 from hybridlab.controller.worker import Worker
 from hybridlab.workers.train import lora, packing
+from hybridlab.workers.train.backend import LossFn, global_totals, make_optimizer, set_lr
 from hybridlab.workers.train.fsdp_model import build_model, logprobs_entropy
 from hybridlab.workers.train.settings import TrainSettings, apply_live
-from hybridlab.workers.train.backend import LossFn, global_totals, make_optimizer, set_lr
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -54,7 +53,6 @@ class FSDPEngine:
         self.value_head = value_head
         apply_live(self, settings)  # precision, temperature, micro-batching (packing.py)
         param_offload, optimizer_offload = settings.section.fsdp.param_offload, settings.section.fsdp.optimizer_offload
-        lora_settings = lora.LoraSettings.from_config(dataclasses.asdict(settings.lora)) if settings.lora else None
         Worker.init_distributed()
         self.rank, self.dp = dist.get_rank(), dist.get_world_size()
         cuda = torch.cuda.is_available()
@@ -67,12 +65,12 @@ class FSDPEngine:
         torch.manual_seed(settings.seed)  # the same adapter initialisation on every rank
         model = build_model(model_dir, value_head).to(self.device)
         layer_classes = set(model._no_split_modules or ())
-        self.lora, self.lora_layers, self.adapter_config = lora_settings, {}, None
-        if lora_settings is not None:
-            model = lora.add_adapter(model, lora_settings)
+        self.lora, self.lora_layers, self.adapter_config = settings.lora, {}, None
+        if self.lora is not None:
+            model = lora.add_adapter(model, self.lora)
             lora.check_linear_only(model)
             self.lora_layers = lora.lora_layers(model)  # HF weight name -> the peft layer wrapping it
-            self.adapter_config = lora_settings.adapter_config(model, model_dir)
+            self.adapter_config = lora.adapter_config(model, model_dir)
         shard = {"mesh": init_device_mesh(self.device.type, (self.dp,))}
         if param_offload:  # shards (and so the optimizer step) live in host memory between uses
             from torch.distributed.fsdp import CPUOffloadPolicy
@@ -87,7 +85,7 @@ class FSDPEngine:
         # HF name -> the parameter (LoRA: the frozen base weights)
         self.hf_params = {lora.hf_name(n): p for n, p in self.params.items() if lora.saved_name(n) is None}
         # what trains and what a checkpoint holds, by checkpoint name: the whole model, or the adapter
-        self.saved = self.hf_params if lora_settings is None else \
+        self.saved = self.hf_params if self.lora is None else \
             {lora.saved_name(n): p for n, p in self.params.items() if lora.saved_name(n)}
         self.optim_cfg = settings.optim() if trainable else None
         self.step_count = 0

@@ -14,7 +14,6 @@ names, with the adapter folded into the base weight.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -25,44 +24,24 @@ PEFT_PREFIX = "base_model.model."
 SYNC_MODES = ("adapter", "merged")
 
 
-@dataclasses.dataclass
-class LoraSettings:
-    """The adapter's shape: rank, alpha (the update is scaled by alpha / rank), dropout on the
-    adapter's input while training, and the modules it wraps ("all-linear": every linear layer
-    but the output head, as verl's default)."""
-
-    rank: int
-    alpha: float = LoraConfig.alpha
-    dropout: float = LoraConfig.dropout
-    target_modules: str | list[str] = LoraConfig.target_modules
-
-    @classmethod
-    def from_config(cls, section: dict) -> "LoraSettings":
-        """Return the settings of an ``actor.lora`` section given as a dict (its ``sync`` is the
-        controller's business)."""
-        return cls(**{f.name: section[f.name] for f in dataclasses.fields(cls) if f.name in section})
-
-    def peft_config(self):
-        """Return the ``peft.LoraConfig`` these settings describe."""
-        from peft import LoraConfig
-
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                          target_modules=self.target_modules, bias="none")
-
-    def adapter_config(self, model: torch.nn.Module, base_model_dir: str) -> dict:
-        """Return what ``adapter_config.json`` holds for ``model`` (peft-wrapped): PEFT's own
-        format, with the target modules resolved to the names peft found."""
-        config = model.peft_config[ADAPTER].to_dict()
-        config["base_model_name_or_path"] = str(base_model_dir)
-        return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+def adapter_config(model: torch.nn.Module, base_model_dir: str) -> dict:
+    """Return what ``adapter_config.json`` holds for ``model`` (peft-wrapped): PEFT's own
+    format, with the target modules resolved to the names peft found."""
+    config = model.peft_config[ADAPTER].to_dict()
+    config["base_model_name_or_path"] = str(base_model_dir)
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
 
 
-def add_adapter(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
-    """Return ``model`` wrapped by peft with a fresh adapter (B = 0: the model's outputs are
-    unchanged until it trains); only the adapter's weights require gradients."""
-    from peft import get_peft_model
+def add_adapter(model: torch.nn.Module, settings: LoraConfig) -> torch.nn.Module:
+    """Return ``model`` wrapped by peft with a fresh adapter of the ``actor.lora`` settings
+    (rank, alpha: the update is scaled by alpha / rank, dropout on the adapter's input while
+    training, the modules it wraps); B = 0, so the model's outputs are unchanged until it trains;
+    only the adapter's weights require gradients."""
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
 
-    return get_peft_model(model, settings.peft_config())
+    return get_peft_model(model, PeftLoraConfig(r=settings.rank, lora_alpha=settings.alpha,
+                                                lora_dropout=settings.dropout,
+                                                target_modules=settings.target_modules, bias="none"))
 
 
 def saved_name(name: str) -> str | None:

@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.batching import GROUP_ROWS
+from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.protocol import PAD_KEY, Batch
 from hybridlab.workers.train.backend import LossFn, TrainEngine, engine_class, resolve_strategy
 from hybridlab.workers.train.checkpoint import merge_state
@@ -34,7 +34,7 @@ class TrainWorker(Worker):
     frozen = False
 
     def __init__(self, model_dir: str, settings: TrainSettings, tp: int = 1, pp: int = 1, ep: int = 1):
-        self.model_dir, self.train_settings = model_dir, settings
+        self.model_dir = model_dir
         self.micro_batch_size, self.seed = settings.section.micro_batch_size, settings.seed
         self.lora = settings.lora
         self.strategy = self._backend(settings.section.strategy)
@@ -97,13 +97,11 @@ class TrainWorker(Worker):
             raise ValueError(f"the training strategy is fixed once a worker runs (have {self.strategy},"
                              f" got {settings.section.strategy})")
         apply_live(self.engine, settings)
-        self.micro_batch_size, self.train_settings = settings.section.micro_batch_size, settings
-        if self.engine.optimizer is not None:
-            s = settings.section
-            self.engine.optim_cfg = dataclasses.replace(self.engine.optim_cfg, lr=s.lr, weight_decay=s.weight_decay,
-                                                        grad_clip=s.grad_clip, warmup_steps=s.warmup_steps)
+        self.micro_batch_size = settings.section.micro_batch_size
+        if self.engine.optimizer is not None:  # the schedule's position is the engine's step count
+            self.engine.optim_cfg = settings.optim()
             for group in self.engine.optimizer.param_groups:
-                group["weight_decay"] = s.weight_decay
+                group["weight_decay"] = settings.section.weight_decay
 
     @register(Dispatch.ALL)
     def settings(self) -> dict:
