@@ -71,6 +71,9 @@ def reward_model(ctx: StepContext, batch: Batch) -> tuple[Batch, dict]:
 
 
 def finish_reward(ctx: StepContext, batch: Batch, out: Batch) -> tuple[Batch, dict]:
+    """Return a reward stage's fields and metrics from the scorer's ``out``: the scores (with
+    DAPO's overlong penalty where set), accuracy, the reward's components, and the failures per
+    data source (warned once per source, counted every step)."""
     scores = out["token_level_scores"]
     metrics = summary_stats("reward", scores.sum(-1))
     metrics["accuracy"] = float(torch.nanmean(out["acc"])) if len(out) else 0.0

@@ -31,30 +31,43 @@ class SessionVerbs(Protocol):
     step_callbacks: list[Callable[[StepResult], None]]
 
     @property
-    def dataflow(self) -> Dataflow: ...
+    def dataflow(self) -> Dataflow:
+        """The stages each step runs."""
 
     @property
-    def paused(self) -> bool: ...
+    def paused(self) -> bool:
+        """True between pause() and unpause()."""
 
     @property
-    def held(self) -> bool: ...
+    def held(self) -> bool:
+        """True while a paused run waits at a step boundary."""
 
-    def step(self) -> StepResult: ...
+    def step(self) -> StepResult:
+        """Run one step; returns its result."""
 
-    def start_background(self, steps: int | None = None) -> Any: ...
+    def start_background(self, steps: int | None = None) -> Any:
+        """Train in a thread; returns its handle."""
 
-    def pause(self) -> None: ...
+    def pause(self) -> None:
+        """Hold a running train() at its next step boundary."""
 
-    def unpause(self) -> None: ...
+    def unpause(self) -> None:
+        """Let a paused run go on."""
 
-    def wait_until_held(self, timeout: float | None = None) -> bool: ...
+    def wait_until_held(self, timeout: float | None = None) -> bool:
+        """Wait until a paused run is held; returns whether it is."""
 
-    def update(self, *overrides: str) -> RunConfig: ...
+    def update(self, *overrides: str) -> RunConfig:
+        """Apply key=value settings between steps; returns the new config."""
 
-    def check_update(self, *overrides: str) -> list[str]: ...
+    def check_update(self, *overrides: str) -> list[str]:
+        """Validate an update; returns the stages it would run."""
 
-    def remap(self, mapping: DeviceMapping | dict | str) -> Any: ...
+    def remap(self, mapping: DeviceMapping | dict | str) -> Any:
+        """Move onto another device mapping; returns the RemapReport."""
 
-    def check_remap(self, mapping: DeviceMapping | dict | str) -> None: ...
+    def check_remap(self, mapping: DeviceMapping | dict | str) -> None:
+        """Validate a remap (raises on every problem)."""
 
-    def suggest_mapping(self, profile: Any = None) -> Any: ...
+    def suggest_mapping(self, profile: Any = None) -> Any:
+        """Returns the mapping advisor's Suggestion."""

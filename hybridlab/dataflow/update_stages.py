@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 
 def correction_outputs(cfg) -> tuple[str, ...]:
+    """Return what rollout_correction writes: the response mask, and IS weights where asked for."""
     return ("response_mask", *(("rollout_is_weights",) if cfg.algorithm.rollout_correction.rollout_is else ()))
 
 
@@ -47,6 +48,7 @@ def kl_reward(ctx: StepContext, batch: Batch) -> tuple[Batch, dict]:
 
 
 def advantage_inputs(cfg) -> tuple[str, ...]:
+    """Return the fields the configured advantage estimator reads (GDPO's reward components too)."""
     algo = cfg.algorithm
     components = ("reward_extra_info", "prompts", "attention_mask") if algo.adv_estimator == "gdpo" and \
         algo.gdpo_reward_keys else ()
@@ -65,6 +67,7 @@ def advantages(ctx: StepContext, batch: Batch) -> tuple[Batch, dict]:
 
 
 def mini_batches(batch: Batch, prompts: int, n: int, epochs: int) -> list[Batch]:
+    """Return the optimizer steps' mini-batches: ``prompts`` x ``n`` rows each, over ``epochs`` passes."""
     rows = max(1, prompts * n)
     return [batch.take(slice(s, s + rows)) for _ in range(epochs) for s in range(0, len(batch), rows)]
 
@@ -82,6 +85,8 @@ def update_critic(ctx: StepContext, batch: Batch) -> tuple[None, dict]:
 
 
 def actor_fields(cfg) -> tuple[str, ...]:
+    """Return the fields the actor's update reads (the reference's log-probs with a KL loss, the
+    rollout-correction weights in decoupled mode)."""
     c = cfg.algorithm.rollout_correction
     weights = c.rollout_is and not c.bypass_mode  # decoupled mode: the stage's weights scale the loss
     return (*SEQUENCE_FIELDS, "old_log_probs", "advantages", *(("ref_log_prob",) if cfg.actor.use_kl_loss else ()),
