@@ -4,6 +4,7 @@ no function over 60 (docs/architecture.md, "Limits"). Static: nothing is importe
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -17,8 +18,10 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
 def modules() -> dict[str, tuple[Path, ast.Module]]:
-    """Return every hybridlab module by dotted name, with its file and syntax tree."""
+    """Return every hybridlab module by dotted name, with its file and syntax tree (read once per
+    test process: the checks only read it)."""
     return {module_name(p): (p, ast.parse(p.read_text(), str(p))) for p in sorted(PACKAGE.rglob("*.py"))}
 
 
