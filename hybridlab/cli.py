@@ -74,21 +74,23 @@ def cmd_eval(args) -> int:
     from hybridlab.models.zoo import resolve_model
 
     if args.data:
-        from hybridlab.tasks.base import task_for_source
+        from hybridlab.scorers import ScorerOptions
         from hybridlab.tasks.dataset import load_dataset
+        from hybridlab.workers.reward.scoring import RuleScorer, check_sources
 
         samples = load_dataset(args.data, limit=args.n)
-        task = task_for_source(samples[0].data_source)
+        check_sources(samples, ScorerOptions())  # before the model loads
+        task, name = RuleScorer(), ",".join(sorted({s.data_source for s in samples}))
     else:
         task = _task_from_args(args)
-        samples = task.split("test", args.n, seed=args.seed)
+        samples, name = task.split("test", args.n, seed=args.seed), task.name
     model, tokenizer = load_hf(resolve_model(args.model))
     result = accuracy(model, tokenizer, task, samples, max_new_tokens=args.max_new_tokens)
-    result = {"model": str(args.model), "task": task.name, **result}
+    result = {"model": str(args.model), "task": name, **result}
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{task.name}: greedy accuracy {result['accuracy']:.3f} on {result['n']} test prompts "
+        print(f"{name}: greedy accuracy {result['accuracy']:.3f} on {result['n']} test prompts "
               f"({result['seconds']} s)")
         for ex in result["examples"]:
             print(f"  {ex['prompt']!r} -> {ex['response']!r} {'ok' if ex['correct'] else 'wrong'}")
@@ -352,9 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridlab", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     from hybridlab.advisor.commands import add_commands
+    from hybridlab.score_command import add_command as add_score
 
-    for add in (_add_zoo, _add_sft, _add_eval, _add_data, _add_train, _add_explain, add_commands, _add_dashboard,
-                _add_bench):
+    for add in (_add_zoo, _add_sft, _add_eval, _add_data, _add_train, _add_explain, add_score, add_commands,
+                _add_dashboard, _add_bench):
         add(sub)
     return parser
 
@@ -370,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command_line:  # one session per process here: no warm pool (controller/warm_pool.py) to fill for the next
         os.environ["HYBRIDLAB_WARM_PROCESSES"] = "0"
     if getattr(args, "config", None) and "=" in args.config and hasattr(args, "overrides"):
-        # train, explain, plan: argparse took the first override for a config; only overrides were given
+        # train, explain, plan, score: argparse took the first override for a config; only overrides were given
         args.overrides, args.config = [args.config, *args.overrides], None
     if getattr(args, "cmd", None) == "eval" and not (args.task or args.data):
         print("error: eval needs --task NAME or --data FILE", file=sys.stderr)

@@ -7,6 +7,7 @@ from typing import Sequence
 from hybridlab.models.chat import prompt_ids
 from hybridlab.models.stops import model_stop_ids
 from hybridlab.tasks import Sample, Task
+from hybridlab.workers.reward.scoring import RuleScorer
 from hybridlab.workers.rollout.hf_engine import generate_ids
 from hybridlab.workers.rollout.sampling import SamplingConfig
 
@@ -43,11 +44,15 @@ def greedy_texts(model, tokenizer, prompts: Sequence[list[int]], max_new_tokens:
             for r in greedy_ids(model, tokenizer, prompts, max_new_tokens, batch_size)]
 
 
-def accuracy(model, tokenizer, task: Task, samples: Sequence[Sample], max_new_tokens: int = 16) -> dict:
-    """Return ``{"accuracy", "n", "seconds", "examples"}`` of greedy decoding on ``samples``."""
+def accuracy(model, tokenizer, task: Task | RuleScorer, samples: Sequence[Sample], max_new_tokens: int = 16) -> dict:
+    """Return ``{"accuracy", "n", "seconds", "examples"}`` of greedy decoding on ``samples``, each
+    response judged by ``task``'s check, or by the built-in scorer of its sample's data source."""
     start = time.perf_counter()
     responses = greedy_texts(model, tokenizer, [prompt_ids(tokenizer, s) for s in samples], max_new_tokens)
-    correct = [task.check(r, s.ground_truth)[0] for r, s in zip(responses, samples)]
+    if isinstance(task, Task):
+        correct = [task.check(r, s.ground_truth)[0] for r, s in zip(responses, samples)]
+    else:
+        correct = [task.accuracy(s.data_source, r, s.ground_truth) == 1.0 for r, s in zip(responses, samples)]
     examples = [{"prompt": s.prompt, "response": r, "correct": c}
                 for s, r, c in list(zip(samples, responses, correct))[:5]]
     return {"accuracy": sum(correct) / len(samples), "n": len(samples),

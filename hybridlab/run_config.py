@@ -32,6 +32,7 @@ from hybridlab.errors import UserError
 from hybridlab.models.chat import template_file
 from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import CONVERTED, parse_preset
+from hybridlab.scorers import MATH_VERIFIERS, gsm8k
 from hybridlab.tasks import Task, get_task
 from hybridlab.telemetry.trackers import logger_problems
 from hybridlab.workers.reward.scoring import load_function
@@ -188,6 +189,8 @@ def _reward_problems(cfg: RunConfig) -> list[str]:
     p: list[str] = []
     reward = cfg.reward
     _choice(p, "reward.kind", reward.kind, ("rule", "function", "model"))
+    _choice(p, "reward.gsm8k_extraction", reward.gsm8k_extraction, gsm8k.METHODS)
+    _choice(p, "reward.math_verifier", reward.math_verifier, MATH_VERIFIERS)
     if reward.timeout_s < 0:
         p.append(f"reward.timeout_s: must be 0 (no limit) or a positive number of seconds, got {reward.timeout_s}")
     if reward.kind == "function" and not reward.function:

@@ -2,6 +2,7 @@
 a reward model with a scalar head compared with transformers."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hybridlab.batching import on_last_token, sequences_batch
@@ -152,3 +153,21 @@ def test_a_hanging_reward_function_is_cut_off_by_timeout_s(tiny_dir, tmp_path):
     assert out["reward_error_msg"][1] == "TimeoutError: reward.timeout_s=3 s passed before this sample was scored"
     again = worker.compute_reward(_batch(worker.tokenizer, ["a"], ["1"], ["0"]))  # the next batch is fine
     assert again["token_level_scores"].sum(-1).tolist() == [1.0] and again["reward_error"].tolist() == [0.0]
+
+
+def test_verl_sources_are_scored_by_the_reward_worker_as_verl_scores_them(tiny_dir):
+    """GSM8K's strict extraction with the format score, DAPO's +-1 with its acc (its string
+    ``pred`` is not a component), and math-verify's algebra where the setting asks for it."""
+    worker = RewardWorker(str(tiny_dir), kind="rule", format_score=0.1)
+    gsm = worker.compute_reward(_batch(worker.tokenizer, ["q"] * 3, ["so\n#### 72", "#### 73", "72"], ["72"] * 3,
+                                       source="openai/gsm8k"))
+    assert gsm["token_level_scores"].sum(-1).tolist() == pytest.approx([1.0, 0.1, 0.0])
+    assert gsm["acc"].tolist() == [1.0, 0.0, 0.0]
+    dapo = worker.compute_reward(_batch(worker.tokenizer, ["q"] * 2, ["Answer: 34", "Answer: 35"], ["34"] * 2,
+                                        source="aime2024"))
+    assert dapo["token_level_scores"].sum(-1).tolist() == [1.0, -1.0] and dapo["acc"].tolist() == [1.0, 0.0]
+    assert dapo.objects["reward_extra_info"] == [{}, {}]
+    algebra = RewardWorker(str(tiny_dir), kind="rule", math_verifier="math-verify")
+    out = algebra.compute_reward(_batch(algebra.tokenizer, ["q"] * 2, ["\\boxed{2/4}", "\\boxed{3/4}"],
+                                        ["\\frac{1}{2}"] * 2, source="lighteval/MATH"))
+    assert out["token_level_scores"].sum(-1).tolist() == [1.0, 0.0] and out["reward_error"].sum() == 0

@@ -157,3 +157,25 @@ def test_a_session_refuses_bad_prompts_before_ray_starts(tmp_path, tiny_dir, mon
     with pytest.raises(UserError, match=r"train.jsonl: row 3: the prompt is empty"):
         rl.start()
     assert rl.workers is None
+
+
+def test_a_session_refuses_a_data_source_without_a_scorer_before_ray_starts(tmp_path, tiny_dir, monkeypatch):
+    """A GSM8K-style file whose third row comes from a source nothing scores: refused with its row
+    and the sources that have a scorer, not trained on error_score throughout."""
+    from hybridlab.dataflow import session as session_module
+    from hybridlab.dataflow.session import RLSession
+    from hybridlab.tasks.dataset import write_rows as write_verl_rows
+
+    def reached(**_):
+        raise AssertionError("the session reached Ray before it checked the data sources")
+
+    monkeypatch.setattr(session_module, "connect", reached)
+    path = write_verl_rows([{"prompt": f"{i}+1=", "data_source": source, "reward_model": {"ground_truth": str(i + 1)}}
+                            for i, source in enumerate(["openai/gsm8k", "math_dapo", "codeforces"])],
+                           tmp_path / "train.parquet")
+    rl = RLSession(None, [f"model={tiny_dir}", f"data.train_files={path}", "warm_start.max_steps=0",
+                          f"trainer.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(UserError, match=r"train.parquet: row 3: no built-in scorer for data_source 'codeforces': a code"
+                                        r" task.*verl's openai/gsm8k, lighteval/MATH"):
+        rl.start()
+    assert rl.workers is None

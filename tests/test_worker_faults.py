@@ -118,7 +118,7 @@ HANG = '''
 import pathlib, time
 from hybridlab.workers.reward.scoring import RuleScorer
 
-RULES = RuleScorer(0.0)
+RULES = RuleScorer()
 
 
 def score(data_source, solution_str, ground_truth, extra_info=None):

@@ -298,6 +298,10 @@ class RewardConfig:
     error_score: float = setting(0.0, change="recreate", workers=("reward",))
     # >0: score each batch in a child process, cut off after this long
     timeout_s: float = setting(0.0, change="recreate", workers=("reward",))
+    # openai/gsm8k: strict (the number after the last "#### ", verl's default) or flexible (the last number)
+    gsm8k_extraction: str = setting("strict", change="recreate", workers=("reward",))
+    # the MATH and DAPO sources: rules (verl's string checks) or math-verify (an algebraic check)
+    math_verifier: str = setting("rules", change="recreate", workers=("reward",))
 
 
 @dataclasses.dataclass

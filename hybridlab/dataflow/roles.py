@@ -76,7 +76,9 @@ ROLE_SPECS: dict[str, RoleSpec] = {spec.name: spec for spec in (
     RoleSpec("reward", "hybridlab.workers.reward.worker:RewardWorker",
              lambda cfg: {"kind": "rule" if cfg.reward.kind == "model" else cfg.reward.kind,
                           "function": cfg.reward.function, "format_score": cfg.reward.format_score,
-                          "error_score": cfg.reward.error_score, "timeout_s": cfg.reward.timeout_s},
+                          "error_score": cfg.reward.error_score, "timeout_s": cfg.reward.timeout_s,
+                          "gsm8k_extraction": cfg.reward.gsm8k_extraction,
+                          "math_verifier": cfg.reward.math_verifier},
              recreate=setting_keys("recreate", "reward")),
 )}
 

@@ -53,9 +53,11 @@ from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import resolve_model
 from hybridlab.protocol import Batch
 from hybridlab.run_config import load_config, validate_config
+from hybridlab.scorers import ScorerOptions
 from hybridlab.telemetry.metrics import MetricsLog
 from hybridlab.telemetry.run import RunTelemetry
 from hybridlab.telemetry.trackers import Trackers
+from hybridlab.workers.reward.scoring import check_sources
 
 
 class RLSession(Stepping, LiveEdits):
@@ -118,6 +120,8 @@ class RLSession(Stepping, LiveEdits):
         else:
             train = load_samples(self.cfg, "train")
             check_chat(self.tokenizer, train + self.test_samples, model_dir)
+            if self.cfg.reward.kind == "rule":  # a source without a scorer would score error_score throughout
+                check_sources(train + self.test_samples, ScorerOptions.of(self.cfg.reward))
             self.state.prompts = PromptSource(train, self.tokenizer, self.cfg.data.prompts_per_step,
                                         seed=self.cfg.data.seed, fit=self._prompt_fit())
         tokenize_prompts(self.test_samples, self.tokenizer, self._prompt_fit())

@@ -3,18 +3,19 @@
 That is verl's ``compute_score`` signature, so a verl reward function is used unchanged. It
 returns a float, or a dict with ``score`` (and optionally ``acc``); the dict's other numeric
 entries are the sample's reward components (verl's ``reward_extra_info``: GDPO reads them). Built in: the tasks'
-rule scorers; a user's function is named by an import path ``package.module:function`` or a
-file ``path/to/file.py:function``.
+rule scorers and those of the text sources verl scores by default (``hybridlab.scorers``); a
+user's function is named by an import path ``package.module:function`` or a file
+``path/to/file.py:function``.
 """
 from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
-from hybridlab.config.schema import RewardConfig
 from hybridlab.errors import UserError
-from hybridlab.tasks.base import task_for_source
+from hybridlab.scorers import ScorerOptions, SourceScorer, known_sources, scorer_for
+from hybridlab.tasks.base import TASKS, Sample, task_for_source
 from hybridlab.user_code import load_object
 
 ScoreFn = Callable[..., Any]
@@ -36,24 +37,58 @@ def load_function(spec: str) -> ScoreFn:
     return fn
 
 
+def rule_for(data_source: str, options: ScorerOptions = ScorerOptions()) -> SourceScorer:
+    """Return the built-in scorer of ``data_source``: a task's (``arith``, ``x/arith``...) or that of
+    a source verl scores by default; raises UserError naming the sources that have one."""
+    if data_source.rsplit("/", 1)[-1] in TASKS:
+        task = task_for_source(data_source)
+        task.format_score = options.format_score
+        return lambda text, truth: {"score": task.score(text, truth), "acc": float(task.check(text, truth)[0])}
+    try:
+        return scorer_for(data_source, options)
+    except UserError as exc:
+        raise UserError(f"{exc}. Data sources with a built-in scorer: the tasks {', '.join(sorted(TASKS))}"
+                        f" (also as PREFIX/TASK) and verl's {', '.join(known_sources())};"
+                        " for other data set reward.kind=function with your own reward.function") from None
+
+
+def check_sources(samples: Iterable[Sample], options: ScorerOptions) -> None:
+    """Raise UserError naming the first sample (its file and row) whose ``data_source`` has no
+    built-in scorer, and the sources that have one."""
+    seen: set[str] = set()
+    for sample in samples:
+        if sample.data_source in seen:
+            continue
+        seen.add(sample.data_source)
+        try:
+            rule_for(sample.data_source, options)
+        except UserError as exc:
+            raise UserError(f"{sample.origin or 'a prompt of data.task'}: {exc}") from None
+
+
 class RuleScorer:
-    """The built-in task scorers, chosen per sample by ``data_source``."""
+    """The built-in scorers, chosen per sample by ``data_source`` (verl's compute_score signature)."""
 
-    def __init__(self, format_score: float = RewardConfig.format_score):
-        self.format_score = format_score
-        self._tasks: dict[str, Any] = {}
+    def __init__(self, options: ScorerOptions = ScorerOptions()):
+        self.options = options
+        self._scorers: dict[str, SourceScorer] = {}
 
-    def task(self, data_source: str):
-        """Return the task that scores ``data_source`` (cached)."""
-        if data_source not in self._tasks:
-            task = task_for_source(data_source)
-            task.format_score = self.format_score
-            self._tasks[data_source] = task
-        return self._tasks[data_source]
+    def scorer(self, data_source: str) -> SourceScorer:
+        """Return the scorer of ``data_source`` (cached); raises UserError when there is none."""
+        if data_source not in self._scorers:
+            self._scorers[data_source] = rule_for(data_source, self.options)
+        return self._scorers[data_source]
 
     def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> dict:
-        task = self.task(data_source)
-        return {"score": task.score(solution_str, ground_truth), "acc": float(task.check(solution_str, ground_truth)[0])}
+        return self.scorer(data_source)(solution_str, ground_truth)
+
+    def accuracy(self, data_source: str, text: str, ground_truth: Any) -> float:
+        """Return the built-in scorer's accuracy for one response (NaN where no scorer serves the
+        source, or it fails on this response)."""
+        try:
+            return float(self(data_source, text, ground_truth)["acc"])
+        except Exception:
+            return float("nan")
 
 
 def score_one(fn: ScoreFn, data_source: str, text: str, ground_truth: Any,

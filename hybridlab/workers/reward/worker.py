@@ -15,6 +15,7 @@ from hybridlab.batching import on_last_token
 from hybridlab.config.schema import RewardConfig
 from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.protocol import Batch
+from hybridlab.scorers import ScorerOptions
 from hybridlab.workers.reward.scoring import RuleScorer, load_function, score_batch
 
 KINDS = ("rule", "function", "model")  # "model" scores through compute_model_reward
@@ -25,14 +26,15 @@ class RewardWorker(Worker):
 
     def __init__(self, model_dir: str, kind: str = RewardConfig.kind, function: str | None = RewardConfig.function,
                  format_score: float = RewardConfig.format_score, error_score: float = RewardConfig.error_score,
-                 timeout_s: float = RewardConfig.timeout_s):
+                 timeout_s: float = RewardConfig.timeout_s, gsm8k_extraction: str = RewardConfig.gsm8k_extraction,
+                 math_verifier: str = RewardConfig.math_verifier):
         from transformers import AutoTokenizer
 
         if kind not in KINDS:
             raise ValueError(f"unknown reward kind {kind!r}; choose one of: {', '.join(KINDS)}")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.kind, self.error_score, self.timeout_s = kind, error_score, timeout_s
-        self.rules = RuleScorer(format_score)
+        self.rules = RuleScorer(ScorerOptions(format_score, gsm8k_extraction, math_verifier))
         self.fn = load_function(function) if kind == "function" else self.rules
         self.reward_models: dict[str, object] = {}
 
@@ -42,12 +44,6 @@ class RewardWorker(Worker):
         lengths = batch["response_mask"].sum(-1).tolist()
         return [self.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
                 for row, n in zip(batch["responses"], lengths)]
-
-    def _accuracy(self, source: str, text: str, truth) -> float:
-        try:
-            return float(self.rules.task(source).check(text, truth)[0])
-        except Exception:  # no built-in task for this data source: accuracy unknown
-            return float("nan")
 
     @register(Dispatch.DP)
     def compute_reward(self, batch: Batch) -> Batch:
@@ -60,12 +56,13 @@ class RewardWorker(Worker):
         sources = batch.objects.get("data_source", [""] * n)
         extras = batch.objects.get("extra_info", [None] * n)
         items = [(sources[i], text, truths[i], extras[i]) for i, text in enumerate(texts)]
-        timeout = self.timeout_s if self.kind == "function" else 0.0  # the built-in rules never hang
+        # a user's function may hang, as may math-verify's algebra; the other built-in rules never do
+        timeout = self.timeout_s if self.kind == "function" or self.rules.options.math_verifier != "rules" else 0.0
         components: list[dict] = [{} for _ in range(n)]
         for i, (score, sample_acc, error, parts) in enumerate(score_batch(self.fn, items, self.error_score,
                                                                           timeout)):
             scores[i], errors[i], messages[i], components[i] = score, float(bool(error)), error, parts
-            acc[i] = sample_acc if sample_acc is not None else self._accuracy(sources[i], texts[i], truths[i])
+            acc[i] = sample_acc if sample_acc is not None else self.rules.accuracy(sources[i], texts[i], truths[i])
         return Batch({"token_level_scores": on_last_token(scores, batch["response_mask"]), "acc": acc,
                       "reward_error": errors}, {"reward_error_msg": messages, "reward_extra_info": components})
 
@@ -85,7 +82,7 @@ class RewardWorker(Worker):
         n = len(batch)
         truths = batch.objects.get("ground_truth", [None] * n)
         sources = batch.objects.get("data_source", [""] * n)
-        acc = torch.tensor([self._accuracy(s, t, g) for s, t, g in zip(sources, texts, truths)])
+        acc = torch.tensor([self.rules.accuracy(s, t, g) for s, t, g in zip(sources, texts, truths)])
         return Batch({"token_level_scores": on_last_token(out.logits[:, 0].float(), batch["response_mask"]),
                       "acc": acc})
 
