@@ -67,6 +67,11 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+def cpu_flags() -> set[str]:
+    """Return the processor's feature flags (/proc/cpuinfo's ``flags``; empty where there are none)."""
+    return set(_cpuinfo().get("flags", "").split())
+
+
 def processor_family() -> str:
     """Return the processor's family and model numbers, e.g. ``"family 25, model 17"``: what tells
     apart machines that ``processor()`` names alike."""

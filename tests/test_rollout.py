@@ -181,3 +181,37 @@ def test_a_cpu_engine_traces_none_of_vllms_compiled_helpers(tiny_dir):
         torch._dynamo.config.disable = before
     assert [len(r) for r in responses] == [4, 4] and all(len(lp) == 4 for lp in logprobs)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+
+
+def test_vllms_cpu_head_sizes_are_checked_before_ray(tmp_path, tiny_dir, monkeypatch):
+    """A head size vLLM's CPU attention does not list runs only with AVX-512 (its AVX2 build stops
+    inside generate): refused by name when the session starts, before Ray."""
+    import json
+    import shutil
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from hybridlab.dataflow import session as session_module
+    from hybridlab.dataflow.session import RLSession
+    from hybridlab.errors import UserError
+    from hybridlab.workers.rollout import cpu_attention
+    from hybridlab.workers.rollout.cpu_attention import VLLM_CPU_HEAD_SIZES, head_size_problem
+
+    assert list(VLLM_CPU_HEAD_SIZES) == CPUAttentionBackend.get_supported_head_sizes()
+    assert head_size_problem(64, {"avx2"}) == "" and head_size_problem(16, {"avx2", "avx512f"}) == ""
+    assert head_size_problem(16, {"avx2", "fma"}).startswith("the model's attention heads have head_dim 16, which"
+                                                             " vLLM's CPU attention runs only with AVX-512")
+    model = tmp_path / "head16"
+    shutil.copytree(tiny_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "head_dim": 16}))
+
+    def reached(**_):
+        raise AssertionError("the session reached Ray before it checked the attention heads")
+
+    monkeypatch.setattr(session_module, "connect", reached)
+    monkeypatch.setattr(cpu_attention, "cpu_flags", lambda: {"avx2", "fma"})  # the AVX2-only machine's
+    rl = RLSession(None, [f"model={model}", "warm_start.max_steps=0", f"trainer.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(UserError, match=r"head16: the model's attention heads have head_dim 16"):
+        rl.start()
+    assert rl.workers is None

@@ -58,6 +58,7 @@ from hybridlab.telemetry.metrics import MetricsLog
 from hybridlab.telemetry.run import RunTelemetry
 from hybridlab.telemetry.trackers import Trackers
 from hybridlab.workers.reward.scoring import check_sources
+from hybridlab.workers.rollout.cpu_attention import check_head_size
 
 
 class RLSession(Stepping, LiveEdits):
@@ -111,6 +112,7 @@ class RLSession(Stepping, LiveEdits):
         # every prompt is checked (empty, not tokenizable, too long) before Ray or a warm start
         self.tokenizer = use_template(AutoTokenizer.from_pretrained(model_dir), self.cfg.data.chat_template)
         self._model_fit = PromptFit.of(self.cfg, model_dir)  # its context; the settings may change live
+        check_head_size(self.cfg.rollout.backend, model_dir)  # vLLM's CPU attention on this processor
         self.test_samples = load_samples(self.cfg, "test")
         if self.cfg.data.preferences:  # offline DPO: each step's batch is pairs, not prompts
             pairs = load_pairs(self.cfg)
