@@ -114,63 +114,6 @@ def cmd_data(args) -> int:
     return 0
 
 
-def cmd_train(args) -> int:
-    """Run RL training from a config (default: GRPO on arith with tiny), or resume a run from
-    its latest checkpoint; returns the exit status."""
-    from hybridlab.dataflow.session import RLSession
-    from hybridlab.run_config import load_config
-
-    ray = dict(ray_address=args.ray_address, ray_temp_dir=args.ray_temp_dir)
-    if args.resume:
-        overrides = list(args.overrides)
-        if args.config:
-            raise UserError(f"--resume continues the run with its own config.yaml; give no config ({args.config!r}),"
-                            " only key=value overrides")
-        from hybridlab.dataflow import checkpoints
-
-        print(f"resuming {args.resume} from {checkpoints.latest(Path(args.resume)).name}", flush=True)
-        rl = RLSession.resume(args.resume, overrides, **ray)
-    else:
-        cfg = load_config(args.config, args.overrides)  # every config error surfaces here, before work
-        rl = RLSession(cfg, **ray)
-        print(f"run directory: {rl.run_dir}", flush=True)
-    try:
-        rl.start()  # first: starting Ray installs its own SIGTERM handler, which ours replaces
-        _stop_on_signals(rl)
-        summary = rl.train()
-    finally:
-        rl.shutdown()
-    print(f"accuracy before {summary['accuracy_before']:.3f} -> after {summary['accuracy_after']:.3f} "
-          f"({summary['steps']} steps, {summary['rl_seconds']} s; stopped by {summary['stopped_by']})")
-    print(f"summary: {rl.run_dir / 'summary.json'}", flush=True)
-    if summary["stopped_by"] != "steps":
-        print(f"resume with: hybridlab train --resume {rl.run_dir}", flush=True)
-    if summary["failed"]:
-        print(f"error: {summary['stopped_by']}", file=sys.stderr, flush=True)
-        return 1
-    return 0
-
-
-def _stop_on_signals(rl) -> None:
-    """First Ctrl-C or SIGTERM: stop after the current step, checkpoint, print how to resume.
-    A second one stops at once (KeyboardInterrupt); checkpoints are atomic, so the latest
-    complete one stays intact."""
-    import signal
-
-    signals = []
-
-    def handler(signum, frame) -> None:
-        signals.append(signum)
-        if len(signals) > 1:
-            raise KeyboardInterrupt
-        rl.request_stop()
-        print(f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint"
-              " (again to stop at once)", file=sys.stderr, flush=True)
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-
-
 def cmd_dashboard(args) -> int:
     """Serve a run's live dashboard, or the runs page of a folder of runs, until interrupted;
     returns the exit status."""
@@ -197,9 +140,12 @@ def cmd_dashboard(args) -> int:
 def cmd_explain(args) -> int:
     """Print the sizes a config implies, its mapping and memory per worker; returns the exit status."""
     from hybridlab.explain import explain
-    from hybridlab.run_config import load_config
+    from hybridlab.run_config import load_run
 
-    print(explain(load_config(args.config, args.overrides)).text(), flush=True)
+    cfg, verl = load_run(args.config, args.overrides, verl=args.verl)
+    print(explain(cfg).text(), flush=True)
+    if verl is not None:
+        print("\n" + verl.report(), flush=True)
     return 0
 
 
@@ -302,25 +248,13 @@ def _add_data(sub) -> None:
     d.set_defaults(func=cmd_data)
 
 
-def _add_train(sub) -> None:
-    """The ``hybridlab train`` command."""
-    t = sub.add_parser("train", help="RL training from a config or preset (default: GRPO on arith, tiny model)")
-    t.add_argument("config", nargs="?", default=None,
-                   help="YAML file or preset name in configs/ (grpo, ppo, rloo, ...); omit for the default run")
-    t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. trainer.steps=50")
-    t.add_argument("--ray-address", default=None, help="attach to an existing Ray cluster (e.g. auto)")
-    t.add_argument("--ray-temp-dir", default=None, help="temp folder of a local Ray cluster (short path)")
-    t.add_argument("--resume", metavar="RUN_DIR", default=None,
-                   help="continue this run from its latest complete checkpoint (its config, plus overrides)")
-    t.set_defaults(func=cmd_train)
-
-
 def _add_explain(sub) -> None:
     """The ``hybridlab explain`` command."""
     e = sub.add_parser("explain", help="print what a config implies: sizes per step, update, rank; the mapping;"
                                        " memory per worker")
     e.add_argument("config", nargs="?", default=None, help="YAML file or preset name (omit for the default run)")
     e.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    e.add_argument("--verl", action="store_true", help="read the settings as verl's main_ppo does (docs/verl.md)")
     e.set_defaults(func=cmd_explain)
 
 
@@ -355,8 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     from hybridlab.advisor.commands import add_commands
     from hybridlab.score_command import add_command as add_score
+    from hybridlab.train_command import add_command as add_train
 
-    for add in (_add_zoo, _add_sft, _add_eval, _add_data, _add_train, _add_explain, add_score, add_commands,
+    for add in (_add_zoo, _add_sft, _add_eval, _add_data, add_train, _add_explain, add_score, add_commands,
                 _add_dashboard, _add_bench):
         add(sub)
     return parser

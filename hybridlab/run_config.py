@@ -26,7 +26,7 @@ from hybridlab.dataflow.agent_stages import agent_problems, agentic
 from hybridlab.dataflow.defaults import EVAL_ROLES, dataflow_names, default_mapping, roles_needed
 from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.pairs import step_inputs
-from hybridlab.dataflow.prompts import has_test_prompts
+from hybridlab.dataflow.prompts import data_files, has_test_prompts
 from hybridlab.dataflow.stages import STAGES
 from hybridlab.errors import UserError
 from hybridlab.models.chat import template_file
@@ -35,6 +35,7 @@ from hybridlab.models.zoo import CONVERTED, parse_preset
 from hybridlab.scorers import MATH_VERIFIERS, gsm8k
 from hybridlab.tasks import Task, get_task
 from hybridlab.telemetry.trackers import logger_problems
+from hybridlab.verl import Translation, is_verl, verl_config
 from hybridlab.workers.reward.scoring import load_function
 from hybridlab.workers.rollout.worker import BACKENDS
 from hybridlab.workers.train.backend import STRATEGIES
@@ -134,10 +135,14 @@ def _actor_problems(cfg: RunConfig) -> list[str]:
 def _size_problems(cfg: RunConfig) -> list[str]:
     p: list[str] = []
     data = cfg.data
-    _at_least(p, cfg, 1, "data.prompts_per_step", "data.train_samples", "data.test_samples", "trainer.steps",
+    _at_least(p, cfg, 1, "data.prompts_per_step", "trainer.steps",
               "trainer.devices", "actor.ppo_epochs", "actor.ppo_mini_batch_size", "actor.micro_batch_size",
               "critic.ppo_mini_batch_size", "critic.micro_batch_size")
-    _at_least(p, cfg, 0, "actor.micro_batch_tokens", "critic.micro_batch_tokens")
+    _at_least(p, cfg, 0, "actor.micro_batch_tokens", "critic.micro_batch_tokens", "data.train_samples",
+              "data.test_samples")
+    for split in ("train", "test"):  # 0 means every row of the files; a task's generator needs a count
+        if not getattr(data, f"{split}_samples") and not data.train_files:
+            p.append(f"data.{split}_samples: 0 (every row) needs data.train_files; a task makes as many as asked")
     names = dataflow_names(cfg)
     uses_critic = any(n in ("values", "update_critic") for n in names)
     mini_batched = ("actor",) if "update_actor" in names else ()  # DPO updates on the whole batch
@@ -180,7 +185,8 @@ def _trainer_problems(cfg: RunConfig) -> list[str]:
     _at_least(p, cfg, 0, "trainer.eval_every", "trainer.save_every", "trainer.max_restarts", "trainer.spare_processes",
               "trainer.call_deadline_s")
     _at_least(p, cfg, 1, "trainer.keep_checkpoints", "trainer.max_bad_updates")
-    _positive(p, cfg, "trainer.call_deadline_floor_s", "trainer.max_minutes")
+    _positive(p, cfg, "trainer.call_deadline_floor_s")
+    _at_least(p, cfg, 0, "trainer.max_minutes")
     p.extend(logger_problems(cfg.trainer.logger))
     return p
 
@@ -197,7 +203,7 @@ def _reward_problems(cfg: RunConfig) -> list[str]:
         p.append("reward.function: reward.kind is 'function', so give an import path like mypkg.rewards:score")
     elif reward.kind == "function":  # import it now: a bad path or signature fails before any worker starts
         try:
-            load_function(reward.function)
+            load_function(reward.function, reward.function_kwargs)
         except UserError as exc:
             p.append(str(exc))
     if reward.kind == "model" and not reward.model:
@@ -308,9 +314,11 @@ def _check_data_and_model(cfg: RunConfig, p: list[str]) -> None:
     if cfg.reward.model and not Path(cfg.reward.model).is_dir():
         p.append(f"reward.model: no checkpoint directory {cfg.reward.model!r}")
     for key in ("train_files", "test_files"):
-        path = getattr(cfg.data, key)
-        if path and not Path(path).is_file():
-            p.append(f"data.{key}: no file {path!r}")
+        for path in data_files(getattr(cfg.data, key), f"data.{key}", p):
+            if not Path(path).is_file():
+                p.append(f"data.{key}: no file {path!r}")
+    if cfg.data.preferences and len(data_files(cfg.data.train_files, "data.train_files", [])) > 1:
+        p.append("data.train_files: preference pairs are read from one file")
     if not cfg.data.train_files:
         try:
             task = get_task(cfg.data.task, **cfg.data.task_options)
@@ -332,7 +340,22 @@ def _model_config(cfg: RunConfig) -> dict | None:
 
 def load_config(source: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Return the validated RunConfig from a YAML file or preset name (None: the defaults) plus
-    ``key=value`` overrides."""
+    ``key=value`` overrides (a verl run's settings when they name ``actor_rollout_ref``)."""
+    return load_run(source, overrides)[0]
+
+
+def load_run(source: str | Path | None = None, overrides: list[str] | None = None,
+             verl: bool = False) -> tuple[RunConfig, "Translation | None"]:
+    """Return the validated RunConfig and, for a verl run's settings (``verl``, or keys under
+    ``actor_rollout_ref``), what they became; every config error surfaces here, before work."""
+    overrides = list(overrides or [])
+    if verl or is_verl(overrides):
+        if source is not None:
+            raise ConfigError(f"a verl run is read from its key=value settings, as verl's main_ppo takes them; give no"
+                              f" hybridlab config ({str(source)!r})")
+        cfg, translation = verl_config(overrides)
+        validate_config(cfg)
+        return cfg, translation
     data: dict = {}
     if source is not None:
         path = resolve_config_path(source)
@@ -340,6 +363,6 @@ def load_config(source: str | Path | None = None, overrides: list[str] | None = 
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    cfg = config_with(data, overrides or [])
+    cfg = config_with(data, overrides)
     validate_config(cfg)
-    return cfg
+    return cfg, None

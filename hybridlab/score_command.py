@@ -55,7 +55,7 @@ def score_responses(reward, samples: list[Sample], responses: list[str]) -> list
                         " and function rewards")
     if reward.kind == "rule":
         check_sources(samples, options)
-    fn = load_function(reward.function) if reward.kind == "function" else rules
+    fn = load_function(reward.function, reward.function_kwargs) if reward.kind == "function" else rules
     hangs = reward.kind == "function" or options.math_verifier != "rules"
     items = [(s.data_source, text, s.ground_truth, s.extra_info) for s, text in zip(samples, responses)]
     out = []

@@ -176,12 +176,12 @@ LAYERS = [
     ("base", ["errors", "atomic", "environment", "faults", "protocol", "user_code", "config"]),
     ("engines", ["batching", "models", "algos", "tasks", "scorers", "reshard", "workers", "agents", "controller", "telemetry",
                  "sft", "evaluate"]),
-    ("step", ["dataflow", "backend_checks", "run_config", "explain"]),
+    ("step", ["dataflow", "backend_checks", "run_config", "explain", "verl"]),
     ("advisor", ["advisor"]),
     ("notebook", ["notebook"]),
     ("run", ["dataflow.session", "dataflow.step", "dataflow.live", "dataflow.train_loop", "dataflow.remap",
              "dataflow.recovery", "dataflow.checkpoints"]),
-    ("commands", ["cli", "score_command", "bench", "advisor.calibrate", "advisor.commands"]),
+    ("commands", ["cli", "train_command", "score_command", "bench", "advisor.calibrate", "advisor.commands"]),
 ]
 
 
@@ -279,7 +279,8 @@ def test_the_reach_in_check_sees_attributes_and_imports():
 
 
 # hybridlab's own modules imported inside a function, outside the command line's lazy loading
-# (cli.py, advisor/commands.py, score_command.py, bench/): each defers a heavy third-party dependency
+# (cli.py, advisor/commands.py, score_command.py, train_command.py, bench/): each defers a heavy
+# third-party dependency
 # (docs/architecture.md, "Limits").
 DEFERRED = {
     ("hybridlab/advisor/calibrate.py", "hybridlab.workers.rollout"),      # vLLM, for the engine measurement only
@@ -297,7 +298,8 @@ def deferred_imports() -> list[tuple[str, str]]:
     out = []
     for name, (path, tree) in modules().items():
         rel = path.relative_to(PACKAGE.parent).as_posix()
-        if rel in ("hybridlab/cli.py", "hybridlab/advisor/commands.py", "hybridlab/score_command.py") \
+        if rel in ("hybridlab/cli.py", "hybridlab/advisor/commands.py", "hybridlab/score_command.py",
+                   "hybridlab/train_command.py") \
                 or rel.startswith("hybridlab/bench/"):
             continue  # the command line's lazy loading: `hybridlab --help` stays fast
         for fn in ast.walk(tree):

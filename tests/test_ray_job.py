@@ -1,6 +1,6 @@
-"""`hybridlab train` submitted as a Ray job, the way the seeds run verl: a head started with
-`ray start --head` on loopback, `ray job submit -- hybridlab train ...` against its job API, and
-the run's dashboard served from the head.
+"""`hybridlab train` submitted as a Ray job, the way verl's multi-node guide runs main_ppo: a head
+started with `ray start --head` on loopback, `ray job submit -- hybridlab train <verl's keys>`
+against its job API, and the run's dashboard served from the head.
 
 Every port the head opens is chosen free: another Ray cluster on this machine (the suite's own,
 one per pytest worker) already holds the defaults, the dashboard agent's 52365 among them, and a
@@ -21,9 +21,12 @@ import urllib.request
 
 import pytest
 
-SETTINGS = ["warm_start.max_steps=0", "data.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=6",
-            "actor.ppo_mini_batch_size=8", "data.test_samples=8", "trainer.progress=false", "trainer.save_every=0",
-            "trainer.eval_every=0", "trainer.steps=1"]
+# verl's main_ppo keys (docs/verl.md), and one of hybridlab's own after them
+SETTINGS = ["algorithm.adv_estimator=grpo", "data.train_batch_size=8", "data.max_response_length=6",
+            "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.total_training_steps=1", "trainer.test_freq=-1",
+            "trainer.save_freq=-1", "trainer.logger=['console']", "trainer.progress=false"]
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 
 
@@ -89,14 +92,22 @@ def ray_head():
 
 def test_hybridlab_train_runs_as_a_ray_job_and_its_dashboard_is_served_from_the_head(ray_head, trained_dir,
                                                                                         tmp_path):
+    from hybridlab.tasks import get_task
+    from hybridlab.tasks.dataset import save_dataset
+
     address, gcs, env = ray_head  # env: the job API's token (ray job submit reads RAY_AUTH_MODE, RAY_AUTH_TOKEN)
     run_dir = tmp_path / "job-run"
+    arith = get_task("arith")
+    train = save_dataset(arith.split("train", 16), tmp_path / "train.parquet")
+    test = save_dataset(arith.split("test", 8), tmp_path / "test.parquet")
     job = subprocess.run([RAY, "job", "submit", "--address", address, "--", sys.executable, "-m", "hybridlab.cli",
-                          "train", f"model={trained_dir}", *SETTINGS, f"trainer.run_dir={run_dir}"],
+                          "train", f"actor_rollout_ref.model.path={trained_dir}", f"data.train_files={train}",
+                          f"data.val_files={test}", *SETTINGS, f"trainer.default_local_dir={run_dir}"],
                          env=env, capture_output=True, text=True, timeout=600)
     log = job.stdout + job.stderr
     assert job.returncode == 0 and "succeeded" in log, log[-4000:]
     assert f"Connecting to existing Ray cluster at address: {gcs}" in log  # the job's driver attached to the head
+    assert "Read as verl's main_ppo settings" in log
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "reward/mean" in r] == [1]
     assert json.loads((run_dir / "summary.json").read_text())["failed"] is False

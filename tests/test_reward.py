@@ -128,8 +128,8 @@ def test_a_bad_reward_function_is_refused_with_the_config_before_any_worker(tmp_
     cases = [("nowhere_pkg.rewards:score", "cannot import 'nowhere_pkg.rewards'"),
              (f"{module}:missing", "has no function 'missing'"),
              (f"{module}:SCORE", ":SCORE is a float, not a function"),
-             (f"{module}:two_args", ":two_args(a, b) cannot be called as fn(data_source, solution_str, ground_truth,"
-                                    " extra_info)")]
+             (f"{module}:two_args", ":two_args(a, b) cannot be called as fn(data_source=..., solution_str=...,"
+                                    " ground_truth=..., extra_info=...) (verl's compute_score, called by keyword)")]
     for spec, message in cases:
         with pytest.raises(ConfigError, match="reward.function") as err:
             load_config(None, ["reward.kind=function", f"reward.function={spec}"])

@@ -74,7 +74,9 @@ def test_a_math_verify_timeout_is_an_error_not_a_zero(monkeypatch):
         algebra.score("\\boxed{1}", "1", timeout_s=1)
     assert time.monotonic() - start < 5
     # through the reward worker's per-sample guard: error_score, with the reason, counted as an error
-    fn = lambda source, text, truth, extra: algebra.score(text, truth, timeout_s=1)  # noqa: E731
+    def fn(data_source, solution_str, ground_truth, extra_info):
+        return algebra.score(solution_str, ground_truth, timeout_s=1)
+
     assert _safe_score(fn, "math", "\\boxed{1}", "1", None, -2.0) == (
         -2.0, None, "TimeoutError: math-verify took longer than 1 s on this response", {})
 

@@ -64,9 +64,9 @@ class DataConfig:
     preference pairs instead (TRL's columns, or made from the task)."""
     task: str = "arith"
     task_options: dict = dataclasses.field(default_factory=dict)
-    train_files: Optional[str] = None
-    test_files: Optional[str] = None
-    train_samples: int = 4000
+    train_files: object = None          # a parquet or JSONL file, or a list of them (read in order)
+    test_files: object = None
+    train_samples: int = 4000           # at most this many (0: every row of the files)
     test_samples: int = 500
     prompts_per_step: int = 32
     seed: int = 0
@@ -293,6 +293,8 @@ class RewardConfig:
     ``module:fn`` or ``file.py:fn`` with verl's compute_score signature) or ``model``."""
     kind: str = setting("rule", change="recreate", workers=("reward",))
     function: Optional[str] = setting(None, change="recreate", workers=("reward",))
+    # keyword arguments the function is called with besides verl's four (verl's reward_kwargs)
+    function_kwargs: dict = setting(factory=dict, change="recreate", workers=("reward",))
     model: Optional[str] = None
     format_score: float = setting(0.0, change="recreate", workers=("reward",))
     error_score: float = setting(0.0, change="recreate", workers=("reward",))
@@ -308,7 +310,7 @@ class RewardConfig:
 class TrainerConfig:
     """The loop: steps, time limit, evaluation, logging and the run directory."""
     steps: int = 1000
-    max_minutes: float = 8.5            # RL loop budget (a guard: the default run's 1,000 steps take ~7 min)
+    max_minutes: float = 8.5            # RL loop budget (a guard: the default run's 1,000 steps take ~7 min; 0: none)
     eval_every: int = 50
     run_dir: Optional[str] = setting(None, change="fixed", why="the run's records are being written there")
     seed: int = setting(0, change="fixed", why="the run's random streams were seeded from it when the workers started")
@@ -333,6 +335,7 @@ class TrainerConfig:
     advise_every: int = 20              # the mapping advisor: measured step against its prediction (0: off)
     advisor_profile: str = "local"      # its device profile: local (hybridlab calibrate), h100, h200, a100, h20, a file
     # CPU nodes: pin each worker process to its devices' share of the cores
+    verl_names: bool = False            # also log metrics under verl's names (set for runs read the verl way)
     bind_threads: bool = setting(False, change="fixed",
                                  why="worker processes are pinned to their cores (or not) when the session starts them")
 

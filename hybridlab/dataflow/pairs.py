@@ -12,7 +12,7 @@ from __future__ import annotations
 from hybridlab.algos.preference import CHOSEN_TOKENS
 from hybridlab.batching import preference_batch
 from hybridlab.dataflow.fields import SEQUENCE_FIELDS
-from hybridlab.dataflow.prompts import PROMPT_FIELDS, ShuffledEpochs
+from hybridlab.dataflow.prompts import PROMPT_FIELDS, ShuffledEpochs, data_files
 from hybridlab.errors import UserError
 from hybridlab.protocol import Batch
 from hybridlab.tasks import get_task
@@ -33,7 +33,7 @@ def load_pairs(cfg) -> list[PreferencePair]:
     ``data.task`` (its worked answers against plausible wrong ones), ``data.train_samples`` at most."""
     d = cfg.data
     if d.train_files:
-        return load_preferences(d.train_files, limit=d.train_samples)
+        return load_preferences(data_files(d.train_files, "data.train_files", [])[0], limit=d.train_samples or None)
     return task_pairs(get_task(d.task, **d.task_options), "train", d.train_samples, seed=d.seed, chat=d.chat)
 
 

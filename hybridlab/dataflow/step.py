@@ -26,6 +26,7 @@ from hybridlab.dataflow.train_loop import run_training
 from hybridlab.protocol import Batch
 from hybridlab.reshard.transfer import sync_mapped
 from hybridlab.telemetry.busy import session_busy
+from hybridlab.verl import metrics as verl_metrics
 
 
 class Stepping:
@@ -65,6 +66,8 @@ class Stepping:
         metrics.update({"timing/step_s": seconds, "perf/tokens_per_s": tokens / seconds if seconds else 0.0,
                         "warnings": len(ctx.warnings)})
         metrics.update(session_busy(self.workers, wall, time.time()))
+        if t.verl_names:
+            metrics.update(verl_metrics.step_metrics(metrics))
         state.add_step(metrics)
         self.log.write(state.step_count, metrics)
         self.trackers.log(state.step_count, metrics)
@@ -99,8 +102,12 @@ class Stepping:
         # under the step lock: a remap or an edit waits for the evaluation as for a step
         with self.boundary.lock, self.workers.timeline.staged("evaluate"):  # the dashboard labels calls by stage
             scored = with_recovery(self, lambda ctx: greedy_scores(ctx, prompts))
-        return {"accuracy": float(scored["acc"].nanmean()), "n": len(samples),
-                "reward_mean": float(scored["token_level_scores"].sum(-1).mean())}
+        scores = scored["token_level_scores"].sum(-1)
+        out = {"accuracy": float(scored["acc"].nanmean()), "n": len(samples), "reward_mean": float(scores.mean())}
+        if self.cfg.trainer.verl_names and "acc_reported" in scored:
+            out["verl"] = verl_metrics.validation_metrics([s.data_source for s in samples], scores, scored["acc"],
+                                                          scored["acc_reported"])
+        return out
 
     def decoded(self, batch: Batch, limit: int = 16) -> list[dict]:
         """Return the first ``limit`` rows of a step's batch as readable dicts (prompt, response,

@@ -104,7 +104,7 @@ def wait_while_paused(rl: "RLSession", bar) -> float:
 def stop_reason(rl: "RLSession", progress: TrainProgress) -> str | None:
     """Return why the loop must stop before another step (time limit, a stop asked for), or None."""
     t = rl.cfg.trainer
-    if progress.elapsed() > t.max_minutes * 60:
+    if t.max_minutes and progress.elapsed() > t.max_minutes * 60:
         return f"time limit ({t.max_minutes:g} min)"
     return "stop requested" if rl.stop_requested else None
 
@@ -129,8 +129,8 @@ def record_eval(rl: "RLSession", progress: TrainProgress) -> dict:
     rl.emit("phase", {"phase": "evaluate", "step": step})
     ev = rl.evaluate()
     progress.curve.append({"step": step, "accuracy": ev["accuracy"], "seconds": seconds})
-    rl.log.write(step, {"eval/accuracy": ev["accuracy"]})
-    rl.trackers.log(step, {"eval/accuracy": ev["accuracy"]})
+    rl.log.write(step, {"eval/accuracy": ev["accuracy"], **ev.get("verl", {})})
+    rl.trackers.log(step, {"eval/accuracy": ev["accuracy"], **ev.get("verl", {})})
     rl.emit("eval", {"step": step, "accuracy": ev["accuracy"]})
     return ev
 

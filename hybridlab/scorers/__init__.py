@@ -67,6 +67,14 @@ def family(data_source: str) -> str | None:
     return None
 
 
+def reports_acc(data_source: str, options: ScorerOptions = ScorerOptions()) -> bool:
+    """True when verl's scorer of ``data_source`` answers with an ``acc`` (DAPO's dict), False
+    when it answers a bare score (GSM8K, MATH, Search-R1, Math-Verify); verl names its validation
+    metric after ``acc`` or ``reward`` accordingly. Sources verl does not know: True."""
+    kind = family(data_source)
+    return kind is None or (kind == "dapo" and options.math_verifier == "rules")
+
+
 def known_sources() -> list[str]:
     """Return the data sources these scorers serve (``aime*`` as a pattern)."""
     return [*GSM8K, *MATH, *DAPO, "aime*", *SEARCH_R1]

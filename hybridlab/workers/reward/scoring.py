@@ -9,32 +9,38 @@ user's function is named by an import path ``package.module:function`` or a file
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 import inspect
 import math
 from typing import Any, Callable, Iterable
 
 from hybridlab.errors import UserError
-from hybridlab.scorers import ScorerOptions, SourceScorer, known_sources, scorer_for
+from hybridlab.scorers import ScorerOptions, SourceScorer, known_sources, reports_acc, scorer_for
 from hybridlab.tasks.base import TASKS, Sample, task_for_source
 from hybridlab.user_code import load_object
 
 ScoreFn = Callable[..., Any]
 
 
-def load_function(spec: str) -> ScoreFn:
-    """Return the function named by ``module:function`` or ``file.py:function``."""
+def load_function(spec: str, kwargs: dict | None = None) -> ScoreFn:
+    """Return the function named by ``module:function`` or ``file.py:function``, with
+    ``kwargs`` (verl's ``reward_kwargs``) bound; it is called by keyword, as verl calls it."""
     fn = load_object(spec, "reward.function")
     where, name = spec.rsplit(":", 1)
     if not callable(fn):
         raise UserError(f"reward.function: {where}:{name} is a {type(fn).__name__}, not a function")
+    kwargs = dict(kwargs or {})
     try:
-        inspect.signature(fn).bind("data_source", "solution_str", "ground_truth", None)
-    except TypeError:
+        inspect.signature(fn).bind(data_source="", solution_str="", ground_truth=None, extra_info=None, **kwargs)
+    except TypeError as exc:
+        extra = f", {', '.join(f'{k}=...' for k in kwargs)}" if kwargs else ""
         raise UserError(f"reward.function: {where}:{name}{inspect.signature(fn)} cannot be called as"
-                        " fn(data_source, solution_str, ground_truth, extra_info) (verl's compute_score)") from None
+                        f" fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...{extra})"
+                        f" (verl's compute_score, called by keyword): {exc}") from None
     except ValueError:  # no signature to read (a builtin): it is called as it is
         pass
-    return fn
+    return functools.partial(fn, **kwargs) if kwargs else fn
 
 
 def rule_for(data_source: str, options: ScorerOptions = ScorerOptions()) -> SourceScorer:
@@ -82,6 +88,10 @@ class RuleScorer:
     def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> dict:
         return self.scorer(data_source)(solution_str, ground_truth)
 
+    def reports_acc(self, data_source: str) -> bool:
+        """True when verl's scorer of ``data_source`` answers with an ``acc`` (``scorers.reports_acc``)."""
+        return reports_acc(data_source, self.options)
+
     def accuracy(self, data_source: str, text: str, ground_truth: Any) -> float:
         """Return the built-in scorer's accuracy for one response (NaN where no scorer serves the
         source, or it fails on this response)."""
@@ -96,7 +106,9 @@ def score_one(fn: ScoreFn, data_source: str, text: str, ground_truth: Any,
     """Return (score, acc or None, the other numeric entries of a dict answer) from a reward
     function's number or dict answer; raises ValueError for anything else (None, a string,
     NaN, inf), which scores ``error_score``."""
-    out = fn(data_source, text, ground_truth, extra_info)
+    out = fn(data_source=data_source, solution_str=text, ground_truth=ground_truth, extra_info=extra_info)
+    if inspect.isawaitable(out):  # an async reward function (verl awaits those): run it to its result
+        out = asyncio.run(_result_of(out))
     acc, components = None, {}
     if isinstance(out, dict):
         if "score" not in out:
@@ -109,6 +121,10 @@ def score_one(fn: ScoreFn, data_source: str, text: str, ground_truth: Any,
     if not math.isfinite(float(out)):
         raise ValueError(f"reward function returned {float(out)}, not a finite number")
     return float(out), None if acc is None else float(acc), components
+
+
+async def _result_of(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def _is_number(value: Any) -> bool:

@@ -3,7 +3,8 @@
 ``compute_reward`` (rules or function) and ``compute_model_reward`` return, per sample (an agent
 trajectory is scored on its last model turn, the object field ``final_response``): ``token_level_scores`` (the score on the response's
 last token, zeros elsewhere), ``acc`` (task accuracy where a rule scorer knows the data
-source), ``reward_error`` (1 where the function raised) and the object fields
+source), ``acc_reported`` (1 where the scorer's answer carried the ``acc``, as verl would see
+it), ``reward_error`` (1 where the function raised) and the object fields
 ``reward_error_msg`` and ``reward_extra_info`` (each sample's reward components, a dict). A raising reward function never stops the run: the sample gets
 ``error_score`` and is counted; with ``timeout_s`` a function that hangs is cut off.
 """
@@ -25,6 +26,7 @@ class RewardWorker(Worker):
     """One rank of the reward role; ``kind`` picks the scorer."""
 
     def __init__(self, model_dir: str, kind: str = RewardConfig.kind, function: str | None = RewardConfig.function,
+                 function_kwargs: dict | None = None,
                  format_score: float = RewardConfig.format_score, error_score: float = RewardConfig.error_score,
                  timeout_s: float = RewardConfig.timeout_s, gsm8k_extraction: str = RewardConfig.gsm8k_extraction,
                  math_verifier: str = RewardConfig.math_verifier):
@@ -35,7 +37,7 @@ class RewardWorker(Worker):
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.kind, self.error_score, self.timeout_s = kind, error_score, timeout_s
         self.rules = RuleScorer(ScorerOptions(format_score, gsm8k_extraction, math_verifier))
-        self.fn = load_function(function) if kind == "function" else self.rules
+        self.fn = load_function(function, function_kwargs) if kind == "function" else self.rules
         self.reward_models: dict[str, object] = {}
 
     def _texts(self, batch: Batch) -> list[str]:
@@ -52,6 +54,7 @@ class RewardWorker(Worker):
         texts = self._texts(batch)
         n = len(batch)
         scores, acc, errors, messages = torch.zeros(n), torch.zeros(n), torch.zeros(n), [""] * n
+        reported = torch.zeros(n)
         truths = batch.objects.get("ground_truth", [None] * n)
         sources = batch.objects.get("data_source", [""] * n)
         extras = batch.objects.get("extra_info", [None] * n)
@@ -63,8 +66,10 @@ class RewardWorker(Worker):
                                                                           timeout)):
             scores[i], errors[i], messages[i], components[i] = score, float(bool(error)), error, parts
             acc[i] = sample_acc if sample_acc is not None else self.rules.accuracy(sources[i], texts[i], truths[i])
+            reported[i] = self.rules.reports_acc(sources[i]) if self.kind == "rule" else sample_acc is not None
         return Batch({"token_level_scores": on_last_token(scores, batch["response_mask"]), "acc": acc,
-                      "reward_error": errors}, {"reward_error_msg": messages, "reward_extra_info": components})
+                      "acc_reported": reported, "reward_error": errors},
+                     {"reward_error_msg": messages, "reward_extra_info": components})
 
     @register(Dispatch.DP)
     @torch.no_grad()

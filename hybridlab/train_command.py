@@ -1,0 +1,95 @@
+"""``hybridlab train``: an RL run from a config, a preset or a verl run script's settings, or a
+run resumed from its latest checkpoint; SIGTERM and SIGINT stop it cleanly at a step boundary."""
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+from hybridlab.errors import UserError
+
+
+def _verl_resume(verl, run_dir: Path) -> str | None:
+    """Return the run directory to resume under verl's ``resume_mode`` (auto: when it holds a
+    checkpoint), or None to start afresh."""
+    from hybridlab.dataflow import checkpoints
+
+    if verl.resume == "auto" and run_dir.is_dir() and checkpoints.checkpoint_dirs(run_dir):
+        return str(run_dir)
+    return None
+
+
+def cmd_train(args) -> int:
+    """Run RL training from a config (default: GRPO on arith with tiny), or resume a run from
+    its latest checkpoint; returns the exit status."""
+    from hybridlab.dataflow.session import RLSession
+    from hybridlab.run_config import load_run
+
+    ray = dict(ray_address=args.ray_address, ray_temp_dir=args.ray_temp_dir)
+    cfg, verl = (None, None) if args.resume else load_run(args.config, args.overrides, verl=args.verl)
+    if verl is not None:  # a verl run: what its settings became, and verl's resume_mode
+        print(verl.report(), flush=True)
+        args.resume = _verl_resume(verl, Path(cfg.trainer.run_dir))
+    if args.resume:
+        overrides = list(args.overrides)
+        if args.config:
+            raise UserError(f"--resume continues the run with its own config.yaml; give no config ({args.config!r}),"
+                            " only key=value overrides")
+        from hybridlab.dataflow import checkpoints
+
+        print(f"resuming {args.resume} from {checkpoints.latest(Path(args.resume)).name}", flush=True)
+        if verl is not None:  # the run's settings again, as verl reads them from its command line
+            overrides = [o for o in verl.overrides() if not o.startswith("actor.lora.")]
+        rl = RLSession.resume(args.resume, overrides, **ray)
+    else:
+        rl = RLSession(cfg, **ray)
+        print(f"run directory: {rl.run_dir}", flush=True)
+    try:
+        rl.start()  # first: starting Ray installs its own SIGTERM handler, which ours replaces
+        _stop_on_signals(rl)
+        summary = rl.train()
+    finally:
+        rl.shutdown()
+    print(f"accuracy before {summary['accuracy_before']:.3f} -> after {summary['accuracy_after']:.3f} "
+          f"({summary['steps']} steps, {summary['rl_seconds']} s; stopped by {summary['stopped_by']})")
+    print(f"summary: {rl.run_dir / 'summary.json'}", flush=True)
+    if summary["stopped_by"] != "steps":
+        print(f"resume with: hybridlab train --resume {rl.run_dir}", flush=True)
+    if summary["failed"]:
+        print(f"error: {summary['stopped_by']}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _stop_on_signals(rl) -> None:
+    """First Ctrl-C or SIGTERM: stop after the current step, checkpoint, print how to resume.
+    A second one stops at once (KeyboardInterrupt); checkpoints are atomic, so the latest
+    complete one stays intact."""
+    signals = []
+
+    def handler(signum, frame) -> None:
+        signals.append(signum)
+        if len(signals) > 1:
+            raise KeyboardInterrupt
+        rl.request_stop()
+        print(f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint"
+              " (again to stop at once)", file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def add_command(sub) -> None:
+    """Add ``train`` to the ``hybridlab`` command's subparsers."""
+    t = sub.add_parser("train", help="RL training from a config or preset (default: GRPO on arith, tiny model)")
+    t.add_argument("config", nargs="?", default=None,
+                   help="YAML file or preset name in configs/ (grpo, ppo, rloo, ...); omit for the default run")
+    t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. trainer.steps=50")
+    t.add_argument("--ray-address", default=None, help="attach to an existing Ray cluster (e.g. auto)")
+    t.add_argument("--ray-temp-dir", default=None, help="temp folder of a local Ray cluster (short path)")
+    t.add_argument("--resume", metavar="RUN_DIR", default=None,
+                   help="continue this run from its latest complete checkpoint (its config, plus overrides)")
+    t.add_argument("--verl", action="store_true",
+                   help="read the KEY=VALUE settings as verl's main_ppo does (automatic when they name"
+                        " actor_rollout_ref): verl's defaults, keys and placement (docs/verl.md)")
+    t.set_defaults(func=cmd_train)

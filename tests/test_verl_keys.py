@@ -1,0 +1,165 @@
+"""verl's main_ppo settings read as hybridlab's: every key of verl's examples covered, each
+translated with its meaning and units, noted or refused by name before any work, verl's defaults
+and placement, and docs/verl.md's table equal to the code's. Nothing here starts Ray."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridlab.cli import main
+from hybridlab.config import ConfigError
+from hybridlab.run_config import load_config, load_run
+from hybridlab.tasks.dataset import write_rows
+from hybridlab.verl.keys import lookup, markdown_table
+
+ROOT = Path(__file__).resolve().parents[1]
+AR = "actor_rollout_ref."
+
+
+@pytest.fixture(scope="module")
+def gsm8k_files(tmp_path_factory) -> tuple[Path, Path]:
+    """40 training rows and 8 validation rows in verl's GSM8K format."""
+    root = tmp_path_factory.mktemp("gsm8k")
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "data_source": "openai/gsm8k",
+             "reward_model": {"style": "rule", "ground_truth": str(2 * i)}} for i in range(40)]
+    return write_rows(rows, root / "train.parquet"), write_rows(rows[:8], root / "test.parquet")
+
+
+def settings(files, *more: str) -> list[str]:
+    train, test = files
+    return [f"data.train_files={train}", f"data.val_files={test}", f"{AR}model.path=tiny",
+            f"{AR}rollout.name=vllm", "trainer.n_gpus_per_node=1", f"{AR}rollout.tensor_model_parallel_size=1",
+            "trainer.logger=console", *more]
+
+
+def test_every_key_of_verls_examples_has_a_treatment():
+    keys = [line.strip() for line in (ROOT / "tests/verl_reference/example_keys.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    assert len(keys) == 136
+    assert [k for k in keys if lookup(k) is None] == []
+
+
+def test_docs_table_equals_the_code():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from verl_table import table_section
+
+    assert table_section((ROOT / "docs" / "verl.md").read_text()) == markdown_table()
+
+
+def test_sizes_translate_with_their_meaning_and_units(gsm8k_files):
+    cfg, verl = load_run(None, settings(gsm8k_files, "data.train_batch_size=8", f"{AR}actor.ppo_mini_batch_size=4",
+                                        f"{AR}rollout.n=5", f"{AR}actor.ppo_micro_batch_size_per_gpu=2",
+                                        f"{AR}actor.use_dynamic_bsz=False", f"{AR}actor.ppo_max_token_len_per_gpu=3000",
+                                        "data.max_response_length=16", "trainer.total_epochs=3"))
+    assert (cfg.data.prompts_per_step, cfg.actor.ppo_mini_batch_size, cfg.rollout.n) == (8, 4, 5)
+    assert cfg.actor.micro_batch_size == 2 and cfg.actor.micro_batch_tokens == 0  # by count: use_dynamic_bsz=false
+    assert cfg.rollout.max_new_tokens == 16
+    assert cfg.trainer.steps == 3 * (40 // 8)  # epochs x rows // train_batch_size
+    from hybridlab.explain import explain
+
+    # a mini-batch is ppo_mini_batch_size prompts x rollout.n sequences
+    assert "8 prompts / 4 (actor.ppo_mini_batch_size) = 2 mini-batches" in explain(cfg).text()
+    assert "each 4 x 5 = 20 sequences" in explain(cfg).text()
+    dynamic = load_config(None, settings(gsm8k_files, f"{AR}actor.use_dynamic_bsz=True",
+                                         f"{AR}actor.ppo_max_token_len_per_gpu=3000", "data.train_batch_size=8",
+                                         f"{AR}actor.ppo_mini_batch_size=8"))
+    assert dynamic.actor.micro_batch_tokens == 3000 and dynamic.critic.micro_batch_tokens == 32768
+    assert verl.noted == {}  # nothing here changes nothing
+
+
+def test_verls_defaults_apply_to_what_the_script_leaves_unset(gsm8k_files):
+    cfg, verl = load_run(None, settings(gsm8k_files, f"{AR}actor.ppo_mini_batch_size=8", "data.train_batch_size=8"))
+    assert (cfg.actor.lr, cfg.actor.weight_decay, cfg.actor.warmup_steps) == (1e-6, 0.01, 0)
+    assert (cfg.algorithm.adv_estimator, cfg.rollout.n, cfg.rollout.max_new_tokens) == ("gae", 1, 512)
+    assert (cfg.critic.lr, cfg.warm_start.max_steps, cfg.trainer.max_minutes) == (1e-5, 0, 0.0)
+    assert cfg.actor.use_rollout_log_probs is False and cfg.trainer.verl_names is True
+    assert cfg.trainer.steps == 30 * (40 // 8) and cfg.trainer.eval_every == 0 and cfg.trainer.save_every == 0
+    assert cfg.trainer.run_dir == "checkpoints/verl_examples/gsm8k" and cfg.name == "gsm8k"
+    assert cfg.data.train_samples == 0 and cfg.data.test_samples == 0  # every row
+    lines = verl.defaults_lines()
+    assert "actor.lr=1e-06  (verl's default of actor_rollout_ref.actor.optim.lr)" in lines
+    assert 'algorithm.adv_estimator="gae"  (verl\'s default of algorithm.adv_estimator)' in lines
+    assert not any(line.startswith("data.prompts_per_step=") for line in lines)  # the script set it
+
+
+def test_explain_shows_the_defaults_and_the_ignored_line(gsm8k_files, capsys):
+    assert main(["explain", *settings(gsm8k_files, "data.train_batch_size=8", f"{AR}actor.ppo_mini_batch_size=8",
+                                      f"{AR}rollout.gpu_memory_utilization=0.6", f"{AR}rollout.enforce_eager=False",
+                                      "algorithm.adv_estimator=grpo", f"{AR}rollout.n=4")]) == 0
+    out = capsys.readouterr().out
+    assert "Read as verl's main_ppo settings" in out
+    assert ("ignored verl settings: actor_rollout_ref.rollout.gpu_memory_utilization (a vLLM engine setting for"
+            " speed and memory") in out
+    assert "actor_rollout_ref.rollout.enforce_eager (CUDA graphs on or off" in out
+    assert "  actor.lr=1e-06  (verl's default of actor_rollout_ref.actor.optim.lr)" in out
+
+
+def test_hydra_spellings_and_list_values(gsm8k_files):
+    train, test = gsm8k_files
+    cfg = load_config(None, [f"data.train_files=['{train}', '{test}']", f"+{AR}model.path=tiny",
+                             f"++{AR}rollout.name=vllm", "trainer.n_gpus_per_node=1",
+                             f"{AR}rollout.tensor_model_parallel_size=1", 'trainer.logger=["console","tensorboard"]',
+                             "data.train_batch_size=8", f"{AR}actor.ppo_mini_batch_size=8", "trainer.total_epochs=1"])
+    assert cfg.data.train_files == [str(train), str(test)] and cfg.trainer.logger == ["console", "tensorboard"]
+    assert cfg.trainer.steps == (40 + 8) // 8  # both files' rows
+
+
+def test_placement_follows_verl_and_an_explicit_mapping_wins(gsm8k_files):
+    base = settings(gsm8k_files, "data.train_batch_size=8", f"{AR}actor.ppo_mini_batch_size=8",
+                    "trainer.n_gpus_per_node=2", "trainer.nnodes=2", f"{AR}rollout.tensor_model_parallel_size=2",
+                    f"{AR}actor.megatron.tensor_model_parallel_size=2", "algorithm.adv_estimator=gae")
+    cfg = load_config(None, base)
+    assert cfg.trainer.devices == 4
+    roles = cfg.mapping["roles"]
+    assert {r: (roles[r]["tp"], roles[r]["dp"]) for r in ("actor", "critic", "rollout")} == \
+        {"actor": (2, 2), "critic": (2, 2), "rollout": (2, 2)}
+    assert {spec["colocate"] for spec in roles.values()} == {"engine"} and set(cfg.mapping["pools"]) == {"main"}
+    mine = {"pools": {"main": {"devices": 4}}, "roles": {r: {"pool": "main", "dp": 4, "colocate": "engine"}
+                                                          for r in ("actor", "rollout", "critic", "reward")}}
+    assert load_config(None, [*base, f"mapping={json.dumps(mine)}"]).mapping == mine
+    with pytest.raises(ConfigError, match=r"rollout.tensor_model_parallel_size = 2 does not divide the 1 devices"):
+        load_config(None, settings(gsm8k_files, f"{AR}rollout.tensor_model_parallel_size=2"))
+
+
+@pytest.mark.parametrize("pair, message", [
+    (f"{AR}rollout.name=sglang", r"rollout.name='sglang' is refused: hybridlab's rollout engine is vLLM"),
+    (f"{AR}actor.ulysses_sequence_parallel_size=2", r"ulysses_sequence_parallel_size=2 is refused: hybridlab has no"
+                                                    r" Ulysses"),
+    (f"{AR}model.path=Qwen/Qwen3-4B", r"'Qwen/Qwen3-4B' is not a local directory; hybridlab loads local checkpoints"),
+    ("trainer.n_gpu_per_node=8", r"unknown verl key trainer.n_gpu_per_node: .*close: trainer.n_gpus_per_node"),
+    ("critic.model.path=/elsewhere", r"critic.model.path='/elsewhere' differs from actor_rollout_ref.model.path"),
+    ("reward_model.reward_manager=prime", r"reward manager 'prime' is refused"),
+    ("trainer.resume_mode=resume_path", r"resume_path is not supported yet"),
+])
+def test_refused_values_and_unknown_keys_are_named_before_any_work(gsm8k_files, pair, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, settings(gsm8k_files, pair))
+
+
+def test_warmup_counts_training_steps_as_optimizer_steps(gsm8k_files):
+    # 8 prompts a step in mini-batches of 4, 2 epochs: 4 optimizer steps per training step
+    common = ["data.train_batch_size=8", f"{AR}actor.ppo_mini_batch_size=4", f"{AR}actor.ppo_epochs=2",
+              "trainer.total_training_steps=20"]
+    assert load_config(None, settings(gsm8k_files, *common, f"{AR}actor.optim.lr_warmup_steps=3")) \
+        .actor.warmup_steps == 12
+    assert load_config(None, settings(gsm8k_files, *common, f"{AR}actor.optim.lr_warmup_steps_ratio=0.1")) \
+        .actor.warmup_steps == 2 * 4
+
+
+def test_a_custom_reward_function_is_called_by_keyword_with_its_kwargs(gsm8k_files, tmp_path):
+    module = tmp_path / "verl_reward.py"
+    module.write_text("async def my_score(*, data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):\n"
+                      "    return {'score': float(solution_str == ground_truth) + bonus}\n")
+    cfg = load_config(None, settings(gsm8k_files, "data.train_batch_size=8", f"{AR}actor.ppo_mini_batch_size=8",
+                                     f"custom_reward_function.path={module}", "custom_reward_function.name=my_score",
+                                     "+custom_reward_function.reward_kwargs={bonus: 0.5}"))
+    assert (cfg.reward.kind, cfg.reward.function) == ("function", f"{module}:my_score")
+    from hybridlab.workers.reward.scoring import load_function, score_one
+
+    fn = load_function(cfg.reward.function, cfg.reward.function_kwargs)
+    assert score_one(fn, "openai/gsm8k", "4", "4", None) == (1.5, None, {})
+    assert score_one(fn, "openai/gsm8k", "5", "4", None) == (0.5, None, {})

@@ -1,0 +1,73 @@
+"""A verl run script run by hybridlab: ``tests/verl_scripts/grpo_gsm8k.sh`` (verl's GRPO-on-GSM8K
+example's knobs and key arrays, ``hybridlab train`` in place of ``main_ppo``) on the tiny Qwen
+checkpoint and a small GSM8K-format parquet, its knobs set for size and two steps asked for in
+its ``"$@"``: it evaluates and saves on schedule under verl's metric names, then a second run of
+the same script resumes from the checkpoint (verl's ``resume_mode=auto``)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridlab.tasks.dataset import write_rows
+
+SCRIPT = Path(__file__).parent / "verl_scripts" / "grpo_gsm8k.sh"
+
+
+@pytest.fixture(scope="module")
+def verl_runs(ray_address, tiny_dir, tmp_path_factory):
+    """The script run for two steps, then again for three; returns both processes and the run
+    directory (verl's trainer.default_local_dir)."""
+    root = tmp_path_factory.mktemp("verl")
+    rows = [{"prompt": [{"role": "user", "content": f"Tom has {i} apples and buys {i} more. How many now?"}],
+             "data_source": "openai/gsm8k", "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+             "extra_info": {"index": i}} for i in range(24)]
+    knobs = {"MODEL_PATH": str(tiny_dir), "TRAIN_FILE": str(write_rows(rows, root / "train.parquet")),
+             "TEST_FILE": str(write_rows(rows[:8], root / "test.parquet")), "NGPUS_PER_NODE": "1",
+             "TRAIN_BATCH_SIZE": "8", "PPO_MINI_BATCH_SIZE": "4", "ROLLOUT_N": "4", "ROLLOUT_TP": "1",
+             "MAX_PROMPT_LENGTH": "64", "MAX_RESPONSE_LENGTH": "12", "TEST_FREQ": "1", "SAVE_FREQ": "1",
+             "VERL_USE_UV": "0"}
+    env = {**os.environ, **knobs, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "TQDM_DISABLE": "1"}
+    run_dir = root / "checkpoints"
+
+    def run(steps: int) -> subprocess.CompletedProcess:
+        done = subprocess.run(["bash", str(SCRIPT), f"trainer.total_training_steps={steps}",
+                               f"trainer.default_local_dir={run_dir}", "trainer.progress=false"],
+                              cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        return done
+
+    return run(2), run(3), run_dir
+
+
+def test_the_script_trains_evaluates_and_saves_on_schedule(verl_runs):
+    first, _, run_dir = verl_runs
+    assert "ignored verl settings: " in first.stdout
+    for key in ("data.max_prompt_length", "actor_rollout_ref.model.enable_gradient_checkpointing",
+                "actor_rollout_ref.rollout.gpu_memory_utilization", "actor_rollout_ref.ref.fsdp_config.param_offload"):
+        assert f"{key} (" in first.stdout
+    assert f"run directory: {run_dir}" in first.stdout
+    config = json.loads((run_dir / "summary.json").read_text())["config"]  # the second run's, resumed
+    assert (config["actor"]["lr"], config["actor"]["weight_decay"], config["actor"]["micro_batch_tokens"]) == \
+        (1e-6, 0.01, 3000)
+    assert (config["actor"]["use_kl_loss"], config["rollout"]["n"], config["data"]["prompts_per_step"]) == (True, 4, 8)
+    assert config["trainer"]["logger"] == ["console", "wandb"] and config["name"] == "qwen3_4b_function_rm"
+
+
+def test_it_resumes_with_resume_mode_auto_and_logs_verls_metric_names(verl_runs):
+    _, second, run_dir = verl_runs
+    assert f"resuming {run_dir} from step-000002" in second.stdout
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [line["step"] for line in lines if "eval/accuracy" in line]
+    assert evaluated == [0, 1, 2, 3]  # before the first step, then every step (test_freq=1), on through the resume
+    assert all("val-core/openai/gsm8k/reward/mean@1" in line for line in lines if "eval/accuracy" in line)
+    steps = [line for line in lines if "reward/mean" in line]
+    assert [line["step"] for line in steps] == [1, 2, 3]
+    assert all(line["critic/score/mean"] == line["reward/mean"] for line in steps)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["stopped_by"] == "steps"
