@@ -163,3 +163,13 @@ def test_a_custom_reward_function_is_called_by_keyword_with_its_kwargs(gsm8k_fil
     fn = load_function(cfg.reward.function, cfg.reward.function_kwargs)
     assert score_one(fn, "openai/gsm8k", "4", "4", None) == (1.5, None, {})
     assert score_one(fn, "openai/gsm8k", "5", "4", None) == (0.5, None, {})
+
+
+def test_hybridlabs_own_keys_win_and_are_not_listed_as_verl_defaults(gsm8k_files):
+    cfg, verl = load_run(None, settings(gsm8k_files, "data.train_batch_size=8", f"{AR}actor.ppo_mini_batch_size=8",
+                                        "trainer.max_minutes=30", "trainer.steps=7",
+                                        f"{AR}actor.optim.lr_warmup_steps_ratio=0.5"))
+    assert cfg.trainer.max_minutes == 30 and cfg.trainer.steps == 7  # applied after the translation
+    lines = verl.defaults_lines()
+    assert not any(line.startswith(("trainer.max_minutes=", "actor.warmup_steps=")) for line in lines), lines
+    assert "trainer.max_minutes=30" in verl.passed

@@ -155,7 +155,8 @@ def translate(pairs: list[str]) -> Translation:
     values = parse_pairs(pairs)
     known, own = check(values)
     settings = {key: value for key, (value, _) in VERL_DEFAULTS.items()}
-    defaults = {key: verl for key, (_, verl) in VERL_DEFAULTS.items() if verl not in values}
+    set_verl = {*values, *([A + "optim.lr_warmup_steps"] if A + "optim.lr_warmup_steps_ratio" in values else [])}
+    defaults = {key: verl for key, (_, verl) in VERL_DEFAULTS.items() if verl not in set_verl and key not in own}
     noted = {key: entry.note for key, entry in known.items() if entry.note and not entry.joint}
     for key, entry in known.items():
         if entry.to and not entry.joint and not entry.note:
