@@ -44,28 +44,21 @@ def read_responses(path: str | Path, rows: int) -> list[str]:
 
 def score_responses(reward, samples: list[Sample], responses: list[str]) -> list[dict]:
     """Return one ``{"score", "acc", ..., "error"}`` per response under the ``reward`` settings
-    (a RewardConfig): ``acc`` where the scorer gives one, the numeric entries of a dict-valued
-    reward, and ``error`` where it failed (then ``score`` is ``reward.error_score``)."""
-    from hybridlab.workers.reward.scoring import RuleScorer, check_sources, load_function, score_batch
+    (a RewardConfig): ``acc`` where it is known, the numeric entries of a dict-valued reward, and
+    ``error`` where scoring failed (then ``score`` is ``reward.error_score``)."""
+    from hybridlab.workers.reward.scoring import RuleScorer, check_sources, load_function, score_samples
 
-    options = ScorerOptions.of(reward)
-    rules = RuleScorer(options)
     if reward.kind == "model":
         raise UserError("reward.kind=model scores token ids with a reward model; hybridlab score checks the rule"
                         " and function rewards")
+    rules = RuleScorer(ScorerOptions.of(reward))
     if reward.kind == "rule":
-        check_sources(samples, options)
+        check_sources(samples, rules.options)
     fn = load_function(reward.function, reward.function_kwargs) if reward.kind == "function" else rules
-    hangs = reward.kind == "function" or options.math_verifier != "rules"
     items = [(s.data_source, text, s.ground_truth, s.extra_info) for s, text in zip(samples, responses)]
-    out = []
-    for sample, text, (score, acc, error, parts) in zip(samples, responses,
-                                                         score_batch(fn, items, reward.error_score,
-                                                                     reward.timeout_s if hangs else 0.0)):
-        acc = acc if acc is not None else rules.accuracy(sample.data_source, text, sample.ground_truth)
-        out.append({"score": score, **({} if math.isnan(acc) else {"acc": acc}), **parts,
-                    **({"error": error} if error else {})})
-    return out
+    return [{"score": row.score, **({} if math.isnan(row.acc) else {"acc": row.acc}), **row.components,
+             **({"error": row.error} if row.error else {})}
+            for row in score_samples(fn, rules, reward.kind, items, reward.error_score, reward.timeout_s)]
 
 
 def summary(rows: list[dict]) -> str:

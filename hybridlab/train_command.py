@@ -2,9 +2,12 @@
 run resumed from its latest checkpoint; SIGTERM and SIGINT stop it cleanly at a step boundary."""
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 from pathlib import Path
+
+import yaml
 
 from hybridlab.errors import UserError
 
@@ -17,6 +20,17 @@ def _verl_resume(verl, run_dir: Path) -> str | None:
     if verl.resume == "auto" and run_dir.is_dir() and checkpoints.checkpoint_dirs(run_dir):
         return str(run_dir)
     return None
+
+
+def _same_adapter(cfg, checkpoint: Path) -> None:
+    """Raise UserError when the settings ask for another LoRA adapter than the checkpoint holds."""
+    saved = (yaml.safe_load((checkpoint / "config.yaml").read_text()) or {}).get("actor", {}).get("lora", {})
+    wanted = dataclasses.asdict(cfg.actor.lora)
+    changed = sorted(k for k in wanted if k in saved and saved[k] != wanted[k])
+    if changed:
+        raise UserError(f"actor.lora.{changed[0]}: the settings ask for {wanted[changed[0]]!r}, and the checkpoint in"
+                        f" {checkpoint.parent.parent} holds an adapter built with {saved[changed[0]]!r}; resume with the"
+                        " run's own LoRA settings, or set trainer.resume_mode=disable to start afresh")
 
 
 def cmd_train(args) -> int:
@@ -39,7 +53,8 @@ def cmd_train(args) -> int:
 
         print(f"resuming {args.resume} from {checkpoints.latest(Path(args.resume)).name}", flush=True)
         if verl is not None:  # the run's settings again, as verl reads them from its command line
-            overrides = [o for o in verl.overrides() if not o.startswith("actor.lora.")]
+            _same_adapter(cfg, checkpoints.latest(Path(args.resume)))
+            overrides = [o for o in verl.overrides() if not o.startswith("actor.lora.")]  # checked just above
         rl = RLSession.resume(args.resume, overrides, **ray)
     else:
         rl = RLSession(cfg, **ray)

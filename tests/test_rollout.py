@@ -183,6 +183,7 @@ def test_a_cpu_engine_traces_none_of_vllms_compiled_helpers(tiny_dir):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
 
 
+@pytest.mark.skipif(torch.version.cuda is not None, reason="the check is for vLLM's CPU build")
 def test_vllms_cpu_head_sizes_are_checked_before_ray(tmp_path, tiny_dir, monkeypatch):
     """A head size vLLM's CPU attention does not list runs only with AVX-512 (its AVX2 build stops
     inside generate): refused by name when the session starts, before Ray."""

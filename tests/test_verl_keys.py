@@ -68,7 +68,7 @@ def test_sizes_translate_with_their_meaning_and_units(gsm8k_files):
                                          f"{AR}actor.ppo_max_token_len_per_gpu=3000", "data.train_batch_size=8",
                                          f"{AR}actor.ppo_mini_batch_size=8"))
     assert dynamic.actor.micro_batch_tokens == 3000 and dynamic.critic.micro_batch_tokens == 32768
-    assert verl.noted == {}  # nothing here changes nothing
+    assert verl.noted == {}  # every key above is translated: none is listed as changing nothing
 
 
 def test_verls_defaults_apply_to_what_the_script_leaves_unset(gsm8k_files):
@@ -80,7 +80,7 @@ def test_verls_defaults_apply_to_what_the_script_leaves_unset(gsm8k_files):
     assert cfg.trainer.steps == 30 * (40 // 8) and cfg.trainer.eval_every == 0 and cfg.trainer.save_every == 0
     assert cfg.trainer.run_dir == "checkpoints/verl_examples/gsm8k" and cfg.name == "gsm8k"
     assert cfg.data.train_samples == 0 and cfg.data.test_samples == 0  # every row
-    lines = verl.defaults_lines()
+    lines = verl.defaults
     assert "actor.lr=1e-06  (verl's default of actor_rollout_ref.actor.optim.lr)" in lines
     assert 'algorithm.adv_estimator="gae"  (verl\'s default of algorithm.adv_estimator)' in lines
     assert not any(line.startswith("data.prompts_per_step=") for line in lines)  # the script set it
@@ -106,6 +106,12 @@ def test_hydra_spellings_and_list_values(gsm8k_files):
                              "data.train_batch_size=8", f"{AR}actor.ppo_mini_batch_size=8", "trainer.total_epochs=1"])
     assert cfg.data.train_files == [str(train), str(test)] and cfg.trainer.logger == ["console", "tensorboard"]
     assert cfg.trainer.steps == (40 + 8) // 8  # both files' rows
+
+
+def test_a_value_yaml_reads_as_a_date_stays_its_text(gsm8k_files):
+    cfg = load_config(None, settings(gsm8k_files, "data.train_batch_size=8", f"{AR}actor.ppo_mini_batch_size=8",
+                                     "trainer.experiment_name=2024-06-01"))
+    assert cfg.name == "2024-06-01" and cfg.trainer.run_dir == "checkpoints/verl_examples/2024-06-01"
 
 
 def test_placement_follows_verl_and_an_explicit_mapping_wins(gsm8k_files):
@@ -134,6 +140,7 @@ def test_placement_follows_verl_and_an_explicit_mapping_wins(gsm8k_files):
     ("critic.model.path=/elsewhere", r"critic.model.path='/elsewhere' differs from actor_rollout_ref.model.path"),
     ("reward_model.reward_manager=prime", r"reward manager 'prime' is refused"),
     ("trainer.resume_mode=resume_path", r"resume_path is not supported yet"),
+    ("reward_model.reward_kwargs.overlong_buffer_cfg.enable=True", r"verl's dapo manager is the one that reads it"),
 ])
 def test_refused_values_and_unknown_keys_are_named_before_any_work(gsm8k_files, pair, message):
     with pytest.raises(ConfigError, match=message):
@@ -170,6 +177,23 @@ def test_hybridlabs_own_keys_win_and_are_not_listed_as_verl_defaults(gsm8k_files
                                         "trainer.max_minutes=30", "trainer.steps=7",
                                         f"{AR}actor.optim.lr_warmup_steps_ratio=0.5"))
     assert cfg.trainer.max_minutes == 30 and cfg.trainer.steps == 7  # applied after the translation
-    lines = verl.defaults_lines()
-    assert not any(line.startswith(("trainer.max_minutes=", "actor.warmup_steps=")) for line in lines), lines
-    assert "trainer.max_minutes=30" in verl.passed
+    lines = verl.defaults
+    assert not any(line.startswith(("trainer.max_minutes=", "actor.warmup_steps=", "trainer.total_epochs="))
+                   for line in lines), lines
+    assert verl.own == {"trainer.max_minutes": 30, "trainer.steps": 7}
+    assert cfg.actor.warmup_steps == int(0.5 * 7) * 1  # the ratio of the run's own 7 steps, 1 update a step
+
+
+def test_resuming_refuses_another_adapter_than_the_checkpoints(tmp_path):
+    import yaml
+
+    from hybridlab.errors import UserError
+    from hybridlab.train_command import _same_adapter
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000002"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.yaml").write_text(yaml.safe_dump(load_config(None, []).to_dict()))
+    _same_adapter(load_config(None, []), checkpoint)  # the same adapter (none): resumes
+    with pytest.raises(UserError, match=r"actor.lora.rank: the settings ask for 8, and the checkpoint in .*run holds an"
+                                        r" adapter built with 0"):
+        _same_adapter(load_config(None, ["actor.lora.rank=8", "actor.strategy=fsdp2"]), checkpoint)

@@ -18,10 +18,16 @@ from hybridlab.tasks.dataset import write_rows
 SCRIPT = Path(__file__).parent / "verl_scripts" / "grpo_gsm8k.sh"
 
 
+def records(run_dir: Path) -> dict:
+    """The run directory's checkpoints and metrics lines, as they stand now."""
+    return {"checkpoints": sorted(p.name for p in (run_dir / "checkpoints").iterdir()),
+            "lines": [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]}
+
+
 @pytest.fixture(scope="module")
 def verl_runs(ray_address, tiny_dir, tmp_path_factory):
-    """The script run for two steps, then again for three; returns both processes and the run
-    directory (verl's trainer.default_local_dir)."""
+    """The script run for two steps, then again for three; returns both processes, the run
+    directory (verl's trainer.default_local_dir) and its records after the first run."""
     root = tmp_path_factory.mktemp("verl")
     rows = [{"prompt": [{"role": "user", "content": f"Tom has {i} apples and buys {i} more. How many now?"}],
              "data_source": "openai/gsm8k", "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
@@ -41,11 +47,17 @@ def verl_runs(ray_address, tiny_dir, tmp_path_factory):
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         return done
 
-    return run(2), run(3), run_dir
+    first = run(2)
+    after_first = records(run_dir)
+    return first, run(3), run_dir, after_first
 
 
 def test_the_script_trains_evaluates_and_saves_on_schedule(verl_runs):
-    first, _, run_dir = verl_runs
+    first, _, run_dir, after_first = verl_runs
+    assert after_first["checkpoints"] == ["step-000001", "step-000002"]  # save_freq=1
+    lines = after_first["lines"]
+    assert [line["step"] for line in lines if "eval/accuracy" in line] == [0, 1, 2]  # before, then test_freq=1
+    assert [line["step"] for line in lines if "reward/mean" in line] == [1, 2]
     assert "ignored verl settings: " in first.stdout
     for key in ("data.max_prompt_length", "actor_rollout_ref.model.enable_gradient_checkpointing",
                 "actor_rollout_ref.rollout.gpu_memory_utilization", "actor_rollout_ref.ref.fsdp_config.param_offload"):
@@ -59,7 +71,7 @@ def test_the_script_trains_evaluates_and_saves_on_schedule(verl_runs):
 
 
 def test_it_resumes_with_resume_mode_auto_and_logs_verls_metric_names(verl_runs):
-    _, second, run_dir = verl_runs
+    _, second, run_dir, _ = verl_runs
     assert f"resuming {run_dir} from step-000002" in second.stdout
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

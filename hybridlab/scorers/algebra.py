@@ -23,6 +23,7 @@ class _Alarm(BaseException):
 
 
 def _check(response: str, ground_truth: str) -> float:
+    # imported here: it pulls in sympy and an ANTLR parser (a second), which only this verifier needs
     import math_verify.grader
     import math_verify.parser
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -32,9 +33,7 @@ def _check(response: str, ground_truth: str) -> float:
 
     gold = parse("\\boxed{" + ground_truth + "}", (LatexExtractionConfig(),), parsing_timeout=None)
     preds = parse(response, (ExprExtractionConfig(), LatexExtractionConfig()), parsing_timeout=None)
-    if not gold or not preds:
-        return 0.0
-    return max(1.0 if any(verify(g, p, timeout_seconds=None) for g in gold) else 0.0 for p in preds)
+    return float(any(verify(g, p, timeout_seconds=None) for g in gold for p in preds))
 
 
 def score(response: str, ground_truth: Any, timeout_s: int = TIMEOUT_S) -> dict:

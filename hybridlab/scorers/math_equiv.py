@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybridlab.scorers.latex import closing_brace
+
 
 class Unreadable(Exception):
     """The normalisation cannot read the string (compared unnormalised instead)."""
@@ -26,12 +28,8 @@ def last_boxed(response: str) -> str | None:
         start = response.rfind("\\fbox")
         if start < 0:
             return None
-    depth = 0
-    for i in range(start, len(response)):
-        depth += {"{": 1, "}": -1}.get(response[i], 0)
-        if response[i] == "}" and depth == 0:
-            return response[start:i + 1]
-    return None
+    end = closing_brace(response, start)
+    return None if end is None else response[start:end + 1]
 
 
 def unbox(boxed: str) -> str | None:

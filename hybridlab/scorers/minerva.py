@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from hybridlab.scorers.latex import closing_brace
+
 CLIP_CHARS = 300
 BOX_CHARS = 100
 INVALID = "[INVALID]"
@@ -53,12 +55,8 @@ def last_boxed(text: str) -> str | None:
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
-    depth = 0
-    for i in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if text[i] == "}" and depth == 0:
-            return text[start + len("\\boxed{"):i]
-    return None
+    end = closing_brace(text, start)
+    return None if end is None else text[start + len("\\boxed{"):end]
 
 
 def score(response: str, ground_truth: Any) -> dict:

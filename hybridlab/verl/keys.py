@@ -55,6 +55,12 @@ def only(allowed: tuple, why: str) -> Callable[[Any], str]:
     return lambda value: "" if value in allowed else f"{why} (accepted: {', '.join(map(str, allowed))})"
 
 
+def noted_when(verl: str, allowed: tuple, why: str) -> Key:
+    """Return a key accepted with the note ``why`` for the ``allowed`` values, and refused with
+    the same reason for any other."""
+    return Key(verl, note=why, refuse=only(allowed, why))
+
+
 def at_most_one(why: str) -> Callable[[Any], str]:
     """Return a check refusing a parallel size above 1 with ``why``."""
     return lambda value: "" if value in (None, 1, -1) else why
@@ -102,12 +108,10 @@ KEYS: list[Key] = [
         " keeps their last tokens"), convert=lambda v: v == "left"),
     Key("data.filter_overlong_prompts", note="over-long prompts are refused by file and row before the run starts,"
         " never dropped in silence"),
-    Key("data.shuffle", refuse=only((True,), "hybridlab draws each step's prompts in a seeded random order"),
-        note="hybridlab draws each step's prompts in a seeded random order (data.seed)"),
+    noted_when("data.shuffle", (True,), "hybridlab draws each step's prompts in a seeded random order (data.seed)"),
     Key("data.seed", "data.seed"),
     Key("data.return_raw_chat", note="chat prompts are kept as messages and rendered with the template anyway"),
-    Key("data.prompt_key", refuse=only(("prompt",), "hybridlab reads the prompt column 'prompt'"),
-        note="the prompt column is 'prompt'"),
+    noted_when("data.prompt_key", ("prompt",), "hybridlab reads the prompt column 'prompt'"),
     Key("data.image_key", refuse=lambda v: "image prompts are not supported: hybridlab trains on text only"),
     Key("data.val_batch_size", note="the evaluation scores every validation prompt in one pass"),
     # the model
@@ -161,8 +165,8 @@ KEYS: list[Key] = [
     *(Key(A + "megatron.override_transformer_config." + name, note=_MEGATRON) for name in (
         "recompute_method", "recompute_granularity", "recompute_num_layers", "gradient_accumulation_fusion",
         "moe_permute_fusion", "apply_rope_fusion", "moe_enable_deepep", "moe_token_dispatcher_type")),
-    Key(A + "megatron.override_transformer_config.moe_router_dtype", refuse=only(("fp32",), "hybridlab's router"
-        " computes in fp32"), note="hybridlab's router computes in fp32"),
+    noted_when(A + "megatron.override_transformer_config.moe_router_dtype", ("fp32",),
+               "hybridlab's router computes in fp32"),
     # the rollout
     Key(R + "name", "rollout.backend", refuse=only(("vllm",), "hybridlab's rollout engine is vLLM")),
     Key(R + "mode", refuse=only(("async", "sync"), "verl's rollout modes are async and sync"),
@@ -186,12 +190,9 @@ KEYS: list[Key] = [
     Key(R + "log_prob_micro_batch_size_per_gpu", note=_LOGPROB),
     Key(R + "log_prob_use_dynamic_bsz", note=_LOGPROB),
     Key(R + "log_prob_max_token_len_per_gpu", note=_LOGPROB),
-    Key(R + "val_kwargs.do_sample", refuse=only((False,), "hybridlab's evaluation decodes greedily"),
-        note="greedy evaluation"),
-    Key(R + "val_kwargs.temperature", refuse=only((0, 0.0), "hybridlab's evaluation decodes greedily"),
-        note="greedy evaluation"),
-    Key(R + "val_kwargs.n", refuse=only((1,), "hybridlab's evaluation decodes one answer per prompt"),
-        note="one greedy answer per prompt"),
+    noted_when(R + "val_kwargs.do_sample", (False,), "hybridlab's evaluation decodes greedily"),
+    noted_when(R + "val_kwargs.temperature", (0, 0.0), "hybridlab's evaluation decodes greedily"),
+    noted_when(R + "val_kwargs.n", (1,), "hybridlab's evaluation decodes one answer per prompt"),
     Key(R + "val_kwargs.top_p", note="greedy evaluation: sampling settings do not apply"),
     Key(R + "val_kwargs.top_k", note="greedy evaluation: sampling settings do not apply"),
     Key(R + "multi_turn.tool_config_path", refuse=lambda v: "verl's tool configs are not read; hybridlab's agent"
@@ -227,17 +228,15 @@ KEYS: list[Key] = [
         "adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty",
         "kl_ctrl.type", "kl_ctrl.kl_coef", "kl_ctrl.target_kl", "kl_ctrl.horizon")),
     # rewards: verl 0.9's section and the legacy keys
-    Key("reward.custom_reward_function.path", "reward.kind=function, reward.function=PATH:NAME", joint=True),
-    Key("reward.custom_reward_function.name", "reward.function=PATH:NAME", joint=True),
-    Key("reward.custom_reward_function.reward_kwargs", "reward.function_kwargs"),
+    *(key for prefix in ("reward.", "") for key in (  # verl 0.9's reward section, and the legacy keys
+        Key(prefix + "custom_reward_function.path", "reward.kind=function, reward.function=PATH:NAME", joint=True),
+        Key(prefix + "custom_reward_function.name", "reward.function=PATH:NAME", joint=True),
+        Key(prefix + "custom_reward_function.reward_kwargs", "reward.function_kwargs"))),
     Key("reward.reward_manager.name", "the reward manager (naive, dapo, gdpo)", joint=True),
+    Key("reward_model.reward_manager", "the reward manager (naive, dapo, gdpo)", joint=True),
     Key("reward.num_workers", note="the reward role runs on the rollout's devices (dataflow/roles.py)"),
     Key("reward.reward_model.enable", "reward.kind=model", joint=True),
     Key("reward.reward_model.model_path", "reward.model"),
-    Key("custom_reward_function.path", "reward.kind=function, reward.function=PATH:NAME", joint=True),
-    Key("custom_reward_function.name", "reward.function=PATH:NAME", joint=True),
-    Key("custom_reward_function.reward_kwargs", "reward.function_kwargs"),
-    Key("reward_model.reward_manager", "the reward manager (naive, dapo, gdpo)", joint=True),
     Key("reward_model.reward_kwargs.overlong_buffer_cfg.enable", "algorithm.overlong_buffer.enable"),
     Key("reward_model.reward_kwargs.overlong_buffer_cfg.len", "algorithm.overlong_buffer.len"),
     Key("reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor", "algorithm.overlong_buffer.penalty_factor"),

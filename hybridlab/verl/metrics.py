@@ -19,7 +19,6 @@ STEP_NAMES = {
     **{f"advantages/{s}": f"critic/advantages/{s}" for s in ("mean", "max", "min")},
     **{f"returns/{s}": f"critic/returns/{s}" for s in ("mean", "max", "min")},
     "timing/step_s": "timing_s/step",
-    "perf/tokens_per_s": "perf/throughput",
 }
 
 

@@ -19,9 +19,7 @@ import yaml
 
 from hybridlab.config import ConfigError, RunConfig, config_with
 from hybridlab.config.schema import config_fields
-from hybridlab.verl.keys import AR, BY_KEY, Key, lookup
-
-A, R = AR + "actor.", AR + "rollout."
+from hybridlab.verl.keys import AR, BY_KEY, A, Key, R, lookup
 
 # verl 0.9.1's defaults (verl/trainer/config/_generated_ppo_trainer.yaml) where hybridlab's differ,
 # by hybridlab key, with the verl key that sets each
@@ -51,29 +49,29 @@ VERL_DEFAULTS: dict[str, tuple[Any, str]] = {
     "trainer.verl_names": (True, "(metrics also under verl's names)"),
     "trainer.run_dir": (None, "trainer.default_local_dir"),  # checkpoints/PROJECT/EXPERIMENT, set below
 }
-# verl's defaults of the keys that decide a setting together, with what each decides
-VERL_UNSET: dict[str, tuple[Any, str]] = {
+# verl's defaults of the keys that decide a setting together, with the hybridlab setting each decides
+VERL_JOINT_DEFAULTS: dict[str, tuple[Any, str]] = {
     "trainer.total_epochs": (30, "trainer.steps"), "trainer.n_gpus_per_node": (8, "trainer.devices"),
     "trainer.nnodes": (1, "trainer.devices"), A + "ppo_max_token_len_per_gpu": (16384, "actor.micro_batch_tokens"),
     "critic.ppo_max_token_len_per_gpu": (32768, "critic.micro_batch_tokens"),
-    R + "tensor_model_parallel_size": (2, "the rollout's tp in the mapping"), "trainer.resume_mode": ("auto", "resume")}
+    R + "tensor_model_parallel_size": (2, "mapping"), "trainer.resume_mode": ("auto", "resume")}
 MANAGERS = ("naive", "dapo", "gdpo")
 
 
 @dataclasses.dataclass
 class Translation:
     """What a verl run's settings became."""
-    settings: dict[str, Any]                 # hybridlab key -> value, verl's defaults included
-    defaults: dict[str, str]                 # hybridlab key -> the verl key whose default applied
+    settings: dict[str, Any]                 # hybridlab key -> value: verl's defaults, the translation, own keys
+    defaults: list[str]                      # one line per verl default that applied (explain prints them)
     noted: dict[str, str]                    # verl key -> why it changes nothing here
-    passed: list[str]                        # hybridlab's own key=value settings, applied last
+    own: dict[str, Any]                      # hybridlab's own keys among the settings (they win)
     layout: dict[str, int]                   # actor tp, pp, ep and rollout_tp, for the default mapping
     resume: str = "auto"                     # trainer.resume_mode
-    unset: tuple[str, ...] = ()              # the VERL_UNSET keys the settings left to verl's default
 
     def overrides(self) -> list[str]:
-        """Return the settings as hybridlab ``key=value`` overrides (JSON values), its own last."""
-        return [f"{k}={json.dumps(v)}" for k, v in self.settings.items()] + self.passed
+        """Return the settings as hybridlab ``key=value`` overrides (JSON values; a date read from
+        YAML as its text)."""
+        return [f"{k}={json.dumps(v, default=str)}" for k, v in self.settings.items()]
 
     def ignored_line(self) -> str:
         """Return the one line listing the accepted verl settings that change nothing here, with why."""
@@ -86,16 +84,7 @@ class Translation:
         ignored line and one line per verl default that applied."""
         lines = ["Read as verl's main_ppo settings (docs/verl.md).", *([self.ignored_line()] if self.noted else []),
                  "verl's defaults that applied (the settings left unset):"]
-        return "\n".join(lines + [f"  {line}" for line in self.defaults_lines()])
-
-    def defaults_lines(self) -> list[str]:
-        """Return one line per verl default that applied: the hybridlab setting and its value, or
-        the verl key that decides one, and why."""
-        lines = [f"{key}={json.dumps(self.settings[key])}  "
-                 + (verl if verl.startswith("(") else f"(verl's default of {verl})")
-                 for key, verl in self.defaults.items() if key in self.settings]
-        return lines + [f"{key}={json.dumps(value)}  (verl's default, for {what})"
-                        for key, (value, what) in VERL_UNSET.items() if key in self.unset]
+        return "\n".join(lines + [f"  {line}" for line in self.defaults])
 
 
 def is_verl(pairs: list[str]) -> bool:
@@ -153,32 +142,46 @@ def translate(pairs: list[str]) -> Translation:
     """Return hybridlab's settings for a verl run's ``key=value`` pairs; raises ConfigError for an
     unknown key, a refused value or settings that contradict each other, before any work."""
     values = parse_pairs(pairs)
-    known, own = check(values)
+    known, own_keys = check(values)
+    own = {key: values[key] for key in own_keys}
     settings = {key: value for key, (value, _) in VERL_DEFAULTS.items()}
-    set_verl = {*values, *([A + "optim.lr_warmup_steps"] if A + "optim.lr_warmup_steps_ratio" in values else [])}
-    defaults = {key: verl for key, (_, verl) in VERL_DEFAULTS.items() if verl not in set_verl and key not in own}
-    noted = {key: entry.note for key, entry in known.items() if entry.note and not entry.joint}
     for key, entry in known.items():
         if entry.to and not entry.joint and not entry.note:
             settings[entry.to] = entry.convert(values[key]) if entry.convert else values[key]
-            defaults.pop(entry.to, None)
-    get = {**{key: value for key, (value, _) in VERL_UNSET.items()}, **values}.get
-    layout = _joint_settings(get, settings)
-    passed = [p.lstrip("+") for p in pairs if _key(p) in own]
-    unset = tuple(key for key in VERL_UNSET if key not in values
-                  and not (key == "trainer.total_epochs" and "trainer.total_training_steps" in values))
-    return Translation(settings, defaults, noted, passed, layout, resume=get("trainer.resume_mode"), unset=unset)
+    settings.update(own)  # hybridlab's own keys win, also over what the joint rules compute from them
+    get = {**{key: value for key, (value, _) in VERL_JOINT_DEFAULTS.items()}, **values}.get
+    layout = _joint_settings(get, settings, own)
+    settings.update(own)
+    noted = {key: entry.note for key, entry in known.items() if entry.note and not entry.joint}
+    return Translation(settings, _defaults_applied(values, settings, own), noted, own, layout,
+                       resume=get("trainer.resume_mode"))
 
 
-def _joint_settings(get, settings: dict) -> dict[str, int]:
-    """Set what several verl keys decide together (in place); returns the layouts they ask for.
-    The checks that need no file come first, so a refused value is named before the rows are read."""
+def _defaults_applied(values: dict, settings: dict, own: dict) -> list[str]:
+    """Return one line per verl default that decided a setting: neither its verl key nor the
+    hybridlab setting it decides was given."""
+    given = {*values, *([A + "optim.lr_warmup_steps"] if A + "optim.lr_warmup_steps_ratio" in values else [])}
+    lines = [f"{key}={json.dumps(settings[key])}  " + (verl if verl.startswith("(") else f"(verl's default of {verl})")
+             for key, (_, verl) in VERL_DEFAULTS.items() if verl not in given and key not in own]
+    decided = {"trainer.total_epochs": "trainer.total_training_steps" not in values,
+               A + "ppo_max_token_len_per_gpu": bool(settings["actor.micro_batch_tokens"]),
+               "critic.ppo_max_token_len_per_gpu": bool(settings["critic.micro_batch_tokens"])}
+    return lines + [f"{key}={json.dumps(value)}  (verl's default, for {what})"
+                    for key, (value, what) in VERL_JOINT_DEFAULTS.items()
+                    if key not in values and what not in own and decided.get(key, True)]
+
+
+def _joint_settings(get, settings: dict, own: dict) -> dict[str, int]:
+    """Set what several verl keys decide together (in place; ``own``, hybridlab's keys, are kept);
+    returns the layouts they ask for. The checks that need no file come first, so a refused value
+    is named before the rows are read."""
     if not settings.get("data.train_files"):
         raise ConfigError("data.train_files: a verl run reads its prompts from parquet or JSONL files; give them")
-    settings["trainer.devices"] = int(get("trainer.n_gpus_per_node")) * int(get("trainer.nnodes"))
+    if "trainer.devices" not in own:
+        settings["trainer.devices"] = int(get("trainer.n_gpus_per_node")) * int(get("trainer.nnodes"))
     if settings["trainer.run_dir"] is None:
         settings["trainer.run_dir"] = f"checkpoints/{settings['trainer.project_name']}/{settings['name']}"
-    for role, prefix in (("actor", A), ("critic", "critic.")):
+    for role, prefix in (("actor", A), ("critic", "critic.")):  # the critic's use_dynamic_bsz follows the actor's
         dynamic = get(prefix + "use_dynamic_bsz", get(A + "use_dynamic_bsz", False))
         settings[f"{role}.micro_batch_tokens"] = int(get(prefix + "ppo_max_token_len_per_gpu")) if dynamic else 0
     settings.setdefault("critic.ppo_mini_batch_size", settings["actor.ppo_mini_batch_size"])
@@ -192,16 +195,22 @@ def _joint_settings(get, settings: dict) -> dict[str, int]:
                           " critic starts from the actor's model (with a value head)")
     _reward_settings(get, settings)
     layout = _layout(get, settings["trainer.devices"])
-    steps = get("trainer.total_training_steps")
-    if steps is None:
-        rows, batch = count_rows(settings["data.train_files"]), int(settings["data.prompts_per_step"])
-        steps = int(get("trainer.total_epochs")) * (rows // batch)
-        if steps < 1:
-            raise ConfigError(f"data.train_batch_size={batch} is more than the {rows} rows of data.train_files: no"
-                              " step fits in an epoch (verl's default is 1024; set data.train_batch_size)")
-    settings["trainer.steps"] = int(steps)
+    if "trainer.steps" not in own:
+        settings["trainer.steps"] = _steps(get, settings)
     settings["actor.warmup_steps"] = _warmup_steps(get, settings)
     return layout
+
+
+def _steps(get, settings: dict) -> int:
+    """Return trainer.total_training_steps, else total_epochs x (train rows // train_batch_size)."""
+    steps = get("trainer.total_training_steps")
+    if steps is not None:
+        return int(steps)
+    rows, batch = count_rows(settings["data.train_files"]), int(settings["data.prompts_per_step"])
+    if rows < batch:
+        raise ConfigError(f"data.train_batch_size={batch} is more than the {rows} rows of data.train_files: no"
+                          " step fits in an epoch (verl's default is 1024; set data.train_batch_size)")
+    return int(get("trainer.total_epochs")) * (rows // batch)
 
 
 def _layout(get, devices: int) -> dict[str, int]:
@@ -233,15 +242,22 @@ def _warmup_steps(get, settings: dict) -> int:
 
 
 def _reward_settings(get, settings: dict) -> None:
-    manager = get("reward.reward_manager.name") or get("reward_model.reward_manager") or "naive"
+    """Set the reward from verl 0.9's ``reward.*`` keys or the legacy ones they replace."""
+    def either(new: str, legacy: str) -> Any:
+        return get(f"reward.{new}") if get(f"reward.{new}") is not None else get(legacy)
+
+    manager = either("reward_manager.name", "reward_model.reward_manager") or "naive"
     if manager not in MANAGERS:
         raise ConfigError(f"reward manager {manager!r} is refused: hybridlab scores as verl's {', '.join(MANAGERS)}"
                           " managers do (dapo: with algorithm.overlong_buffer from overlong_buffer_cfg)")
-    path = get("reward.custom_reward_function.path") or get("custom_reward_function.path")
+    if settings.get("algorithm.overlong_buffer.enable") and manager != "dapo":
+        raise ConfigError(f"reward_model.reward_kwargs.overlong_buffer_cfg.enable=true with reward manager {manager!r}:"
+                          " verl's dapo manager is the one that reads it; set reward_model.reward_manager=dapo")
+    path = either("custom_reward_function.path", "custom_reward_function.path")
     if path:
-        name = get("reward.custom_reward_function.name") or get("custom_reward_function.name") or "compute_score"
+        name = either("custom_reward_function.name", "custom_reward_function.name") or "compute_score"
         settings["reward.kind"], settings["reward.function"] = "function", f"{path}:{name}"
-    if get("reward.reward_model.enable") or get("reward_model.enable"):
+    if either("reward_model.enable", "reward_model.enable"):
         if path:
             raise ConfigError("reward_model.enable=true with a custom_reward_function: hybridlab scores with one of them")
         settings["reward.kind"] = "model"
@@ -256,7 +272,7 @@ def count_rows(files: Any) -> int:
         if not path.is_file():
             raise ConfigError(f"data.train_files: no such file {str(path)!r}")
         if path.suffix == ".parquet":
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # only here: its import costs every command a second
 
             total += pq.ParquetFile(path).metadata.num_rows
         else:

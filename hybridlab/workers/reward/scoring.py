@@ -13,7 +13,7 @@ import asyncio
 import functools
 import inspect
 import math
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 from hybridlab.errors import UserError
 from hybridlab.scorers import ScorerOptions, SourceScorer, known_sources, reports_acc, scorer_for
@@ -133,6 +133,32 @@ def _is_number(value: Any) -> bool:
 
 
 Scored = tuple[float, "float | None", str, dict]  # (score, acc or None, error message or "", components)
+
+
+class SampleScore(NamedTuple):
+    """One response scored as a run scores it."""
+    score: float
+    acc: float              # NaN where unknown
+    acc_reported: bool      # the scorer's answer carried the acc, as verl would see it
+    error: str              # "" unless the scorer failed (then score is error_score)
+    components: dict        # the other numeric entries of a dict answer
+
+
+def score_samples(fn: ScoreFn, rules: RuleScorer, kind: str, items: list[tuple], error_score: float,
+                  timeout_s: float) -> list[SampleScore]:
+    """Return each item (data_source, text, ground_truth, extra_info) scored by ``fn`` as the reward
+    worker scores it: ``timeout_s`` bounds a user's function and math-verify (the other built-in
+    rules never hang); a function that gives no acc gets the built-in scorer's, and a failed
+    built-in scorer none (it is not run again)."""
+    hangs = kind == "function" or rules.options.math_verifier != "rules"
+    out = []
+    for (source, text, truth, _), (score, acc, error, parts) in zip(
+            items, score_batch(fn, items, error_score, timeout_s if hangs else 0.0)):
+        reported = rules.reports_acc(source) if kind == "rule" else acc is not None
+        if acc is None:
+            acc = rules.accuracy(source, text, truth) if kind == "function" else float("nan")
+        out.append(SampleScore(score, acc, reported, error, parts))
+    return out
 
 
 def score_batch(fn: ScoreFn, items: list[tuple], error_score: float, timeout_s: float) -> list[Scored]:

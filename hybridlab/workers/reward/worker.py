@@ -17,7 +17,7 @@ from hybridlab.config.schema import RewardConfig
 from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.protocol import Batch
 from hybridlab.scorers import ScorerOptions
-from hybridlab.workers.reward.scoring import RuleScorer, load_function, score_batch
+from hybridlab.workers.reward.scoring import RuleScorer, load_function, score_samples
 
 KINDS = ("rule", "function", "model")  # "model" scores through compute_model_reward
 
@@ -53,23 +53,17 @@ class RewardWorker(Worker):
         for the batch."""
         texts = self._texts(batch)
         n = len(batch)
-        scores, acc, errors, messages = torch.zeros(n), torch.zeros(n), torch.zeros(n), [""] * n
-        reported = torch.zeros(n)
         truths = batch.objects.get("ground_truth", [None] * n)
         sources = batch.objects.get("data_source", [""] * n)
         extras = batch.objects.get("extra_info", [None] * n)
         items = [(sources[i], text, truths[i], extras[i]) for i, text in enumerate(texts)]
-        # a user's function may hang, as may math-verify's algebra; the other built-in rules never do
-        timeout = self.timeout_s if self.kind == "function" or self.rules.options.math_verifier != "rules" else 0.0
-        components: list[dict] = [{} for _ in range(n)]
-        for i, (score, sample_acc, error, parts) in enumerate(score_batch(self.fn, items, self.error_score,
-                                                                          timeout)):
-            scores[i], errors[i], messages[i], components[i] = score, float(bool(error)), error, parts
-            acc[i] = sample_acc if sample_acc is not None else self.rules.accuracy(sources[i], texts[i], truths[i])
-            reported[i] = self.rules.reports_acc(sources[i]) if self.kind == "rule" else sample_acc is not None
-        return Batch({"token_level_scores": on_last_token(scores, batch["response_mask"]), "acc": acc,
-                      "acc_reported": reported, "reward_error": errors},
-                     {"reward_error_msg": messages, "reward_extra_info": components})
+        rows = score_samples(self.fn, self.rules, self.kind, items, self.error_score, self.timeout_s)
+        scores = torch.tensor([r.score for r in rows], dtype=torch.float32)
+        return Batch({"token_level_scores": on_last_token(scores, batch["response_mask"]),
+                      "acc": torch.tensor([r.acc for r in rows], dtype=torch.float32),
+                      "acc_reported": torch.tensor([float(r.acc_reported) for r in rows]),
+                      "reward_error": torch.tensor([float(bool(r.error)) for r in rows])},
+                     {"reward_error_msg": [r.error for r in rows], "reward_extra_info": [r.components for r in rows]})
 
     @register(Dispatch.DP)
     @torch.no_grad()

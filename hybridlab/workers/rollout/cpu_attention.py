@@ -10,7 +10,7 @@ without AVX-512 a head size outside vLLM's list is refused. GPU builds are not c
 """
 from __future__ import annotations
 
-import importlib.metadata
+import torch
 
 from hybridlab.environment import cpu_flags
 from hybridlab.errors import UserError
@@ -20,10 +20,10 @@ from hybridlab.models.spec import ModelSpec
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def head_size_problem(head_dim: int, cpu_flags: set[str]) -> str:
+def head_size_problem(head_dim: int, flags: set[str]) -> str:
     """Return why vLLM's CPU attention cannot run heads of ``head_dim`` on a processor with
-    ``cpu_flags`` (/proc/cpuinfo's), or "" when it can."""
-    if head_dim in VLLM_CPU_HEAD_SIZES or "avx512f" in cpu_flags:
+    ``flags`` (/proc/cpuinfo's), or "" when it can."""
+    if head_dim in VLLM_CPU_HEAD_SIZES or "avx512f" in flags:
         return ""
     return (f"the model's attention heads have head_dim {head_dim}, which vLLM's CPU attention runs only with"
             f" AVX-512, and this processor has none (vLLM's CPU build supports head_dim"
@@ -31,17 +31,17 @@ def head_size_problem(head_dim: int, cpu_flags: set[str]) -> str:
 
 
 def check_head_size(backend: str, model_dir) -> None:
-    """Raise UserError when ``backend`` is vLLM's CPU build (the ``vllm-cpu`` package) and this
-    processor cannot run the attention heads of the checkpoint in ``model_dir`` (``head_size_problem``)."""
-    if backend != "vllm" or not _cpu_build():
+    """Raise UserError when ``backend`` is vLLM on a CPU build of torch (so vLLM's CPU build) and
+    this processor cannot run the attention heads of the checkpoint in ``model_dir``
+    (``head_size_problem``)."""
+    if backend != "vllm" or not cpu_build():
         return
     if problem := head_size_problem(ModelSpec.read(model_dir).head_dim, cpu_flags()):
         raise UserError(f"{model_dir}: {problem}")
 
 
-def _cpu_build() -> bool:
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
+
+def cpu_build() -> bool:
+    """True when torch is a CPU build (no CUDA, no ROCm): vLLM then runs its CPU build too, whether
+    from the ``vllm-cpu`` package or built from source."""
+    return torch.version.cuda is None and getattr(torch.version, "hip", None) is None
