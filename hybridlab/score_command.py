@@ -15,27 +15,20 @@ from pathlib import Path
 from hybridlab.errors import UserError
 from hybridlab.scorers import ScorerOptions
 from hybridlab.tasks import Sample
+from hybridlab.tasks.dataset import load_dataset, read_rows
 
 
 def read_responses(path: str | Path, rows: int) -> list[str]:
-    """Return the ``response`` of each line of a JSONL file; raises UserError naming the file and
-    line for a bad line, or the counts when they differ from the data file's ``rows``."""
+    """Return the ``response`` of each row of a JSONL file; raises UserError naming the file and
+    row for a bad row, or the counts when they differ from the data file's ``rows``."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"--responses {path}: no such file")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}: line {number}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("response"), str):
-                raise UserError(f"{path}: line {number}: expected an object with a string 'response',"
-                                f" got {line.strip()[:60]}")
-            out.append(row["response"])
+    for number, row in read_rows(path):
+        if not isinstance(row.get("response"), str):
+            raise UserError(f"{path}: row {number}: expected a string 'response', got the keys {sorted(row)}")
+        out.append(row["response"])
     if len(out) != rows:
         raise UserError(f"{path} has {len(out)} responses and the data file {rows} rows;"
                         " give one response per row, in the data file's order")
@@ -72,7 +65,6 @@ def summary(rows: list[dict]) -> str:
 def cmd_score(args) -> int:
     """Score ``--responses`` against ``--data`` and print the scores; returns the exit status."""
     from hybridlab.run_config import load_config
-    from hybridlab.tasks.dataset import load_dataset
 
     cfg = load_config(args.config, args.overrides)
     samples = load_dataset(args.data)

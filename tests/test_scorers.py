@@ -146,3 +146,10 @@ def test_score_refuses_bad_input_by_name(tmp_path, capsys):
     assert main(["score", "reward.math_verifier=sympy", "--data", str(data), "--responses", str(three)]) == 2
     err = capsys.readouterr().err
     assert "reward.math_verifier" in err and "'sympy'" in err and "rules, math-verify" in err
+
+
+def test_score_names_a_bad_responses_row(tmp_path, capsys):
+    responses = tmp_path / "bad.jsonl"
+    responses.write_text('{"response": "#### 72"}\n\n{"text": "#### 1000"}\n{"response": "x"}\n')
+    assert main(["score", "--data", str(_gsm8k_data(tmp_path)), "--responses", str(responses)]) == 2
+    assert "bad.jsonl: row 3: expected a string 'response', got the keys ['text']" in capsys.readouterr().err
