@@ -186,7 +186,7 @@ def _trainer_problems(cfg: RunConfig) -> list[str]:
               "trainer.call_deadline_s")
     _at_least(p, cfg, 1, "trainer.keep_checkpoints", "trainer.max_bad_updates")
     _positive(p, cfg, "trainer.call_deadline_floor_s")
-    _at_least(p, cfg, 0, "trainer.max_minutes")
+    _at_least(p, cfg, 0, "trainer.max_minutes", "trainer.critic_warmup")
     p.extend(logger_problems(cfg.trainer.logger))
     return p
 

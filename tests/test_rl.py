@@ -67,6 +67,20 @@ def test_ppo_step_fills_every_field_and_logs_metrics(rl):
                             "advantage"} and "=" in rows[0]["prompt"]
 
 
+def test_critic_warmup_steps_train_the_critic_alone(rl):
+    rl.update(f"trainer.critic_warmup={rl.state.step_count + 1}")  # the next step is in the warm-up
+    version = rl.state.actor_version
+    try:
+        m = rl.step().metrics
+    finally:
+        rl.update("trainer.critic_warmup=0")
+    assert m["actor/critic_warmup"] == 1 and "actor/pg_loss" not in m and m["sync/skipped"] == 1
+    assert "critic/vf_loss" in m and rl.state.actor_version == version
+    after = rl.step().metrics  # past the warm-up: the actor updates and syncs again
+    assert "actor/pg_loss" in after and "actor/critic_warmup" not in after and after["sync/bytes"] > 0
+    assert rl.state.actor_version == version + 1
+
+
 def test_drop_the_critic_switch_to_grpo_then_rloo_without_restarting(rl):
     before = pids(rl)
     rl.update("algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "actor.use_kl_loss=true",

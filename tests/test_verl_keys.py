@@ -147,6 +147,13 @@ def test_refused_values_and_unknown_keys_are_named_before_any_work(gsm8k_files, 
         load_config(None, settings(gsm8k_files, pair))
 
 
+def test_critic_warmup_counts_as_verl_counts(gsm8k_files):
+    common = ["data.train_batch_size=8", f"{AR}actor.ppo_mini_batch_size=8", "algorithm.adv_estimator=gae"]
+    # verl skips the actor's update while critic_warmup > the step (counted from 1): 3 skips steps 1 and 2
+    assert load_config(None, settings(gsm8k_files, *common, "trainer.critic_warmup=3")).trainer.critic_warmup == 2
+    assert load_config(None, settings(gsm8k_files, *common, "trainer.critic_warmup=0")).trainer.critic_warmup == 0
+
+
 def test_warmup_counts_training_steps_as_optimizer_steps(gsm8k_files):
     # 8 prompts a step in mini-batches of 4, 2 epochs: 4 optimizer steps per training step
     common = ["data.train_batch_size=8", f"{AR}actor.ppo_mini_batch_size=4", f"{AR}actor.ppo_epochs=2",

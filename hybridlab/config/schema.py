@@ -325,6 +325,7 @@ class TrainerConfig:
     telemetry: bool = setting(True, change="fixed", why="the telemetry hub is started (or not) with the session")
     devices: int = setting(1, change="remap")
     progress: bool = True
+    critic_warmup: int = 0              # the run's first N steps update the critic only, not the actor
     save_every: int = 100               # checkpoint every N steps (0: only at the end and on a stop)
     keep_checkpoints: int = 2           # the newest N complete checkpoints stay on disk
     max_bad_updates: int = 3            # steps in a row with a NaN/inf update (skipped) before the run stops

@@ -109,7 +109,11 @@ def actor_loss_settings(cfg) -> dict:
 
 
 def update_actor(ctx: StepContext, batch: Batch) -> tuple[None, dict]:
-    """Optimizer steps of the policy loss (+ KL loss, entropy bonus) over mini-batches and epochs."""
+    """Optimizer steps of the policy loss (+ KL loss, entropy bonus) over mini-batches and epochs;
+    none in the run's first ``trainer.critic_warmup`` steps (the critic learns first)."""
+    if ctx.state.step_count < ctx.cfg.trainer.critic_warmup:
+        ctx.actor_unchanged = True  # so the weight sync is skipped too
+        return None, {"actor/critic_warmup": 1}
     a = ctx.cfg.actor
     loss = actor_loss(actor_loss_settings(ctx.cfg))
     data = batch.select(actor_fields(ctx.cfg), meta=False)

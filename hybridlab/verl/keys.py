@@ -262,8 +262,8 @@ KEYS: list[Key] = [
     Key("trainer.save_freq", "trainer.save_every", convert=lambda v: max(0, int(v))),
     Key("trainer.val_before_train", refuse=only((True,), "hybridlab always evaluates before the first step"),
         note="hybridlab evaluates before the first step"),
-    Key("trainer.critic_warmup", refuse=only((0,), "critic warm-up steps are not supported yet"),
-        note="0: the actor updates from the first step"),
+    # verl counts steps from 1 and skips the actor's update while critic_warmup is above the step
+    Key("trainer.critic_warmup", "trainer.critic_warmup", convert=lambda v: max(0, int(v) - 1)),
     Key("trainer.resume_mode", "hybridlab train: auto resumes from trainer.default_local_dir's latest checkpoint"
         " when it has one, disable starts afresh", refuse=only(("auto", "disable"), "resume_path is not supported yet"),
         joint=True),
