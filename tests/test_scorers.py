@@ -70,7 +70,7 @@ def test_math_verify_off_the_main_thread_neither_raises_nor_scores_zero():
 def test_a_math_verify_timeout_is_an_error_not_a_zero(monkeypatch):
     monkeypatch.setattr(algebra, "_check", lambda response, truth: time.sleep(30))
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match="math-verify took longer than 1 s"):
+    with pytest.raises(TimeoutError, match="math-verify on this response took longer than 1 s"):
         algebra.score("\\boxed{1}", "1", timeout_s=1)
     assert time.monotonic() - start < 5
     # through the reward worker's per-sample guard: error_score, with the reason, counted as an error
@@ -78,17 +78,41 @@ def test_a_math_verify_timeout_is_an_error_not_a_zero(monkeypatch):
         return algebra.score(solution_str, ground_truth, timeout_s=1)
 
     assert _safe_score(fn, "math", "\\boxed{1}", "1", None, -2.0) == (
-        -2.0, None, "TimeoutError: math-verify took longer than 1 s on this response", {})
+        -2.0, None, "TimeoutError: math-verify on this response took longer than 1 s", {})
 
 
 @pytest.mark.parametrize("source, why", [
     ("hiyouga/geometry3k", "an image task"), ("codecontests", "a code task"), ("taco", "sandbox"),
-    ("numina_olympiads", "prime_math"), ("my/own_data", "not a source verl scores by default")])
+    ("my/own_data", "not a source verl scores by default")])
 def test_sources_without_a_scorer_are_refused_by_name_with_the_list(source, why):
     with pytest.raises(UserError) as err:
         rule_for(source)
     assert f"no built-in scorer for data_source {source!r}" in str(err.value) and why in str(err.value)
     assert "openai/gsm8k" in str(err.value) and "arith" in str(err.value) and "reward.function" in str(err.value)
+
+
+def test_numina_answers_are_never_run_as_python():
+    """verl's prime_math evaluates an answer with \\pi, or a list against a matrix, with Python's
+    eval: the first answer below makes verl 0.9.1 create the file. Here only arithmetic is
+    evaluated, so no answer runs code or exhausts memory."""
+    import os
+
+    from hybridlab.scorers.numina_equal import arithmetic
+
+    marker = Path(f"/tmp/hlnumina{os.getpid()}")  # no underscore: verl reads one as a base subscript first
+    marker.unlink(missing_ok=True)
+    try:
+        attack = f"\\boxed{{\\pi + len(str(open('{marker}', 'w')))}}"
+        assert scorer_for("numina_olympiads")(attack, "\\pi")["score"] == 0.0 and not marker.exists()
+        matrix = f"Answer: [len(str(open('{marker}', 'w')))]"
+        assert scorer_for("numina_olympiads")(matrix, "\\begin{pmatrix}1\\\\2\\end{pmatrix}")["score"] == 0.0
+        assert not marker.exists()
+    finally:
+        marker.unlink(missing_ok=True)
+    assert arithmetic("[2*3, 2**10, -(1/4)]") == [6, 1024, -0.25]
+    with pytest.raises(ValueError, match="too large"):
+        arithmetic("9**9**9")
+    assert scorer_for("numina_cn_k12")("so the answer is \\boxed{2\\pi}", "6.28")["score"] == 1.0  # pi as 3.14
 
 
 def _gsm8k_data(tmp_path: Path, sources=("openai/gsm8k",) * 3) -> Path:

@@ -7,6 +7,7 @@ for a source verl knows, or raises UserError naming why there is none. The famil
 - the MATH family: ``math_equiv`` (the MATH benchmark's string check)
 - ``math_dapo``, ``math``, ``math_dapo_reasoning``, ``aime*``: ``minerva`` (DAPO's ``Answer:`` check)
 - the seven ``searchR1_*`` sources: ``qa_em`` (exact match after SQuAD normalisation)
+- the six ``numina_*`` sources: ``numina`` (verl's ``prime_math``: PRM800K's grader, then ``numina_equal``)
 
 ``reward.math_verifier=math-verify`` checks the MATH and DAPO families by algebra (``algebra``).
 """
@@ -17,7 +18,7 @@ import functools
 from typing import Any, Callable
 
 from hybridlab.errors import UserError
-from hybridlab.scorers import algebra, gsm8k, math_equiv, minerva, qa_em
+from hybridlab.scorers import algebra, gsm8k, math_equiv, minerva, numina, qa_em
 
 SourceScorer = Callable[[str, Any], dict]
 MATH_VERIFIERS = ("rules", "math-verify")
@@ -36,8 +37,6 @@ REFUSED = {
     "hiyouga/geometry3k": "an image task (verl's geo3k scores answers to pictures); hybridlab trains on text only",
     **{source: "a code task: its answers are run against tests in a sandbox, which hybridlab does not have yet;"
                " pass your own reward.function" for source in CODE},
-    **{source: "a Numina source, which verl scores with its prime_math grader (about 1,000 lines over sympy);"
-               " hybridlab has no port of it yet: pass your own reward.function" for source in NUMINA},
 }
 
 
@@ -55,7 +54,7 @@ class ScorerOptions:
 
 
 def family(data_source: str) -> str | None:
-    """Return the scorer family of ``data_source`` (gsm8k, math, dapo, search_r1), or None."""
+    """Return the scorer family of ``data_source`` (gsm8k, math, dapo, search_r1, numina), or None."""
     if data_source in GSM8K:
         return "gsm8k"
     if data_source in MATH:
@@ -64,6 +63,8 @@ def family(data_source: str) -> str | None:
         return "dapo"
     if data_source in SEARCH_R1:
         return "search_r1"
+    if data_source in NUMINA:
+        return "numina"
     return None
 
 
@@ -77,7 +78,7 @@ def reports_acc(data_source: str, options: ScorerOptions = ScorerOptions()) -> b
 
 def known_sources() -> list[str]:
     """Return the data sources these scorers serve (``aime*`` as a pattern)."""
-    return [*GSM8K, *MATH, *DAPO, "aime*", *SEARCH_R1]
+    return [*GSM8K, *MATH, *DAPO, "aime*", *SEARCH_R1, *NUMINA]
 
 
 def scorer_for(data_source: str, options: ScorerOptions = ScorerOptions()) -> SourceScorer:
@@ -93,4 +94,4 @@ def scorer_for(data_source: str, options: ScorerOptions = ScorerOptions()) -> So
         return functools.partial(gsm8k.score, method=options.gsm8k_extraction, format_score=options.format_score)
     if kind == "search_r1":
         return functools.partial(qa_em.score, format_score=options.format_score)
-    return math_equiv.score if kind == "math" else minerva.score
+    return {"math": math_equiv.score, "dapo": minerva.score, "numina": numina.score}[kind]

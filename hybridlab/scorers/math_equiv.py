@@ -9,6 +9,7 @@ strings are compared as written. ``reward.math_verifier=math-verify`` checks by 
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from hybridlab.scorers.latex import closing_brace
@@ -109,6 +110,19 @@ def normalize(s: str) -> str:
     if s == "0.5":
         s = "\\frac{1}{2}"
     return _slash_to_frac(s)
+
+
+def normalize_answer(answer: str) -> str:
+    """Return ``answer`` stripped, a whole ``\text{...}`` unwrapped, in the MATH normal form (as
+    PRM800K's grader uses it: as written where it cannot be normalised)."""
+    answer = answer.strip()
+    match = re.search(r"^\\text\{(?P<text>.+?)\}$", answer)
+    if match is not None:
+        answer = match.group("text").strip()
+    try:
+        return normalize(answer)
+    except Unreadable:
+        return answer
 
 
 def equivalent(answer: Any, ground_truth: Any) -> bool:

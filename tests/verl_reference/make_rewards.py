@@ -5,7 +5,8 @@ imported, and ``tests/test_scorers.py`` only reads the JSON it writes. To regene
 
     pip download --no-deps verl==0.9.1 -d /tmp/verl-wheel
     python -m zipfile -e /tmp/verl-wheel/verl-0.9.1-py3-none-any.whl /tmp/verl-src
-    python tests/verl_reference/make_rewards.py /tmp/verl-src
+    pip install --target /tmp/verl-deps --no-deps pylatexenc==2.11
+    PYTHONPATH=/tmp/verl-deps python tests/verl_reference/make_rewards.py /tmp/verl-src
 
 (math-verify must be installed, as hybridlab's requirements install it.) verl's package
 ``__init__`` files import its whole runtime; the script registers empty ``verl`` and ``verl.utils``
@@ -119,13 +120,39 @@ def search_cases() -> list[tuple[str, str, object]]:
     return cases
 
 
+NUMINA_TRUTHS = ["\\frac{1}{2}", "3", "2\\pi", "(1,2)", "[0,1)", "10\\%", "\\sqrt{2}", "1,000", "x^2+1",
+                 "\\begin{pmatrix}1\\\\2\\end{pmatrix}", "5", "0.25", "-3", "\\text{(B)}", "\\frac{\\pi}{4}",
+                 "2x+3", "e^2", "12"]
+
+
+def numina_answers(t: str) -> list[str]:
+    """Spellings of ``t`` and near misses, as a model writes a final answer."""
+    return [t, t.replace("\\frac", "\\dfrac"), f"{t} cm", f"{t}.0", f" {t} ", "0.5", "1/2", "6.28", "1000",
+            "(1, 2)", "\\left(1,2\\right)", "Interval.Ropen(0, 1)", "[1, 2]", "0.1", "10", "sqrt(2)", "1.4142",
+            "x^2 + 1", "1 + x^2", "(B)", "B", "pi/4", "0.785398", "3+2x", "e**2", "7.389056", "12 apples", "-3.0",
+            "4", "t", "\\$5", "5\\%", "2\\cdot\\pi"]
+
+
+def numina_cases() -> list[tuple[str, str, object]]:
+    sources = ["numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc",
+               "numina_cn_k12", "numina_olympiads"]
+    cases = []
+    for i, t in enumerate(NUMINA_TRUTHS):
+        answers = numina_answers(t)
+        for j, a in enumerate(answers):
+            template = ("The answer is \\boxed{%s}.", "Answer: %s", "So we get x = %s", "%s is the answer",
+                        "Step 1: think. Step 2: \\boxed{%s}", "We find %s. Done", LONG + "answer is %s")[j % 7]
+            cases.append((sources[(i + j) % len(sources)], template % a, t))
+    return cases
+
+
 def main(source: str) -> None:
     reward_score = load_verl(source)
     from verl.utils.reward_score import gsm8k, math_verify
 
     random.seed(0)  # searchR1's scorer prints one sample in 64 at random
     families = {"gsm8k": gsm8k_cases(), "math": math_cases("lighteval/MATH") + math_cases("HuggingFaceH4/MATH-500")[:40],
-                "dapo": dapo_cases(), "search_r1": search_cases()}
+                "dapo": dapo_cases(), "search_r1": search_cases(), "numina": numina_cases()}
     out = {"verl": "0.9.1", "families": {}}
     for family, cases in families.items():
         rows = []
