@@ -13,13 +13,26 @@ from hybridlab.errors import UserError
 
 
 def _verl_resume(verl, run_dir: Path) -> str | None:
-    """Return the run directory to resume under verl's ``resume_mode`` (auto: when it holds a
-    checkpoint), or None to start afresh."""
+    """Return the run directory to resume under verl's ``resume_mode`` (auto: ``run_dir`` when it
+    holds a checkpoint; resume_path: ``trainer.resume_from_path``, a run directory or its latest
+    checkpoint), or None to start afresh; raises UserError for a checkpoint that is not its run's
+    latest (the newer ones would be resumed from later, or pruned, in its place)."""
     from hybridlab.dataflow import checkpoints
 
     if verl.resume == "auto" and run_dir.is_dir() and checkpoints.checkpoint_dirs(run_dir):
         return str(run_dir)
-    return None
+    if verl.resume != "resume_path":
+        return None
+    path = Path(verl.resume_from)
+    if path.parent.name != checkpoints.CHECKPOINTS:  # a run directory: its latest checkpoint (named if none)
+        checkpoints.latest(path)
+        return str(path)
+    latest = checkpoints.latest(path.parent.parent)
+    if latest.resolve() != path.resolve():
+        raise UserError(f"trainer.resume_from_path={path}: its run has a newer checkpoint, {latest.name}; resuming an"
+                        " older one would leave the newer ones to be resumed from or pruned in its place. Give the"
+                        " latest, or remove the newer ones first")
+    return str(path.parent.parent)
 
 
 def _same_adapter(cfg, checkpoint: Path) -> None:

@@ -139,7 +139,8 @@ def test_placement_follows_verl_and_an_explicit_mapping_wins(gsm8k_files):
     ("trainer.n_gpu_per_node=8", r"unknown verl key trainer.n_gpu_per_node: .*close: trainer.n_gpus_per_node"),
     ("critic.model.path=/elsewhere", r"critic.model.path='/elsewhere' differs from actor_rollout_ref.model.path"),
     ("reward_model.reward_manager=prime", r"reward manager 'prime' is refused"),
-    ("trainer.resume_mode=resume_path", r"resume_path is not supported yet"),
+    ("trainer.resume_mode=resume_latest", r"resume_mode='resume_latest' is refused: verl's resume modes \(accepted: auto,"
+                                          r" disable, resume_path\)"),
     ("reward_model.reward_kwargs.overlong_buffer_cfg.enable=True", r"verl's dapo manager is the one that reads it"),
 ])
 def test_refused_values_and_unknown_keys_are_named_before_any_work(gsm8k_files, pair, message):
@@ -204,3 +205,28 @@ def test_resuming_refuses_another_adapter_than_the_checkpoints(tmp_path):
     with pytest.raises(UserError, match=r"actor.lora.rank: the settings ask for 8, and the checkpoint in .*run holds an"
                                         r" adapter built with 0"):
         _same_adapter(load_config(None, ["actor.lora.rank=8", "actor.strategy=fsdp2"]), checkpoint)
+
+
+def test_resume_path_resumes_a_run_or_its_latest_checkpoint_and_refuses_an_older_one(gsm8k_files, tmp_path):
+    from hybridlab.errors import UserError
+    from hybridlab.train_command import _verl_resume
+
+    run = tmp_path / "run"
+    for step in ("step-000002", "step-000003"):
+        (run / "checkpoints" / step).mkdir(parents=True)
+    common = ["data.train_batch_size=8", f"{AR}actor.ppo_mini_batch_size=8", "trainer.resume_mode=resume_path"]
+    with pytest.raises(ConfigError, match=r"resume_mode=resume_path needs trainer.resume_from_path"):
+        load_run(None, settings(gsm8k_files, *common))
+
+    def resumed(path) -> str | None:
+        cfg, verl = load_run(None, settings(gsm8k_files, *common, f"trainer.resume_from_path={path}"))
+        return _verl_resume(verl, Path(cfg.trainer.run_dir))
+
+    assert resumed(run) == str(run) and resumed(run / "checkpoints" / "step-000003") == str(run)
+    with pytest.raises(UserError, match=r"step-000002: its run has a newer checkpoint, step-000003"):
+        resumed(run / "checkpoints" / "step-000002")
+    with pytest.raises(UserError, match=r"no run directory .*elsewhere"):
+        resumed(tmp_path / "elsewhere")
+    cfg, verl = load_run(None, settings(gsm8k_files, *common[:2], "trainer.resume_mode=disable",
+                                        f"trainer.default_local_dir={run}"))
+    assert _verl_resume(verl, Path(cfg.trainer.run_dir)) is None  # disable: afresh, though run has checkpoints

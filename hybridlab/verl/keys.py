@@ -265,8 +265,10 @@ KEYS: list[Key] = [
     # verl counts steps from 1 and skips the actor's update while critic_warmup is above the step
     Key("trainer.critic_warmup", "trainer.critic_warmup", convert=lambda v: max(0, int(v) - 1)),
     Key("trainer.resume_mode", "hybridlab train: auto resumes from trainer.default_local_dir's latest checkpoint"
-        " when it has one, disable starts afresh", refuse=only(("auto", "disable"), "resume_path is not supported yet"),
-        joint=True),
+        " when it has one, disable starts afresh, resume_path resumes trainer.resume_from_path",
+        refuse=only(("auto", "disable", "resume_path"), "verl's resume modes"), joint=True),
+    Key("trainer.resume_from_path", "resume_path: a run directory, or its latest checkpoint (step-N), resumed in that"
+        " directory", joint=True),
     Key("trainer.default_local_dir", "trainer.run_dir"),
     Key("trainer.max_actor_ckpt_to_keep", "trainer.keep_checkpoints"),
     Key("trainer.log_val_generations", note="the validation generations are in the run directory's records"),

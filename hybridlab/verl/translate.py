@@ -67,6 +67,7 @@ class Translation:
     own: dict[str, Any]                      # hybridlab's own keys among the settings (they win)
     layout: dict[str, int]                   # actor tp, pp, ep and rollout_tp, for the default mapping
     resume: str = "auto"                     # trainer.resume_mode
+    resume_from: str | None = None           # trainer.resume_from_path (resume_mode=resume_path)
 
     def overrides(self) -> list[str]:
         """Return the settings as hybridlab ``key=value`` overrides (JSON values; a date read from
@@ -153,8 +154,12 @@ def translate(pairs: list[str]) -> Translation:
     layout = _joint_settings(get, settings, own)
     settings.update(own)
     noted = {key: entry.note for key, entry in known.items() if entry.note and not entry.joint}
-    return Translation(settings, _defaults_applied(values, settings, own), noted, own, layout,
-                       resume=get("trainer.resume_mode"))
+    resume, resume_from = get("trainer.resume_mode"), get("trainer.resume_from_path")
+    if resume == "resume_path" and not resume_from:
+        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path: the run directory (or its"
+                          " latest checkpoint) to resume")
+    return Translation(settings, _defaults_applied(values, settings, own), noted, own, layout, resume=resume,
+                       resume_from=None if resume_from is None else str(resume_from))
 
 
 def _defaults_applied(values: dict, settings: dict, own: dict) -> list[str]:
