@@ -314,11 +314,14 @@ def _check_data_and_model(cfg: RunConfig, p: list[str]) -> None:
     if cfg.reward.model and not Path(cfg.reward.model).is_dir():
         p.append(f"reward.model: no checkpoint directory {cfg.reward.model!r}")
     for key in ("train_files", "test_files"):
-        for path in data_files(getattr(cfg.data, key), f"data.{key}", p):
-            if not Path(path).is_file():
-                p.append(f"data.{key}: no file {path!r}")
-    if cfg.data.preferences and len(data_files(cfg.data.train_files, "data.train_files", [])) > 1:
-        p.append("data.train_files: preference pairs are read from one file")
+        try:
+            files = data_files(getattr(cfg.data, key), f"data.{key}")
+        except UserError as exc:
+            p.append(str(exc))
+            continue
+        p.extend(f"data.{key}: no file {path!r}" for path in files if not Path(path).is_file())
+        if key == "train_files" and cfg.data.preferences and len(files) > 1:
+            p.append("data.train_files: preference pairs are read from one file")
     if not cfg.data.train_files:
         try:
             task = get_task(cfg.data.task, **cfg.data.task_options)

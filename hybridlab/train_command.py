@@ -64,9 +64,10 @@ def cmd_train(args) -> int:
                             " only key=value overrides")
         from hybridlab.dataflow import checkpoints
 
-        print(f"resuming {args.resume} from {checkpoints.latest(Path(args.resume)).name}", flush=True)
+        latest = checkpoints.latest(Path(args.resume))
+        print(f"resuming {args.resume} from {latest.name}", flush=True)
         if verl is not None:  # the run's settings again, as verl reads them from its command line
-            _same_adapter(cfg, checkpoints.latest(Path(args.resume)))
+            _same_adapter(cfg, latest)
             overrides = [o for o in verl.overrides() if not o.startswith("actor.lora.")]  # checked just above
         rl = RLSession.resume(args.resume, overrides, **ray)
     else:

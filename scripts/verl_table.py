@@ -19,6 +19,7 @@ def table_section(text: str) -> str:
 
 
 def main() -> None:
+    """Replace the table between the page's markers with the code's; prints the page's path."""
     text = PAGE.read_text()
     head, rest = text.split(START, 1)
     PAGE.write_text(f"{head}{START}\n{markdown_table()}\n{END}{rest.split(END, 1)[1]}")

@@ -230,3 +230,14 @@ def test_resume_path_resumes_a_run_or_its_latest_checkpoint_and_refuses_an_older
     cfg, verl = load_run(None, settings(gsm8k_files, *common[:2], "trainer.resume_mode=disable",
                                         f"trainer.default_local_dir={run}"))
     assert _verl_resume(verl, Path(cfg.trainer.run_dir)) is None  # disable: afresh, though run has checkpoints
+
+
+def test_file_lists_and_every_row_are_checked_by_name(gsm8k_files):
+    train, _ = gsm8k_files
+    with pytest.raises(ConfigError, match=r"data.train_files: expected a file path or a list of them, got \{'a': 1\}"):
+        load_config(None, ["warm_start.max_steps=0", "data.train_files={a: 1}"])
+    with pytest.raises(ConfigError, match=r"data.test_files: no file '/nowhere.parquet'"):
+        load_config(None, ["warm_start.max_steps=0", f"data.train_files=[{train}]", "data.test_files=/nowhere.parquet"])
+    with pytest.raises(ConfigError, match=r"data.train_samples: 0 \(every row\) needs data.train_files"):
+        load_config(None, ["data.train_samples=0"])
+    assert load_config(None, ["trainer.max_minutes=0"]).trainer.max_minutes == 0  # no limit

@@ -33,7 +33,7 @@ def load_pairs(cfg) -> list[PreferencePair]:
     ``data.task`` (its worked answers against plausible wrong ones), ``data.train_samples`` at most."""
     d = cfg.data
     if d.train_files:
-        return load_preferences(data_files(d.train_files, "data.train_files", [])[0], limit=d.train_samples or None)
+        return load_preferences(data_files(d.train_files, "data.train_files")[0], limit=d.train_samples or None)
     return task_pairs(get_task(d.task, **d.task_options), "train", d.train_samples, seed=d.seed, chat=d.chat)
 
 

@@ -16,23 +16,22 @@ from hybridlab.tasks.dataset import load_dataset
 PROMPT_FIELDS = ("prompt", "prompt_ids", "uid", "ground_truth", "data_source", "extra_info")
 
 
-def data_files(value, key: str, problems: list[str]) -> list[str]:
+def data_files(value, key: str) -> list[str]:
     """Return the files of ``data.train_files`` or ``data.test_files`` (one path or a list of
-    them) as a list; a value of another type adds a problem naming ``key``."""
+    them) as a list; raises UserError naming ``key`` for a value of another type."""
     if not value:
         return []
     if isinstance(value, (str, Path)):
         return [str(value)]
     if isinstance(value, list) and all(isinstance(v, (str, Path)) for v in value):
         return [str(v) for v in value]
-    problems.append(f"{key}: expected a file path or a list of them, got {value!r}")
-    return []
+    raise UserError(f"{key}: expected a file path or a list of them, got {value!r}")
 
 
 def load_samples(cfg, split: str) -> list:
     """Return the config's ``split`` samples ("train" or "test") from its files (read in order,
     at most ``data.*_samples`` of them; 0: all) or its task."""
-    files = data_files(cfg.data.train_files if split == "train" else cfg.data.test_files, "data files", [])
+    files = data_files(cfg.data.train_files if split == "train" else cfg.data.test_files, f"data.{split}_files")
     n = cfg.data.train_samples if split == "train" else cfg.data.test_samples
     if files:
         samples = [s for path in files for s in load_dataset(path, limit=n or None)]

@@ -88,10 +88,6 @@ class RuleScorer:
     def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> dict:
         return self.scorer(data_source)(solution_str, ground_truth)
 
-    def reports_acc(self, data_source: str) -> bool:
-        """True when verl's scorer of ``data_source`` answers with an ``acc`` (``scorers.reports_acc``)."""
-        return reports_acc(data_source, self.options)
-
     def accuracy(self, data_source: str, text: str, ground_truth: Any) -> float:
         """Return the built-in scorer's accuracy for one response (NaN where no scorer serves the
         source, or it fails on this response)."""
@@ -154,7 +150,7 @@ def score_samples(fn: ScoreFn, rules: RuleScorer, kind: str, items: list[tuple],
     out = []
     for (source, text, truth, _), (score, acc, error, parts) in zip(
             items, score_batch(fn, items, error_score, timeout_s if hangs else 0.0)):
-        reported = rules.reports_acc(source) if kind == "rule" else acc is not None
+        reported = reports_acc(source, rules.options) if kind == "rule" else acc is not None
         if acc is None:
             acc = rules.accuracy(source, text, truth) if kind == "function" else float("nan")
         out.append(SampleScore(score, acc, reported, error, parts))
