@@ -86,6 +86,10 @@ def _rollout_problems(cfg: RunConfig) -> list[str]:
     _at_least(p, cfg, 0, "rollout.temperature", "rollout.top_k")
     if not 0 < r.top_p <= 1:
         p.append(f"rollout.top_p: must be in (0, 1], got {r.top_p}")
+    _at_least(p, cfg, 1, "evaluation.n")
+    _at_least(p, cfg, 0, "evaluation.temperature", "evaluation.top_k")
+    if not 0 < cfg.evaluation.top_p <= 1:
+        p.append(f"evaluation.top_p: must be in (0, 1], got {cfg.evaluation.top_p}")
     return p
 
 

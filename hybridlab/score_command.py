@@ -37,7 +37,7 @@ def read_responses(path: str | Path, rows: int) -> list[str]:
 
 def score_responses(reward, samples: list[Sample], responses: list[str]) -> list[dict]:
     """Return one ``{"score", "acc", ..., "error"}`` per response under the ``reward`` settings
-    (a RewardConfig): ``acc`` where it is known, the numeric entries of a dict-valued reward, and
+    (a RewardConfig): ``acc`` where it is known, the other entries of a dict-valued reward (``pred``...), and
     ``error`` where scoring failed (then ``score`` is ``reward.error_score``)."""
     from hybridlab.workers.reward.scoring import RuleScorer, check_sources, load_function, score_samples
 
@@ -49,7 +49,8 @@ def score_responses(reward, samples: list[Sample], responses: list[str]) -> list
         check_sources(samples, rules.options)
     fn = load_function(reward.function, reward.function_kwargs) if reward.kind == "function" else rules
     items = [(s.data_source, text, s.ground_truth, s.extra_info) for s, text in zip(samples, responses)]
-    return [{"score": row.score, **({} if math.isnan(row.acc) else {"acc": row.acc}), **row.components,
+    return [{"score": row.score, **({} if math.isnan(row.acc) else {"acc": row.acc}),
+             **{k: v for k, v in row.answer.items() if k not in ("score", "acc")},
              **({"error": row.error} if row.error else {})}
             for row in score_samples(fn, rules, reward.kind, items, reward.error_score, reward.timeout_s)]
 

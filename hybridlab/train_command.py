@@ -12,27 +12,39 @@ import yaml
 from hybridlab.errors import UserError
 
 
-def _verl_resume(verl, run_dir: Path) -> str | None:
-    """Return the run directory to resume under verl's ``resume_mode`` (auto: ``run_dir`` when it
-    holds a checkpoint; resume_path: ``trainer.resume_from_path``, a run directory or its latest
-    checkpoint), or None to start afresh; raises UserError for a checkpoint that is not its run's
-    latest (the newer ones would be resumed from later, or pruned, in its place)."""
+def _verl_resume(verl, cfg) -> str | None:
+    """Return the run directory to resume under verl's ``resume_mode``, or None to start afresh.
+    auto: ``trainer.default_local_dir`` when it holds a checkpoint. resume_path:
+    ``trainer.resume_from_path``, a run directory (its latest checkpoint) or a checkpoint; in its own
+    run directory only the latest goes on (older ones are refused: the newer ones would be resumed
+    from or pruned in their place); another run's checkpoint starts ``default_local_dir`` from it,
+    as verl writes into that directory. Raises UserError before anything is written."""
     from hybridlab.dataflow import checkpoints
 
+    run_dir = Path(cfg.trainer.run_dir)
     if verl.resume == "auto" and run_dir.is_dir() and checkpoints.checkpoint_dirs(run_dir):
+        _same_adapter(cfg, checkpoints.latest(run_dir))
         return str(run_dir)
     if verl.resume != "resume_path":
         return None
     path = Path(verl.resume_from)
-    if path.parent.name != checkpoints.CHECKPOINTS:  # a run directory: its latest checkpoint (named if none)
-        checkpoints.latest(path)
-        return str(path)
-    latest = checkpoints.latest(path.parent.parent)
-    if latest.resolve() != path.resolve():
-        raise UserError(f"trainer.resume_from_path={path}: its run has a newer checkpoint, {latest.name}; resuming an"
-                        " older one would leave the newer ones to be resumed from or pruned in its place. Give the"
-                        " latest, or remove the newer ones first")
-    return str(path.parent.parent)
+    checkpoint = checkpoints.latest(path) if path.parent.name != checkpoints.CHECKPOINTS else path
+    if not (checkpoint / "session.json").is_file():
+        raise UserError(f"trainer.resume_from_path={path} is no complete checkpoint (step-N in a run's checkpoints"
+                        " folder) and no run directory")
+    _same_adapter(cfg, checkpoint)
+    source = checkpoint.parent.parent
+    if source.resolve() == run_dir.resolve():
+        latest = checkpoints.latest(source)
+        if latest.resolve() != checkpoint.resolve():
+            raise UserError(f"trainer.resume_from_path={path}: its run has a newer checkpoint, {latest.name}, and"
+                            " trainer.default_local_dir is that run: going on from an older one there would leave the"
+                            " newer ones to be resumed from or pruned in its place. Set trainer.default_local_dir to a"
+                            f" new directory to go on from {checkpoint.name} there (the run stays as it is)")
+        return str(source)
+    checkpoints.branch(checkpoint, run_dir)
+    print(f"{run_dir} starts from {checkpoint} (trainer.resume_from_path)", flush=True)
+    return str(run_dir)
 
 
 def _same_adapter(cfg, checkpoint: Path) -> None:
@@ -56,7 +68,7 @@ def cmd_train(args) -> int:
     cfg, verl = (None, None) if args.resume else load_run(args.config, args.overrides, verl=args.verl)
     if verl is not None:  # a verl run: what its settings became, and verl's resume_mode
         print(verl.report(), flush=True)
-        args.resume = _verl_resume(verl, Path(cfg.trainer.run_dir))
+        args.resume = _verl_resume(verl, cfg)
     if args.resume:
         overrides = list(args.overrides)
         if args.config:
@@ -67,8 +79,7 @@ def cmd_train(args) -> int:
         latest = checkpoints.latest(Path(args.resume))
         print(f"resuming {args.resume} from {latest.name}", flush=True)
         if verl is not None:  # the run's settings again, as verl reads them from its command line
-            _same_adapter(cfg, latest)
-            overrides = [o for o in verl.overrides() if not o.startswith("actor.lora.")]  # checked just above
+            overrides = [o for o in verl.overrides() if not o.startswith("actor.lora.")]  # checked by _verl_resume
         rl = RLSession.resume(args.resume, overrides, **ray)
     else:
         rl = RLSession(cfg, **ray)

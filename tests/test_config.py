@@ -73,8 +73,8 @@ def test_overrides_parse_values_as_yaml():
      'clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, loss_scale_factor, entropy_coeff, '
      'use_rollout_log_probs, use_kl_loss, kl_loss_coef, kl_loss_type'),
     (['bogus=1'],
-     'unknown key bogus; allowed keys in the config: name, model, warm_start, data, rollout, algorithm, actor, '
-     'critic, dpo, reward, trainer, dataflow, mapping'),
+     'unknown key bogus; allowed keys in the config: name, model, warm_start, data, rollout, evaluation, algorithm, '
+     'actor, critic, dpo, reward, trainer, dataflow, mapping'),
     (['rollout.n=two'],
      "rollout.n: expected int, got 'two' (str)"),
     (['trainer.off_policy=3'],

@@ -156,8 +156,8 @@ def test_a_hanging_reward_function_is_cut_off_by_timeout_s(tiny_dir, tmp_path):
 
 
 def test_verl_sources_are_scored_by_the_reward_worker_as_verl_scores_them(tiny_dir):
-    """GSM8K's strict extraction with the format score, DAPO's +-1 with its acc (its string
-    ``pred`` is not a component), and math-verify's algebra where the setting asks for it."""
+    """GSM8K's strict extraction with the format score, DAPO's +-1 with its acc and pred (its
+    string ``pred`` is not a component), and math-verify's algebra where the setting asks for it."""
     worker = RewardWorker(str(tiny_dir), kind="rule", format_score=0.1)
     gsm = worker.compute_reward(_batch(worker.tokenizer, ["q"] * 3, ["so\n#### 72", "#### 73", "72"], ["72"] * 3,
                                        source="openai/gsm8k"))
@@ -167,6 +167,10 @@ def test_verl_sources_are_scored_by_the_reward_worker_as_verl_scores_them(tiny_d
                                         source="aime2024"))
     assert dapo["token_level_scores"].sum(-1).tolist() == [1.0, -1.0] and dapo["acc"].tolist() == [1.0, 0.0]
     assert dapo.objects["reward_extra_info"] == [{}, {}]
+    # what verl records of each answer (its validation's maj@N votes on pred); GSM8K's is a bare number
+    assert dapo.objects["reward_answer"] == [{"score": 1.0, "acc": 1.0, "pred": "34"},
+                                             {"score": -1.0, "acc": 0.0, "pred": "35"}]
+    assert gsm.objects["reward_answer"] == [{}, {}, {}]
     algebra = RewardWorker(str(tiny_dir), kind="rule", math_verifier="math-verify")
     out = algebra.compute_reward(_batch(algebra.tokenizer, ["q"] * 2, ["\\boxed{2/4}", "\\boxed{3/4}"],
                                         ["\\frac{1}{2}"] * 2, source="lighteval/MATH"))

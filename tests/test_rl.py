@@ -294,6 +294,38 @@ def test_evaluate_reports_greedy_accuracy(rl):
     assert {s.stage for s in spans} == {"evaluate"}
 
 
+def test_evaluation_answers_n_times_and_reports_verls_entries(rl):
+    """evaluation.n answers per test prompt (verl's val_kwargs): greedy ones repeat the greedy
+    answer, sampled ones differ; under verl's names, mean@N, std@N and best@n/worst@n."""
+    samples = rl.test_samples[:16]
+    greedy = rl.evaluate(samples)
+    rl.update("trainer.verl_names=true", "evaluation.n=2")
+    try:
+        repeated = rl.evaluate(samples)
+        rl.update("evaluation.n=4", "evaluation.temperature=1.0")
+        sampled = rl.evaluate(samples)
+    finally:
+        rl.update("trainer.verl_names=false", "evaluation.n=1", "evaluation.temperature=0")
+    assert "verl" not in greedy
+    v = repeated["verl"]
+    assert repeated["accuracy"] == greedy["accuracy"] == pytest.approx(v["val-core/arith/acc/mean@2"], abs=1e-12)
+    assert repeated["n"] == sampled["n"] == 16
+    for name in ("acc", "reward"):
+        mean = v[f"{'val-core' if name == 'acc' else 'val-aux'}/arith/{name}/mean@2"]
+        assert v[f"val-aux/arith/{name}/std@2"] == 0.0  # the same answer twice
+        assert v[f"val-aux/arith/{name}/worst@2/mean"] == mean == v[f"val-{'core' if name == 'acc' else 'aux'}/arith/"
+                                                                    f"{name}/best@2/mean"]
+    v = sampled["verl"]
+    stats = [f"{kind}@{n}/{what}" for n in (2, 4) for kind in ("best", "worst") for what in ("mean", "std")]
+    assert sorted(v) == sorted([f"val-core/arith/acc/{m}" for m in ("mean@4", "best@4/mean", "best@4/std")]
+                               + [f"val-aux/arith/acc/{m}" for m in ("std@4", *stats) if not m.startswith("best@4")]
+                               + [f"val-aux/arith/{name}/{m}" for name in ("reward", "score")  # the dict's score
+                                  for m in ("mean@4", "std@4", *stats)])
+    assert v["val-aux/arith/acc/std@4"] > 0  # sampled answers differ
+    assert sampled["accuracy"] == pytest.approx(v["val-core/arith/acc/mean@4"], abs=1e-12)
+    assert v["val-core/arith/acc/best@4/mean"] > v["val-core/arith/acc/mean@4"] > v["val-aux/arith/acc/worst@4/mean"]
+
+
 def test_remax_and_dapo_dataflows(rl):
     flow = rl.dataflow.names
     saved = [f"algorithm.adv_estimator={rl.cfg.algorithm.adv_estimator}",

@@ -152,10 +152,11 @@ def test_score_runs_a_users_function_with_its_dict_fields(tmp_path, capsys):
                  "--data", str(_gsm8k_data(tmp_path)), "--responses", str(_responses(tmp_path, ["ab", "boom", "#### -5"])),
                  "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr()[0].splitlines()]
-    # acc comes from the built-in gsm8k scorer where the function gives none, as in a run
-    assert rows == [{"score": 2.0, "acc": 0.0, "length_bonus": 0.5},
+    # acc comes from the built-in gsm8k scorer where the function gives none, as in a run; every
+    # field of the dict, a string one too
+    assert rows == [{"score": 2.0, "acc": 0.0, "length_bonus": 0.5, "note": "x"},
                     {"score": -1.0, "acc": 0.0, "error": "ValueError: cannot read boom"},
-                    {"score": 7.0, "acc": 1.0, "length_bonus": 0.5}]
+                    {"score": 7.0, "acc": 1.0, "length_bonus": 0.5, "note": "x"}]
 
 
 def test_score_refuses_bad_input_by_name(tmp_path, capsys):

@@ -10,12 +10,15 @@ import pytest
 
 from hybridlab.cli import main
 from hybridlab.config import ConfigError
+from hybridlab.config.schema import EvaluationConfig
 from hybridlab.run_config import load_config, load_run
 from hybridlab.tasks.dataset import write_rows
 from hybridlab.verl.keys import lookup, markdown_table
+from hybridlab.verl.metrics import validation_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 AR = "actor_rollout_ref."
+VALIDATION = json.loads((ROOT / "tests/verl_reference/validation.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -176,8 +179,9 @@ def test_a_custom_reward_function_is_called_by_keyword_with_its_kwargs(gsm8k_fil
     from hybridlab.workers.reward.scoring import load_function, score_one
 
     fn = load_function(cfg.reward.function, cfg.reward.function_kwargs)
-    assert score_one(fn, "openai/gsm8k", "4", "4", None) == (1.5, None, {})
-    assert score_one(fn, "openai/gsm8k", "5", "4", None) == (0.5, None, {})
+    # (score, acc, the dict answer as verl records it)
+    assert score_one(fn, "openai/gsm8k", "4", "4", None) == (1.5, None, {"score": 1.5})
+    assert score_one(fn, "openai/gsm8k", "5", "4", None) == (0.5, None, {"score": 0.5})
 
 
 def test_hybridlabs_own_keys_win_and_are_not_listed_as_verl_defaults(gsm8k_files):
@@ -207,29 +211,51 @@ def test_resuming_refuses_another_adapter_than_the_checkpoints(tmp_path):
         _same_adapter(load_config(None, ["actor.lora.rank=8", "actor.strategy=fsdp2"]), checkpoint)
 
 
-def test_resume_path_resumes_a_run_or_its_latest_checkpoint_and_refuses_an_older_one(gsm8k_files, tmp_path):
+def test_resume_path_resumes_the_latest_in_place_and_an_older_checkpoint_in_a_new_directory(gsm8k_files, tmp_path):
     from hybridlab.errors import UserError
     from hybridlab.train_command import _verl_resume
 
     run = tmp_path / "run"
-    for step in ("step-000002", "step-000003"):
-        (run / "checkpoints" / step).mkdir(parents=True)
+    (run / "metrics.jsonl").parent.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+    for step, size in (("step-000002", 24), ("step-000003", 36)):
+        (run / "checkpoints" / step / "actor").mkdir(parents=True)
+        (run / "checkpoints" / step / "session.json").write_text(json.dumps({"metrics_bytes": size}))
+        (run / "checkpoints" / step / "config.yaml").write_text("actor: {lora: {rank: 0}}\n")
+        (run / "checkpoints" / step / "actor" / "model.safetensors").write_bytes(b"weights of " + step.encode())
     common = ["data.train_batch_size=8", f"{AR}actor.ppo_mini_batch_size=8", "trainer.resume_mode=resume_path"]
     with pytest.raises(ConfigError, match=r"resume_mode=resume_path needs trainer.resume_from_path"):
         load_run(None, settings(gsm8k_files, *common))
 
-    def resumed(path) -> str | None:
-        cfg, verl = load_run(None, settings(gsm8k_files, *common, f"trainer.resume_from_path={path}"))
-        return _verl_resume(verl, Path(cfg.trainer.run_dir))
+    def resumed(path, into=run) -> str | None:
+        cfg, verl = load_run(None, settings(gsm8k_files, *common, f"trainer.resume_from_path={path}",
+                                            f"trainer.default_local_dir={into}"))
+        return _verl_resume(verl, cfg)
 
+    older = run / "checkpoints" / "step-000002"
     assert resumed(run) == str(run) and resumed(run / "checkpoints" / "step-000003") == str(run)
-    with pytest.raises(UserError, match=r"step-000002: its run has a newer checkpoint, step-000003"):
-        resumed(run / "checkpoints" / "step-000002")
+    with pytest.raises(UserError, match=r"step-000002: its run has a newer checkpoint, step-000003, and"
+                                        r" trainer.default_local_dir is that run"):
+        resumed(older)
+    # in a new directory: the checkpoint (hard-linked) and the logs up to it; the run stays as it was
+    branch = tmp_path / "branch"
+    assert resumed(older, into=branch) == str(branch)
+    assert sorted(p.name for p in (branch / "checkpoints").iterdir()) == ["step-000002"]
+    weights = branch / "checkpoints" / "step-000002" / "actor" / "model.safetensors"
+    assert weights.read_bytes() == b"weights of step-000002"
+    assert weights.stat().st_ino == (older / "actor" / "model.safetensors").stat().st_ino
+    assert (branch / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert (run / "metrics.jsonl").read_text().count("step") == 3 and len(list((run / "checkpoints").iterdir())) == 2
+    with pytest.raises(UserError, match=r"branch is not empty: a run going on from .*step-000002 needs a new run"):
+        resumed(older, into=branch)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["branch", "run"]  # nothing half-written left beside
     with pytest.raises(UserError, match=r"no run directory .*elsewhere"):
         resumed(tmp_path / "elsewhere")
+    with pytest.raises(UserError, match=r"resume_from_path=.*step-000009 is no complete checkpoint"):
+        resumed(run / "checkpoints" / "step-000009")
     cfg, verl = load_run(None, settings(gsm8k_files, *common[:2], "trainer.resume_mode=disable",
                                         f"trainer.default_local_dir={run}"))
-    assert _verl_resume(verl, Path(cfg.trainer.run_dir)) is None  # disable: afresh, though run has checkpoints
+    assert _verl_resume(verl, cfg) is None  # disable: afresh, though run has checkpoints
 
 
 def test_file_lists_and_every_row_are_checked_by_name(gsm8k_files):
@@ -241,3 +267,26 @@ def test_file_lists_and_every_row_are_checked_by_name(gsm8k_files):
     with pytest.raises(ConfigError, match=r"data.train_samples: 0 \(every row\) needs data.train_files"):
         load_config(None, ["data.train_samples=0"])
     assert load_config(None, ["trainer.max_minutes=0"]).trainer.max_minutes == 0  # no limit
+
+
+def test_validation_sampling_translates_as_verl_samples(gsm8k_files):
+    v, size = f"{AR}rollout.val_kwargs.", ("data.train_batch_size=8", f"{AR}actor.ppo_mini_batch_size=8")
+    sampled = load_config(None, settings(gsm8k_files, *size, f"{v}do_sample=True", f"{v}temperature=0.6", f"{v}n=4",
+                                         f"{v}top_p=0.95", f"{v}top_k=-1"))
+    assert sampled.evaluation == EvaluationConfig(n=4, temperature=0.6, top_p=0.95, top_k=0)
+    greedy = load_config(None, settings(gsm8k_files, *size, f"{v}do_sample=False", f"{v}temperature=1.0", f"{v}n=2"))
+    assert greedy.evaluation == EvaluationConfig(n=2, temperature=0.0)  # verl decodes greedily without do_sample
+    assert load_config(None, settings(gsm8k_files, *size)).evaluation == EvaluationConfig()  # one greedy answer
+    with pytest.raises(ConfigError, match=r"evaluation.n: must be at least 1, got 0"):
+        load_config(None, settings(gsm8k_files, *size, f"{v}n=0"))
+
+
+def test_validation_metrics_equal_verls():
+    """verl 0.9.1's own process_validation_metrics and _val_metrics_update on constructed answers
+    (tests/verl_reference/make_validation.py): every entry, bit for bit, maj@N included."""
+    for case in VALIDATION:
+        infos, rows = case["infos"], range(len(case["sources"]))
+        answers = [{k: values[i] for k, values in infos.items() if k != "reward"} for i in rows]
+        assert validation_metrics(case["sources"], case["uids"], infos["reward"], answers) == case["metrics"]
+    names = [name for case in VALIDATION for name in case["metrics"]]
+    assert len(names) == 303 and "val-core/math_dapo/acc/maj@8/mean" in names and "val-aux/mine/format/best@4/std" in names

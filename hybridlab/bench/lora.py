@@ -19,7 +19,7 @@ import time
 import torch
 
 from hybridlab.bench.train import BenchActor, make_batch
-from hybridlab.config.schema import LoraConfig
+from hybridlab.config.training import LoraConfig
 from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.controller.resources import connect

@@ -11,7 +11,8 @@ from typing import Any
 
 import yaml
 
-from hybridlab.config.schema import CONFIG_DIR, ConfigError, RunConfig
+from hybridlab.config.schema import CONFIG_DIR, RunConfig
+from hybridlab.config.setting import ConfigError
 
 
 def _type_name(tp) -> str:

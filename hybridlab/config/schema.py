@@ -1,5 +1,6 @@
 """RunConfig: everything one RL run needs, as nested dataclasses, each field declaring how a
-change of it applies to a running session (``setting``). The defaults are the embedded default
+change of it applies to a running session (``setting.py``); the training roles' sections are
+in ``training.py``, the algorithm's in ``algorithm.py``. The defaults are the embedded default
 run: GRPO on ``arith`` with the tiny zoo model after a supervised warm start. How YAML and
 ``key=value`` overrides become a RunConfig is in ``loading.py``; checks across keys in
 ``hybridlab/run_config.py``.
@@ -9,38 +10,13 @@ from __future__ import annotations
 import dataclasses
 import typing
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from hybridlab.errors import UserError
+from hybridlab.config.algorithm import AlgorithmConfig
+from hybridlab.config.setting import setting
+from hybridlab.config.training import ActorConfig, CriticConfig, DPOConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-
-
-class ConfigError(UserError):
-    """A configuration that cannot run; the message names the key."""
-
-
-CHANGES = ("step", "live", "recreate", "remap", "fixed")
-
-
-def setting(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, change: str = "step",
-            workers: tuple[str, ...] = (), why: str = "", loss: bool = False) -> Any:
-    """Return a config field that says how a change of it applies to a running session:
-
-    - ``step`` (the default): the controller reads it as each step runs, so a change applies from
-      the next step on;
-    - ``live``: the running workers of the roles ``workers`` take it (``configure``), keeping
-      their state;
-    - ``recreate``: it is built into the workers of ``workers``, so a change re-creates them (with
-      the trainers' state carried in memory);
-    - ``remap``: it changes the device mapping (a remap);
-    - ``fixed``: it cannot change once the session runs; ``why`` says why.
-
-    ``loss``: one of the settings the actor's policy loss reads (sent with every update)."""
-    if change not in CHANGES or (change in ("live", "recreate")) != bool(workers) or (change == "fixed") != bool(why):
-        raise ValueError(f"setting: change={change!r} with workers={workers!r}, why={why!r}")
-    meta = {"change": change, "workers": workers, "why": why, "loss": loss}
-    return dataclasses.field(default=default, default_factory=factory, metadata=meta)
 
 
 @dataclasses.dataclass
@@ -112,179 +88,14 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass
-class KLControlConfig:
-    """The coefficient of a KL reward penalty."""
-    type: str = "fixed"
-    kl_coef: float = 0.001
-    target_kl: float = 0.1
-    horizon: int = 10000
-
-
-@dataclasses.dataclass
-class FilterGroupsConfig:
-    """DAPO dynamic sampling: drop groups whose rewards are all equal, generate more to refill."""
-    enable: bool = False
-    max_num_gen_batches: int = 4
-
-
-@dataclasses.dataclass
-class OverlongConfig:
-    """DAPO's soft overlong penalty on responses within ``len`` tokens of the maximum."""
-    enable: bool = False
-    len: int = 2
-    penalty_factor: float = 1.0
-
-
-@dataclasses.dataclass
-class RolloutCorrectionConfig:
-    """Importance weights and rejection against the rollout-vs-trainer mismatch, as verl's
-    ``algorithm.rollout_correction`` (``hybridlab.algos.rollout_correction``). Decoupled (the
-    default): the ``rollout_correction`` stage compares the actor's old log-probs with the
-    rollout's. ``bypass_mode``: the rollout's log-probs are the old ones and the actor's loss
-    is ``bypass_mode`` with ``loss_type`` ppo_clip or reinforce."""
-    rollout_is: Optional[str] = None    # None (off), "token" or "sequence"
-    rollout_is_threshold: object = 2.0  # a number (truncate) or a "lower_upper" string (IcePop); checked in run_config.py
-    rollout_is_batch_normalize: bool = False
-    rollout_rs: Optional[str] = None    # comma-separated rejection criteria, e.g. "seq_mean_k1" (Geo-RS)
-    rollout_rs_threshold: object = None  # one threshold, or one per criterion ("0.999_1.001,0.05")
-    bypass_mode: bool = False
-    loss_type: str = "ppo_clip"         # bypass mode: "ppo_clip" or "reinforce"
-
-    @property
-    def enabled(self) -> bool:
-        """True when weights or rejection are asked for (mismatch metrics are logged anyway)."""
-        return self.rollout_is is not None or self.rollout_rs is not None
-
-
-@dataclasses.dataclass
-class AlgorithmConfig:
-    """Advantage estimation and reward shaping."""
-    adv_estimator: str = "grpo"
-    norm_adv_by_std_in_grpo: bool = True
-    gamma: float = 1.0
-    lam: float = 1.0
-    use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"
-    kl_ctrl: KLControlConfig = dataclasses.field(default_factory=KLControlConfig)
-    filter_groups: FilterGroupsConfig = dataclasses.field(default_factory=FilterGroupsConfig)
-    overlong_buffer: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
-    rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
-    gdpo_reward_keys: Optional[list] = None     # gdpo: the reward components (keys of the reward's dict answer)
-    gdpo_reward_weights: Optional[list] = None  # gdpo: their weights (None: 1 each)
-
-
-_ADAPTER_BUILT_IN = "the adapter's shape is built into the actor, its checkpoints and the rollout engines"
-
-
-@dataclasses.dataclass
-class LoraConfig:
-    """LoRA on the actor (the fsdp2 backend, built with peft; verl's model.lora_rank, lora_alpha
-    and target_modules). rank 0: full fine-tuning. With an adapter only the adapter trains; the
-    reference is the base model with the adapter off, in the actor's processes (no weights of
-    its own); checkpoints hold the adapter and its optimizer state."""
-    rank: int = setting(0, change="fixed", why=_ADAPTER_BUILT_IN)
-    alpha: float = setting(16.0, change="fixed", why=_ADAPTER_BUILT_IN)  # the update is scaled by alpha / rank
-    dropout: float = setting(0.0, change="fixed", why=_ADAPTER_BUILT_IN)  # on the adapter's input, in training
-    # "all-linear" (every linear layer but the output head) or a list of module names ("q_proj", ...)
-    target_modules: object = setting("all-linear", change="fixed", why=_ADAPTER_BUILT_IN)
-    # "adapter": each weight sync sends only the adapter, into vLLM's LoRA support (in memory);
-    # "merged": the adapter folded into the base weights, sent as a full sync (any rollout backend)
-    sync: str = setting("adapter", change="fixed", why="the rollout engines start with or without LoRA support")
-
-
-@dataclasses.dataclass
-class FSDPConfig:
-    """Host-memory offload on the fsdp2 backend (verl's fsdp_config). On a CPU-only machine the
-    weights and moments are in host memory already: both settings are accepted and change nothing."""
-    param_offload: bool = False         # parameter shards (and so the optimizer step) in host memory
-    optimizer_offload: bool = False     # AdamW's moments in host memory between steps
-
-
-@dataclasses.dataclass
-class ActorConfig:
-    """The policy's optimizer and PPO objective."""
-    lr: float = setting(1e-4, change="live", workers=("actor",))
-    weight_decay: float = setting(0.0, change="live", workers=("actor",))
-    grad_clip: float = setting(1.0, change="live", workers=("actor",))
-    # Adam's first steps move every weight by ~lr: ramp up
-    warmup_steps: int = setting(10, change="live", workers=("actor",))
-    ppo_mini_batch_size: int = 16       # prompts per optimizer step (x rollout.n sequences)
-    ppo_epochs: int = 1
-    micro_batch_size: int = setting(64, change="live", workers=("actor", "ref"))  # sequences per forward/backward
-    # >0: micro-batches by this token budget instead of micro_batch_size (verl's use_dynamic_bsz)
-    micro_batch_tokens: int = setting(4096, change="live", workers=("actor", "ref"))
-    # pack each micro-batch's sequences end to end (verl's use_remove_padding): the same log-probs
-    # as the padded layout (tested to 1e-5), without computing the padding
-    remove_padding: bool = setting(True, change="live", workers=("actor", "ref"))
-    # or "bf16": matmuls in bf16 (autocast); weights, grads, AdamW stay fp32
-    precision: str = setting("fp32", change="live", workers=("actor", "ref"))
-    # training backend (verl's actor.strategy): "megatron" (TP, PP, DP), "fsdp2" (torch FSDP2 over
-    # DP ranks, any transformers model) or "auto" (megatron where hybridlab converts the
-    # architecture, else fsdp2); the reference follows the actor. A change re-creates the roles
-    # with their state carried (HF layout either way).
-    strategy: str = setting("auto", change="recreate", workers=("actor", "ref"))
-    fsdp: FSDPConfig = setting(factory=FSDPConfig, change="recreate", workers=("actor", "ref"))
-    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
-    # a name in hybridlab.algos.POLICY_LOSSES (verl's policy_loss.loss_mode and its section are
-    # accepted too); its settings below
-    policy_loss: str = setting("vanilla", loss=True)
-    tau_pos: float = setting(1.0, loss=True)  # sapo: the gate's temperature for positive advantages
-    tau_neg: float = setting(1.05, loss=True)  # sapo: ... for the others
-    clip_cov_ratio: float = setting(0.0002, loss=True)  # clip_cov: share of tokens whose gradient is cut
-    clip_cov_lb: float = setting(1.0, loss=True)  # clip_cov: the covariance band the tokens are drawn from
-    clip_cov_ub: float = setting(5.0, loss=True)
-    kl_cov_ratio: float = setting(0.0002, loss=True)  # kl_cov: share of tokens with the |log-ratio| penalty
-    ppo_kl_coef: float = setting(0.1, loss=True)  # kl_cov: the penalty's coefficient
-    dro_beta: Optional[float] = setting(None, loss=True)  # dro: the squared log-ratio penalty (required for dro)
-    clip_ratio: float = setting(0.2, loss=True)
-    clip_ratio_low: Optional[float] = setting(None, loss=True)
-    clip_ratio_high: Optional[float] = setting(None, loss=True)
-    clip_ratio_c: float = setting(3.0, loss=True)
-    loss_agg_mode: str = setting("token-mean", loss=True)
-    # seq-mean-token-sum-norm's divisor (None: the padded response length)
-    loss_scale_factor: Optional[float] = setting(None, loss=True)
-    entropy_coeff: float = setting(0.0, loss=True)
-    use_rollout_log_probs: bool = True  # default dataflow: old log-probs = the rollout's where exact
-    use_kl_loss: bool = setting(False, loss=True)
-    kl_loss_coef: float = setting(0.001, loss=True)
-    kl_loss_type: str = setting("low_var_kl", loss=True)
-
-
-@dataclasses.dataclass
-class CriticConfig:
-    """The value model's optimizer and clipped loss (used by GAE)."""
-    lr: float = setting(1e-3, change="live", workers=("critic",))
-    weight_decay: float = setting(0.0, change="live", workers=("critic",))
-    grad_clip: float = setting(1.0, change="live", workers=("critic",))
-    warmup_steps: int = setting(0, change="live", workers=("critic",))
-    ppo_mini_batch_size: int = 16
-    ppo_epochs: int = 1
-    micro_batch_size: int = setting(64, change="live", workers=("critic",))
-    micro_batch_tokens: int = setting(4096, change="live", workers=("critic",))  # as actor.micro_batch_tokens
-    remove_padding: bool = setting(True, change="live", workers=("critic",))  # as actor.remove_padding
-    precision: str = setting("fp32", change="live", workers=("critic",))  # or "bf16", as actor.precision
-    strategy: str = setting("auto", change="recreate", workers=("critic",))  # as actor.strategy
-    fsdp: FSDPConfig = setting(factory=FSDPConfig, change="recreate", workers=("critic",))  # as actor.fsdp
-    cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
-
-
-@dataclasses.dataclass
-class DPOConfig:
-    """Preference optimisation (TRL's DPOConfig names): the loss types and their weights (a list
-    adds them), beta and label_smoothing; read by the update_actor_dpo stage of online DPO.
-    ``online``: the step is online DPO's (generate, reward, pair_best_worst, ref_logprob,
-    update_actor_dpo, sync_weights) instead of the estimator's."""
-    online: bool = False
-    loss_type: object = "sigmoid"       # a name in hybridlab.algos.PREFERENCE_LOSSES, or a list of them
-    loss_weights: Optional[list] = None  # one weight per loss type (None: 1 each)
-    beta: float = 0.1                   # the strength of the reference
-    label_smoothing: float = 0.0        # exo_pair: in (0, 1); robust: in [0, 0.5)
-
-    @property
-    def loss_types(self) -> list[str]:
-        """The loss types as a list."""
-        return [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
+class EvaluationConfig:
+    """How the test prompts are answered when the run evaluates (verl's rollout.val_kwargs): one
+    greedy answer each by default; with ``n`` > 1 and ``temperature`` > 0, ``n`` sampled answers,
+    reported as their mean (and, under verl's names, best@N, worst@N and maj@N)."""
+    n: int = 1
+    temperature: float = 0.0            # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0                      # 0: no top-k cut
 
 
 @dataclasses.dataclass
@@ -353,6 +164,7 @@ class RunConfig:
                                why="the prompt stream and the test set are built from it; changing it would make a"
                                    " different run")
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    evaluation: EvaluationConfig = dataclasses.field(default_factory=EvaluationConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     actor: ActorConfig = dataclasses.field(default_factory=ActorConfig)
     critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)

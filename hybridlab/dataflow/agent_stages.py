@@ -17,7 +17,7 @@ import torch
 from hybridlab.agents.rollout import AgentSettings, STAT_FIELDS, load_spec
 from hybridlab.batching import on_last_token
 from hybridlab.dataflow.fields import SEQUENCE_FIELDS
-from hybridlab.dataflow.generation_stages import finish_reward, generation_metrics, reward_inputs
+from hybridlab.dataflow.generation_stages import finish_reward, generation_metrics
 from hybridlab.errors import UserError
 from hybridlab.protocol import Batch
 from hybridlab.tasks import TASKS
@@ -156,18 +156,3 @@ def agent_problems(cfg, rollout_tp: int) -> list[str]:
         p.append(f"rollout.backend / mapping.roles.rollout.tp: agent rollouts run on the vllm backend at tp 1 (got"
                  f" {r.backend!r}, tp {rollout_tp}); use dp for more engines")
     return p
-
-
-def greedy_scores(ctx: "StepContext", prompts: Batch) -> Batch:
-    """Return ``token_level_scores`` and ``acc`` of one greedy sample per prompt, generated as
-    the run's steps generate (a plain response, or an agent trajectory) and scored as they are."""
-    sampling = ctx.sampling(n=1, temperature=0.0)
-    rollout, reward = ctx.group("rollout"), ctx.group("reward")
-    if not agentic(ctx.cfg):
-        generated = rollout.generate(prompts, sampling)
-        return reward.compute_reward(generated.select(reward_inputs(generated)))
-    out = rollout.generate_agent(prompts, sampling, agent_settings(ctx.cfg, ctx.state.rollout_version))
-    if not own_reward(ctx.cfg):
-        return reward.compute_reward(out.select(reward_inputs(out)))
-    scores, acc = own_scores(out, ctx.cfg.reward.error_score)
-    return Batch({"token_level_scores": scores.unsqueeze(-1), "acc": acc})

@@ -16,6 +16,7 @@ folder, which the next save or resume removes.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
@@ -142,6 +143,42 @@ def read_role(folder: Path) -> dict[str, Any]:
     trainer = json.loads((folder / "trainer_state.json").read_text())
     state.update(step=trainer["step"], adam_step=trainer["adam_step"], rng=torch.tensor(trainer["rng"], dtype=torch.uint8))
     return state
+
+
+def branch(checkpoint: Path, run_dir: Path) -> Path:
+    """Start the run directory ``run_dir`` from ``checkpoint`` of another run: the checkpoint
+    (hard-linked where the file system allows, else copied) and its run's metrics and telemetry
+    up to it, so resuming ``run_dir`` goes on from that step and the other run stays as it was.
+    Written aside and renamed into place; returns ``run_dir``. Raises UserError when ``run_dir``
+    exists and is not empty."""
+    run_dir, source = Path(run_dir), Path(checkpoint).parent.parent
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise UserError(f"{run_dir} is not empty: a run going on from {checkpoint} needs a new run directory")
+    record = json.loads((Path(checkpoint) / "session.json").read_text())
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    aside = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}-", dir=run_dir.parent))
+    try:
+        shutil.copytree(checkpoint, aside / CHECKPOINTS / Path(checkpoint).name, copy_function=_link_or_copy)
+        for name, key in (("metrics.jsonl", "metrics_bytes"), (TELEMETRY_FILE, "telemetry_bytes")):
+            if (source / name).is_file() and record.get(key) is not None:
+                with open(source / name, "rb") as f:
+                    (aside / name).write_bytes(f.read(record[key]))
+        if run_dir.exists():
+            run_dir.rmdir()
+        aside.rename(run_dir)
+    except BaseException:
+        shutil.rmtree(aside, ignore_errors=True)
+        raise
+    return run_dir
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard-link ``src`` at ``dst`` (checkpoint files are never written again in place), or copy it
+    where links cannot be made (another file system)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _remove_partial(root: Path) -> None:

@@ -40,7 +40,7 @@ class RoleSpec:
     settings: Callable[[RunConfig], dict]         # the worker's keyword arguments from the config
     live: tuple[str, ...] = ()                    # config keys the running worker takes (``configure``)
     recreate: tuple[str, ...] = ()                # config keys that re-create the role
-    # (both as the schema declares them: ``hybridlab.config.schema.setting``)
+    # (both as the schema declares them: ``hybridlab.config.setting.setting``)
     stateful: bool = False                        # weights and optimizer carried across re-creation
     layout: tuple[str, ...] = ()                  # what it takes from the mapping's role: "tp", "pp", "ep"
 

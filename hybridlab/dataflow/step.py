@@ -17,11 +17,11 @@ import time
 import warnings
 
 from hybridlab.dataflow.context import StepContext
+from hybridlab.dataflow.evaluation import accuracy_report, eval_scores
 from hybridlab.dataflow.graph import StepResult
 from hybridlab.dataflow.prompts import prompt_batch
 from hybridlab.dataflow.recovery import with_recovery
 from hybridlab.dataflow.rows import batch_rows
-from hybridlab.dataflow.agent_stages import greedy_scores
 from hybridlab.dataflow.train_loop import run_training
 from hybridlab.protocol import Batch
 from hybridlab.reshard.transfer import sync_mapped
@@ -93,20 +93,23 @@ class Stepping:
         return report
 
     def evaluate(self, samples: list | None = None) -> dict:
-        """Return greedy accuracy of the current rollout weights on the test prompts:
-        ``{"accuracy", "n", "reward_mean"}``."""
+        """Return the current rollout weights' accuracy on the test prompts, answered as the
+        ``evaluation`` section says (one greedy answer each by default): ``{"accuracy", "n",
+        "reward_mean"}`` over every answer, and under ``"verl"`` verl's validation entries when
+        the run logs verl's names."""
         samples = samples if samples is not None else self.test_samples
         if not samples:
             return {"accuracy": float("nan"), "n": 0, "reward_mean": float("nan")}
         prompts = prompt_batch(samples, self.tokenizer, list(range(len(samples))), self._prompt_fit())
         # under the step lock: a remap or an edit waits for the evaluation as for a step
         with self.boundary.lock, self.workers.timeline.staged("evaluate"):  # the dashboard labels calls by stage
-            scored = with_recovery(self, lambda ctx: greedy_scores(ctx, prompts))
-        scores = scored["token_level_scores"].sum(-1)
-        out = {"accuracy": float(scored["acc"].nanmean()), "n": len(samples), "reward_mean": float(scores.mean())}
-        if self.cfg.trainer.verl_names and "acc_reported" in scored:
-            out["verl"] = verl_metrics.validation_metrics([s.data_source for s in samples], scores, scored["acc"],
-                                                          scored["acc_reported"])
+            scored = with_recovery(self, lambda ctx: eval_scores(ctx, prompts))
+        out = accuracy_report(scored, len(samples))
+        if self.cfg.trainer.verl_names and "reward_answer" in scored.objects:
+            n = self.cfg.evaluation.n
+            out["verl"] = verl_metrics.validation_metrics(
+                [s.data_source for s in samples for _ in range(n)], [i for i in range(len(samples)) for _ in range(n)],
+                scored["token_level_scores"].sum(-1).tolist(), scored.objects["reward_answer"])
         return out
 
     def decoded(self, batch: Batch, limit: int = 16) -> list[dict]:

@@ -11,7 +11,8 @@ from hybridlab.algos.advantages import ADV_INPUTS, OPTIONAL_ADV_INPUTS, compute_
 from hybridlab.algos.kl import apply_kl_penalty
 from hybridlab.algos.objectives import actor_loss, critic_loss
 from hybridlab.algos.rollout_correction import compute_rollout_correction_and_rejection_mask
-from hybridlab.config.schema import ActorConfig, config_fields
+from hybridlab.config.schema import config_fields
+from hybridlab.config.training import ActorConfig
 from hybridlab.dataflow.fields import SEQUENCE_FIELDS, mean_metrics, summary_stats
 from hybridlab.faults import fault_point
 from hybridlab.protocol import Batch

@@ -190,11 +190,11 @@ KEYS: list[Key] = [
     Key(R + "log_prob_micro_batch_size_per_gpu", note=_LOGPROB),
     Key(R + "log_prob_use_dynamic_bsz", note=_LOGPROB),
     Key(R + "log_prob_max_token_len_per_gpu", note=_LOGPROB),
-    noted_when(R + "val_kwargs.do_sample", (False,), "hybridlab's evaluation decodes greedily"),
-    noted_when(R + "val_kwargs.temperature", (0, 0.0), "hybridlab's evaluation decodes greedily"),
-    noted_when(R + "val_kwargs.n", (1,), "hybridlab's evaluation decodes one answer per prompt"),
-    Key(R + "val_kwargs.top_p", note="greedy evaluation: sampling settings do not apply"),
-    Key(R + "val_kwargs.top_k", note="greedy evaluation: sampling settings do not apply"),
+    Key(R + "val_kwargs.do_sample", "evaluation.temperature (0, greedy, when false)", joint=True),
+    Key(R + "val_kwargs.temperature", "evaluation.temperature (when do_sample)", joint=True),
+    Key(R + "val_kwargs.n", "evaluation.n"),
+    Key(R + "val_kwargs.top_p", "evaluation.top_p"),
+    Key(R + "val_kwargs.top_k", "evaluation.top_k", convert=_top_k),
     Key(R + "multi_turn.tool_config_path", refuse=lambda v: "verl's tool configs are not read; hybridlab's agent"
         " rollouts take rollout.tools, rollout.agent or rollout.env (docs/agents.md)"),
     # the reference
@@ -267,8 +267,8 @@ KEYS: list[Key] = [
     Key("trainer.resume_mode", "hybridlab train: auto resumes from trainer.default_local_dir's latest checkpoint"
         " when it has one, disable starts afresh, resume_path resumes trainer.resume_from_path",
         refuse=only(("auto", "disable", "resume_path"), "verl's resume modes"), joint=True),
-    Key("trainer.resume_from_path", "resume_path: a run directory, or its latest checkpoint (step-N), resumed in that"
-        " directory", joint=True),
+    Key("trainer.resume_from_path", "resume_path: a run directory (its latest checkpoint) or a checkpoint (step-N);"
+        " trainer.default_local_dir goes on from it (another run's checkpoint is linked in first)", joint=True),
     Key("trainer.default_local_dir", "trainer.run_dir"),
     Key("trainer.max_actor_ckpt_to_keep", "trainer.keep_checkpoints"),
     Key("trainer.log_val_generations", note="the validation generations are in the run directory's records"),

@@ -199,6 +199,8 @@ def _joint_settings(get, settings: dict, own: dict) -> dict[str, int]:
         raise ConfigError(f"critic.model.path={critic_model!r} differs from actor_rollout_ref.model.path: hybridlab's"
                           " critic starts from the actor's model (with a value head)")
     _reward_settings(get, settings)
+    if get(R + "val_kwargs.do_sample"):  # verl's default: greedy validation, whatever the temperature says
+        settings["evaluation.temperature"] = float(get(R + "val_kwargs.temperature") or 0.0)
     layout = _layout(get, settings["trainer.devices"])
     if "trainer.steps" not in own:
         settings["trainer.steps"] = _steps(get, settings)

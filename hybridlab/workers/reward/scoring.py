@@ -1,8 +1,9 @@
 """Reward functions behind one interface: ``fn(data_source, solution_str, ground_truth, extra_info)``.
 
 That is verl's ``compute_score`` signature, so a verl reward function is used unchanged. It
-returns a float, or a dict with ``score`` (and optionally ``acc``); the dict's other numeric
-entries are the sample's reward components (verl's ``reward_extra_info``: GDPO reads them). Built in: the tasks'
+returns a float, or a dict with ``score`` (and optionally ``acc``); the dict's entries are what
+verl records as ``reward_extra_info`` (its validation metrics read them, and ``pred`` for maj@N),
+and its other numeric entries are the sample's reward components (GDPO reads them). Built in: the tasks'
 rule scorers and those of the text sources verl scores by default (``hybridlab.scorers``); a
 user's function is named by an import path ``package.module:function`` or a file
 ``path/to/file.py:function``.
@@ -98,25 +99,25 @@ class RuleScorer:
 
 
 def score_one(fn: ScoreFn, data_source: str, text: str, ground_truth: Any,
-              extra_info: Any) -> tuple[float, float | None, dict[str, float]]:
-    """Return (score, acc or None, the other numeric entries of a dict answer) from a reward
-    function's number or dict answer; raises ValueError for anything else (None, a string,
-    NaN, inf), which scores ``error_score``."""
+              extra_info: Any) -> tuple[float, float | None, dict[str, Any]]:
+    """Return (score, acc or None, the entries of a dict answer: numbers as floats and strings
+    such as ``pred``, {} for a number) from a reward function's number or dict answer; raises
+    ValueError for anything else (None, a string, NaN, inf), which scores ``error_score``."""
     out = fn(data_source=data_source, solution_str=text, ground_truth=ground_truth, extra_info=extra_info)
     if inspect.isawaitable(out):  # an async reward function (verl awaits those): run it to its result
         out = asyncio.run(_result_of(out))
-    acc, components = None, {}
+    acc, answer = None, {}
     if isinstance(out, dict):
         if "score" not in out:
             raise ValueError(f"reward function returned a dict without 'score': {sorted(out)}")
-        components = {k: float(v) for k, v in out.items()
-                      if k not in ("score", "acc") and _is_number(v) and not isinstance(v, bool)}
+        answer = {k: v if isinstance(v, str) else float(v) for k, v in out.items()
+                  if isinstance(v, str) or _is_number(v)}
         out, acc = out["score"], out.get("acc")
     if isinstance(out, bool) or not isinstance(out, (int, float)) and not _is_number(out):
         raise ValueError(f"reward function returned {type(out).__name__} {out!r:.40}, not a number")
     if not math.isfinite(float(out)):
         raise ValueError(f"reward function returned {float(out)}, not a finite number")
-    return float(out), None if acc is None else float(acc), components
+    return float(out), None if acc is None else float(acc), answer
 
 
 async def _result_of(awaitable: Any) -> Any:
@@ -128,16 +129,25 @@ def _is_number(value: Any) -> bool:
     return hasattr(value, "__float__") and not isinstance(value, (str, bytes))
 
 
-Scored = tuple[float, "float | None", str, dict]  # (score, acc or None, error message or "", components)
+Scored = tuple[float, "float | None", str, dict]  # (score, acc or None, error message or "", dict answer)
 
 
 class SampleScore(NamedTuple):
     """One response scored as a run scores it."""
     score: float
     acc: float              # NaN where unknown
-    acc_reported: bool      # the scorer's answer carried the acc, as verl would see it
     error: str              # "" unless the scorer failed (then score is error_score)
-    components: dict        # the other numeric entries of a dict answer
+    answer: dict            # the entries of the scorer's dict answer as verl records them ({} for a number)
+
+    @property
+    def acc_reported(self) -> bool:
+        """True when the scorer's answer carried the acc, as verl sees it."""
+        return "acc" in self.answer
+
+    @property
+    def components(self) -> dict[str, float]:
+        """The reward components: the answer's numeric entries other than score and acc."""
+        return {k: v for k, v in self.answer.items() if k not in ("score", "acc") and not isinstance(v, str)}
 
 
 def score_samples(fn: ScoreFn, rules: RuleScorer, kind: str, items: list[tuple], error_score: float,
@@ -148,19 +158,20 @@ def score_samples(fn: ScoreFn, rules: RuleScorer, kind: str, items: list[tuple],
     built-in scorer none (it is not run again)."""
     hangs = kind == "function" or rules.options.math_verifier != "rules"
     out = []
-    for (source, text, truth, _), (score, acc, error, parts) in zip(
+    for (source, text, truth, _), (score, acc, error, answer) in zip(
             items, score_batch(fn, items, error_score, timeout_s if hangs else 0.0)):
-        reported = reports_acc(source, rules.options) if kind == "rule" else acc is not None
+        if kind == "rule" and not reports_acc(source, rules.options):
+            answer = {}  # verl's scorer of this source answers with a number
         if acc is None:
             acc = rules.accuracy(source, text, truth) if kind == "function" else float("nan")
-        out.append(SampleScore(score, acc, reported, error, parts))
+        out.append(SampleScore(score, acc, error, answer))
     return out
 
 
 def score_batch(fn: ScoreFn, items: list[tuple], error_score: float, timeout_s: float) -> list[Scored]:
     """Score ``items`` (data_source, text, ground_truth, extra_info) with ``fn``; returns one
-    (score, acc, error, components) per item, a failed item scoring ``error_score`` with its
-    error and no components.
+    (score, acc, error, dict answer) per item, a failed item scoring ``error_score`` with its
+    error and no answer.
 
     With ``timeout_s > 0`` the items are scored in a forked child process that is killed when
     the batch takes longer: the items it did not finish score ``error_score`` with a timeout
@@ -195,8 +206,8 @@ def score_batch(fn: ScoreFn, items: list[tuple], error_score: float, timeout_s: 
 
 def _safe_score(fn: ScoreFn, source: str, text: str, truth: Any, extra: Any, error_score: float) -> Scored:
     try:
-        score, acc, components = score_one(fn, source, text, truth, extra)
-        return score, acc, "", components
+        score, acc, answer = score_one(fn, source, text, truth, extra)
+        return score, acc, "", answer
     except Exception as exc:  # a bad sample must not end the run
         return error_score, None, f"{type(exc).__name__}: {exc}", {}
 

@@ -3,9 +3,10 @@
 ``compute_reward`` (rules or function) and ``compute_model_reward`` return, per sample (an agent
 trajectory is scored on its last model turn, the object field ``final_response``): ``token_level_scores`` (the score on the response's
 last token, zeros elsewhere), ``acc`` (task accuracy where a rule scorer knows the data
-source), ``acc_reported`` (1 where the scorer's answer carried the ``acc``, as verl would see
-it), ``reward_error`` (1 where the function raised) and the object fields
-``reward_error_msg`` and ``reward_extra_info`` (each sample's reward components, a dict). A raising reward function never stops the run: the sample gets
+source), ``reward_error`` (1 where the function raised) and the object fields
+``reward_error_msg``, ``reward_extra_info`` (each sample's reward components, a dict) and
+``reward_answer`` (the entries of the scorer's dict answer as verl records them, ``{}`` where
+verl's scorer answers with a number: the validation metrics under verl's names read them). A raising reward function never stops the run: the sample gets
 ``error_score`` and is counted; with ``timeout_s`` a function that hangs is cut off.
 """
 from __future__ import annotations
@@ -49,8 +50,8 @@ class RewardWorker(Worker):
 
     @register(Dispatch.DP)
     def compute_reward(self, batch: Batch) -> Batch:
-        """Return token_level_scores, acc, reward_error, reward_error_msg and reward_extra_info
-        for the batch."""
+        """Return token_level_scores, acc, reward_error, reward_error_msg, reward_extra_info and
+        reward_answer for the batch."""
         texts = self._texts(batch)
         n = len(batch)
         truths = batch.objects.get("ground_truth", [None] * n)
@@ -61,9 +62,9 @@ class RewardWorker(Worker):
         scores = torch.tensor([r.score for r in rows], dtype=torch.float32)
         return Batch({"token_level_scores": on_last_token(scores, batch["response_mask"]),
                       "acc": torch.tensor([r.acc for r in rows], dtype=torch.float32),
-                      "acc_reported": torch.tensor([float(r.acc_reported) for r in rows]),
                       "reward_error": torch.tensor([float(bool(r.error)) for r in rows])},
-                     {"reward_error_msg": [r.error for r in rows], "reward_extra_info": [r.components for r in rows]})
+                     {"reward_error_msg": [r.error for r in rows], "reward_extra_info": [r.components for r in rows],
+                      "reward_answer": [r.answer for r in rows]})
 
     @register(Dispatch.DP)
     @torch.no_grad()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridlab.config.schema import LoraConfig
+from hybridlab.config.training import LoraConfig
 
 ADAPTER = "default"           # peft's name for the one adapter a model gets
 PEFT_PREFIX = "base_model.model."

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from hybridlab.config.schema import ActorConfig, CriticConfig, LoraConfig, RunConfig
+from hybridlab.config.schema import RunConfig
+from hybridlab.config.training import ActorConfig, CriticConfig, LoraConfig
 from hybridlab.workers.train.backend import OptimConfig, check_precision
 
 
