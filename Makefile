@@ -7,19 +7,20 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 RUN_DIR ?=
 
-.PHONY: install run test lab clean-venv chromium
+.PHONY: install run test lab clean-venv system
 
-install: $(STAMP) chromium
+install: $(STAMP) system
 
 # Re-installs only when the pinned requirements or the package metadata change.
 $(STAMP): requirements.txt pyproject.toml scripts/install.sh scripts/top_level.py
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/install.sh
 	touch $(STAMP)
 
-# Debian's chromium for the browser tests, checked on every `make install` and `make test` (the
-# step above runs only when its inputs change): installed when missing, as root with apt.
-chromium:
-	@bash scripts/install.sh --chromium
+# Debian's chromium (the browser tests) and bubblewrap (the code sandbox), checked on every `make
+# install` and `make test` (the step above runs only when its inputs change): installed when
+# missing, as root with apt.
+system:
+	@bash scripts/install.sh --system
 
 # The main job: the embedded default run (GRPO on arith with the tiny zoo model after a short
 # supervised warm start). It prints the run directory; summary.json there has the accuracies.
@@ -28,7 +29,7 @@ run: $(STAMP)
 
 # Two pytest-xdist workers, each pinned to its own core (tests/conftest.py), a test module per unit
 # of work, the longest first.
-test: $(STAMP) chromium
+test: $(STAMP) system
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # JupyterLab for the notebooks, with this environment as the kernel, on localhost only; it prints

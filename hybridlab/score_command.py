@@ -12,6 +12,7 @@ import math
 import sys
 from pathlib import Path
 
+from hybridlab.config.schema import SandboxConfig
 from hybridlab.errors import UserError
 from hybridlab.scorers import ScorerOptions
 from hybridlab.tasks import Sample
@@ -35,22 +36,24 @@ def read_responses(path: str | Path, rows: int) -> list[str]:
     return out
 
 
-def score_responses(reward, samples: list[Sample], responses: list[str]) -> list[dict]:
+def score_responses(reward, samples: list[Sample], responses: list[str],
+                    sandbox: SandboxConfig = SandboxConfig()) -> list[dict]:
     """Return one ``{"score", "acc", ..., "error"}`` per response under the ``reward`` settings
-    (a RewardConfig): ``acc`` where it is known, the other entries of a dict-valued reward (``pred``...), and
-    ``error`` where scoring failed (then ``score`` is ``reward.error_score``)."""
+    (a RewardConfig; code answers run in ``sandbox``): ``acc`` where it is known, the other
+    entries of a dict-valued reward (``pred``...), and ``error`` where scoring failed (then
+    ``score`` is ``reward.error_score``)."""
     from hybridlab.workers.reward.scoring import RuleScorer, check_sources, load_function, score_samples
 
     if reward.kind == "model":
         raise UserError("reward.kind=model scores token ids with a reward model; hybridlab score checks the rule"
                         " and function rewards")
-    rules = RuleScorer(ScorerOptions.of(reward))
+    rules = RuleScorer(ScorerOptions.of(reward, sandbox))
     if reward.kind == "rule":
         check_sources(samples, rules.options)
     fn = load_function(reward.function, reward.function_kwargs) if reward.kind == "function" else rules
     items = [(s.data_source, text, s.ground_truth, s.extra_info) for s, text in zip(samples, responses)]
     return [{"score": row.score, **({} if math.isnan(row.acc) else {"acc": row.acc}),
-             **{k: v for k, v in row.answer.items() if k not in ("score", "acc")},
+             **row.components, **{k: v for k, v in row.answer.items() if k not in ("score", "acc")},
              **({"error": row.error} if row.error else {})}
             for row in score_samples(fn, rules, reward.kind, items, reward.error_score, reward.timeout_s)]
 
@@ -69,7 +72,7 @@ def cmd_score(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     samples = load_dataset(args.data)
-    rows = score_responses(cfg.reward, samples, read_responses(args.responses, len(samples)))
+    rows = score_responses(cfg.reward, samples, read_responses(args.responses, len(samples)), cfg.sandbox)
     if cfg.algorithm.overlong_buffer.enable:
         print("note: algorithm.overlong_buffer's length penalty counts the run's response tokens; these scores"
               " are before it", file=sys.stderr)
@@ -79,7 +82,8 @@ def cmd_score(args) -> int:
         print(summary(rows), file=sys.stderr)
         return 0
     for sample, row in zip(samples, rows):
-        extra = "".join(f" {k}={v:g}" for k, v in row.items() if k not in ("score", "error"))
+        extra = "".join(f" {k}={v:g}" if isinstance(v, float) else f" {k}={v}" for k, v in row.items()
+                        if k not in ("score", "error"))
         print(f"{sample.origin}: score {row['score']:g}{extra}{'  ' + row['error'] if 'error' in row else ''}")
     print(summary(rows))
     return 0

@@ -1,30 +1,38 @@
 #!/usr/bin/env bash
 # Create the virtual environment and install the pinned CPU stack into it.
 # Used by `make install` (and so by `make run` / `make test`); safe to re-run.
-#   scripts/install.sh --chromium   only install Debian's chromium if it is missing (`make install`
-#                                   and `make test` run this every time; it is quick when present)
+#   scripts/install.sh --system     only install Debian's chromium and bubblewrap if they are missing
+#                                   (`make install` and `make test` run this every time; it is quick
+#                                   when they are present)
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 
-# The browser tests (dashboard, JupyterLab) drive Debian's chromium through playwright (never a
-# downloaded browser). Install it when missing and we may (root with apt). Without it those tests
-# are skipped, except under CI (CI=true), where they fail and name this command.
-install_chromium() {
-  command -v chromium >/dev/null 2>&1 && return 0
+# Debian packages, installed when missing and we may (root with apt):
+# - chromium: the browser tests (dashboard, JupyterLab) drive it through playwright (never a
+#   downloaded browser); without it those tests are skipped, except under CI (CI=true);
+# - bubblewrap: the sandbox for model-written code (hybridlab/sandbox); without it code rewards
+#   and the python tool are refused, naming it, and its tests fail.
+install_debian() {  # COMMAND PACKAGE WHAT
+  command -v "$1" >/dev/null 2>&1 && return 0
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    echo "installing Debian's chromium for the browser tests"
-    if ! apt-get install -y -q chromium >/dev/null 2>&1; then
+    echo "installing Debian's $2 for $3"
+    if ! apt-get install -y -q "$2" >/dev/null 2>&1; then
       apt-get update -q >/dev/null 2>&1 || true
-      apt-get install -y -q chromium >/dev/null 2>&1 || echo "warning: could not install chromium (apt-get install chromium); the browser tests will be skipped, or fail under CI"
+      apt-get install -y -q "$2" >/dev/null 2>&1 || echo "warning: could not install $2 (apt-get install $2): $3 will not work"
     fi
   else
-    echo "note: chromium is not installed: run 'apt-get install chromium' as root (or 'make install' as root); the browser tests will be skipped, or fail under CI"
+    echo "note: $2 is not installed: run 'apt-get install $2' as root (or 'make install' as root), for $3"
   fi
 }
 
-if [ "${1:-}" = "--chromium" ]; then
-  install_chromium
+install_system() {
+  install_debian chromium chromium "the browser tests"
+  install_debian bwrap bubblewrap "the sandbox that runs model-written code"
+}
+
+if [ "${1:-}" = "--system" ]; then
+  install_system
   exit 0
 fi
 
@@ -53,5 +61,5 @@ echo "installing pinned requirements (first time: several minutes, about 4.5 GB)
 # (each worker, driver and kernel) spends 0.85 s of CPU inferring import names from all ~47,000
 # installed file names; this writes the names Python would infer (tests/test_install.py checks them).
 "$VENV/bin/python" scripts/top_level.py
-install_chromium
+install_system
 "$VENV/bin/python" -c "import transformers.models.qwen2.modeling_qwen2, vllm, megatron.core, ray, panel; print('hybridlab environment ready')"

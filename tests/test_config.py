@@ -74,7 +74,7 @@ def test_overrides_parse_values_as_yaml():
      'use_rollout_log_probs, use_kl_loss, kl_loss_coef, kl_loss_type'),
     (['bogus=1'],
      'unknown key bogus; allowed keys in the config: name, model, warm_start, data, rollout, evaluation, algorithm, '
-     'actor, critic, dpo, reward, trainer, dataflow, mapping'),
+     'actor, critic, dpo, reward, sandbox, trainer, dataflow, mapping'),
     (['rollout.n=two'],
      "rollout.n: expected int, got 'two' (str)"),
     (['trainer.off_policy=3'],

@@ -174,8 +174,8 @@ def test_no_function_over_60_lines():
 # "Layers"). A module belongs to the layer of the longest prefix that names it.
 LAYERS = [
     ("base", ["errors", "atomic", "environment", "faults", "protocol", "user_code", "config"]),
-    ("engines", ["batching", "models", "algos", "tasks", "scorers", "reshard", "workers", "agents", "controller", "telemetry",
-                 "sft", "evaluate"]),
+    ("engines", ["batching", "models", "algos", "tasks", "sandbox", "scorers", "reshard", "workers", "agents",
+                 "controller", "telemetry", "sft", "evaluate"]),
     ("step", ["dataflow", "backend_checks", "run_config", "explain", "verl"]),
     ("advisor", ["advisor"]),
     ("notebook", ["notebook"]),

@@ -82,7 +82,7 @@ def test_a_math_verify_timeout_is_an_error_not_a_zero(monkeypatch):
 
 
 @pytest.mark.parametrize("source, why", [
-    ("hiyouga/geometry3k", "an image task"), ("codecontests", "a code task"), ("taco", "sandbox"),
+    ("hiyouga/geometry3k", "an image task"),
     ("my/own_data", "not a source verl scores by default")])
 def test_sources_without_a_scorer_are_refused_by_name_with_the_list(source, why):
     with pytest.raises(UserError) as err:

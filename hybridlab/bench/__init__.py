@@ -23,6 +23,7 @@ BENCHES = {
     "plan": "hybridlab.bench.plan",
     "published": "hybridlab.bench.published",
     "start": "hybridlab.bench.start",
+    "sandbox": "hybridlab.bench.sandbox",
 }
 
 

@@ -99,6 +99,22 @@ class EvaluationConfig:
 
 
 @dataclasses.dataclass
+class SandboxConfig:
+    """Where model-written code runs (``hybridlab.sandbox``): each execution in its own bubblewrap
+    sandbox, as an unprivileged user in a pids cgroup, within these limits (docs/sandbox.md)."""
+    python: str = "/usr/bin/python3"    # the interpreter inside (/usr is mounted read-only)
+    read_only: list = dataclasses.field(default_factory=list)  # more host directories, mounted read-only
+    wall_s: float = 10.0                # an execution running longer is ended
+    cpu_s: float = 10.0
+    memory_mb: int = 512                # address space
+    processes: int = 32                 # at once, its first included
+    file_mb: int = 16                   # the largest file it writes, and its private directory's size
+    open_files: int = 64
+    output_kb: int = 1024               # stdout or stderr above this ends it
+    test_timeout_s: float = 5.0         # code tasks: each test case
+
+
+@dataclasses.dataclass
 class RewardConfig:
     """How responses are scored: ``rule`` (the task's scorer), ``function`` (an import path
     ``module:fn`` or ``file.py:fn`` with verl's compute_score signature) or ``model``."""
@@ -170,6 +186,7 @@ class RunConfig:
     critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
     dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    sandbox: SandboxConfig = setting(factory=SandboxConfig, change="recreate", workers=("reward", "rollout"))
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     dataflow: Optional[list] = None     # stage names; None: follow the settings (validate.default_dataflow)
     mapping: Optional[dict] = setting(None, change="remap")  # a DeviceMapping dict; None: all roles colocated

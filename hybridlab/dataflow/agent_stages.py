@@ -20,6 +20,7 @@ from hybridlab.dataflow.fields import SEQUENCE_FIELDS
 from hybridlab.dataflow.generation_stages import finish_reward, generation_metrics
 from hybridlab.errors import UserError
 from hybridlab.protocol import Batch
+from hybridlab.sandbox import Sandbox, SandboxUnavailable
 from hybridlab.tasks import TASKS
 
 if TYPE_CHECKING:
@@ -142,9 +143,11 @@ def agent_problems(cfg, rollout_tp: int) -> list[str]:
                  " agent, or a text environment)")
     else:
         try:
-            load_spec(r.tools, r.agent, r.env)
+            spec = load_spec(r.tools, r.agent, r.env)
+            if any(getattr(tool.fn, "needs_sandbox", False) for tool in (spec.tools or {}).values()):
+                Sandbox(cfg.sandbox)  # the python tool: named here where code cannot be isolated
         except UserError as exc:
-            p.append(str(exc))
+            p.append(f"rollout.tools: {exc}" if isinstance(exc, SandboxUnavailable) else str(exc))
     for key, low in (("max_turns", 1), ("max_in_flight", 1), ("max_trajectory_tokens", r.max_new_tokens)):
         if getattr(r, key) < low:
             p.append(f"rollout.{key}: must be at least {low}, got {getattr(r, key)}"

@@ -71,7 +71,8 @@ ROLE_SPECS: dict[str, RoleSpec] = {spec.name: spec for spec in (
              lambda cfg: {"backend": cfg.rollout.backend, "kv_cache_mb": cfg.rollout.kv_cache_mb,
                           "seed": cfg.trainer.seed, "truncate_prompts": cfg.data.truncate_prompts,
                           "dtype": cfg.rollout.dtype, "prefix_caching": cfg.rollout.prefix_caching,
-                          "lora_rank": cfg.actor.lora.rank if cfg.actor.lora.sync == "adapter" else 0},
+                          "lora_rank": cfg.actor.lora.rank if cfg.actor.lora.sync == "adapter" else 0,
+                          "sandbox": cfg.sandbox},
              recreate=setting_keys("recreate", "rollout"), layout=("tp",)),
     RoleSpec("reward", "hybridlab.workers.reward.worker:RewardWorker",
              lambda cfg: {"kind": "rule" if cfg.reward.kind == "model" else cfg.reward.kind,
@@ -79,7 +80,7 @@ ROLE_SPECS: dict[str, RoleSpec] = {spec.name: spec for spec in (
                           "format_score": cfg.reward.format_score,
                           "error_score": cfg.reward.error_score, "timeout_s": cfg.reward.timeout_s,
                           "gsm8k_extraction": cfg.reward.gsm8k_extraction,
-                          "math_verifier": cfg.reward.math_verifier},
+                          "math_verifier": cfg.reward.math_verifier, "sandbox": cfg.sandbox},
              recreate=setting_keys("recreate", "reward")),
 )}
 

@@ -123,7 +123,7 @@ class RLSession(Stepping, LiveEdits):
             train = load_samples(self.cfg, "train")
             check_chat(self.tokenizer, train + self.test_samples, model_dir)
             if self.cfg.reward.kind == "rule":  # a source without a scorer would score error_score throughout
-                check_sources(train + self.test_samples, ScorerOptions.of(self.cfg.reward))
+                check_sources(train + self.test_samples, ScorerOptions.of(self.cfg.reward, self.cfg.sandbox))
             self.state.prompts = PromptSource(train, self.tokenizer, self.cfg.data.prompts_per_step,
                                         seed=self.cfg.data.seed, fit=self._prompt_fit())
         tokenize_prompts(self.test_samples, self.tokenizer, self._prompt_fit())

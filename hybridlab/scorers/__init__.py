@@ -8,6 +8,8 @@ for a source verl knows, or raises UserError naming why there is none. The famil
 - ``math_dapo``, ``math``, ``math_dapo_reasoning``, ``aime*``: ``minerva`` (DAPO's ``Answer:`` check)
 - the seven ``searchR1_*`` sources: ``qa_em`` (exact match after SQuAD normalisation)
 - the six ``numina_*`` sources: ``numina`` (verl's ``prime_math``: PRM800K's grader, then ``numina_equal``)
+- ``codecontests``, ``apps``, ``codeforces``, ``taco``: the code run against its tests in the
+  sandbox (``hybridlab.sandbox.code_tests``, verl's ``prime_code`` scores)
 
 ``reward.math_verifier=math-verify`` checks the MATH and DAPO families by algebra (``algebra``).
 """
@@ -17,7 +19,10 @@ import dataclasses
 import functools
 from typing import Any, Callable
 
+from hybridlab.config.schema import SandboxConfig
 from hybridlab.errors import UserError
+from hybridlab.sandbox import Sandbox
+from hybridlab.sandbox.code_tests import score_code
 from hybridlab.scorers import algebra, gsm8k, math_equiv, minerva, numina, qa_em
 
 SourceScorer = Callable[[str, Any], dict]
@@ -32,11 +37,9 @@ NUMINA = tuple(f"numina_{name}" for name in
                ("aops_forum", "synthetic_math", "amc_aime", "synthetic_amc", "cn_k12", "olympiads"))
 CODE = ("codecontests", "apps", "codeforces", "taco")
 
-# verl scores these by default; hybridlab does not (yet), for the reason given
+# verl scores these by default; hybridlab does not, for the reason given
 REFUSED = {
     "hiyouga/geometry3k": "an image task (verl's geo3k scores answers to pictures); hybridlab trains on text only",
-    **{source: "a code task: its answers are run against tests in a sandbox, which hybridlab does not have yet;"
-               " pass your own reward.function" for source in CODE},
 }
 
 
@@ -46,15 +49,16 @@ class ScorerOptions:
     format_score: float = 0.0           # gsm8k and searchR1: a found but wrong answer
     gsm8k_extraction: str = "strict"    # gsm8k.METHODS
     math_verifier: str = "rules"        # MATH_VERIFIERS
+    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)  # where code answers run
 
     @classmethod
-    def of(cls, reward) -> "ScorerOptions":
-        """Return the options of a run's ``reward`` settings (a RewardConfig)."""
-        return cls(reward.format_score, reward.gsm8k_extraction, reward.math_verifier)
+    def of(cls, reward, sandbox: SandboxConfig = SandboxConfig()) -> "ScorerOptions":
+        """Return the options of a run's ``reward`` and ``sandbox`` settings."""
+        return cls(reward.format_score, reward.gsm8k_extraction, reward.math_verifier, sandbox)
 
 
 def family(data_source: str) -> str | None:
-    """Return the scorer family of ``data_source`` (gsm8k, math, dapo, search_r1, numina), or None."""
+    """Return the scorer family of ``data_source`` (gsm8k, math, dapo, search_r1, numina, code), or None."""
     if data_source in GSM8K:
         return "gsm8k"
     if data_source in MATH:
@@ -65,6 +69,8 @@ def family(data_source: str) -> str | None:
         return "search_r1"
     if data_source in NUMINA:
         return "numina"
+    if data_source in CODE:
+        return "code"
     return None
 
 
@@ -78,7 +84,7 @@ def reports_acc(data_source: str, options: ScorerOptions = ScorerOptions()) -> b
 
 def known_sources() -> list[str]:
     """Return the data sources these scorers serve (``aime*`` as a pattern)."""
-    return [*GSM8K, *MATH, *DAPO, "aime*", *SEARCH_R1, *NUMINA]
+    return [*GSM8K, *MATH, *DAPO, "aime*", *SEARCH_R1, *NUMINA, *CODE]
 
 
 def scorer_for(data_source: str, options: ScorerOptions = ScorerOptions()) -> SourceScorer:
@@ -94,4 +100,6 @@ def scorer_for(data_source: str, options: ScorerOptions = ScorerOptions()) -> So
         return functools.partial(gsm8k.score, method=options.gsm8k_extraction, format_score=options.format_score)
     if kind == "search_r1":
         return functools.partial(qa_em.score, format_score=options.format_score)
+    if kind == "code":  # raises SandboxUnavailable, naming what is missing, where code cannot be isolated
+        return functools.partial(score_code, Sandbox(options.sandbox))
     return {"math": math_equiv.score, "dapo": minerva.score, "numina": numina.score}[kind]

@@ -17,6 +17,7 @@ import math
 from typing import Any, Callable, Iterable, NamedTuple
 
 from hybridlab.errors import UserError
+from hybridlab.sandbox import SandboxUnavailable
 from hybridlab.scorers import ScorerOptions, SourceScorer, known_sources, reports_acc, scorer_for
 from hybridlab.tasks.base import TASKS, Sample, task_for_source
 from hybridlab.user_code import load_object
@@ -46,13 +47,16 @@ def load_function(spec: str, kwargs: dict | None = None) -> ScoreFn:
 
 def rule_for(data_source: str, options: ScorerOptions = ScorerOptions()) -> SourceScorer:
     """Return the built-in scorer of ``data_source``: a task's (``arith``, ``x/arith``...) or that of
-    a source verl scores by default; raises UserError naming the sources that have one."""
+    a source verl scores by default; raises UserError naming the sources that have one
+    (SandboxUnavailable for a code source where code cannot be isolated)."""
     if data_source.rsplit("/", 1)[-1] in TASKS:
         task = task_for_source(data_source)
         task.format_score = options.format_score
         return lambda text, truth: {"score": task.score(text, truth), "acc": float(task.check(text, truth)[0])}
     try:
         return scorer_for(data_source, options)
+    except SandboxUnavailable:  # a code source has a scorer: what is missing is the sandbox
+        raise
     except UserError as exc:
         raise UserError(f"{exc}. Data sources with a built-in scorer: the tasks {', '.join(sorted(TASKS))}"
                         f" (also as PREFIX/TASK) and verl's {', '.join(known_sources())};"
@@ -138,16 +142,12 @@ class SampleScore(NamedTuple):
     acc: float              # NaN where unknown
     error: str              # "" unless the scorer failed (then score is error_score)
     answer: dict            # the entries of the scorer's dict answer as verl records them ({} for a number)
+    components: dict        # the reward components: its numeric entries other than score and acc
 
     @property
     def acc_reported(self) -> bool:
         """True when the scorer's answer carried the acc, as verl sees it."""
         return "acc" in self.answer
-
-    @property
-    def components(self) -> dict[str, float]:
-        """The reward components: the answer's numeric entries other than score and acc."""
-        return {k: v for k, v in self.answer.items() if k not in ("score", "acc") and not isinstance(v, str)}
 
 
 def score_samples(fn: ScoreFn, rules: RuleScorer, kind: str, items: list[tuple], error_score: float,
@@ -160,11 +160,12 @@ def score_samples(fn: ScoreFn, rules: RuleScorer, kind: str, items: list[tuple],
     out = []
     for (source, text, truth, _), (score, acc, error, answer) in zip(
             items, score_batch(fn, items, error_score, timeout_s if hangs else 0.0)):
+        components = {k: v for k, v in answer.items() if k not in ("score", "acc") and not isinstance(v, str)}
         if kind == "rule" and not reports_acc(source, rules.options):
             answer = {}  # verl's scorer of this source answers with a number
         if acc is None:
             acc = rules.accuracy(source, text, truth) if kind == "function" else float("nan")
-        out.append(SampleScore(score, acc, error, answer))
+        out.append(SampleScore(score, acc, error, answer, components))
     return out
 
 

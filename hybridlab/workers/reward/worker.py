@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from hybridlab.batching import on_last_token
-from hybridlab.config.schema import RewardConfig
+from hybridlab.config.schema import RewardConfig, SandboxConfig
 from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.protocol import Batch
 from hybridlab.scorers import ScorerOptions
@@ -30,14 +30,14 @@ class RewardWorker(Worker):
                  function_kwargs: dict | None = None,
                  format_score: float = RewardConfig.format_score, error_score: float = RewardConfig.error_score,
                  timeout_s: float = RewardConfig.timeout_s, gsm8k_extraction: str = RewardConfig.gsm8k_extraction,
-                 math_verifier: str = RewardConfig.math_verifier):
+                 math_verifier: str = RewardConfig.math_verifier, sandbox: SandboxConfig | None = None):
         from transformers import AutoTokenizer
 
         if kind not in KINDS:
             raise ValueError(f"unknown reward kind {kind!r}; choose one of: {', '.join(KINDS)}")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.kind, self.error_score, self.timeout_s = kind, error_score, timeout_s
-        self.rules = RuleScorer(ScorerOptions(format_score, gsm8k_extraction, math_verifier))
+        self.rules = RuleScorer(ScorerOptions(format_score, gsm8k_extraction, math_verifier, sandbox or SandboxConfig()))
         self.fn = load_function(function, function_kwargs) if kind == "function" else self.rules
         self.reward_models: dict[str, object] = {}
 

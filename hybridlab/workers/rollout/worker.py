@@ -15,12 +15,13 @@ import torch
 from hybridlab.agents.rollout import AgentSettings, agent_batch, agent_samples, load_spec, run_agents
 from hybridlab.agents.tool_loop import AgentLimits
 from hybridlab.batching import PROMPT_WIDTH, sequences_batch
-from hybridlab.config.schema import DataConfig, RolloutConfig, TrainerConfig
+from hybridlab.config.schema import DataConfig, RolloutConfig, SandboxConfig, TrainerConfig
 from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.models.chat import use_template
 from hybridlab.models.stops import checkpoint_stop_ids
 from hybridlab.protocol import Batch
 from hybridlab.reshard.sources import join_slices
+from hybridlab.sandbox import tool as python_tool
 from hybridlab.workers.rollout.hf_engine import generate_ids
 from hybridlab.workers.rollout.sampling import SamplingConfig, fit_prompts
 from hybridlab.workers.rollout.vllm_engine import (adapter_request, close_llm, engine_files, generate, load_adapter,
@@ -39,7 +40,8 @@ class RolloutWorker(Worker):
     def __init__(self, model_dir: str, backend: str = RolloutConfig.backend, max_model_len: int | None = None,
                  kv_cache_mb: int = RolloutConfig.kv_cache_mb, dtype: str = RolloutConfig.dtype,
                  truncate_prompts: bool = DataConfig.truncate_prompts, seed: int = TrainerConfig.seed, tp: int = 1,
-                 prefix_caching: bool = RolloutConfig.prefix_caching, lora_rank: int = 0):
+                 prefix_caching: bool = RolloutConfig.prefix_caching, lora_rank: int = 0,
+                 sandbox: SandboxConfig | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"unknown rollout backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
         if tp < 1 or self.world_size % tp:
@@ -52,6 +54,7 @@ class RolloutWorker(Worker):
 
         config = json.loads(open(os.path.join(model_dir, "config.json")).read())
         self.model_dir, self.backend, self.truncate = model_dir, backend, truncate_prompts
+        python_tool.configure(sandbox or SandboxConfig())  # the python tool's interpreter and limits
         self.context = max_model_len or config["max_position_embeddings"]
         self.pad_id = config.get("pad_token_id") or 0
         self.stop_ids = checkpoint_stop_ids(model_dir, self.tokenizer)  # where every path ends a response
