@@ -171,8 +171,9 @@ def test_the_red_team_scores_zero_through_the_reward_worker_and_is_counted(tiny_
 
 
 def test_code_is_never_run_where_isolation_is_missing(monkeypatch, tmp_path):
-    with pytest.raises(SandboxUnavailable, match=r"missing: the interpreter sandbox.python=/nowhere/python"):
-        Sandbox(SandboxConfig(python="/nowhere/python"))
+    with pytest.raises(SandboxUnavailable, match=r"missing: the interpreter sandbox.python=/nowhere/python; the"
+                                                 r" directory /nowhere/lib of sandbox.read_only$"):
+        Sandbox(SandboxConfig(python="/nowhere/python", read_only=["/nowhere/lib"]))
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on the PATH
     with pytest.raises(SandboxUnavailable, match=r"hybridlab never runs it without one; missing: bubblewrap's bwrap"):
         Sandbox(LIMITS)

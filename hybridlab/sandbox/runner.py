@@ -157,14 +157,15 @@ def read_output(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[list
 
 
 def check_available(sandbox: Sandbox) -> None:
-    """Raise SandboxUnavailable naming what is missing: bwrap, prlimit, setpriv, the interpreter, a pids
-    cgroup, or user namespaces (bwrap's trial run)."""
+    """Raise SandboxUnavailable naming what is missing: bwrap, prlimit, setpriv, the interpreter,
+    a read-only directory, a pids cgroup, or user namespaces (bwrap's trial run)."""
     c, missing = sandbox.config, []
     if sandbox.bwrap is None:
         missing.append("bubblewrap's bwrap (Debian: apt-get install bubblewrap; make install installs it as root)")
     missing += [f"util-linux's {name}" for name in ("prlimit", "setpriv") if getattr(sandbox, name) is None]
     if not Path(c.python).is_file():
         missing.append(f"the interpreter sandbox.python={c.python}")
+    missing += [f"the directory {path} of sandbox.read_only" for path in c.read_only if not Path(path).is_dir()]
     try:
         parent_dir()
     except OSError as exc:
