@@ -32,6 +32,7 @@ from hybridlab.errors import UserError
 from hybridlab.models.chat import template_file
 from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import CONVERTED, parse_preset
+from hybridlab.sandbox.runner import sandbox_problems
 from hybridlab.scorers import MATH_VERIFIERS, gsm8k
 from hybridlab.tasks import Task, get_task
 from hybridlab.telemetry.trackers import logger_problems
@@ -67,7 +68,7 @@ def validate_config(cfg: RunConfig) -> None:
     """Raise ConfigError listing every problem of ``cfg``, each naming its key."""
     p = [*_rollout_problems(cfg), *_algorithm_problems(cfg), *_actor_problems(cfg), *_correction_problems(cfg),
          *_size_problems(cfg), *_warm_start_problems(cfg), *_trainer_problems(cfg), *_reward_problems(cfg),
-         *_dpo_problems(cfg)]
+         *_dpo_problems(cfg), *sandbox_problems(cfg.sandbox)]
     _check_data_and_model(cfg, p)
     if not any(x.startswith("algorithm.adv_estimator:") for x in p):  # the stages' inputs follow the estimator
         p += _dataflow_and_mapping_problems(cfg)

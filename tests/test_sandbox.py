@@ -237,3 +237,13 @@ def test_bench_sandbox_reports_the_overhead_and_leaks_nothing(capsys):
     assert (out["leaked_processes"], out["leaked_files"], out["leaked_cgroups"]) == (0, 0, 0)
     assert out["executions"] == 5 and out["goal_met"] == (out["overhead_ms"] <= out["goal_ms"] == 50.0)
     assert out["overhead_ms"] == pytest.approx(1000 / out["sandboxed_per_s"] - 1000 / out["bare_per_s"], abs=1.0)
+
+
+def test_bad_sandbox_settings_are_named_before_any_work():
+    from hybridlab.config import ConfigError
+    from hybridlab.run_config import load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["sandbox.processes=2", "sandbox.wall_s=0"])
+    assert str(err.value) == ("config is invalid:\n  - sandbox.wall_s: must be at least 0.1, got 0.0\n"
+                              "  - sandbox.processes: must be at least 4, got 2")

@@ -171,11 +171,11 @@ def test_a_session_refuses_a_data_source_without_a_scorer_before_ray_starts(tmp_
 
     monkeypatch.setattr(session_module, "connect", reached)
     path = write_verl_rows([{"prompt": f"{i}+1=", "data_source": source, "reward_model": {"ground_truth": str(i + 1)}}
-                            for i, source in enumerate(["openai/gsm8k", "math_dapo", "codeforces"])],
+                            for i, source in enumerate(["openai/gsm8k", "math_dapo", "hiyouga/geometry3k"])],
                            tmp_path / "train.parquet")
     rl = RLSession(None, [f"model={tiny_dir}", f"data.train_files={path}", "warm_start.max_steps=0",
                           f"trainer.run_dir={tmp_path / 'run'}"])
-    with pytest.raises(UserError, match=r"train.parquet: row 3: no built-in scorer for data_source 'codeforces': a code"
-                                        r" task.*verl's openai/gsm8k, lighteval/MATH"):
+    with pytest.raises(UserError, match=r"train.parquet: row 3: no built-in scorer for data_source 'hiyouga/geometry3k':"
+                                        r" an image task.*verl's openai/gsm8k, lighteval/MATH"):
         rl.start()
     assert rl.workers is None

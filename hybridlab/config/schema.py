@@ -112,6 +112,7 @@ class SandboxConfig:
     open_files: int = 64
     output_kb: int = 1024               # stdout or stderr above this ends it
     test_timeout_s: float = 5.0         # code tasks: each test case
+    parallel: int = 4                   # code answers scored at once by a reward worker
 
 
 @dataclasses.dataclass

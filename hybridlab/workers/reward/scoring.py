@@ -14,11 +14,12 @@ import asyncio
 import functools
 import inspect
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, NamedTuple
 
 from hybridlab.errors import UserError
 from hybridlab.sandbox import SandboxUnavailable
-from hybridlab.scorers import ScorerOptions, SourceScorer, known_sources, reports_acc, scorer_for
+from hybridlab.scorers import ScorerOptions, SourceScorer, family, known_sources, reports_acc, scorer_for
 from hybridlab.tasks.base import TASKS, Sample, task_for_source
 from hybridlab.user_code import load_object
 
@@ -155,11 +156,13 @@ def score_samples(fn: ScoreFn, rules: RuleScorer, kind: str, items: list[tuple],
     """Return each item (data_source, text, ground_truth, extra_info) scored by ``fn`` as the reward
     worker scores it: ``timeout_s`` bounds a user's function and math-verify (the other built-in
     rules never hang); a function that gives no acc gets the built-in scorer's, and a failed
-    built-in scorer none (it is not run again)."""
+    built-in scorer none (it is not run again). Code answers run ``sandbox.parallel`` at once."""
     hangs = kind == "function" or rules.options.math_verifier != "rules"
+    code = kind == "rule" and any(family(item[0]) == "code" for item in items)
+    parallel = rules.options.sandbox.parallel if code else 1
     out = []
     for (source, text, truth, _), (score, acc, error, answer) in zip(
-            items, score_batch(fn, items, error_score, timeout_s if hangs else 0.0)):
+            items, score_batch(fn, items, error_score, timeout_s if hangs else 0.0, parallel)):
         components = {k: v for k, v in answer.items() if k not in ("score", "acc") and not isinstance(v, str)}
         if kind == "rule" and not reports_acc(source, rules.options):
             answer = {}  # verl's scorer of this source answers with a number
@@ -169,15 +172,22 @@ def score_samples(fn: ScoreFn, rules: RuleScorer, kind: str, items: list[tuple],
     return out
 
 
-def score_batch(fn: ScoreFn, items: list[tuple], error_score: float, timeout_s: float) -> list[Scored]:
+def score_batch(fn: ScoreFn, items: list[tuple], error_score: float, timeout_s: float,
+                parallel: int) -> list[Scored]:
     """Score ``items`` (data_source, text, ground_truth, extra_info) with ``fn``; returns one
-    (score, acc, error, dict answer) per item, a failed item scoring ``error_score`` with its
-    error and no answer.
+    (score, acc, error, dict answer) per item, in order, a failed item scoring ``error_score``
+    with its error and no answer. ``parallel`` > 1 scores that many at once in threads (for
+    scorers that wait on a subprocess: the sandbox).
 
     With ``timeout_s > 0`` the items are scored in a forked child process that is killed when
     the batch takes longer: the items it did not finish score ``error_score`` with a timeout
     error, and the run goes on (a hung function cannot be stopped inside this process).
     """
+    if timeout_s <= 0 and parallel > 1:
+        for source in {item[0] for item in items}:  # built once, before the threads share them
+            getattr(fn, "scorer", lambda _: None)(source)
+        with ThreadPoolExecutor(parallel, thread_name_prefix="score") as pool:
+            return list(pool.map(lambda item: _safe_score(fn, *item, error_score), items))
     if timeout_s <= 0:
         return [_safe_score(fn, *item, error_score) for item in items]
     import multiprocessing
