@@ -290,3 +290,12 @@ def test_validation_metrics_equal_verls():
         assert validation_metrics(case["sources"], case["uids"], infos["reward"], answers) == case["metrics"]
     names = [name for case in VALIDATION for name in case["metrics"]]
     assert len(names) == 303 and "val-core/math_dapo/acc/maj@8/mean" in names and "val-aux/mine/format/best@4/std" in names
+
+
+def test_verls_sandbox_fusion_settings_become_the_sandboxs(gsm8k_files):
+    cfg, verl = load_run(None, settings(gsm8k_files, "data.train_batch_size=8", f"{AR}actor.ppo_mini_batch_size=8",
+                                        "reward.sandbox_fusion.url=http://10.0.0.1:8080/run_code",
+                                        "reward.sandbox_fusion.max_concurrent=8",
+                                        "reward.sandbox_fusion.memory_limit_mb=1024"))
+    assert (cfg.sandbox.parallel, cfg.sandbox.memory_mb) == (8, 1024)
+    assert verl.noted == {"reward.sandbox_fusion.url": "code answers run in hybridlab's own sandbox (docs/sandbox.md)"}

@@ -246,6 +246,11 @@ KEYS: list[Key] = [
     Key("reward_model.enable", "reward.kind=model", joint=True),
     Key("reward_model.model.path", "reward.model"),
     Key("reward_model.use_reward_loop", note="how verl schedules reward calls; hybridlab's reward role is one stage"),
+    # the code sources: verl sends code to a Sandbox Fusion service; hybridlab runs it in its own sandbox
+    *(k for prefix in ("reward.", "reward_model.") for k in (
+        Key(prefix + "sandbox_fusion.url", note="code answers run in hybridlab's own sandbox (docs/sandbox.md)"),
+        Key(prefix + "sandbox_fusion.max_concurrent", "sandbox.parallel"),
+        Key(prefix + "sandbox_fusion.memory_limit_mb", "sandbox.memory_mb"))),
     Key("reward_model.num_workers", note="the reward role runs on the rollout's devices (dataflow/roles.py)"),
     *(Key(f"reward_model.rollout.{name}", refuse=lambda v: _REWARD_MODEL_ROLLOUT)
       for name in ("name", "gpu_memory_utilization", "tensor_model_parallel_size", "prompt_length",
