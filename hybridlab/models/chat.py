@@ -15,10 +15,15 @@ from hybridlab.tasks import Sample
 
 
 def as_chat(samples: list[Sample]) -> list[Sample]:
-    """Return the samples with each prompt given as one user message (a task's chat form)."""
-    return [Sample(s.prompt, s.ground_truth, s.data_source, s.answer,
-                   {**s.extra_info, "messages": [{"role": "user", "content": s.prompt}]}, s.origin)
-            for s in samples]
+    """Return the samples with each prompt given as chat messages (a task's chat form): one user
+    message, after a system message where the task gives one (``extra_info``'s ``system`` and
+    ``question``: reasoning-gym's)."""
+    def messages(s: Sample) -> list[dict]:
+        system = [{"role": "system", "content": s.extra_info["system"]}] if s.extra_info.get("system") else []
+        return system + [{"role": "user", "content": s.extra_info.get("question", s.prompt)}]
+
+    return [Sample(s.prompt, s.ground_truth, s.data_source, s.answer, {**s.extra_info, "messages": messages(s)},
+                   s.origin) for s in samples]
 
 
 def prompt_ids(tokenizer: Any, sample: Sample) -> list[int]:

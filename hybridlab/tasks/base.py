@@ -6,6 +6,8 @@ import inspect
 import random
 from typing import Any, Callable
 
+import yaml
+
 from hybridlab.errors import UserError, unknown
 
 
@@ -104,36 +106,44 @@ def register_task(cls):
     return cls
 
 
-def get_task(name: str, **options) -> Task:
-    """Return the task ``name`` built with ``options``; errors list the tasks and options allowed."""
-    if name not in TASKS:
-        raise unknown("task", name, TASKS)
-    cls = TASKS[name]
+def get_task(task: str, /, **options) -> Task:
+    """Return the task named ``task`` built with ``options`` (an option may be called ``name``);
+    errors list the tasks and options allowed (a task taking ``**config`` checks its own)."""
+    if task not in TASKS:
+        raise unknown("task", task, TASKS)
+    cls = TASKS[task]
     params = inspect.signature(cls.__init__).parameters
-    allowed = [p for p in params if p != "self"]
+    allowed = [p for p, v in params.items() if p != "self" and v.kind != inspect.Parameter.VAR_KEYWORD]
+    open_ended = any(v.kind == inspect.Parameter.VAR_KEYWORD for v in params.values())
     for key in options:
-        if key not in allowed:
-            raise UserError(f"task {name!r} has no option {key!r}; its options are: {', '.join(allowed)}")
+        if key not in allowed and not open_ended:
+            raise UserError(f"task {task!r} has no option {key!r}; its options are: {', '.join(allowed)}")
     return cls(**options)
 
 
 def parse_task_options(pairs: list[str]) -> dict[str, Any]:
-    """Parse ``key=value`` strings into a dict, turning numbers into int/float; returns the dict."""
+    """Parse ``key=value`` strings into a dict, each value read as YAML as config overrides are
+    (``3`` an int, ``true`` a bool, ``[1, 2]`` a list, ``abc`` a string); returns the dict."""
     out: dict[str, Any] = {}
     for pair in pairs:
         if "=" not in pair:
             raise UserError(f"task option {pair!r} must look like key=value")
         key, value = pair.split("=", 1)
-        out[key.strip()] = _coerce(value.strip())
+        out[key.strip()] = _typed(value.strip())
     return out
 
 
-def _coerce(value: str) -> Any:
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
+def _typed(text: str) -> Any:
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:  # e.g. ops=* (YAML's alias mark)
+        return text
+    if isinstance(value, str):  # YAML 1.1 reads 1e-3 as text
+        for kind in (int, float):
+            try:
+                return kind(value)
+            except ValueError:
+                pass
     return value
 
 
