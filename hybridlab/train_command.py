@@ -28,10 +28,9 @@ def _verl_resume(verl, cfg) -> str | None:
     if verl.resume != "resume_path":
         return None
     path = Path(verl.resume_from)
-    checkpoint = checkpoints.latest(path) if path.parent.name != checkpoints.CHECKPOINTS else path
-    if not (checkpoint / "session.json").is_file():
-        raise UserError(f"trainer.resume_from_path={path} is no complete checkpoint (step-N in a run's checkpoints"
-                        " folder) and no run directory")
+    if not path.is_dir():
+        raise UserError(f"trainer.resume_from_path={path}: no such checkpoint (RUN/checkpoints/step-N) or run directory")
+    checkpoint = path if (path / "session.json").is_file() else checkpoints.latest(path)
     _same_adapter(cfg, checkpoint)
     source = checkpoint.parent.parent
     if source.resolve() == run_dir.resolve():
@@ -42,6 +41,8 @@ def _verl_resume(verl, cfg) -> str | None:
                             " newer ones to be resumed from or pruned in its place. Set trainer.default_local_dir to a"
                             f" new directory to go on from {checkpoint.name} there (the run stays as it is)")
         return str(source)
+    if checkpoints.branched_from(run_dir) == checkpoint.resolve():  # the same command again: go on in the branch
+        return str(run_dir)
     checkpoints.branch(checkpoint, run_dir)
     print(f"{run_dir} starts from {checkpoint} (trainer.resume_from_path)", flush=True)
     return str(run_dir)

@@ -4,6 +4,7 @@ trainer untouched), the code tasks scored as verl's prime_code scores them, and 
 run code where isolation is missing. Short limits, so a hang costs seconds."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -71,9 +72,11 @@ def test_a_memory_bomb_fails_with_memory_error(sandbox, host_unchanged):
     assert ran.exit_code == 1 and ran.stderr.strip().endswith("MemoryError")
 
 
-def test_an_infinite_loop_is_ended(sandbox, host_unchanged):
-    ran = sandbox.run_python("while True:\n    pass")
-    assert not ran.ok and (ran.timed_out or ran.exit_code != 0)
+def test_an_infinite_loop_is_ended_by_the_cpu_limit_and_a_sleeping_one_by_the_wall_limit(sandbox, host_unchanged):
+    spinning = Sandbox(dataclasses.replace(LIMITS, wall_s=60, cpu_s=1)).run_python("while True:\n    pass")
+    assert spinning.exit_code == 128 + 9 and not spinning.timed_out  # SIGKILL at RLIMIT_CPU, long before the wall
+    sleeping = sandbox.run_python("import time\nwhile True:\n    time.sleep(1)")
+    assert sleeping.timed_out and sleeping.exit_code is None and LIMITS.wall_s <= sleeping.seconds < LIMITS.wall_s + 10
 
 
 def test_a_gigabyte_of_output_is_cut_off_at_the_output_limit(sandbox, host_unchanged):
@@ -145,9 +148,27 @@ def test_a_segfault_through_ctypes_fails_and_the_next_execution_runs(sandbox, ho
 
 
 @pytest.mark.parametrize("row", CODE_REFERENCE, ids=lambda row: f"{row['data_source']}-{row['score']:g}")
-def test_code_answers_score_as_verls_prime_code(sandbox, row):
+def test_code_answers_score_as_verls_prime_code(sandbox, row, host_unchanged):
     """tests/verl_reference/make_code.py: verl 0.9.1's prime_code on each answer."""
     assert score_code(sandbox, row["response"], row["ground_truth"])["score"] == row["score"]
+
+
+def test_tests_done_before_a_limit_count_and_the_input_is_on_descriptor_zero(sandbox, host_unchanged):
+    cases = {"inputs": ["1 2\n", "3 4\n", "5 6\n"], "outputs": ["3\n", "7\n", "11\n"]}
+    # the third test turns off the harness's per-test timer, so the wall limit (3 s) ends the run in it
+    slow_last = ("import signal, time\na, b = map(int, open(0).read().split())\nif a == 5:\n"
+                 "    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n    time.sleep(60)\nprint(a + b)")
+    scored = score_code(sandbox, slow_last, cases)
+    assert scored == {"score": 2 / 3, "acc": 0.0, "tests_passed": 2 / 3, "sandbox_limit": 1.0}
+
+
+def test_lines_the_program_writes_on_the_results_channel_cannot_pass_a_test(sandbox, host_unchanged):
+    """The harness reports on a copy of stdout (descriptor 3): the program can write there too.
+    Malformed lines are ignored, and a line claiming an output is only an output, compared with
+    expected outputs the sandbox never holds."""
+    forged = ("import os\nfor line in ['[1, 2]', '{\"i\": 0}', '{\"i\": 1, \"output\": 7}', '{\"i\": 9, \"output\": \"x\"}',"
+              " '{\"i\": 0, \"output\": \"wrong\"}', 'not json']:\n    os.write(3, (line + chr(10)).encode())\nprint(0)")
+    assert score_code(sandbox, forged, SUM)["score"] == 0.0
 
 
 def test_the_red_team_scores_zero_through_the_reward_worker_and_is_counted(tiny_dir, host_unchanged):
@@ -189,7 +210,7 @@ def test_the_python_tool_answers_with_the_exit_status_and_output(host_unchanged)
         assert tool.python("import sys\nprint(6 * 7)\nprint('oops', file=sys.stderr)\nsys.exit(3)") == \
             {"exit_code": 3, "stdout": "42\n", "stderr": "oops\n"}
         assert tool.python("print('x' * 5000)")["stdout"] == "x" * 2000 + "\n[... 3001 more characters]"
-        assert tool.python("while True:\n    pass") == \
+        assert tool.python("import time\nwhile True:\n    time.sleep(1)") == \
             {"exit_code": None, "stdout": "", "stderr": "", "ended": "it ran past the 3 s limit"}
     finally:
         tool.configure(SandboxConfig())

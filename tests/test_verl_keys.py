@@ -4,6 +4,7 @@ and placement, and docs/verl.md's table equal to the code's. Nothing here starts
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -218,6 +219,9 @@ def test_resume_path_resumes_the_latest_in_place_and_an_older_checkpoint_in_a_ne
     run = tmp_path / "run"
     (run / "metrics.jsonl").parent.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+    (run / "warm_start").mkdir()
+    (run / "warm_start" / "config.json").write_text("{}")
+    (run / "warm_start.json").write_text("{}")
     for step, size in (("step-000002", 24), ("step-000003", 36)):
         (run / "checkpoints" / step / "actor").mkdir(parents=True)
         (run / "checkpoints" / step / "session.json").write_text(json.dumps({"metrics_bytes": size}))
@@ -246,12 +250,18 @@ def test_resume_path_resumes_the_latest_in_place_and_an_older_checkpoint_in_a_ne
     assert weights.stat().st_ino == (older / "actor" / "model.safetensors").stat().st_ino
     assert (branch / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
     assert (run / "metrics.jsonl").read_text().count("step") == 3 and len(list((run / "checkpoints").iterdir())) == 2
-    with pytest.raises(UserError, match=r"branch is not empty: a run going on from .*step-000002 needs a new run"):
-        resumed(older, into=branch)
+    assert (branch / "warm_start" / "config.json").read_text() == "{}" and (branch / "warm_start.json").is_file()
+    with pytest.raises(UserError, match=r"branch is not empty: a run going on from .*step-000003 needs a new run"):
+        resumed(run / "checkpoints" / "step-000003", into=branch)  # another checkpoint into it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["branch", "run"]  # nothing half-written left beside
-    with pytest.raises(UserError, match=r"no run directory .*elsewhere"):
+    nested = tmp_path / "checkpoints" / "exp"  # a run directory inside a folder named checkpoints
+    shutil.copytree(run, nested)
+    assert resumed(nested, into=nested) == str(nested)
+    assert resumed(older, into=branch) == str(branch)  # the same command again: on in the branch, not refused
+    with pytest.raises(UserError, match=r"resume_from_path=.*elsewhere: no such checkpoint \(RUN/checkpoints/step-N\)"
+                                        r" or run directory"):
         resumed(tmp_path / "elsewhere")
-    with pytest.raises(UserError, match=r"resume_from_path=.*step-000009 is no complete checkpoint"):
+    with pytest.raises(UserError, match=r"resume_from_path=.*step-000009: no such checkpoint"):
         resumed(run / "checkpoints" / "step-000009")
     cfg, verl = load_run(None, settings(gsm8k_files, *common[:2], "trainer.resume_mode=disable",
                                         f"trainer.default_local_dir={run}"))
@@ -299,3 +309,10 @@ def test_verls_sandbox_fusion_settings_become_the_sandboxs(gsm8k_files):
                                         "reward.sandbox_fusion.memory_limit_mb=1024"))
     assert (cfg.sandbox.parallel, cfg.sandbox.memory_mb) == (8, 1024)
     assert verl.noted == {"reward.sandbox_fusion.url": "code answers run in hybridlab's own sandbox (docs/sandbox.md)"}
+
+
+def test_an_answer_whose_scoring_failed_leaves_its_prompts_dict_entries_out():
+    right = {"score": 1.0, "acc": 1.0, "pred": "a"}
+    out = validation_metrics(["s"] * 4, [0, 0, 1, 1], [1.0, 1.0, 1.0, -1.0], [right, right, right, {}])
+    assert out["val-core/s/acc/mean@2"] == 1.0 and out["val-core/s/acc/maj@2/mean"] == 1.0  # the first prompt's
+    assert out["val-aux/s/reward/mean@2"] == 0.5  # both prompts' rewards

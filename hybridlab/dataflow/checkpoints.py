@@ -145,12 +145,15 @@ def read_role(folder: Path) -> dict[str, Any]:
     return state
 
 
+BRANCHED_FROM = "branched_from.txt"  # in a run directory that branch() started: the checkpoint
+
+
 def branch(checkpoint: Path, run_dir: Path) -> Path:
-    """Start the run directory ``run_dir`` from ``checkpoint`` of another run: the checkpoint
-    (hard-linked where the file system allows, else copied) and its run's metrics and telemetry
-    up to it, so resuming ``run_dir`` goes on from that step and the other run stays as it was.
-    Written aside and renamed into place; returns ``run_dir``. Raises UserError when ``run_dir``
-    exists and is not empty."""
+    """Start the run directory ``run_dir`` from ``checkpoint`` of another run: the checkpoint and
+    the run's warm start (hard-linked where the file system allows, else copied), its metrics and
+    telemetry up to the checkpoint, and ``branched_from.txt`` naming it, so resuming ``run_dir``
+    goes on from that step and the other run stays as it was. Written aside and renamed into
+    place; returns ``run_dir``. Raises UserError when ``run_dir`` exists and is not empty."""
     run_dir, source = Path(run_dir), Path(checkpoint).parent.parent
     if run_dir.exists() and any(run_dir.iterdir()):
         raise UserError(f"{run_dir} is not empty: a run going on from {checkpoint} needs a new run directory")
@@ -159,6 +162,10 @@ def branch(checkpoint: Path, run_dir: Path) -> Path:
     aside = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}-", dir=run_dir.parent))
     try:
         shutil.copytree(checkpoint, aside / CHECKPOINTS / Path(checkpoint).name, copy_function=_link_or_copy)
+        if (source / "warm_start").is_dir():  # the model the run's roles started from (the reference's)
+            shutil.copytree(source / "warm_start", aside / "warm_start", copy_function=_link_or_copy)
+            shutil.copy2(source / "warm_start.json", aside / "warm_start.json")
+        (aside / BRANCHED_FROM).write_text(str(Path(checkpoint).resolve()))
         for name, key in (("metrics.jsonl", "metrics_bytes"), (TELEMETRY_FILE, "telemetry_bytes")):
             if (source / name).is_file() and record.get(key) is not None:
                 with open(source / name, "rb") as f:
@@ -170,6 +177,12 @@ def branch(checkpoint: Path, run_dir: Path) -> Path:
         shutil.rmtree(aside, ignore_errors=True)
         raise
     return run_dir
+
+
+def branched_from(run_dir: Path) -> Path | None:
+    """Return the checkpoint ``branch`` started ``run_dir`` from, or None."""
+    marker = Path(run_dir) / BRANCHED_FROM
+    return Path(marker.read_text()) if marker.is_file() else None
 
 
 def _link_or_copy(src: str, dst: str) -> None:

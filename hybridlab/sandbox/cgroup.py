@@ -52,7 +52,11 @@ class PidsCgroup:
     def __init__(self, limit: int):
         self.path = parent_dir() / f"hybridlab-sandbox-{os.getpid()}-{next(_names)}"
         self.path.mkdir()
-        (self.path / "pids.max").write_text(str(limit))
+        try:
+            (self.path / "pids.max").write_text(str(limit))
+        except OSError:
+            self.path.rmdir()
+            raise
 
     @property
     def procs_file(self) -> Path:

@@ -18,7 +18,6 @@ test and ``sandbox.wall_s`` in all.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -48,26 +47,37 @@ def read_cases(ground_truth: Any) -> dict:
 
 def run_tests(sandbox: Sandbox, code: str, cases: dict) -> tuple[list[dict], Execution]:
     """Run ``code`` on every input in one sandboxed execution; returns each test's raw result
-    ({"output"} or {"error"}; {"error"} for tests it never reached) and the execution."""
+    ({"output"} or {"error"}) and the execution. The harness reports each test as it finishes:
+    a test it did not reach (``sandbox.wall_s`` or the output limit ended the run) is an error, and
+    so is anything malformed on its channel (the program can write there too)."""
     call_based = cases.get("fn_name") is not None
     tests = {"inputs": [_text(x) if call_based else _lines(x) for x in cases["inputs"]], "fn_name": cases.get("fn_name"),
-             "seconds": max(1, math.ceil(sandbox.config.test_timeout_s))}
+             "seconds": sandbox.config.test_timeout_s}
     ran = sandbox.run_python(HARNESS.read_text(), files={"solution.py": code, "tests.json": json.dumps(tests)})
-    try:
-        results = json.loads(ran.stdout.strip().splitlines()[-1])
-        assert isinstance(results, list) and len(results) == len(tests["inputs"])
-    except Exception:
-        why = "the sandbox's limit ended it" if ran.timed_out or ran.output_exceeded else f"exit {ran.exit_code}"
-        results = [{"error": f"no result ({why})"}] * len(tests["inputs"])
+    why = "the sandbox's limit ended it" if ran.timed_out or ran.output_exceeded else f"exit {ran.exit_code}"
+    results = [{"error": f"not reached ({why})"} for _ in tests["inputs"]]
+    for line in ran.stdout.splitlines():
+        try:
+            got = json.loads(line)
+            i = got["i"]
+            valid = isinstance(got.get("output", got.get("error")), str) and 0 <= i < len(results)
+        except Exception:
+            continue
+        if valid and "error" in results[i] and results[i]["error"].startswith("not reached"):
+            results[i] = {k: v for k, v in got.items() if k in ("output", "error")}
     return results, ran
 
 
 def passed(result: dict, expected: Any, call_based: bool) -> bool:
     """True when one test's raw result matches its expected output."""
-    if "output" not in result:
+    if not isinstance(result.get("output"), str):
         return False
     if call_based:
-        return call_matches(json.loads(result["output"]), json.loads(_text(expected)))
+        try:
+            output = json.loads(result["output"])
+        except ValueError:
+            return False
+        return call_matches(output, json.loads(_text(expected)))
     return stdin_matches(result["output"], "\n".join(expected) if isinstance(expected, list) else str(expected))
 
 

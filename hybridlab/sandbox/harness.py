@@ -10,7 +10,8 @@ interpreter: standard library only). It runs /code/solution.py against each inpu
 
 Common modules are star-imported first, as verl's harness does. The expected outputs never
 enter the sandbox: the harness prints one JSON line of raw results (each test's output or
-error) on a copy of its stdout, and the trainer compares them (``code_tests.py``).
+error, one JSON line per test as it finishes) on a copy of its stdout, and the trainer compares
+them (``code_tests.py``).
 """
 import ast
 import io
@@ -38,12 +39,15 @@ class Stdin(io.StringIO):
         self.text, self.lines = text, iter(text.split("\n"))
 
     def readline(self, *args):
+        """The next line, without its newline."""
         return next(self.lines)
 
     def readlines(self, *args):
+        """Every line, without newlines."""
         return self.text.split("\n")
 
     def read(self, *args):
+        """The whole input."""
         return self.text
 
 
@@ -67,19 +71,31 @@ def as_function(source):
 
 
 def load(text):
+    """Return a fresh module made of ``text``."""
     module = types.ModuleType("solution")
     exec(compile(text, "solution.py", "exec"), module.__dict__)
     return module
 
 
+def give_input(raw):
+    """Put the test's input on descriptor 0 too (``open(0).read()``, ``sys.stdin.buffer``)."""
+    with open("/sandbox/.input", "w") as f:
+        f.write(raw)
+    fd = os.open("/sandbox/.input", os.O_RDONLY)
+    if fd != 0:  # 0 itself when the last test's program closed it (open(0) does on exit)
+        os.dup2(fd, 0)
+        os.close(fd)
+
+
 def run_one(source, fn_name, raw, seconds):
     """Return {"output": ...} (stdin tasks: the printed text; call-based: the result as JSON) or
     {"error": ...} for one test input, in a fresh module."""
-    signal.alarm(seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     real_stdin, real_stdout = sys.stdin, sys.stdout
     try:
         if fn_name is None:
             module = load(PRELUDE + as_function(source))
+            give_input(raw)
             sys.stdin, sys.stdout = Stdin(raw), io.StringIO()
             try:
                 module.code()
@@ -99,15 +115,18 @@ def run_one(source, fn_name, raw, seconds):
     except BaseException as exc:  # a wrong program, not a harness failure
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
     finally:
-        signal.alarm(0)
+        signal.setitimer(signal.ITIMER_REAL, 0)
         sys.stdin, sys.stdout = real_stdin, real_stdout
 
 
 def on_alarm(signum, frame):
+    """A test's time limit: raised inside the program."""
     raise TimeLimit("time limit of the test passed")
 
 
 def main():
+    """Run every test and write one JSON line per test as it finishes ({"i", "output"} or
+    {"i", "error"}), so the tests done count when a limit ends the run."""
     # the results go out on a copy of stdout; the program's own writes to descriptor 1 go nowhere
     channel = io.open(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
@@ -116,9 +135,9 @@ def main():
     with open("/code/solution.py") as f:
         source = f.read()
     signal.signal(signal.SIGALRM, on_alarm)
-    results = [run_one(source, tests.get("fn_name"), raw, tests["seconds"]) for raw in tests["inputs"]]
-    channel.write(json.dumps(results) + "\n")
-    channel.flush()
+    for i, raw in enumerate(tests["inputs"]):
+        channel.write(json.dumps({"i": i, **run_one(source, tests.get("fn_name"), raw, tests["seconds"])}) + "\n")
+        channel.flush()
 
 
 if __name__ == "__main__":

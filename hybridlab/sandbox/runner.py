@@ -78,17 +78,19 @@ class Sandbox:
         group = None
         try:
             for name, text in (files or {}).items():
-                (code / name).write_text(text)
-            (code / ".stdin").write_text(stdin)
+                (code / name).write_text(text, encoding="utf-8")
+            (code / ".stdin").write_text(stdin, encoding="utf-8")
             os.chmod(code, 0o755)
             for p in code.iterdir():
                 os.chmod(p, 0o644)
             group = PidsCgroup(c.processes)
             return self._execute(self._command(argv, code, group), code / ".stdin", group)
         finally:
-            if group is not None:
-                group.remove()
-            shutil.rmtree(code, ignore_errors=True)
+            try:
+                if group is not None:
+                    group.remove()
+            finally:
+                shutil.rmtree(code, ignore_errors=True)
 
     def _command(self, argv: list[str], code: Path, group: PidsCgroup) -> list[str]:
         c = self.config

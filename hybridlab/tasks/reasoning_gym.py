@@ -10,8 +10,9 @@ dataset's name and its config as ``reasoning_gym.create_dataset(name, **config)`
   ``extract_answer``) and the whole entry, metadata included: partial credit counts (an answer
   that contains the oracle gets ``len(oracle) / len(answer)``). The entry travels as the
   ground truth (JSON text), so a verl parquet written by ``hybridlab data`` scores the same.
-- **Splits**: entries come from ``Random(seed + index)``; each split draws its indices from its
-  own stream, and train and test are disjoint by question text (``Task.split``).
+- **Splits**: entries come from ``Random(seed + index)`` for the indices of a pool of ``pool``
+  (20,000); each split draws its indices from its own stream, and train and test are disjoint by
+  question text (``Task.split``).
 - Datasets without an oracle answer are refused by name.
 """
 from __future__ import annotations
@@ -48,8 +49,8 @@ class ReasoningGym(Task):
 
     name = SOURCE
 
-    def __init__(self, name: str | None = None, system_prompt: str = "direct", format_score: float = 0.0,
-                 **config: Any):
+    def __init__(self, name: str | None = None, system_prompt: str = "direct", pool: int = 20_000,
+                 format_score: float = 0.0, **config: Any):
         super().__init__(format_score)
         self.dataset_name, self.config = name, config
         self.dataset = None
@@ -69,7 +70,8 @@ class ReasoningGym(Task):
             raise UserError(f"system_prompt {system_prompt!r} is none of reasoning-gym's: {', '.join(prompts)}")
         self.system = prompts[system_prompt].strip()
         try:
-            self.dataset = gym.create_dataset(name, seed=0, size=2**31 - 1, **config)
+            # a bounded pool: some generators build all their entries up front (gsm_symbolic, acre)
+            self.dataset = gym.create_dataset(name, seed=0, size=pool, **config)
         except (AssertionError, ValueError, TypeError) as exc:
             raise UserError(f"reasoning-gym's {name} refuses its options {config}: {exc}") from None
         if self.dataset[0].get("answer") is None:
@@ -80,7 +82,7 @@ class ReasoningGym(Task):
     def make_sample(self, rng: random.Random) -> Sample:
         if self.dataset is None:
             raise UserError("data.task_options: reasoning_gym needs the dataset's name, e.g. {name: chain_sum}")
-        entry = json.loads(json.dumps(self.dataset[rng.randrange(2**31 - 1)], default=list))
+        entry = json.loads(json.dumps(self.dataset[rng.randrange(self.dataset.size)], default=list))
         question = entry["question"]
         return Sample(prompt=f"{self.system}\n\n{question}\n", ground_truth=json.dumps(entry), data_source=SOURCE,
                       answer=f"<answer>{entry['answer']}</answer>",

@@ -54,10 +54,14 @@ def validation_metrics(sources: list[str], prompts: list[int], rewards: list[flo
 
 
 def prompt_stats(variables: dict[str, list], draws: int = 1000, seed: int = 42) -> dict[str, dict[str, float]]:
-    """Return, for each numeric variable of one prompt's N answers, ``mean@N`` and with N > 1
+    """Return, for each numeric variable of one prompt's N answers (one that some answers lack,
+    where their scoring failed, is left out), ``mean@N`` and with N > 1
     ``std@N`` and the bootstrap means and deviations of ``best@n``, ``worst@n`` and (where the
     answers carry a ``pred``) ``maj@n``, each over ``draws`` subsets of n answers drawn with
     replacement, for n = 2, 4, ... and N."""
+    answers = len(variables["reward"])
+    # an answer whose scoring failed has no dict entries: a variable counts where every answer has it
+    variables = {name: values for name, values in variables.items() if len(values) == answers}
     votes = variables.get("pred")
     out = {}
     for name, values in variables.items():

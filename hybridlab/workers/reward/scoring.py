@@ -157,8 +157,9 @@ def score_samples(fn: ScoreFn, rules: RuleScorer, kind: str, items: list[tuple],
     worker scores it: ``timeout_s`` bounds a user's function and math-verify (the other built-in
     rules never hang); a function that gives no acc gets the built-in scorer's, and a failed
     built-in scorer none (it is not run again). Code answers run ``sandbox.parallel`` at once."""
-    hangs = kind == "function" or rules.options.math_verifier != "rules"
     code = kind == "rule" and any(family(item[0]) == "code" for item in items)
+    # the sandbox bounds code itself; a forked child killed at reward.timeout_s would leave its sandboxes behind
+    hangs = (kind == "function" or rules.options.math_verifier != "rules") and not code
     parallel = rules.options.sandbox.parallel if code else 1
     out = []
     for (source, text, truth, _), (score, acc, error, answer) in zip(
@@ -185,7 +186,10 @@ def score_batch(fn: ScoreFn, items: list[tuple], error_score: float, timeout_s: 
     """
     if timeout_s <= 0 and parallel > 1:
         for source in {item[0] for item in items}:  # built once, before the threads share them
-            getattr(fn, "scorer", lambda _: None)(source)
+            try:
+                getattr(fn, "scorer", lambda _: None)(source)
+            except Exception:  # named again, and scored error_score, by each of its items
+                pass
         with ThreadPoolExecutor(parallel, thread_name_prefix="score") as pool:
             return list(pool.map(lambda item: _safe_score(fn, *item, error_score), items))
     if timeout_s <= 0:
