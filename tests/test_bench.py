@@ -23,7 +23,7 @@ def test_bench_dispatch_json(ray_local, capfd):
 def test_unknown_benchmark_lists_names(capfd):
     assert main(["bench", "nope", "--json"]) == 2
     assert ("unknown benchmark 'nope'; choose one of: agent, dashboard, dispatch, dpo, e2e, learn, lora, plan, precision,"
-            " published, remap, rollout, soak, start, sync, train") in capfd.readouterr().err
+            " published, remap, rollout, sandbox, soak, start, sync, train") in capfd.readouterr().err
 
 
 def test_with_json_standard_output_is_the_json_alone_even_what_arrives_after_it():
