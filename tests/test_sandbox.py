@@ -201,12 +201,19 @@ def test_code_is_never_run_where_isolation_is_missing(monkeypatch, tmp_path):
 
 
 def test_the_python_tool_answers_with_the_exit_status_and_output(host_unchanged):
-    from hybridlab.agents.tools import load_tools
+    import asyncio
+
+    from hybridlab.agents.tools import call_tool, load_tools, parse_tool_calls
     from hybridlab.sandbox import tool
 
-    assert load_tools("hybridlab.sandbox.tool:python")["python"].schema["function"]["parameters"]["required"] == ["code"]
+    tools = load_tools("hybridlab.sandbox.tool:python")
+    assert tools["python"].schema["function"]["parameters"]["required"] == ["code"]
     tool.configure(LIMITS)
     try:
+        # as the agent loop runs it: a model turn's call, parsed, and the answer the model reads next
+        turn = '<tool_call>\n{"name": "python", "arguments": {"code": "print(2 ** 10)"}}\n</tool_call>'
+        answer = asyncio.run(call_tool(tools, parse_tool_calls(turn)[0], timeout_s=10))
+        assert not answer.error and json.loads(answer.content) == {"exit_code": 0, "stdout": "1024\n", "stderr": ""}
         assert tool.python("import sys\nprint(6 * 7)\nprint('oops', file=sys.stderr)\nsys.exit(3)") == \
             {"exit_code": 3, "stdout": "42\n", "stderr": "oops\n"}
         assert tool.python("print('x' * 5000)")["stdout"] == "x" * 2000 + "\n[... 3001 more characters]"
