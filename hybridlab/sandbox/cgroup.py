@@ -76,13 +76,25 @@ class PidsCgroup:
         deadline = time.monotonic() + within_s
         while pids := [p for p in self.pids() if p != spare]:
             for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                self._kill(pid)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"sandbox processes {pids} outlived SIGKILL in {self.path}")
             time.sleep(0.002)
+
+    def _kill(self, pid: int) -> None:
+        """SIGKILL ``pid`` if it is still in this cgroup: the check goes through a pidfd opened
+        first, so a number the kernel gave to another process meanwhile is never signalled."""
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return
+        try:
+            if f"/{self.path.name}\n" in Path(f"/proc/{pid}/cgroup").read_text():
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except (ProcessLookupError, FileNotFoundError):
+            pass
+        finally:
+            os.close(fd)
 
     def remove(self) -> None:
         """Kill what is left and remove the cgroup."""
