@@ -58,6 +58,9 @@ def test_options_keep_their_types_and_bad_ones_are_named():
         get_task("reasoning_gym", name="chain_sum", min_term=2)
     with pytest.raises(UserError, match=r"system_prompt 'terse' is none of reasoning-gym's: DeepSeekZero, default"):
         get_task("reasoning_gym", name="chain_sum", system_prompt="terse")
+    with pytest.raises(UserError, match=r"cannot produce 40 distinct train prompts.*; or draw from a larger pool of"
+                                        r" entries \(task option pool, now 30\)$"):
+        get_task("reasoning_gym", name="chain_sum", pool=30).split("train", 40)
     # a generator that builds all its entries up front gets a bounded pool
     assert len(get_task("reasoning_gym", name="gsm_symbolic", pool=50).split("train", 3, seed=0)) == 3
     with pytest.raises(UserError, match=r"reasoning-gym's rubiks_cube has no oracle answer for its entries"):

@@ -79,6 +79,16 @@ class ReasoningGym(Task):
                             " its own rules only): hybridlab needs one for the warm start and the checks; choose"
                             " another dataset")
 
+    def split(self, split: str, n: int, seed: int = 0) -> list[Sample]:
+        """Return ``n`` samples of ``split`` (see ``Task.split``); a pool too small for them is named."""
+        try:
+            return super().split(split, n, seed)
+        except UserError as exc:
+            if "cannot produce" not in str(exc) or self.dataset is None:
+                raise
+            raise UserError(f"{exc}; or draw from a larger pool of entries (task option pool, now"
+                            f" {self.dataset.size})") from None
+
     def make_sample(self, rng: random.Random) -> Sample:
         if self.dataset is None:
             raise UserError("data.task_options: reasoning_gym needs the dataset's name, e.g. {name: chain_sum}")
