@@ -17,8 +17,9 @@ import torch
 from hybridlab.config.schema import SandboxConfig
 from hybridlab.errors import UserError
 from hybridlab.sandbox import Sandbox, SandboxUnavailable
-from hybridlab.sandbox.cgroup import parent_dir
+from hybridlab.sandbox.cgroup import parent_dir, stray_processes
 from hybridlab.sandbox.code_tests import score_code
+from hybridlab.sandbox.runner import NOBODY
 
 LIMITS = SandboxConfig(wall_s=3, cpu_s=2, memory_mb=256, processes=16, file_mb=4, output_kb=64, test_timeout_s=2)
 CODE_REFERENCE = json.loads((Path(__file__).parent / "verl_reference" / "code.json").read_text())
@@ -30,25 +31,11 @@ def sandbox() -> Sandbox:
     return Sandbox(LIMITS)
 
 
-def sandbox_processes() -> set[int]:
-    """Host processes run by the sandbox's user (nobody when the tests run as root) or in a sandbox cgroup."""
-    found = set()
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            uid = next(line.split()[1] for line in status.read_text().splitlines() if line.startswith("Uid:"))
-            cgroups = (status.parent / "cgroup").read_text()
-        except (OSError, StopIteration):
-            continue
-        if (os.geteuid() == 0 and uid == "65534") or "hybridlab-sandbox-" in cgroups:
-            found.add(int(status.parent.name))
-    return found
-
-
 @pytest.fixture
 def host_unchanged():
     """Fails the test if a sandbox process or cgroup is left behind."""
     yield
-    assert sandbox_processes() == set()
+    assert stray_processes(NOBODY if os.geteuid() == 0 else None) == set()
     assert list(parent_dir().glob("hybridlab-sandbox-*")) == []
 
 

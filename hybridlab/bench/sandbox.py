@@ -20,25 +20,14 @@ from pathlib import Path
 from hybridlab.config.schema import SandboxConfig
 from hybridlab.environment import processor
 from hybridlab.sandbox import Sandbox
-from hybridlab.sandbox.cgroup import parent_dir
+from hybridlab.sandbox.cgroup import parent_dir, stray_processes
+from hybridlab.sandbox.runner import NOBODY
 
 GOAL_MS = 50.0
 
 
-def _sandbox_processes() -> int:
-    count = 0
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            text = status.read_text() + (status.parent / "cgroup").read_text()
-        except OSError:
-            continue
-        if (os.geteuid() == 0 and "Uid:\t65534" in text) or "hybridlab-sandbox-" in text:
-            count += 1
-    return count
-
-
 def _footprint() -> dict:
-    return {"processes": _sandbox_processes(),
+    return {"processes": len(stray_processes(NOBODY if os.geteuid() == 0 else None)),
             "files": len(list(Path(tempfile.gettempdir()).glob("hybridlab-sandbox-*"))),
             "cgroups": len(list(parent_dir().glob("hybridlab-sandbox-*"))),
             "rss_mb": int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20}

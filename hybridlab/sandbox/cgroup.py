@@ -5,6 +5,7 @@ else cgroup v2 where this process's own cgroup lets it make children with the pi
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import signal
@@ -25,8 +26,10 @@ def own_path(controller: str) -> str:
     raise OSError(f"no {controller or 'unified'} cgroup in /proc/self/cgroup")
 
 
+@functools.lru_cache(maxsize=1)
 def parent_dir() -> Path:
-    """Return the cgroup directory sandboxes are made in; raises OSError saying why there is none."""
+    """Return the cgroup directory sandboxes are made in (looked up once per process); raises
+    OSError saying why there is none."""
     if (V1_ROOT / "cgroup.procs").is_file():
         base = V1_ROOT / own_path("pids").lstrip("/")
     elif "pids" in _read(V2_ROOT / "cgroup.controllers").split():
@@ -44,6 +47,21 @@ def parent_dir() -> Path:
 
 def _read(path: Path) -> str:
     return path.read_text() if path.is_file() else ""
+
+
+def stray_processes(user: int | None) -> set[int]:
+    """Return the host processes (zombies included) that sandboxes left: those run by ``user``
+    (the sandbox's, ``nobody`` as root; None: not checked) or in a sandbox cgroup."""
+    found = set()
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            uid = next(line.split()[1] for line in status.read_text().splitlines() if line.startswith("Uid:"))
+            cgroups = (status.parent / "cgroup").read_text()
+        except (OSError, StopIteration):
+            continue
+        if (user is not None and uid == str(user)) or "hybridlab-sandbox-" in cgroups:
+            found.add(int(status.parent.name))
+    return found
 
 
 class PidsCgroup:

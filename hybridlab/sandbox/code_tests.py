@@ -25,7 +25,7 @@ import numpy as np
 
 from hybridlab.sandbox.runner import Execution, Sandbox
 
-HARNESS = Path(__file__).with_name("harness.py")
+HARNESS = Path(__file__).with_name("harness.py").read_text()  # run as /code/main.py in the sandbox
 FIRST = 10  # verl's continuous score looks at the first ten tests
 
 
@@ -53,7 +53,7 @@ def run_tests(sandbox: Sandbox, code: str, cases: dict) -> tuple[list[dict], Exe
     call_based = cases.get("fn_name") is not None
     tests = {"inputs": [_text(x) if call_based else _lines(x) for x in cases["inputs"]], "fn_name": cases.get("fn_name"),
              "seconds": sandbox.config.test_timeout_s}
-    ran = sandbox.run_python(HARNESS.read_text(), files={"solution.py": code, "tests.json": json.dumps(tests)})
+    ran = sandbox.run_python(HARNESS, files={"solution.py": code, "tests.json": json.dumps(tests)})
     why = "the sandbox's limit ended it" if ran.timed_out or ran.output_exceeded else f"exit {ran.exit_code}"
     results = [{"error": f"not reached ({why})"} for _ in tests["inputs"]]
     for line in ran.stdout.splitlines():

@@ -99,12 +99,16 @@ class ReasoningGym(Task):
                       extra_info={"system": self.system, "question": question})
 
     def check(self, response: str, ground_truth: Any) -> tuple[bool, bool]:
-        found = _gym().utils.extract_answer(response)
-        return self.score(response, ground_truth) == 1.0, found is not None
+        score, found = self._graded(response, ground_truth)
+        return score == 1.0, found
 
     def score(self, response: str, ground_truth: Any) -> float:
         """Return reasoning-gym's score of the last ``<answer>`` in ``response`` for the entry."""
+        return self._graded(response, ground_truth)[0]
+
+    def _graded(self, response: str, ground_truth: Any) -> tuple[float, bool]:
+        """(the score, ``format_score`` for a tagged answer scoring 0; whether an answer tag was found)."""
         entry = json.loads(ground_truth) if isinstance(ground_truth, str) else ground_truth
         found = _gym().utils.extract_answer(response)
         score = float(_score_fn(entry["metadata"]["source_dataset"])(found, entry))
-        return score if score > 0 or found is None else max(score, self.format_score)
+        return (score if score > 0 or found is None else max(score, self.format_score)), found is not None
