@@ -29,7 +29,6 @@ PRELUDE = "".join(f"from {m} import *\n" for m in STAR) + "".join(f"import {m}\n
 
 class TimeLimit(Exception):
     """A test ran past its time limit (raised inside the program by the timer)."""
-    pass
 
 
 class Stdin(io.StringIO):
