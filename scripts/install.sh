@@ -57,6 +57,9 @@ echo "installing pinned requirements (first time: several minutes, about 4.5 GB)
 # which no schema of ours or Jupyter's uses (tests/test_install.py guards the import time).
 "$VENV/bin/python" -m pip uninstall --quiet --yes rfc3987-syntax 2>/dev/null || true
 "$VENV/bin/python" -m pip install --quiet --no-deps -e .
+# The optional extra `openenv` (OpenEnv environments as rollout.env), pinned in pyproject.toml:
+# the tests use it. It adds 31 packages (gradio, fastmcp, pillow...), about 140 MB.
+"$VENV/bin/python" -m pip install --quiet "$(sed -n 's/^openenv = \["\(.*\)"\]$/\1/p' pyproject.toml)"
 # About half of the wheels leave out top_level.txt, and without it every `import transformers`
 # (each worker, driver and kernel) spends 0.85 s of CPU inferring import names from all ~47,000
 # installed file names; this writes the names Python would infer (tests/test_install.py checks them).

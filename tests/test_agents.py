@@ -17,8 +17,10 @@ from hybridlab.agents.tools import Tool, call_tool, load_tools, parse_tool_calls
 from hybridlab.agents.trajectory import MODEL, TOOL, Trajectory, trajectories_batch
 from hybridlab.batching import on_last_token
 from hybridlab.errors import UserError
+from openenv_envs import DroppingServer
 
 AGENTS = Path(__file__).with_name("agent_functions.py")
+ENVS = Path(__file__).with_name("openenv_envs.py")
 
 
 # ------------------------------------------------------------------ tools
@@ -203,7 +205,8 @@ def agent_rl(ray_local, chat_trained_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("agents")
     log = root / "calls.jsonl"
     rows = [{"prompt": [{"role": "user", "content": s.prompt}], "data_source": "arith",
-             "reward_model": {"ground_truth": s.ground_truth}, "extra_info": {"log": str(log)}}
+             "reward_model": {"ground_truth": s.ground_truth},
+             "extra_info": {"log": str(log), "env_reset": {"question": s.prompt, "answer": s.ground_truth}}}
             for s in get_task("arith").split("train", 16)]
     write_rows(rows, root / "train.jsonl")
     session = RLSession("grpo", [f"model={chat_trained_dir}", "warm_start.max_steps=0", "trainer.devices=1",
@@ -344,6 +347,66 @@ def test_a_text_environment_answers_each_turn_and_its_rewards_add_up(agent_rl):
         assert len(starts) == 2
 
 
+def model_turns(row: list[int]) -> list[tuple[int, int]]:
+    """Return the [start, end) runs of 1s in a response mask row."""
+    runs, start = [], None
+    for i, v in enumerate([*row, 0]):
+        if v and start is None:
+            start = i
+        elif not v and start is not None:
+            runs, start = runs + [(start, i)], None
+    return runs
+
+
+def test_an_openenv_environment_served_here_trains_grpo_with_the_models_tokens_masked(agent_rl, chat_trained_dir):
+    from transformers import AutoTokenizer
+
+    rl, _ = agent_rl
+    tok = AutoTokenizer.from_pretrained(chat_trained_dir)
+    rl.update("rollout.agent=null", f"rollout.env={ENVS}:TwoTries")
+    try:
+        results = [rl.step(), rl.step()]
+    finally:
+        rl.update("rollout.env=null", f"rollout.agent={AGENTS}:two_calls")
+    for result in results:
+        b, m = result.batch, result.metrics
+        assert m["agent/turns_mean"] == 2.0 and m["agent/errors"] == 0 and math.isfinite(m["actor/pg_loss"])
+        # the first observation has no reward (0); the second answer earns 0.5, or 1 when it is right
+        right = [1.0 if f.strip() == t else 0.5 for f, t in zip(b["final_response"], b["ground_truth"])]
+        assert b["token_level_scores"].sum(-1).tolist() == right
+        for ids, mask in zip(b["responses"].tolist(), b["response_mask"].tolist()):
+            (s1, e1), (s2, e2) = model_turns(mask)  # two model turns; the environment's question between
+            between = tok.decode(ids[e1:s2])
+            assert "Are you sure? Answer again." in between and "Are you sure" not in tok.decode(ids[s1:e1] + ids[s2:e2])
+
+
+def test_a_hanging_and_a_dropping_openenv_server_score_error_score_and_the_run_goes_on(agent_rl):
+    rl, _ = agent_rl
+    dropping = DroppingServer()
+    rl.update("rollout.agent=null", f"rollout.env={ENVS}:HangsOnOdd", "rollout.agent_timeout_s=2")
+    try:
+        start = time.perf_counter()
+        hung = rl.step()
+        hang_s = time.perf_counter() - start
+        rl.update(f"rollout.env={dropping.url}")
+        dropped = rl.step()
+        rl.update(f"rollout.env={ENVS}:OneSession")  # one session at a time: the group's episodes queue
+        after = rl.step()
+    finally:
+        rl.update("rollout.env=null", f"rollout.agent={AGENTS}:two_calls", "rollout.agent_timeout_s=300")
+        dropping.close()
+    odd = [int(t) % 2 == 1 for t in hung.batch["ground_truth"]]
+    assert hung.batch["agent_error"].bool().tolist() == odd and hung.metrics["agent/errors"] == sum(odd) > 0
+    scores = hung.batch["token_level_scores"].sum(-1).tolist()
+    assert [s for s, o in zip(scores, odd) if o] == [0.0] * sum(odd)  # reward.error_score
+    assert min(s for s, o in zip(scores, odd) if not o) >= 0.5
+    assert hang_s < 60  # the hanging episodes cost their 2 s limit, not the environment's hour
+    assert all("rollout.agent_timeout_s=2" in m for m, o in zip(hung.batch["agent_error_msg"], odd) if o)
+    assert dropped.metrics["agent/errors"] == len(dropped.batch)
+    assert all(m.startswith("ConnectionClosedError") for m in dropped.batch["agent_error_msg"])
+    assert after.metrics["agent/errors"] == 0 and after.metrics["agent/turns_mean"] == 2.0
+
+
 def test_off_policy_agent_rollouts_are_generated_a_step_ahead_and_carry_the_version_that_sampled_them(agent_rl):
     rl, _ = agent_rl
     rl.update("trainer.off_policy=true")
@@ -398,6 +461,11 @@ def test_agent_training_goes_on_through_a_remap_and_a_resume(agent_rl):
      "rollout.tools, rollout.agent and rollout.env: set one"),
     ([f"rollout.env={AGENTS}:two_calls"], r"rollout.env: 'two_calls' must be a class with reset\(sample\)"),
     ([f"rollout.agent={AGENTS}:broken"], r"rollout.agent: 'broken' must be an async function"),
+    (["rollout.env=http://:8000"], r"rollout.env: 'http://:8000' is not a server URL \(http://HOST:PORT"),
+    ([f"rollout.env={AGENTS}:TwoRounds", f"rollout.env_adapter={ENVS}:Answer"],
+     "rollout.env_adapter: adapts OpenEnv environments; rollout.env names a text environment"),
+    (["rollout.env=http://127.0.0.1:9", f"rollout.env_adapter={ENVS}:Answer"],
+     r"rollout.env_adapter: '.*:Answer' must name a subclass of hybridlab.agents.openenv_env.OpenEnvAdapter"),
     ([f"rollout.tools={AGENTS}:missing"], r"rollout.tools: .* has no function 'missing'"),
     ([f"rollout.tools={AGENTS}:broken", "rollout.max_trajectory_tokens=4"],
      r"rollout.max_trajectory_tokens: must be at least 8, got 4 \(rollout.max_new_tokens: one model turn must fit\)"),

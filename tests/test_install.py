@@ -19,6 +19,15 @@ def test_pinned_engine_versions():
     assert megatron.core.__version__.startswith("0.16")
 
 
+def test_the_openenv_extra_is_installed_at_its_pinned_version():
+    import importlib.metadata
+    import re
+    from pathlib import Path
+
+    pin = re.search(r'^openenv = \["openenv-core==(.+)"\]$', (Path(__file__).parents[1] / "pyproject.toml").read_text(), re.M).group(1)
+    assert importlib.metadata.version("openenv-core") == pin
+
+
 def test_importing_ray_does_not_load_the_slow_iri_format_checker():
     # rfc3987-syntax builds ~35 Lark parsers when imported (2.1 s of CPU per Ray process on our
     # 2-core machines); scripts/install.sh removes it, so jsonschema (imported by ray) skips it.

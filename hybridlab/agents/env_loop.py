@@ -7,7 +7,8 @@ with an observation, a reward and whether the episode is over.
         def reset(self, sample: dict) -> str:           # the first observation (the prompt)
         def step(self, text: str) -> tuple[str, float, bool]:   # observation, reward, done
 
-Either method may be ``async``. Observations after the first come to the model as user
+Either method may be ``async``; a ``close()`` method, if any, is called when the episode ends.
+``rollout.env`` may also name an OpenEnv environment (``openenv_env``). Observations after the first come to the model as user
 messages (tokens tagged ``env``, context only); the trajectory's reward is the sum of the step
 rewards. An environment that raises ends its trajectory, which scores ``reward.error_score``.
 """
@@ -41,7 +42,7 @@ async def _call(fn: Any, *args: Any) -> Any:
 async def run_env(client: ChatClient, env_class: type, sample: dict, limits: AgentLimits) -> Trajectory:
     """Run one episode of ``env_class`` on ``sample``; returns its trajectory with the summed
     reward (``error`` set when the environment raised or answered out of shape)."""
-    total = 0.0
+    total, env = 0.0, None
     try:
         env = env_class()
         messages = [{"role": "user", "content": str(await _call(env.reset, sample))}]
@@ -63,4 +64,10 @@ async def run_env(client: ChatClient, env_class: type, sample: dict, limits: Age
     except Exception as exc:  # the environment's failure scores reward.error_score; the run goes on
         trajectory = client.trajectory or Trajectory(list(sample["prompt_ids"]))
         trajectory.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if callable(getattr(env, "close", None)):  # an OpenEnv session's connection, a user's resources
+            try:
+                await _call(env.close)
+            except Exception:  # closing is best effort: the episode's result stands
+                pass
     return trajectory

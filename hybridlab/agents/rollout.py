@@ -24,6 +24,7 @@ import torch
 
 from hybridlab.agents.engine import AsyncEngine
 from hybridlab.agents.env_loop import check_env_class, run_env
+from hybridlab.agents.openenv_env import load_openenv
 from hybridlab.agents.tool_loop import AgentLimits, ChatClient, drop_trailing_context, run_tool_agent
 from hybridlab.agents.tools import Tool, load_tools
 from hybridlab.agents.trajectory import MODEL, Trajectory, trajectories_batch
@@ -39,11 +40,11 @@ SAMPLE_FIELDS = ("prompt", "ground_truth", "data_source", "extra_info")  # the r
 @dataclasses.dataclass
 class AgentSpec:
     """What drives the trajectories: the built-in agent's tools, a user's agent function, or a
-    text environment's class."""
+    text environment's class (or an OpenEnv environment's ``OpenEnvConnector``)."""
 
     tools: dict[str, Tool] = dataclasses.field(default_factory=dict)
     agent: Callable | None = None
-    env: type | None = None
+    env: Callable | None = None
 
 
 def check_agent_function(fn: Any, setting: str = "rollout.agent") -> Callable:
@@ -190,6 +191,7 @@ class AgentSettings:
     tools: str | None
     agent: str | None
     env: str | None
+    env_adapter: str | None
     max_turns: int
     max_trajectory_tokens: int
     tool_timeout_s: float
@@ -199,13 +201,18 @@ class AgentSettings:
     chat_template: str | None            # data.chat_template: the conversation is rendered with it
 
 
-def load_spec(tools: str | None, agent: str | None, env: str | None) -> AgentSpec:
-    """Return the tools, agent function or environment class that ``rollout.tools``,
-    ``rollout.agent`` or ``rollout.env`` names; raises UserError."""
+def load_spec(settings: AgentSettings, serve: bool = True) -> AgentSpec:
+    """Return the tools, agent function or environment that ``rollout.tools``, ``rollout.agent``
+    or ``rollout.env`` names (an OpenEnv class is served in this process when ``serve``);
+    raises UserError."""
+    tools, agent, env = settings.tools, settings.agent, settings.env
     if agent:
         return AgentSpec(agent=check_agent_function(load_object(agent, "rollout.agent")))
     if env:
-        return AgentSpec(env=check_env_class(load_object(env, "rollout.env", "class")))
+        connector = load_openenv(env, settings.env_adapter, settings.max_in_flight, settings.agent_timeout_s, serve)
+        return AgentSpec(env=connector or check_env_class(load_object(env, "rollout.env", "class")))
+    if settings.env_adapter:
+        raise UserError("rollout.env_adapter: adapts an OpenEnv environment; set rollout.env to one")
 
     return AgentSpec(tools=load_tools(tools))
 

@@ -78,8 +78,10 @@ class RolloutConfig:
     tools: Optional[str] = None
     # ... or an agent written against the OpenAI SDK: "module:function" naming async def run(client, sample)
     agent: Optional[str] = None
-    # ... or a gym-style text environment: "module:Class" with reset(sample) and step(text)
+    # ... or a gym-style text environment: "module:Class" with reset(sample) and step(text); or an
+    # OpenEnv environment: a server's URL (comma-separated for several) or an Environment subclass
     env: Optional[str] = None
+    env_adapter: Optional[str] = None   # OpenEnv: "module:Class", a subclass of agents.openenv_env.OpenEnvAdapter
     max_turns: int = 4                  # model turns per trajectory (each up to max_new_tokens)
     max_trajectory_tokens: int = 128    # tokens after the first prompt: model, tool and template ones together
     tool_timeout_s: float = 10.0        # a tool call running longer is cut off and answers that it timed out

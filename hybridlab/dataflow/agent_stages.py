@@ -51,7 +51,7 @@ def rollout_stages(cfg) -> list[str]:
 def agent_settings(cfg, version: int) -> dict:
     """Return the settings ``RolloutWorker.generate_agent`` takes, for policy ``version``."""
     r = cfg.rollout
-    return dataclasses.asdict(AgentSettings(r.tools, r.agent, r.env, r.max_turns, r.max_trajectory_tokens,
+    return dataclasses.asdict(AgentSettings(r.tools, r.agent, r.env, r.env_adapter, r.max_turns, r.max_trajectory_tokens,
                                             r.tool_timeout_s, r.agent_timeout_s, r.max_in_flight, version,
                                             cfg.data.chat_template))
 
@@ -143,7 +143,7 @@ def agent_problems(cfg, rollout_tp: int) -> list[str]:
                  " agent, or a text environment)")
     else:
         try:
-            spec = load_spec(r.tools, r.agent, r.env)
+            spec = load_spec(AgentSettings(**agent_settings(cfg, 0)), serve=False)
             if any(getattr(tool.fn, "needs_sandbox", False) for tool in (spec.tools or {}).values()):
                 Sandbox(cfg.sandbox)  # the python tool: named here where code cannot be isolated
         except UserError as exc:

@@ -128,9 +128,9 @@ class RolloutWorker(Worker):
                              f" this process's event loop); this group has backend={self.backend!r}, tp={self.tp}")
         cfg = (SamplingConfig(**sampling) if isinstance(sampling, dict) else sampling).validate()
         agent = AgentSettings(**settings)
-        key = (agent.tools, agent.agent, agent.env)
+        key = (agent.tools, agent.agent, agent.env, agent.env_adapter, agent.max_in_flight, agent.agent_timeout_s)
         if getattr(self, "_agent_spec", (None, None))[0] != key:
-            self._agent_spec = (key, load_spec(*key))
+            self._agent_spec = (key, load_spec(agent))
         tokenizer = use_template(self.tokenizer, agent.chat_template)
         limits = AgentLimits(agent.max_turns, cfg.max_tokens, agent.max_trajectory_tokens, agent.tool_timeout_s,
                              self.context, agent.agent_timeout_s)
