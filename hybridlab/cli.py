@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from hybridlab.config.schema import WarmStartConfig
+from hybridlab.config.schema import DataConfig, WarmStartConfig
 from hybridlab.errors import UserError
 
 
@@ -30,6 +30,7 @@ def _task_from_args(args):
 def cmd_zoo(args) -> int:
     """Build or list zoo models; returns the exit status."""
     from hybridlab.models import zoo
+    from hybridlab.tasks import parse_task_options
 
     if args.zoo_cmd == "list":
         for name in zoo.PRESETS:
@@ -37,7 +38,8 @@ def cmd_zoo(args) -> int:
                 full = name if arch == "qwen2" else f"{name}-{arch}"
                 print(f"{full:14s} {arch:8s} {zoo.count_parameters(full) / 1e6:6.2f}M parameters")
         return 0
-    out = zoo.build(args.preset, args.out, seed=args.seed)
+    corpus = zoo.task_corpus(args.task, parse_task_options(args.task_opt)) if args.task else None
+    out = zoo.build(args.preset, args.out, seed=args.seed, corpus=corpus and corpus[1])
     print(out)
     return 0
 
@@ -48,6 +50,7 @@ def cmd_sft(args) -> int:
     from hybridlab.atomic import check_model_dir_target
     from hybridlab.evaluate import accuracy, load_hf
     from hybridlab.models.zoo import resolve_model
+    from hybridlab.tasks import parse_task_options
 
     task = _task_from_args(args)
     cfg = sft.SFTConfig(steps=args.steps, max_seconds=args.max_seconds, lr=args.lr,
@@ -55,7 +58,8 @@ def cmd_sft(args) -> int:
                         train_samples=args.train_samples, target_accuracy=args.target_accuracy)
     cfg.validate()
     out = check_model_dir_target(args.out)  # before the expensive part
-    model, tokenizer = load_hf(resolve_model(args.model))
+    data = DataConfig(task=args.task, task_options=parse_task_options(args.task_opt))
+    model, tokenizer = load_hf(resolve_model(args.model, data=data))  # a task's own tokenizer where it asks for one
     summary = sft.train(model, tokenizer, task, cfg)
     sft.save_checkpoint(model, tokenizer, out)
     result = {"out": str(out), "task": args.task, "steps": summary["steps"], "seconds": summary["seconds"],
@@ -196,6 +200,7 @@ def _add_zoo(sub) -> None:
     zb.add_argument("preset", help="tiny, small or mid, optionally with -llama (e.g. tiny-llama)")
     zb.add_argument("--out", required=True, help="directory to write the checkpoint to")
     zb.add_argument("--seed", type=int, default=0)
+    _add_task_args(zb, required=False)  # a task that asks for its own tokenizer (reasoning_gym) gets one
     zsub.add_parser("list", help="list presets with their parameter counts")
     zoo.set_defaults(func=cmd_zoo)
 

@@ -189,7 +189,7 @@ def explain(cfg: RunConfig, model_dir: str | Path | None = None) -> Explanation:
     from transformers import AutoTokenizer
 
     validate_config(cfg)
-    model_dir = Path(model_dir or resolve_model(cfg.model))
+    model_dir = Path(model_dir or resolve_model(cfg.model, data=cfg.data))
     spec = ModelSpec.read(model_dir)
     params = parameter_count(model_dir)
     names = dataflow_names(cfg)

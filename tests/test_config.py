@@ -97,7 +97,7 @@ def test_overrides_parse_values_as_yaml():
     (['reward.kind=function'],
      INVALID + "reward.function: reward.kind is 'function', so give an import path like mypkg.rewards:score"),
     (['data.task=sudoku'],
-     INVALID + "data.task: unknown task 'sudoku'; choose one of: arith, calc, countdown, reasoning_gym, reverse"),
+     INVALID + "data.task: unknown task 'sudoku'; choose one of: arith, calc, countdown, countdown_code, reasoning_gym, reverse"),
     (['trainer.off_policy=true',
       'dataflow=[generate, reward, rollout_as_old_logprob, ref_logprob, advantages, update_actor, sync_weights]'],
      INVALID + "dataflow[2] rollout_as_old_logprob: trainer.off_policy: off-policy samples come from older weights, "

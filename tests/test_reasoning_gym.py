@@ -56,7 +56,7 @@ def test_options_keep_their_types_and_bad_ones_are_named():
     with pytest.raises(UserError, match=r"reasoning-gym's chain_sum has no option 'min_term'; its options are:"
                                         r" min_terms, max_terms"):
         get_task("reasoning_gym", name="chain_sum", min_term=2)
-    with pytest.raises(UserError, match=r"system_prompt 'terse' is none of reasoning-gym's: DeepSeekZero, default"):
+    with pytest.raises(UserError, match=r"system_prompt .terse. is none of reasoning-gym.s \(DeepSeekZero, default"):
         get_task("reasoning_gym", name="chain_sum", system_prompt="terse")
     with pytest.raises(UserError, match=r"cannot produce 40 distinct train prompts.*; or draw from a larger pool of"
                                         r" entries \(task option pool, now 30\)$"):
@@ -65,6 +65,31 @@ def test_options_keep_their_types_and_bad_ones_are_named():
     assert len(get_task("reasoning_gym", name="gsm_symbolic", pool=50).split("train", 3, seed=0)) == 3
     with pytest.raises(UserError, match=r"reasoning-gym's rubiks_cube has no oracle answer for its entries"):
         get_task("reasoning_gym", name="rubiks_cube")
+
+
+def test_a_zoo_model_for_a_reasoning_gym_task_gets_a_tokenizer_trained_on_its_text():
+    from transformers import AutoConfig, AutoTokenizer
+
+    from hybridlab.models.zoo import resolve_model
+    from hybridlab.run_config import load_config
+
+    cfg = load_config(None, ["data.task=reasoning_gym", "data.task_options={name: chain_sum, min_terms: 2,"
+                             " max_terms: 2, max_digits: 2, pool: 100000}"])
+    own = resolve_model("tiny", data=cfg.data)
+    zoo = resolve_model("tiny", data=load_config(None, []).data)  # arith: the zoo's own tokenizer
+    assert own != zoo and zoo == resolve_model("tiny")
+    assert resolve_model("tiny", data=cfg.data) == own  # built once, then reused
+    sample = get_task("reasoning_gym", **cfg.data.task_options).split("test", 1)[0]
+    lengths = {}
+    for name, path in (("own", own), ("zoo", zoo)):
+        tok = AutoTokenizer.from_pretrained(path)
+        ids = tok(sample.prompt + sample.answer).input_ids
+        assert tok.decode(ids) == sample.prompt + sample.answer
+        lengths[name] = len(ids)
+        vocab = AutoConfig.from_pretrained(path).vocab_size
+        assert vocab % 64 == 0 and len(tok) <= vocab < len(tok) + 64
+    # reasoning-gym's fixed system prompt takes ~100 zoo tokens, about a third of that with its own
+    assert lengths["own"] < 60 < 100 < lengths["zoo"]
 
 
 def test_hybridlab_data_writes_a_verl_parquet_that_scores_the_same(tmp_path, capsys):

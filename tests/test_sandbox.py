@@ -229,6 +229,40 @@ def test_the_python_tool_and_code_data_are_refused_by_name_where_the_sandbox_is_
         check_sources([sample], ScorerOptions(sandbox=SandboxConfig(python="/nowhere/python")))
 
 
+def test_countdown_in_python_is_evaluated_in_the_sandbox_through_the_reward_worker(tiny_dir, host_unchanged):
+    from hybridlab.protocol import Batch
+    from hybridlab.scorers import ScorerOptions
+    from hybridlab.tasks import Sample, get_task
+    from hybridlab.workers.reward.scoring import check_sources
+    from hybridlab.workers.reward.worker import RewardWorker
+
+    task = get_task("countdown_code")
+    task.use_sandbox(Sandbox(LIMITS))
+    for sample in task.split("train", 5):  # the worked answers are Python that reaches the target
+        assert sample.prompt.endswith(" in python:") and task.check(sample.answer, sample.ground_truth) == (True, True)
+    truth = {"target": 5, "numbers": [2, 4, 1]}
+    answers = {"max(2, 4) + 1": (True, True),     # any Python: builtins run in the sandbox
+               "2 + 4 + 1": (False, True),        # the wrong number, well formed
+               "2 + 4 + 5": (False, False),       # 5 is not given
+               "2 + 2 + 1": (False, False),       # 2 is given once
+               "len('abcde')": (False, False),    # a literal that is not a given number
+               "sum(iter(int, 1)) + 2": (False, True),  # never ends: the sandbox's wall limit ends it
+               "(2 + 4) * (": (False, False)}     # not an expression
+    assert {a: task.check(a, truth) for a in answers} == answers
+    worker = RewardWorker(str(tiny_dir), kind="rule", sandbox=LIMITS)
+    texts = ["max(2, 4) + 1", "2 + 4 + 1", "2 + 4 + 5"]
+    ids = [worker.tokenizer(t, add_special_tokens=False).input_ids[:4] for t in texts]
+    batch = Batch({"responses": torch.tensor([i + [0] * (4 - len(i)) for i in ids]), "response_mask": torch.ones(3, 4)},
+                  {"final_response": texts, "data_source": ["countdown_code"] * 3, "ground_truth": [truth] * 3})
+    out = worker.compute_reward(batch)
+    assert out["token_level_scores"].sum(-1).tolist() == [1.0, 0.0, 0.0] and out["acc"].tolist() == [1.0, 0.0, 0.0]
+    missing = ScorerOptions(sandbox=SandboxConfig(python="/nowhere/python"))
+    with pytest.raises(UserError, match=r"^a prompt of data.task: code cannot be run in a sandbox here, and hybridlab"
+                                         r" never runs it without one; missing: the interpreter"
+                                         r" sandbox.python=/nowhere/python$"):
+        check_sources([Sample(prompt="p", ground_truth=truth, data_source="countdown_code")], missing)
+
+
 def test_hybridlab_score_runs_code_rows_in_the_sandbox(tmp_path, capsys):
     from hybridlab.cli import main
     from hybridlab.tasks.dataset import write_rows

@@ -48,7 +48,7 @@ def test_countdown_checks_numbers_and_value():
 
 
 def test_unknown_task_and_option_errors_list_choices():
-    with pytest.raises(UserError, match="choose one of: arith, calc, countdown, reasoning_gym, reverse"):
+    with pytest.raises(UserError, match="choose one of: arith, calc, countdown, countdown_code, reasoning_gym, reverse"):
         get_task("sudoku")
     with pytest.raises(UserError, match="has no option 'digit'.*digits"):
         get_task("arith", digit=2)

@@ -103,7 +103,7 @@ class Workload:
            response_mean: float | None = None) -> "Workload":
         """Return the workload of ``cfg`` (its model's checkpoint, its prompts' lengths); responses
         are ``rollout.max_new_tokens`` long unless ``response_mean`` (e.g. a run's measured mean) is given."""
-        model_dir = Path(model_dir or resolve_model(cfg.model))
+        model_dir = Path(model_dir or resolve_model(cfg.model, data=cfg.data))
         sizes, spec = explain(cfg, model_dir).sizes, ModelSpec.read(model_dir)
         new, moe = cfg.rollout.max_new_tokens, spec.moe
         return cls(params=sizes["parameters"], layers=spec.layers, hidden=spec.hidden, vocab=spec.vocab_size,

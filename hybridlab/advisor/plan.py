@@ -131,7 +131,7 @@ def plan(cfg: RunConfig, devices: int, profile: DeviceProfile, nodes: int = 1, w
         raise UserError(f"--nodes: must be a positive integer that divides --devices ({devices}), got {nodes!r}")
 
     work = work or Workload.of(cfg, response_mean=response_mean)
-    model_dir = str(resolve_model(cfg.model))  # a directory: the heads and layers are checked too
+    model_dir = str(resolve_model(cfg.model, data=cfg.data))  # a directory: the heads and layers are checked too
     out = []
     for label, spec in candidates(cfg, devices, nodes, work.experts):
         mapping = DeviceMapping.from_dict(spec)

@@ -108,7 +108,7 @@ class RLSession(Stepping, LiveEdits):
                             "worker_processes": processes, "training_backends": self.training_backends()}
         write_json(self.run_dir / "environment.json", self.environment)
         devices = sum(p.devices for p in self.mapping.pools.values())
-        model_dir = Path(resolve_model(self.cfg.model))
+        model_dir = Path(resolve_model(self.cfg.model, data=self.cfg.data))
         # every prompt is checked (empty, not tokenizable, too long) before Ray or a warm start
         self.tokenizer = use_template(AutoTokenizer.from_pretrained(model_dir), self.cfg.data.chat_template)
         self._model_fit = PromptFit.of(self.cfg, model_dir)  # its context; the settings may change live

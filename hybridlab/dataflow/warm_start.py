@@ -12,6 +12,7 @@ from hybridlab.atomic import write_json
 from hybridlab.config import RunConfig
 from hybridlab.evaluate import load_hf
 from hybridlab.models.chat import use_template
+from hybridlab.sandbox import Sandbox
 from hybridlab.tasks import get_task
 
 
@@ -36,7 +37,12 @@ def warm_start(cfg: RunConfig, run_dir: Path, base: Path, emit: Callable[[str, d
     model, tokenizer = load_hf(base)
     use_template(tokenizer, cfg.data.chat_template)  # saved with the checkpoint: the workers render with it
     task = get_task(cfg.data.task, **cfg.data.task_options)
+    if task.needs_sandbox:  # its held-out checks run answers in the run's sandbox
+        task.use_sandbox(Sandbox(cfg.sandbox))
+    # the worked examples come from the run's training prompts, as many as data.train_samples asks
+    pool = cfg.data.train_samples or sft.SFTConfig.train_samples
     sft_cfg = sft.SFTConfig(steps=ws.max_steps, max_seconds=float("inf"), lr=ws.lr, batch_size=ws.batch_size,
+                            train_samples=pool,
                             warmup_steps=min(ws.warmup_steps, ws.max_steps // 5), seed=cfg.trainer.seed,
                             target_accuracy=ws.target_accuracy, eval_every=ws.eval_every,
                             eval_samples=ws.eval_samples, chat=cfg.data.chat, tools=tool_schemas(cfg))

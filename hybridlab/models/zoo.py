@@ -4,13 +4,17 @@ Nothing is downloaded. ``build`` trains a byte-level BPE tokenizer on task text 
 initialises a model with ``torch.manual_seed(seed)``, then saves an ordinary Hugging Face
 checkpoint directory that transformers, vLLM and the Megatron converter load unchanged.
 ``resolve_model`` turns a preset name or a checkpoint path into a directory, building and
-caching presets on first use.
+caching presets on first use; for a task that asks for its own tokenizer (reasoning-gym's), the
+preset is built with one trained on that task's text.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 from hybridlab.atomic import atomic_model_dir, built_once, check_model_dir_target
 from hybridlab.errors import UserError
@@ -23,6 +27,8 @@ from hybridlab.tasks import get_task
 ARCHS = ("qwen2", "llama", "llama3", "qwen3", "mistral", "qwen3moe", "gemma3", "phi3")
 CONVERTED = ARCHS[:6]  # the others have no Megatron conversion: the fsdp2 backend trains them
 VOCAB_SIZE = 320  # divisible by 64, so any TP up to 64 splits the vocabulary evenly
+TASK_VOCAB_MAX = 1024  # a task's own tokenizer (Task.own_tokenizer): reasoning-gym's chain_sum learns 384
+TASK_CORPUS_SAMPLES = 1500  # training prompts (with answers) it is trained on, as the zoo's per task
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")  # ids 0 to 4
 END_OF_TURN = 4  # <|im_end|>: the chat template ends each turn with it, and generation stops there
 # ChatML, as Qwen's: chat data runs on zoo models (data.chat=true or chat-message datasets)
@@ -79,8 +85,9 @@ def tokenizer_corpus(seed: int = 0) -> list[str]:
     return lines
 
 
-def train_tokenizer(seed: int = 0):
-    """Return a byte-level BPE ``PreTrainedTokenizerFast`` trained on the task corpus."""
+def train_tokenizer(seed: int = 0, corpus: list[str] | None = None, vocab_size: int = VOCAB_SIZE):
+    """Return a byte-level BPE ``PreTrainedTokenizerFast`` trained on ``corpus`` (default: the
+    zoo's, ``tokenizer_corpus``), with at most ``vocab_size`` tokens."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -90,19 +97,19 @@ def train_tokenizer(seed: int = 0):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(tokenizer_corpus(seed), trainer)
+    tok.train_from_iterator(tokenizer_corpus(seed) if corpus is None else corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", unk_token="<pad>",
                                    eos_token="</s>", model_max_length=512, chat_template=CHAT_TEMPLATE)
 
 
-def model_config(preset: str, arch: str):
+def model_config(preset: str, arch: str, vocab_size: int = VOCAB_SIZE):
     """Return the transformers config of a zoo preset in the given architecture."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     p = PRESETS[preset]
-    common = dict(vocab_size=VOCAB_SIZE, hidden_size=p.hidden, intermediate_size=p.intermediate,
+    common = dict(vocab_size=vocab_size, hidden_size=p.hidden, intermediate_size=p.intermediate,
                   num_hidden_layers=p.layers, num_attention_heads=p.heads, num_key_value_heads=p.kv_heads,
                   max_position_embeddings=p.max_positions, rms_norm_eps=1e-6, hidden_act="silu",
                   pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.02)
@@ -135,8 +142,10 @@ def model_config(preset: str, arch: str):
                        **common)
 
 
-def build(name: str, out: str | os.PathLike, seed: int = 0) -> Path:
-    """Build zoo model ``name`` into directory ``out`` atomically; returns the directory.
+def build(name: str, out: str | os.PathLike, seed: int = 0, corpus: list[str] | None = None) -> Path:
+    """Build zoo model ``name`` into directory ``out`` atomically; returns the directory. With a
+    ``corpus`` (a task's text) its tokenizer is trained on that, with up to ``TASK_VOCAB_MAX``
+    tokens, and the vocabulary is what it learnt, rounded up to a multiple of 64.
 
     ``out`` must not exist yet, or must be an earlier build (it is then replaced whole).
     """
@@ -145,9 +154,9 @@ def build(name: str, out: str | os.PathLike, seed: int = 0) -> Path:
 
     preset, arch = parse_preset(name)
     with atomic_model_dir(out) as tmp:
-        tokenizer = train_tokenizer(seed)
+        tokenizer = train_tokenizer(seed, corpus, VOCAB_SIZE if corpus is None else TASK_VOCAB_MAX)
         torch.manual_seed(seed)
-        config = model_config(preset, arch)
+        config = model_config(preset, arch, VOCAB_SIZE if corpus is None else -(-len(tokenizer) // 64) * 64)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=[2, END_OF_TURN], pad_token_id=0)
         model.save_pretrained(tmp)
@@ -155,10 +164,23 @@ def build(name: str, out: str | os.PathLike, seed: int = 0) -> Path:
     return Path(out)
 
 
-def resolve_model(spec: str | os.PathLike, seed: int = 0) -> Path:
+def task_corpus(task: str, options: dict) -> tuple[str, list[str]] | None:
+    """Return (a cache key, the text) to train a zoo tokenizer on for ``task`` with ``options``:
+    its training prompts and answers where the task asks for its own tokenizer
+    (``Task.own_tokenizer``); None where the zoo's own tokenizer serves."""
+    generator = get_task(task, **options)
+    if not generator.own_tokenizer:
+        return None
+    key = f"{task}-{hashlib.sha1(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:10]}"
+    return key, [s.prompt + s.answer for s in generator.split("train", TASK_CORPUS_SAMPLES, seed=0)]
+
+
+def resolve_model(spec: str | os.PathLike, seed: int = 0, data: Any = None) -> Path:
     """Return the checkpoint directory for a preset name or a local checkpoint path.
 
     Presets are built once into ``home()/zoo`` and reused; a path must hold a ``config.json``.
+    Given a run's ``data`` settings whose task asks for its own tokenizer (``task_corpus``), a
+    preset is built with a tokenizer trained on the task's text.
     """
     spec = str(spec)
     path = Path(spec).expanduser()
@@ -169,8 +191,13 @@ def resolve_model(spec: str | os.PathLike, seed: int = 0) -> Path:
     if os.sep in spec or spec.startswith("."):
         raise UserError(f"model path {spec} does not exist")
     preset, arch = parse_preset(spec)
-    cached = home() / "zoo" / f"{preset}-{arch}-seed{seed}-v{ZOO_VERSION}"
-    return built_once(cached, lambda: build(spec, cached, seed=seed))
+    corpus = None if data is None or data.train_files or data.preferences else task_corpus(data.task,
+                                                                                         data.task_options)
+    if corpus is None:
+        cached = home() / "zoo" / f"{preset}-{arch}-seed{seed}-v{ZOO_VERSION}"
+        return built_once(cached, lambda: build(spec, cached, seed=seed))
+    cached = home() / "zoo" / f"{preset}-{arch}-seed{seed}-v{ZOO_VERSION}-{corpus[0]}"
+    return built_once(cached, lambda: build(spec, cached, seed=seed, corpus=corpus[1]))
 
 
 def count_parameters(name: str | os.PathLike) -> int:

@@ -39,6 +39,12 @@ class Task:
     """
 
     name: str = ""
+    # True where the zoo's tokenizer (trained on arith, reverse and countdown) does not fit the
+    # task's text: a zoo model for it gets a tokenizer trained on the task's own (models.zoo).
+    own_tokenizer: bool = False
+    # True where checking an answer runs it in the code sandbox: the reward worker then hands the
+    # task the run's sandbox (``use_sandbox``) and scores its answers ``sandbox.parallel`` at once.
+    needs_sandbox: bool = False
     # Reward for a response that is well formed but wrong (0 disables the format score).
     def __init__(self, format_score: float = 0.0):
         self.format_score = float(format_score)
@@ -82,12 +88,15 @@ class Task:
             out.append(s)
         return out
 
-    def score(self, response: str, ground_truth: Any) -> float:
-        """Return 1.0 for a correct response, ``format_score`` for a well-formed wrong one, else 0."""
+    def grade(self, response: str, ground_truth: Any) -> tuple[float, bool]:
+        """Return (score, correct), checking the response once: the score is 1.0 for a correct
+        response, ``format_score`` for a well-formed wrong one, else 0."""
         correct, well_formed = self.check(response, ground_truth)
-        if correct:
-            return 1.0
-        return self.format_score if well_formed else 0.0
+        return (1.0 if correct else self.format_score if well_formed else 0.0), correct
+
+    def score(self, response: str, ground_truth: Any) -> float:
+        """Return the response's score (``grade``)."""
+        return self.grade(response, ground_truth)[0]
 
 
 def _parity(text: str) -> int:

@@ -4,7 +4,8 @@ dataset's name and its config as ``reasoning_gym.create_dataset(name, **config)`
 
 - **Prompts**: reasoning-gym's system prompt ``system_prompt`` (a key of its ``SYSTEM_PROMPTS``;
   ``direct`` by default, its shortest: answer between ``<answer>`` tags, no reasoning), then the
-  question. With ``data.chat=true`` they are a system and a user message, rendered with the
+  question; ``none``: the question alone, for a model whose warm start teaches it the tags (its
+  ~40 tokens of instructions are most of a zoo model's prompt). With ``data.chat=true`` they are a system and a user message, rendered with the
   model's chat template; otherwise one text.
 - **Scores**: reasoning-gym's own ``score_answer`` on the last ``<answer>`` tag's content (its
   ``extract_answer``) and the whole entry, metadata included: partial credit counts (an answer
@@ -48,6 +49,7 @@ class ReasoningGym(Task):
     """One reasoning-gym dataset; ``config`` is its config's fields (``min_terms``, ...)."""
 
     name = SOURCE
+    own_tokenizer = True  # its fixed prompt text costs ~100 zoo tokens, ~40 with its own
 
     def __init__(self, name: str | None = None, system_prompt: str = "direct", pool: int = 20_000,
                  format_score: float = 0.0, **config: Any):
@@ -66,9 +68,10 @@ class ReasoningGym(Task):
         if unknown:
             raise UserError(f"reasoning-gym's {name} has no option {unknown[0]!r}; its options are: {', '.join(fields)}")
         prompts = gym.utils.SYSTEM_PROMPTS
-        if system_prompt not in prompts:
-            raise UserError(f"system_prompt {system_prompt!r} is none of reasoning-gym's: {', '.join(prompts)}")
-        self.system = prompts[system_prompt].strip()
+        if system_prompt != "none" and system_prompt not in prompts:
+            raise UserError(f"system_prompt {system_prompt!r} is none of reasoning-gym's ({', '.join(prompts)}) or"
+                            " 'none' (the question alone)")
+        self.system = "" if system_prompt == "none" else prompts[system_prompt].strip()
         try:
             # a bounded pool: some generators build all their entries up front (gsm_symbolic, acre)
             self.dataset = gym.create_dataset(name, seed=0, size=pool, **config)
@@ -94,7 +97,8 @@ class ReasoningGym(Task):
             raise UserError("data.task_options: reasoning_gym needs the dataset's name, e.g. {name: chain_sum}")
         entry = json.loads(json.dumps(self.dataset[rng.randrange(self.dataset.size)], default=list))
         question = entry["question"]
-        return Sample(prompt=f"{self.system}\n\n{question}\n", ground_truth=json.dumps(entry), data_source=SOURCE,
+        prompt = f"{self.system}\n\n{question}\n" if self.system else f"{question}\n"
+        return Sample(prompt=prompt, ground_truth=json.dumps(entry), data_source=SOURCE,
                       answer=f"<answer>{entry['answer']}</answer>",
                       extra_info={"system": self.system, "question": question})
 
@@ -102,9 +106,11 @@ class ReasoningGym(Task):
         score, found = self._graded(response, ground_truth)
         return score == 1.0, found
 
-    def score(self, response: str, ground_truth: Any) -> float:
-        """Return reasoning-gym's score of the last ``<answer>`` in ``response`` for the entry."""
-        return self._graded(response, ground_truth)[0]
+    def grade(self, response: str, ground_truth: Any) -> tuple[float, bool]:
+        """Return (reasoning-gym's score of the last ``<answer>`` in ``response`` for the entry,
+        whether it is 1)."""
+        score = self._graded(response, ground_truth)[0]
+        return score, score == 1.0
 
     def _graded(self, response: str, ground_truth: Any) -> tuple[float, bool]:
         """(the score, ``format_score`` for a tagged answer scoring 0; whether an answer tag was found)."""

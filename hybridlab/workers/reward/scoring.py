@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, NamedTuple
 
 from hybridlab.errors import UserError
-from hybridlab.sandbox import SandboxUnavailable
+from hybridlab.sandbox import Sandbox, SandboxUnavailable
 from hybridlab.scorers import ScorerOptions, SourceScorer, family, known_sources, reports_acc, scorer_for
 from hybridlab.tasks.base import TASKS, Sample, task_for_source
 from hybridlab.user_code import load_object
@@ -53,7 +53,14 @@ def rule_for(data_source: str, options: ScorerOptions = ScorerOptions()) -> Sour
     if data_source.rsplit("/", 1)[-1] in TASKS:
         task = task_for_source(data_source)
         task.format_score = options.format_score
-        return lambda text, truth: {"score": task.score(text, truth), "acc": float(task.check(text, truth)[0])}
+        if task.needs_sandbox:  # raises SandboxUnavailable where code cannot be isolated
+            task.use_sandbox(Sandbox(options.sandbox))
+
+        def graded(text: str, truth: Any) -> dict:
+            score, correct = task.grade(text, truth)  # one check: a sandboxed task's costs an execution
+            return {"score": score, "acc": float(correct)}
+
+        return graded
     try:
         return scorer_for(data_source, options)
     except SandboxUnavailable:  # a code source has a scorer: what is missing is the sandbox
@@ -62,6 +69,12 @@ def rule_for(data_source: str, options: ScorerOptions = ScorerOptions()) -> Sour
         raise UserError(f"{exc}. Data sources with a built-in scorer: the tasks {', '.join(sorted(TASKS))}"
                         f" (also as PREFIX/TASK) and verl's {', '.join(known_sources())};"
                         " for other data set reward.kind=function with your own reward.function") from None
+
+
+def runs_code(data_source: str) -> bool:
+    """True when ``data_source``'s built-in scorer runs the answer in the code sandbox."""
+    name = data_source.rsplit("/", 1)[-1]
+    return family(data_source) == "code" or (name in TASKS and TASKS[name].needs_sandbox)
 
 
 def check_sources(samples: Iterable[Sample], options: ScorerOptions) -> None:
@@ -157,7 +170,7 @@ def score_samples(fn: ScoreFn, rules: RuleScorer, kind: str, items: list[tuple],
     worker scores it: ``timeout_s`` bounds a user's function and math-verify (the other built-in
     rules never hang); a function that gives no acc gets the built-in scorer's, and a failed
     built-in scorer none (it is not run again). Code answers run ``sandbox.parallel`` at once."""
-    code = kind == "rule" and any(family(item[0]) == "code" for item in items)
+    code = kind == "rule" and any(runs_code(item[0]) for item in items)
     # the sandbox bounds code itself; a forked child killed at reward.timeout_s would leave its sandboxes behind
     hangs = (kind == "function" or rules.options.math_verifier != "rules") and not code
     parallel = rules.options.sandbox.parallel if code else 1
