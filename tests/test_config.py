@@ -26,7 +26,7 @@ def test_defaults_are_the_grpo_preset():
 _ON_POLICY = ["generate", "reward", "rollout_as_old_logprob", "advantages", "update_actor", "sync_weights"]
 PRESET_STAGES = {  # preset -> the stage list it resolves to (its `dataflow` key, or the default for its settings)
     "cispo": _ON_POLICY, "clip_cov": _ON_POLICY, "gmpo": _ON_POLICY, "gpg": _ON_POLICY, "grpo": _ON_POLICY,
-    "gspo": _ON_POLICY, "kl_cov": _ON_POLICY, "sapo": _ON_POLICY,
+    "gspo": _ON_POLICY, "kl_cov": _ON_POLICY, "sapo": _ON_POLICY, "rg_arithmetic": _ON_POLICY, "countdown_code": _ON_POLICY,
     "online_dpo": ["generate", "reward", "pair_best_worst", "ref_logprob", "update_actor_dpo", "sync_weights"],
     "agent_calc": ["generate_agent", "reward", "rollout_as_old_logprob", "advantages", "update_actor", "sync_weights"],
     "dpo": ["ref_logprob", "update_actor_dpo", "sync_weights"],

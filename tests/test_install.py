@@ -24,7 +24,8 @@ def test_the_openenv_extra_is_installed_at_its_pinned_version():
     import re
     from pathlib import Path
 
-    pin = re.search(r'^openenv = \["openenv-core==(.+)"\]$', (Path(__file__).parents[1] / "pyproject.toml").read_text(), re.M).group(1)
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    pin = re.search(r'^openenv = \["openenv-core==(.+)"\]$', pyproject, re.M).group(1)
     assert importlib.metadata.version("openenv-core") == pin
 
 

@@ -8,9 +8,10 @@ with an observation, a reward and whether the episode is over.
         def step(self, text: str) -> tuple[str, float, bool]:   # observation, reward, done
 
 Either method may be ``async``; a ``close()`` method, if any, is called when the episode ends.
-``rollout.env`` may also name an OpenEnv environment (``openenv_env``). Observations after the first come to the model as user
-messages (tokens tagged ``env``, context only); the trajectory's reward is the sum of the step
-rewards. An environment that raises ends its trajectory, which scores ``reward.error_score``.
+Observations after the first come to the model as user messages (tokens tagged ``env``, context
+only); the trajectory's reward is the sum of the step rewards. An environment that raises ends
+its trajectory, which scores ``reward.error_score``. ``rollout.env`` may also name an OpenEnv
+environment (``openenv_env``), driven by the same loop.
 """
 from __future__ import annotations
 

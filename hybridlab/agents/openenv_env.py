@@ -156,7 +156,7 @@ class OpenEnvConnector:
     def __init__(self, urls: list[str], name: str, adapter: OpenEnvAdapter, sessions: int | None,
                  timeout_s: float):
         self.urls, self.__name__, self.adapter, self.timeout_s = urls, name, adapter, timeout_s
-        self.sessions = sessions            # a local server's known capacity; a URL's is learnt when it is full
+        self.sessions = sessions            # a local server's capacity; None for a URL (a full one refuses)
         self.schemas: dict[str, dict] = {}  # per URL: the action's JSON schema
         self._next = itertools.count()
         self._gates: dict[tuple[int, str], asyncio.Semaphore] = {}
@@ -203,8 +203,8 @@ class OpenEnvSession:
             self.slot = self.connector.gate(self.url)
             if self.slot is not None:
                 await self.slot.acquire()
-            self.client = GenericEnvClient(self.url, connect_timeout_s=min(CONNECT_TIMEOUT_S, timeout or CONNECT_TIMEOUT_S),
-                                           message_timeout_s=timeout or None)
+            connect_s = min(CONNECT_TIMEOUT_S, timeout or CONNECT_TIMEOUT_S)
+            self.client = GenericEnvClient(self.url, connect_timeout_s=connect_s, message_timeout_s=timeout or None)
             try:
                 return await self.client.reset(**self.connector.adapter.reset_kwargs(sample))
             except ConnectionClosedOK:

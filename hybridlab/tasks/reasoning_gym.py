@@ -5,8 +5,8 @@ dataset's name and its config as ``reasoning_gym.create_dataset(name, **config)`
 - **Prompts**: reasoning-gym's system prompt ``system_prompt`` (a key of its ``SYSTEM_PROMPTS``;
   ``direct`` by default, its shortest: answer between ``<answer>`` tags, no reasoning), then the
   question; ``none``: the question alone, for a model whose warm start teaches it the tags (its
-  ~40 tokens of instructions are most of a zoo model's prompt). With ``data.chat=true`` they are a system and a user message, rendered with the
-  model's chat template; otherwise one text.
+  ~40 tokens of instructions are most of a zoo model's prompt). With ``data.chat=true`` they are
+  a system and a user message, rendered with the model's chat template; otherwise one text.
 - **Scores**: reasoning-gym's own ``score_answer`` on the last ``<answer>`` tag's content (its
   ``extract_answer``) and the whole entry, metadata included: partial credit counts (an answer
   that contains the oracle gets ``len(oracle) / len(answer)``). The entry travels as the
