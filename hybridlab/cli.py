@@ -38,6 +38,8 @@ def cmd_zoo(args) -> int:
                 full = name if arch == "qwen2" else f"{name}-{arch}"
                 print(f"{full:14s} {arch:8s} {zoo.count_parameters(full) / 1e6:6.2f}M parameters")
         return 0
+    if args.task_opt and not args.task:
+        raise UserError("--task-opt: give --task too (the task whose text the tokenizer is trained on)")
     corpus = zoo.task_corpus(args.task, parse_task_options(args.task_opt)) if args.task else None
     out = zoo.build(args.preset, args.out, seed=args.seed, corpus=corpus and corpus[1])
     print(out)
@@ -76,6 +78,7 @@ def cmd_eval(args) -> int:
     """Print greedy accuracy on a task or dataset; returns the exit status."""
     from hybridlab.evaluate import accuracy, load_hf
     from hybridlab.models.zoo import resolve_model
+    from hybridlab.tasks import parse_task_options
 
     if args.data:
         from hybridlab.scorers import ScorerOptions
@@ -88,7 +91,8 @@ def cmd_eval(args) -> int:
     else:
         task = _task_from_args(args)
         samples, name = task.split("test", args.n, seed=args.seed), task.name
-    model, tokenizer = load_hf(resolve_model(args.model))
+    data = DataConfig(task=args.task, task_options=parse_task_options(args.task_opt)) if args.task else None
+    model, tokenizer = load_hf(resolve_model(args.model, data=data))  # the model a run on the task builds
     result = accuracy(model, tokenizer, task, samples, max_new_tokens=args.max_new_tokens)
     result = {"model": str(args.model), "task": name, **result}
     if args.json:

@@ -461,6 +461,7 @@ def test_agent_training_goes_on_through_a_remap_and_a_resume(agent_rl):
      "rollout.tools, rollout.agent and rollout.env: set one"),
     ([f"rollout.env={AGENTS}:two_calls"], r"rollout.env: 'two_calls' must be a class with reset\(sample\)"),
     ([f"rollout.agent={AGENTS}:broken"], r"rollout.agent: 'broken' must be an async function"),
+    ([f"rollout.env_adapter={ENVS}:Answer"], "rollout.env_adapter: adapts an OpenEnv environment; set rollout.env"),
     (["rollout.env=http://:8000"], r"rollout.env: 'http://:8000' is not a server URL \(http://HOST:PORT"),
     ([f"rollout.env={AGENTS}:TwoRounds", f"rollout.env_adapter={ENVS}:Answer"],
      "rollout.env_adapter: adapts OpenEnv environments; rollout.env names a text environment"),

@@ -241,14 +241,18 @@ def test_countdown_in_python_is_evaluated_in_the_sandbox_through_the_reward_work
     for sample in task.split("train", 5):  # the worked answers are Python that reaches the target
         assert sample.prompt.endswith(" in python:") and task.check(sample.answer, sample.ground_truth) == (True, True)
     truth = {"target": 5, "numbers": [2, 4, 1]}
-    answers = {"max(2, 4) + 1": (True, True),     # any Python: builtins run in the sandbox
+    answers = {"max(2, 4) + 1": (True, True),     # the builtins of numbers run in the sandbox
+               "abs(1 - 4) + 2": (True, True),
                "2 + 4 + 1": (False, True),        # the wrong number, well formed
                "2 + 4 + 5": (False, False),       # 5 is not given
                "2 + 2 + 1": (False, False),       # 2 is given once
-               "len('abcde')": (False, False),    # a literal that is not a given number
-               "sum(iter(int, 1)) + 2": (False, True),  # never ends: the sandbox's wall limit ends it
+               "len('abcde')": (False, False),    # no other literal, no other function
+               "-~-~1 + 2": (False, False),       # ~ would build numbers that were not given
+               "len([[]]) + 4": (False, False),   # so would lists and len
                "(2 + 4) * (": (False, False)}     # not an expression
     assert {a: task.check(a, truth) for a in answers} == answers
+    # a power too large to print meets the sandbox's limits there, and scores as wrong
+    assert task.check("9 ** 9 ** 9", {"target": 1, "numbers": [9, 9, 9]}) == (False, True)
     worker = RewardWorker(str(tiny_dir), kind="rule", sandbox=LIMITS)
     texts = ["max(2, 4) + 1", "2 + 4 + 1", "2 + 4 + 5"]
     ids = [worker.tokenizer(t, add_special_tokens=False).input_ids[:4] for t in texts]

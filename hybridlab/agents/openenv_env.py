@@ -68,7 +68,8 @@ class OpenEnvAdapter:
         itself when the action has exactly one string field (``metadata`` aside), else the text
         read as a JSON object of the action's fields. Raises ValueError when it is not one."""
         fields = {k: v for k, v in schema.get("properties", {}).items() if k != "metadata"}
-        strings = [k for k, v in fields.items() if v.get("type") == "string"]
+        strings = [k for k, v in fields.items()
+                   if "string" in [v.get("type"), *(a.get("type") for a in v.get("anyOf", []))]]  # str, Optional[str]
         if len(fields) == 1 and strings:
             return {strings[0]: text}
         start, end = text.find("{"), text.rfind("}")
@@ -99,10 +100,14 @@ def _generic_types(cls: type) -> tuple[type, type]:
             args = typing.get_args(base)
             if len(args) == 3 and all(inspect.isclass(a) for a in args[:2]):
                 return args[0], args[1]
-    hints = typing.get_type_hints(cls.step)
+    try:
+        hints = typing.get_type_hints(cls.step)
+    except Exception:  # an annotation that does not resolve: the types cannot be read from it
+        hints = {}
     params = [p for p in inspect.signature(cls.step).parameters if p != "self"]
-    if params and params[0] in hints and "return" in hints:
-        return hints[params[0]], hints["return"]
+    found = (hints.get(params[0]), hints.get("return")) if params else (None, None)
+    if all(inspect.isclass(t) for t in found):
+        return found
     raise UserError(f"rollout.env: cannot tell {cls.__name__}'s action and observation types; declare it as"
                     f" class {cls.__name__}(Environment[MyAction, MyObservation, MyState])")
 
@@ -121,14 +126,17 @@ class LocalServer:
     _served: dict[type, "LocalServer"] = {}
     _lock = threading.Lock()
 
-    def __init__(self, cls: type, max_sessions: int):
+    def __init__(self, cls: type, max_sessions: int, idle_s: float):
         import uvicorn
-        from openenv.core.env_server import create_app
+        from openenv.core.env_server import ConcurrencyConfig, create_app
 
         action_cls, observation_cls = _generic_types(cls)
         logging.getLogger("uvicorn.error").addFilter(_not_a_disconnect)
         sessions = max_sessions if getattr(cls, "SUPPORTS_CONCURRENT_SESSIONS", False) else 1
-        app = create_app(cls, action_cls, observation_cls, env_name=cls.__name__, max_concurrent_envs=sessions)
+        # a session idle longer than an episode may last is one whose episode ended (a hung step's):
+        # OpenEnv's reaper frees it, or a one-session server would refuse every later episode
+        limits = ConcurrencyConfig(max_concurrent_envs=sessions, session_timeout=idle_s or None)
+        app = create_app(cls, action_cls, observation_cls, env_name=cls.__name__, concurrency_config=limits)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
                                                     lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, name=f"openenv-{cls.__name__}", daemon=True)
@@ -141,11 +149,12 @@ class LocalServer:
         self.url, self.sessions = f"http://127.0.0.1:{port}", sessions
 
     @classmethod
-    def serve(cls, env_class: type, max_sessions: int) -> "LocalServer":
-        """Return the running server of ``env_class`` in this process, started on first use."""
+    def serve(cls, env_class: type, max_sessions: int, idle_s: float) -> "LocalServer":
+        """Return the running server of ``env_class`` in this process, started on first use
+        (``idle_s``: its sessions' idle limit, 0 for none)."""
         with cls._lock:
             if env_class not in cls._served:
-                cls._served[env_class] = LocalServer(env_class, max_sessions)
+                cls._served[env_class] = LocalServer(env_class, max_sessions, idle_s)
             return cls._served[env_class]
 
 
@@ -180,7 +189,10 @@ class OpenEnvConnector:
             import httpx
 
             http_url = url.replace("ws://", "http://", 1).replace("wss://", "https://", 1)
-            async with httpx.AsyncClient(timeout=min(CONNECT_TIMEOUT_S, self.timeout_s or CONNECT_TIMEOUT_S)) as http:
+            loopback = urllib.parse.urlparse(http_url).hostname in ("127.0.0.1", "localhost", "::1")
+            timeout = min(CONNECT_TIMEOUT_S, self.timeout_s or CONNECT_TIMEOUT_S)
+            # a proxy in the environment is not for loopback (OpenEnv's own client bypasses it there)
+            async with httpx.AsyncClient(timeout=timeout, trust_env=not loopback) as http:
                 answer = await http.get(f"{http_url}/schema")
                 answer.raise_for_status()
                 self.schemas[url] = answer.json()["action"]
@@ -200,9 +212,10 @@ class OpenEnvSession:
         timeout = self.connector.timeout_s
         wait = RETRY_S[0]
         while True:
-            self.slot = self.connector.gate(self.url)
-            if self.slot is not None:
-                await self.slot.acquire()
+            gate = self.connector.gate(self.url)
+            if gate is not None:
+                await gate.acquire()
+                self.slot = gate  # recorded once taken: a timeout while waiting releases nothing
             connect_s = min(CONNECT_TIMEOUT_S, timeout or CONNECT_TIMEOUT_S)
             self.client = GenericEnvClient(self.url, connect_timeout_s=connect_s, message_timeout_s=timeout or None)
             try:
@@ -236,7 +249,7 @@ class OpenEnvSession:
         client, slot, self.client, self.slot = self.client, self.slot, None, None
         try:
             if client is not None:
-                await client.close()
+                await asyncio.shield(client.close())  # a timeout cancelling the episode still closes it
         finally:
             if slot is not None:
                 slot.release()
@@ -270,5 +283,5 @@ def load_openenv(value: str, adapter: str | None, max_in_flight: int, timeout_s:
     if not serve:
         _generic_types(cls)
         return OpenEnvConnector([], cls.__name__, adapter_obj, None, timeout_s)
-    server = LocalServer.serve(cls, max_in_flight)
+    server = LocalServer.serve(cls, max_in_flight, timeout_s)
     return OpenEnvConnector([server.url], cls.__name__, adapter_obj, server.sessions, timeout_s)

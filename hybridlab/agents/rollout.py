@@ -103,7 +103,9 @@ async def run_trajectories(spec: AgentSpec, make_client: Callable[[int], ChatCli
     making its model calls through ``make_client(i)`` (the agent's behind the endpoint)."""
     from hybridlab.agents.endpoint import Endpoint, InProcessTransport  # aiohttp: imported where it serves
 
-    slots = asyncio.Semaphore(max_in_flight)
+    # an environment served with fewer sessions: the others wait here, before their time limit starts
+    sessions = getattr(spec.env, "sessions", None) or max_in_flight
+    slots = asyncio.Semaphore(min(max_in_flight, sessions))
     async with Endpoint(make_client) as endpoint:
         http = None
         if spec.agent is not None:
@@ -211,8 +213,6 @@ def load_spec(settings: AgentSettings, serve: bool = True) -> AgentSpec:
     if env:
         connector = load_openenv(env, settings.env_adapter, settings.max_in_flight, settings.agent_timeout_s, serve)
         return AgentSpec(env=connector or check_env_class(load_object(env, "rollout.env", "class")))
-    if settings.env_adapter:
-        raise UserError("rollout.env_adapter: adapts an OpenEnv environment; set rollout.env to one")
 
     return AgentSpec(tools=load_tools(tools))
 

@@ -136,6 +136,8 @@ def agent_problems(cfg, rollout_tp: int) -> list[str]:
                  f" data.chat=true (the agent_calc preset does)")
     if task_tools and not cfg.data.chat:
         p.append(f"data.chat: {cfg.data.task!r} is a tool-use conversation; set data.chat=true")
+    if r.env_adapter and not r.env:
+        p.append("rollout.env_adapter: adapts an OpenEnv environment; set rollout.env to one (or unset the adapter)")
     if not agentic(cfg):
         return p
     if sum(map(bool, (r.tools, r.agent, r.env))) > 1:

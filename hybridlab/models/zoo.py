@@ -18,7 +18,7 @@ from typing import Any
 
 from hybridlab.atomic import atomic_model_dir, built_once, check_model_dir_target
 from hybridlab.errors import UserError
-from hybridlab.tasks import get_task
+from hybridlab.tasks import TASKS, get_task
 
 # Zoo names: a preset, then a family: tiny (Qwen2), tiny-llama, tiny-llama3 (Llama with Llama 3's
 # rope scaling), tiny-qwen3 (QK-norm, head_dim twice hidden/heads as Qwen3-0.6B), tiny-mistral
@@ -168,11 +168,19 @@ def task_corpus(task: str, options: dict) -> tuple[str, list[str]] | None:
     """Return (a cache key, the text) to train a zoo tokenizer on for ``task`` with ``options``:
     its training prompts and answers where the task asks for its own tokenizer
     (``Task.own_tokenizer``); None where the zoo's own tokenizer serves."""
-    generator = get_task(task, **options)
-    if not generator.own_tokenizer:
+    key = own_tokenizer_key(task, options)
+    if key is None:
         return None
-    key = f"{task}-{hashlib.sha1(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:10]}"
-    return key, [s.prompt + s.answer for s in generator.split("train", TASK_CORPUS_SAMPLES, seed=0)]
+    samples = get_task(task, **options).split("train", TASK_CORPUS_SAMPLES, seed=0)
+    return key, [s.prompt + s.answer for s in samples]
+
+
+def own_tokenizer_key(task: str, options: dict) -> str | None:
+    """Return the cache key of ``task``'s own tokenizer with ``options`` (None where the task
+    takes the zoo's), without building the task."""
+    if task not in TASKS or not TASKS[task].own_tokenizer:
+        return None
+    return f"{task}-{hashlib.sha1(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:10]}"
 
 
 def resolve_model(spec: str | os.PathLike, seed: int = 0, data: Any = None) -> Path:
@@ -191,13 +199,15 @@ def resolve_model(spec: str | os.PathLike, seed: int = 0, data: Any = None) -> P
     if os.sep in spec or spec.startswith("."):
         raise UserError(f"model path {spec} does not exist")
     preset, arch = parse_preset(spec)
-    corpus = None if data is None or data.train_files or data.preferences else task_corpus(data.task,
-                                                                                         data.task_options)
-    if corpus is None:
+    own = data is not None and not (data.train_files or data.preferences)
+    key = own_tokenizer_key(data.task, data.task_options) if own else None
+    if key is None:
         cached = home() / "zoo" / f"{preset}-{arch}-seed{seed}-v{ZOO_VERSION}"
         return built_once(cached, lambda: build(spec, cached, seed=seed))
-    cached = home() / "zoo" / f"{preset}-{arch}-seed{seed}-v{ZOO_VERSION}-{corpus[0]}"
-    return built_once(cached, lambda: build(spec, cached, seed=seed, corpus=corpus[1]))
+    cached = home() / "zoo" / f"{preset}-{arch}-seed{seed}-v{ZOO_VERSION}-{key}"
+    # the task's text is generated only when the model is built, not each time it is found
+    return built_once(cached, lambda: build(spec, cached, seed=seed,
+                                            corpus=task_corpus(data.task, data.task_options)[1]))
 
 
 def count_parameters(name: str | os.PathLike) -> int:

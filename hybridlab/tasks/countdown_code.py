@@ -1,10 +1,11 @@
 """Countdown answered in Python: ``3 5 7 to 22 in python:`` -> ``3*5+7``, a Python expression
 that the code sandbox (``hybridlab.sandbox``) evaluates.
 
-The answer's first line must parse as one Python expression. Its integer literals must be
-among the given numbers (each at most as often as it is given) and it may hold no other
-literal; anything else Python allows (``max(3, 5)*7``, ``abs(3-5)``...) is the model's to use.
-The expression runs in the sandbox as ``print(EXPRESSION)``: it is right when that prints the
+The answer's first line must parse as one Python expression of integer literals, the operators
+``+ - * // % **`` and the builtins ``abs``, ``max``, ``min`` and ``pow`` (``max(3, 5)*7``). Its
+literals must be among the given numbers, each at most as often as it is given: nothing else
+(``~``, lists, ``len``) may build a number. The expression runs in the sandbox as
+``print(EXPRESSION)`` (``9**9**9`` meets its CPU limit there): it is right when that prints the
 target and exits 0 within the sandbox's limits. Nothing the model writes runs outside it; where
 the sandbox cannot run, scoring is refused with what is missing (``SandboxUnavailable``).
 """
@@ -22,13 +23,32 @@ from hybridlab.tasks.base import Sample, register_task
 from hybridlab.tasks.countdown import Countdown
 
 
-def literals(expression: str) -> list[Any] | None:
-    """Return the literals of ``expression`` (None when it is not one Python expression)."""
+# What an answer may be made of: arithmetic on integer literals and a few builtins of numbers.
+# Anything else (``~``, lists, ``len``, ``int()``...) could build any number from none given.
+OPERATORS = (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod, ast.Pow, ast.USub, ast.UAdd)
+FUNCTIONS = frozenset({"abs", "max", "min", "pow"})
+
+
+def literals(expression: str) -> list[int] | None:
+    """Return the integer literals of ``expression``; None when it is not one Python expression
+    of integer literals, ``OPERATORS`` and calls of ``FUNCTIONS`` alone."""
     try:
         tree = ast.parse(expression, mode="eval")
     except (SyntaxError, ValueError, RecursionError):
         return None
-    return [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            found.append(node.value)
+        elif isinstance(node, ast.Call):
+            if not (isinstance(node.func, ast.Name) and node.func.id in FUNCTIONS) or node.keywords:
+                return None
+        elif isinstance(node, ast.Name):
+            if node.id not in FUNCTIONS:
+                return None
+        elif not isinstance(node, (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Load, *OPERATORS)):
+            return None
+    return found
 
 
 @register_task
@@ -60,7 +80,7 @@ class CountdownCode(Countdown):
         if isinstance(ground_truth, str):
             ground_truth = json.loads(ground_truth)
         allowed = Counter(int(n) for n in ground_truth["numbers"])
-        if not found or any(type(v) is not int for v in found) or Counter(found) - allowed:
+        if not found or Counter(found) - allowed:
             return False, False
         if self.sandbox is None:
             self.sandbox = Sandbox()
