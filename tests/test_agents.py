@@ -14,6 +14,7 @@ import torch
 from hybridlab.agents.conversation import Conversation
 from hybridlab.agents.rollout import agent_result, check_agent_function
 from hybridlab.agents.tools import Tool, call_tool, load_tools, parse_tool_calls
+from hybridlab.agents.traces import model_turns
 from hybridlab.agents.trajectory import MODEL, TOOL, Trajectory, trajectories_batch
 from hybridlab.batching import on_last_token
 from hybridlab.errors import UserError
@@ -343,19 +344,7 @@ def test_a_text_environment_answers_each_turn_and_its_rewards_add_up(agent_rl):
     assert b["token_level_scores"].sum(-1).tolist() == pytest.approx((0.25 + right).tolist())
     # the environment's question between the turns is context: two runs of model tokens per row
     for row in b["response_mask"].tolist():
-        starts = [i for i, v in enumerate(row) if v and (i == 0 or not row[i - 1])]
-        assert len(starts) == 2
-
-
-def model_turns(row: list[int]) -> list[tuple[int, int]]:
-    """Return the [start, end) runs of 1s in a response mask row."""
-    runs, start = [], None
-    for i, v in enumerate([*row, 0]):
-        if v and start is None:
-            start = i
-        elif not v and start is not None:
-            runs, start = runs + [(start, i)], None
-    return runs
+        assert len(model_turns(row)) == 2
 
 
 def test_an_openenv_environment_served_here_trains_grpo_with_the_models_tokens_masked(agent_rl, chat_trained_dir):
@@ -488,7 +477,7 @@ def test_agent_settings_are_checked_when_the_config_loads(overrides, message):
 def test_the_calc_task_scores_the_reply_and_its_trace_trains_only_the_models_turns(tiny_dir):
     from transformers import AutoTokenizer
 
-    from hybridlab.agents.traces import encode_trace, model_turns
+    from hybridlab.agents.traces import encode_trace
     from hybridlab.tasks import get_task
     from hybridlab.tasks.calc import calc
 
