@@ -298,10 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     from hybridlab.advisor.commands import add_commands
     from hybridlab.score_command import add_command as add_score
+    from hybridlab.serve_command import add_command as add_serve
     from hybridlab.train_command import add_command as add_train
 
     for add in (_add_zoo, _add_sft, _add_eval, _add_data, add_train, _add_explain, add_score, add_commands,
-                _add_dashboard, _add_bench):
+                _add_dashboard, add_serve, _add_bench):
         add(sub)
     return parser
 

@@ -181,7 +181,8 @@ LAYERS = [
     ("notebook", ["notebook"]),
     ("run", ["dataflow.session", "dataflow.step", "dataflow.live", "dataflow.train_loop", "dataflow.remap",
              "dataflow.recovery", "dataflow.checkpoints"]),
-    ("commands", ["cli", "train_command", "score_command", "bench", "advisor.calibrate", "advisor.commands"]),
+    ("service", ["tinker"]),
+    ("commands", ["cli", "train_command", "score_command", "serve_command", "bench", "advisor.calibrate", "advisor.commands"]),
 ]
 
 
@@ -279,7 +280,7 @@ def test_the_reach_in_check_sees_attributes_and_imports():
 
 
 # hybridlab's own modules imported inside a function, outside the command line's lazy loading
-# (cli.py, advisor/commands.py, score_command.py, train_command.py, bench/): each defers a heavy
+# (cli.py, advisor/commands.py, score_command.py, serve_command.py, train_command.py, bench/): each defers a heavy
 # third-party dependency
 # (docs/architecture.md, "Limits").
 DEFERRED = {
@@ -298,7 +299,7 @@ def deferred_imports() -> list[tuple[str, str]]:
     out = []
     for name, (path, tree) in modules().items():
         rel = path.relative_to(PACKAGE.parent).as_posix()
-        if rel in ("hybridlab/cli.py", "hybridlab/advisor/commands.py", "hybridlab/score_command.py",
+        if rel in ("hybridlab/cli.py", "hybridlab/advisor/commands.py", "hybridlab/score_command.py", "hybridlab/serve_command.py",
                    "hybridlab/train_command.py") \
                 or rel.startswith("hybridlab/bench/"):
             continue  # the command line's lazy loading: `hybridlab --help` stays fast

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 
 def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: int, tp: int = 1,
-              prefix_caching: bool = RolloutConfig.prefix_caching, lora_rank: int = 0) -> "LLM":
+              prefix_caching: bool = RolloutConfig.prefix_caching, lora_rank: int = 0,
+              lora_slots: tuple[int, int] = (1, 1)) -> "LLM":
     """Return a vLLM ``LLM`` running in this process with an explicitly sized KV cache.
 
     With ``prefix_caching`` the n samples of a prompt share its prefill (vLLM fans ``n`` out
@@ -32,8 +33,9 @@ def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: 
     exist, its consecutive ranks form the engines, and every rank of an engine is given the
     same prompts and computes the same tokens.
 
-    With ``lora_rank`` the engine serves one LoRA adapter of at most that rank beside the base
-    model, loaded from memory by ``load_adapter``.
+    With ``lora_rank`` the engine serves LoRA adapters of at most that rank beside the base
+    model, loaded from memory by ``load_adapter``: ``lora_slots`` (adapters in one batch,
+    adapters held) of them, one by default (the actor's; the Tinker service holds several).
     """
     # In-process engine: needed to reload weights from this process (see docs/install.md).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -52,7 +54,8 @@ def start_llm(model_dir: str, context: int, kv_cache_mb: int, dtype: str, seed: 
     if tp > 1:
         extra.update(tensor_parallel_size=tp, distributed_executor_backend=_external_launcher())
     if lora_rank:
-        extra.update(enable_lora=True, max_lora_rank=lora_slot_rank(lora_rank), max_loras=1)
+        extra.update(enable_lora=True, max_lora_rank=lora_slot_rank(lora_rank), max_loras=lora_slots[0],
+                     max_cpu_loras=lora_slots[1])
     return LLM(model=model_dir, dtype=dtype, max_model_len=context, kv_cache_memory_bytes=kv_cache_mb << 20,
                enforce_eager=True, seed=seed, logprobs_mode="processed_logprobs",
                enable_prefix_caching=prefix_caching, **extra)
@@ -222,7 +225,7 @@ def _prepack_reloaded_experts(model: torch.nn.Module, layers: set[str]) -> None:
 
 
 # ------------------------------------------------------------------------------- LoRA
-ADAPTER_ID = 1  # the one adapter slot: each sync replaces the adapter under this id
+ADAPTER_ID = 1  # the actor's adapter: each sync replaces the adapter under this id
 
 
 def lora_slot_rank(rank: int) -> int:
@@ -238,16 +241,17 @@ def lora_slot_rank(rank: int) -> int:
     return fits[0]
 
 
-def adapter_request():
+def adapter_request(adapter_id: int = ADAPTER_ID):
+    """Return the LoRARequest that samples through the adapter ``load_adapter`` installed under ``adapter_id``."""
     from vllm.lora.request import LoRARequest
 
     # never read from this path: the adapter is in the engine already (load_adapter)
-    return LoRARequest("hybridlab-actor", ADAPTER_ID, "in-memory")
+    return LoRARequest(f"hybridlab-{adapter_id}", adapter_id, "in-memory")
 
 
-def _install_adapter(worker, tensors: dict[str, torch.Tensor], config: dict) -> int:
+def _install_adapter(worker, tensors: dict[str, torch.Tensor], config: dict, adapter_id: int) -> int:
     """Runs inside the engine's worker: build a LoRAModel from the tensors (as vLLM's loader does
-    from files) and put it in the adapter slot in place of the previous one; returns its layer count."""
+    from files) and put it under ``adapter_id`` in place of the previous one; returns its layer count."""
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
 
@@ -256,17 +260,29 @@ def _install_adapter(worker, tensors: dict[str, torch.Tensor], config: dict) -> 
     helper = PEFTHelper.from_dict(config)
     helper.validate_legal(slots.lora_config)
     dtype = slots.lora_config.lora_dtype
-    adapter = LoRAModel.from_lora_tensors(ADAPTER_ID, tensors, helper, device="cpu", dtype=dtype,
+    adapter = LoRAModel.from_lora_tensors(adapter_id, tensors, helper, device="cpu", dtype=dtype,
                                           model_vocab_size=manager.vocab_size)
-    slots.remove_adapter(ADAPTER_ID)
+    slots.remove_adapter(adapter_id)
     slots.add_adapter(adapter)
-    slots.activate_adapter(ADAPTER_ID)
+    slots.activate_adapter(adapter_id)
     return len(adapter.loras)
 
 
-def load_adapter(llm, tensors: dict[str, torch.Tensor], config: dict) -> int:
+def _installed_adapters(worker) -> list[int]:
+    manager = getattr(worker, "worker", worker).model_runner.lora_manager
+    return sorted(manager.list_adapters())
+
+
+def installed_adapters(llm) -> set[int]:
+    """Return the ids of the adapters the engine holds now (vLLM evicts the least recently used
+    past its ``max_cpu_loras``)."""
+    return set(llm.collective_rpc(_installed_adapters)[0])
+
+
+def load_adapter(llm, tensors: dict[str, torch.Tensor], config: dict, adapter_id: int = ADAPTER_ID) -> int:
     """Install a LoRA adapter, given as tensors in PEFT's file names and its PEFT config, in the
-    running engine, replacing the previous one; returns the number of layers it adapts.
+    running engine under ``adapter_id``, replacing what it held there; returns the number of
+    layers it adapts.
 
     vLLM's own path (``LoRARequest``) reads adapters from a folder; this engine runs in our
     process, so the adapter is built from the tensors directly (as verl does), with no files.
@@ -274,4 +290,4 @@ def load_adapter(llm, tensors: dict[str, torch.Tensor], config: dict) -> int:
     own, in a colocated sync) stay as they are.
     """
     copies = {name: t.clone() for name, t in tensors.items()}
-    return llm.collective_rpc(_install_adapter, args=(copies, config))[0]
+    return llm.collective_rpc(_install_adapter, args=(copies, config, adapter_id))[0]

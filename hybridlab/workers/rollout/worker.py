@@ -41,7 +41,7 @@ class RolloutWorker(Worker):
                  kv_cache_mb: int = RolloutConfig.kv_cache_mb, dtype: str = RolloutConfig.dtype,
                  truncate_prompts: bool = DataConfig.truncate_prompts, seed: int = TrainerConfig.seed, tp: int = 1,
                  prefix_caching: bool = RolloutConfig.prefix_caching, lora_rank: int = 0,
-                 sandbox: SandboxConfig | None = None):
+                 sandbox: SandboxConfig | None = None, lora_slots: tuple[int, int] = (1, 1)):
         if backend not in BACKENDS:
             raise ValueError(f"unknown rollout backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
         if tp < 1 or self.world_size % tp:
@@ -65,7 +65,8 @@ class RolloutWorker(Worker):
         if backend == "vllm":
             if tp > 1:
                 self.init_distributed()  # the engines' TP groups are cut from this group's world
-            self.llm = start_llm(model_dir, self.context, kv_cache_mb, dtype, seed, tp, prefix_caching, lora_rank)
+            self.llm = start_llm(model_dir, self.context, kv_cache_mb, dtype, seed, tp, prefix_caching, lora_rank,
+                                 lora_slots)
         else:
             from transformers import AutoModelForCausalLM
 

@@ -186,11 +186,20 @@ class FSDPEngine:
         (1.0 when the gradient norm was NaN or inf and the step was skipped) and padded_token_share."""
         if self.optimizer is None:
             raise RuntimeError("this engine is frozen (no optimizer): it cannot train")
-        self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        _, store = self.accumulate(batch, loss_fn, micro_batch_size)
+        metrics = self._reduce_metrics(store)
+        metrics.update(self.step_optimizer(), padded_token_share=self.padded_token_share)
+        return metrics
+
+    def accumulate(self, batch, loss_fn: LossFn, micro_batch_size: int) -> tuple[torch.Tensor, list[dict]]:
+        """Add the gradients of ``loss_fn`` over the batch's micro-batches to the parameters'
+        (no optimizer step); returns the response tokens' log-probs, [batch, response_len], and
+        each micro-batch's metrics."""
+        self.model.train()
         micros = self._micro_batches(batch, micro_batch_size)
         totals = global_totals(batch, None, self.dp, self.device)
-        store = []
+        store, logprobs = [], []
         with self._autocast():
             for micro in micros:
                 outputs = self._outputs(micro or self._empty())
@@ -201,7 +210,14 @@ class FSDPEngine:
                               "num_microbatches": len(micros), **({"packed": micro.packed} if micro.packed else {})}
                     loss, metrics = loss_fn(outputs, inputs)
                     store.append({k: torch.as_tensor(v).detach().float().cpu() for k, v in metrics.items()})
+                    logprobs.append(outputs["log_probs"].detach().float().cpu())
                 (loss * self.dp).backward()  # FSDP averages over ranks; the shares must add up
+        real = [m for m in micros if m is not None]
+        return packing.gather_rows(logprobs, real, len(batch)) if real else torch.zeros(0), store
+
+    def step_optimizer(self) -> dict[str, float]:
+        """Clip the accumulated gradients, set the scheduled learning rate and step (skipped when
+        the gradient norm is NaN or inf); returns grad_norm, lr and skipped."""
         grad_norm = self._clip_grads(self.optim_cfg.grad_clip)
         lr = set_lr(self)
         finite = math.isfinite(grad_norm)
@@ -210,10 +226,7 @@ class FSDPEngine:
             self.optimizer.step()
             self._offload_moments(True)
         self.step_count += 1
-        metrics = self._reduce_metrics(store)
-        metrics.update(grad_norm=grad_norm, lr=lr, skipped=0.0 if finite else 1.0,
-                       padded_token_share=self.padded_token_share)
-        return metrics
+        return {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0 if finite else 1.0}
 
     def _offload_moments(self, out: bool) -> None:
         """With optimizer offload, move AdamW's moments to host memory (``out``) between steps and

@@ -1,0 +1,300 @@
+"""TinkerService: Tinker's training clients and sampling sessions, run on hybridlab's workers.
+
+One base model per service. Its worker set holds a sampler (``TinkerSampler``, vLLM with LoRA)
+from the start and a LoRA trainer (``TinkerTrainer``, FSDP2) once a client creates a model,
+both in one process on one device: the trainer's base weights and the sampler's are the same
+checkpoint, and each saved sampler weight is an adapter the sampler holds under its own id.
+
+Every method here blocks (worker calls); ``server.py`` runs training calls on one thread, in
+each model's ``seq_id`` order, and sampling calls on another, batched.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import ray
+import torch
+from safetensors.torch import load_file, save_file
+
+from hybridlab.config.training import ActorConfig, LoraConfig
+from hybridlab.controller.group import RoleClass
+from hybridlab.controller.mapping import DeviceMapping
+from hybridlab.controller.worker_set import WorkerSet
+from hybridlab.errors import UserError
+from hybridlab.models.zoo import resolve_model
+from hybridlab.tinker import wire
+from hybridlab.tinker.losses import INPUTS, check_loss, token_losses
+from hybridlab.tinker.settings import ServiceSettings
+from hybridlab.tinker.workers import INPUT_PREFIX, TinkerSampler, TinkerTrainer, datum_batch
+from hybridlab.workers.train.settings import TrainSettings
+
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+
+
+@dataclasses.dataclass
+class TrainingModel:
+    """A training client's adapter on the trainer."""
+
+    model_id: str
+    lora: dict                      # Tinker's lora_config: rank, train_mlp, train_attn, train_unembed
+
+
+@dataclasses.dataclass
+class Sampler:
+    """A sampling session: the base model (adapter None) or saved sampler weights."""
+
+    sampler_id: str
+    adapter: int | None
+    model_path: str | None
+
+
+def base_model_name(settings: ServiceSettings, model_dir: Path) -> str:
+    """Return the ``org/model`` name clients give as ``base_model``."""
+    if settings.name:
+        return settings.name
+    stem = settings.model if "/" not in settings.model else model_dir.name
+    return f"hybridlab/{re.sub(r'[^A-Za-z0-9._-]', '-', stem)}"
+
+
+class TinkerService:
+    """The models, samplers and saved weights of one served base model."""
+
+    def __init__(self, settings: ServiceSettings):
+        self.settings = settings.validate()
+        self.model_dir = resolve_model(settings.model, seed=settings.seed)
+        self.base_model = base_model_name(settings, self.model_dir)
+        self.run_dir = Path(settings.run_dir)
+        self.workers: WorkerSet | None = None
+        self.model: TrainingModel | None = None
+        self.samplers: dict[str, Sampler] = {}
+        self.adapters: collections.OrderedDict[int, str | None] = collections.OrderedDict()  # id -> saved path
+        self.next_adapter = 2  # 1 is the RL actor's slot (vllm_engine.ADAPTER_ID); any positive id works
+        self.tied = bool(json.loads((self.model_dir / "config.json").read_text()).get("tie_word_embeddings"))
+
+    # ------------------------------------------------------------------ lifecycle
+    def _mapping(self, roles: tuple[str, ...]) -> DeviceMapping:
+        return DeviceMapping.from_dict({"pools": {"main": {"devices": 1}},
+                                        "roles": {r: {"pool": "main", "colocate": "tinker"} for r in roles}})
+
+    def start(self) -> "TinkerService":
+        """Start the sampler's worker (the trainer comes with the first model); returns self."""
+        s = self.settings
+        sampler = RoleClass(TinkerSampler, kwargs=dict(
+            model_dir=str(self.model_dir), max_model_len=s.context, kv_cache_mb=s.kv_cache_mb, seed=s.seed,
+            lora_rank=s.max_lora_rank, lora_slots=(s.batch_adapters, s.sampler_adapters)))
+        self.workers = WorkerSet(self._mapping(("rollout",)), {"rollout": sampler}).start()
+        return self
+
+    def close(self) -> None:
+        """Stop every worker of the service."""
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
+
+    def capabilities(self) -> dict:
+        """Return ``get_server_capabilities``' answer: the one model served."""
+        return {"supported_models": [{"model_name": self.base_model, "max_context_length": self.settings.context,
+                                      "trainable": True, "sampleable": True}]}
+
+    # ------------------------------------------------------------------ models
+    def _check_base(self, base_model: str | None) -> None:
+        if base_model and base_model not in (self.base_model, str(self.model_dir)):
+            raise UserError(f"base_model {base_model!r} is not served here; this server offers {self.base_model!r}")
+
+    def create_model(self, model_id: str, base_model: str | None, lora: dict, optimizer: dict | None) -> dict:
+        """Build the trainer with a fresh adapter for ``model_id``; returns CreateModelResponse."""
+        self._check_base(base_model)
+        if optimizer and optimizer.get("type", "adamw") != "adamw":
+            raise UserError(f"optimizer {optimizer.get('type')!r} is not served; this server trains with adamw")
+        rank = int(lora.get("rank", 32))
+        if not 1 <= rank <= self.settings.max_lora_rank:
+            raise UserError(f"lora rank {rank} is outside 1..{self.settings.max_lora_rank} (the server's max_lora_rank)")
+        modules = (ATTN if lora.get("train_attn", True) else []) + (MLP if lora.get("train_mlp", True) else [])
+        if not modules:
+            raise UserError("train_attn and train_mlp are both false: the adapter would train nothing")
+        if self.model is not None:
+            raise UserError(f"this server trains one model at a time and holds {self.model.model_id}; start another"
+                            " server for a second training client")
+        section = ActorConfig(strategy="fsdp2", micro_batch_tokens=0, remove_padding=False, warmup_steps=0,
+                              lora=LoraConfig(rank=rank, alpha=self.settings.lora_alpha, target_modules=modules))
+        trainer = RoleClass(TinkerTrainer, kwargs=dict(
+            model_dir=str(self.model_dir), settings=TrainSettings(section, self.settings.seed, 1.0)))
+        self.workers.remap(self._mapping(("rollout", "actor")), {"actor": trainer})
+        self.model = TrainingModel(model_id, {"rank": rank, "train_attn": lora.get("train_attn", True),
+                                              "train_mlp": lora.get("train_mlp", True),
+                                              "train_unembed": lora.get("train_unembed", True)})
+        return {"model_id": model_id, "type": "create_model"}
+
+    def info(self, model_id: str) -> dict:
+        """Return ``get_info``'s answer for ``model_id``: the base model's name and a tokenizer
+        id that loads with no hub access (its checkpoint directory)."""
+        self._trained(model_id)
+        return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": self.model.lora["rank"],
+                "model_name": self.base_model,
+                "model_data": {"arch": "lora", "model_name": self.base_model, "tokenizer_id": str(self.model_dir)}}
+
+    def _trained(self, model_id: str) -> TrainingModel:
+        if self.model is None or self.model.model_id != model_id:
+            have = self.model.model_id if self.model else "none"
+            raise UserError(f"unknown model_id {model_id!r} (this server holds: {have})")
+        return self.model
+
+    @property
+    def trainer(self):
+        return self.workers.groups["actor"]
+
+    @property
+    def sampler(self):
+        return self.workers.groups["rollout"]
+
+    # ------------------------------------------------------------------ training
+    def forward_backward(self, call: wire.FwdBwdCall) -> bytes:
+        """Run one forward_backward (or forward) chunk; returns the ForwardBackwardOutput body
+        with each datum's log-probs and ``loss:sum``."""
+        self._trained(call.model_id)
+        check_loss(call.loss_fn, call.config, set(call.inputs[0]) if call.inputs else {"target_tokens"},
+                   call.forward_only)
+        batch = datum_batch(call.tokens, call.inputs)
+        out = self.trainer.forward_backward(batch, None if call.forward_only else call.loss_fn, call.config)
+        logprobs = out["logprobs"]
+        inputs = {k.removeprefix(INPUT_PREFIX): v for k, v in batch.tensors.items() if k.startswith(INPUT_PREFIX)}
+        loss = 0.0 if call.forward_only and set(INPUTS[call.loss_fn][0]) - set(inputs) else \
+            float(token_losses(call.loss_fn, logprobs, inputs, batch["response_mask"], call.config).sum())
+        per_datum = [logprobs[i, :len(t)].numpy() for i, t in enumerate(call.tokens)]
+        return wire.forward_backward_output(per_datum, {"loss:sum": loss})
+
+    def optim_step(self, model_id: str, adam: dict) -> dict:
+        """Apply the accumulated gradients with ``adam`` (AdamParams); returns OptimStepResponse."""
+        self._trained(model_id)
+        out = self.trainer.optim_step(adam)[0]
+        return {"metrics": {"grad_norm:mean": out["grad_norm"], "skipped:sum": out["skipped"]}}
+
+    def _folder(self, model_id: str, kind: str, name: str) -> Path:
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+            raise UserError(f"checkpoint name {name!r}: use letters, digits, '.', '_' and '-'")
+        return self.run_dir / model_id.replace(":", "_") / kind / name
+
+    def _path_folder(self, path: str) -> Path:
+        parts = path.removeprefix("tinker://").split("/")
+        if not path.startswith("tinker://") or len(parts) != 3:
+            raise UserError(f"{path!r} is not a tinker:// path of this server (tinker://<model>/<kind>/<name>)")
+        folder = self.run_dir / parts[0].replace(":", "_") / parts[1] / parts[2]
+        if not folder.is_dir():
+            raise UserError(f"{path}: nothing saved there (looked in {folder})")
+        return folder
+
+    def save_state(self, model_id: str, name: str) -> dict:
+        """Save the adapter and its AdamW state under ``name``; returns SaveWeightsResponse."""
+        model = self._trained(model_id)
+        state = next(s for s in self.trainer.checkpoint_state() if s is not None)
+        folder = self._folder(model_id, "weights", name)
+        tmp = folder.with_name(folder.name + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        torch.save(state, tmp / "state.pt")
+        (tmp / "model.json").write_text(json.dumps({"base_model": self.base_model, "lora": model.lora}))
+        if folder.exists():
+            raise UserError(f"a state named {name!r} exists already for {model_id}; save under another name")
+        tmp.rename(folder)
+        return {"path": f"tinker://{model_id}/weights/{name}", "type": "save_weights"}
+
+    def load_state(self, model_id: str, path: str, optimizer: bool, session: tuple[str, int] | None = None) -> dict:
+        """Load a saved state (with its AdamW moments when ``optimizer``) into ``model_id``, first
+        creating the model from the saved LoRA settings when ``session`` (create-via-load)."""
+        folder = self._path_folder(path)
+        saved = json.loads((folder / "model.json").read_text())
+        if session is not None:
+            self.create_model(model_id, saved["base_model"], saved["lora"], None)
+        model = self._trained(model_id)
+        if saved["lora"]["rank"] != model.lora["rank"]:
+            raise UserError(f"{path} holds a rank-{saved['lora']['rank']} adapter; {model_id} has rank"
+                            f" {model.lora['rank']}")
+        state = torch.load(folder / "state.pt", weights_only=False)
+        if not optimizer:
+            state = {k: v for k, v in state.items() if k not in ("exp_avg", "exp_avg_sq")}
+        self.trainer.load_state([ray.put([state])])
+        self.trainer.clear_gradients()
+        return {"path": path, "model_id": model_id, "type": "load_weights"}
+
+    # ------------------------------------------------------------------ sampling
+    def _keep(self, tensors_ref, path: str | None) -> int:
+        adapter_id, self.next_adapter = self.next_adapter, self.next_adapter + 1
+        self.adapters[adapter_id] = path
+        evict = []
+        while len(self.adapters) > self.settings.sampler_adapters:
+            evict.append(self.adapters.popitem(last=False)[0])
+        self.sampler.keep_adapter(adapter_id, [tensors_ref], evict)
+        return adapter_id
+
+    def save_for_sampler(self, model_id: str, name: str | None) -> tuple[int, str | None]:
+        """Put the adapter as it is now in the sampler under a new id, and on disk under ``name``
+        (PEFT's format) when given; returns (adapter id, tinker:// path or None)."""
+        self._trained(model_id)
+        ref, _ = next(r for r in self.trainer.export_adapter() if r is not None)
+        path = None
+        if name is not None:
+            tensors, config = ray.get(ref)
+            folder = self._folder(model_id, "sampler_weights", name)
+            folder.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "adapter_model.safetensors"))
+            (folder / "adapter_config.json").write_text(json.dumps(config))
+            path = f"tinker://{model_id}/sampler_weights/{name}"
+        return self._keep(ref, path), path
+
+    def add_sampler(self, sampler_id: str, base_model: str | None, model_path: str | None,
+                    adapter: int | None = None) -> Sampler:
+        """Register a sampling session on the base model, on saved sampler weights (``model_path``)
+        or on an adapter the sampler holds; returns it."""
+        if model_path and adapter is None:
+            adapter = next((a for a, p in self.adapters.items() if p == model_path), None)
+            if adapter is None:  # saved earlier, or by another server: read it back
+                folder = self._path_folder(model_path)
+                tensors = load_file(str(folder / "adapter_model.safetensors"))
+                config = json.loads((folder / "adapter_config.json").read_text())
+                adapter = self._keep(ray.put((tensors, config)), model_path)
+        elif not model_path:
+            self._check_base(base_model)
+        sampler = Sampler(sampler_id, adapter, model_path)
+        self.samplers[sampler_id] = sampler
+        return sampler
+
+    def sample_many(self, requests: list[dict]) -> list[dict | Exception]:
+        """Sample every request (``sampling_session_id``, ``prompt``, ``num_samples``,
+        ``sampling_params``, ``prompt_logprobs``) in one engine call; returns each one's
+        answer, or the error that refused it."""
+        answers: list[dict | Exception] = [None] * len(requests)
+        work, where = [], []
+        for i, req in enumerate(requests):
+            try:
+                work.append(self._sample_request(req))
+                where.append(i)
+            except UserError as exc:
+                answers[i] = exc
+        if work:
+            for i, answer in zip(where, self.sampler.sample_many(work)[0]):
+                answers[i] = answer
+        return answers
+
+    def _sample_request(self, req: dict) -> dict:
+        sampler = self.samplers.get(req.get("sampling_session_id") or "")
+        if sampler is None:
+            raise UserError(f"unknown sampling_session_id {req.get('sampling_session_id')!r}")
+        if sampler.adapter is not None and sampler.adapter not in self.adapters:
+            raise UserError(f"the sampler weights of {sampler.sampler_id} were evicted (the server keeps the last"
+                            f" {self.settings.sampler_adapters}: sampler_adapters); save them again")
+        for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            if req.get(key):
+                raise UserError(f"{key} is not served by this server (top-k log-probs)")
+        prompt = wire.model_input_tokens(req["prompt"])
+        params = dict(req.get("sampling_params") or {})
+        room = self.settings.context - len(prompt)
+        if room < 1 or (params.get("max_tokens") or 1) > room:
+            raise UserError(f"a prompt of {len(prompt)} tokens with max_tokens={params.get('max_tokens')} does not"
+                            f" fit the server's context of {self.settings.context}")
+        return {"prompt": prompt, "num_samples": int(req.get("num_samples", 1)), "params": params,
+                "adapter": sampler.adapter, "prompt_logprobs": bool(req.get("prompt_logprobs"))}
+

@@ -1,0 +1,153 @@
+"""The Tinker service's two roles: a LoRA trainer on the FSDP2 backend and a vLLM sampler.
+
+Both are hybridlab's own workers (``ActorWorker``, ``RolloutWorker``) with the calls Tinker
+splits apart: the RL step runs forward, backward and the optimizer step in one call, while
+Tinker's ``forward_backward`` only adds gradients and ``optim_step`` applies them with the
+Adam settings the client sends.
+
+A datum travels as one row (``datum_batch``): ``model_input`` followed by its last target
+token as ``input_ids`` and the targets as ``responses``, so the engine's "response log-probs"
+are exactly Tinker's per-position log-probs (position i predicts ``target_tokens[i]``).
+"""
+from __future__ import annotations
+
+import torch
+
+from hybridlab.controller.worker import Dispatch, register
+from hybridlab.protocol import PAD_KEY, Batch
+from hybridlab.tinker.losses import engine_loss
+from hybridlab.workers.rollout.worker import RolloutWorker
+from hybridlab.workers.rollout.vllm_engine import (adapter_request, empty_prefix_cache, installed_adapters,
+                                                   load_adapter, sampled_logprobs)
+from hybridlab.workers.train.workers import ActorWorker
+
+INPUT_PREFIX = "tinker/"  # a loss input's tensor name in the batch: tinker/weights, tinker/advantages, ...
+
+
+def datum_batch(tokens: list[list[int]], inputs: list[dict[str, list]]) -> Batch:
+    """Return the Batch of Tinker datums: ``tokens`` their model inputs, ``inputs`` their
+    ``loss_fn_inputs`` as lists (``target_tokens`` and one list per other key), right-padded
+    to the longest datum; ``response_mask`` is 1 on each datum's positions."""
+    width = max(len(t) for t in tokens)
+    n = len(tokens)
+    input_ids = torch.zeros(n, width + 1, dtype=torch.long)
+    attention = torch.zeros(n, width + 1, dtype=torch.long)
+    targets = torch.zeros(n, width, dtype=torch.long)
+    mask = torch.zeros(n, width, dtype=torch.float32)
+    extra = {key: torch.zeros(n, width, dtype=torch.float32) for key in inputs[0] if key != "target_tokens"}
+    for i, (ids, row) in enumerate(zip(tokens, inputs)):
+        length, target = len(ids), row["target_tokens"]
+        input_ids[i, :length + 1] = torch.tensor([*ids, target[-1]])
+        attention[i, :length + 1] = 1
+        targets[i, :length] = torch.tensor(target)
+        mask[i, :length] = 1
+        for key, values in row.items():
+            if key != "target_tokens":
+                extra[key][i, :length] = torch.tensor(values, dtype=torch.float32)
+    return Batch({"input_ids": input_ids, "attention_mask": attention, "responses": targets, "response_mask": mask,
+                  **{INPUT_PREFIX + k: v for k, v in extra.items()}})
+
+
+class TinkerTrainer(ActorWorker):
+    """A LoRA adapter and its AdamW state on the FSDP2 backend, driven by Tinker's calls."""
+
+    @register(Dispatch.DP)
+    def forward_backward(self, batch: Batch, loss: str | None, config: dict | None) -> Batch:
+        """Return each datum's per-position log-probs (``logprobs``); with ``loss`` (None: a
+        forward pass only) add that loss's gradient to the adapter's."""
+        pad = batch.meta.get(PAD_KEY, 0)
+        if pad:  # the DP split repeated real rows to even out the ranks: they must not train twice
+            batch.tensors["response_mask"][-pad:] = 0
+        if loss is None:
+            return Batch({"logprobs": self.engine.forward(batch, self.micro_batch_size)["log_probs"]})
+        logprobs, _ = self.engine.accumulate(batch, engine_loss(loss, config), self.micro_batch_size)
+        return Batch({"logprobs": logprobs})
+
+    @register(Dispatch.ALL)
+    def optim_step(self, adam: dict) -> dict[str, float]:
+        """Apply the accumulated gradients with Tinker's ``AdamParams`` (learning_rate, beta1,
+        beta2, eps, weight_decay, grad_clip_norm: 0 no clipping) and clear them; returns
+        grad_norm, lr and skipped."""
+        engine = self.engine
+        engine.optim_cfg.lr, engine.optim_cfg.grad_clip = adam["learning_rate"], adam.get("grad_clip_norm", 0.0)
+        engine.optim_cfg.warmup_steps, engine.optim_cfg.total_steps = 0, 0  # the client sends each step's rate
+        for group in engine.optimizer.param_groups:
+            group.update(betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"], weight_decay=adam["weight_decay"])
+        out = engine.step_optimizer()
+        engine.optimizer.zero_grad(set_to_none=True)
+        return out
+
+    @register(Dispatch.ALL)
+    def clear_gradients(self) -> None:
+        """Drop gradients accumulated since the last ``optim_step`` (a loaded state starts clean)."""
+        self.engine.optimizer.zero_grad(set_to_none=True)
+
+
+def _stop_reason(finish_reason: str | None) -> str:
+    return "length" if finish_reason == "length" else "stop"
+
+
+class TinkerSampler(RolloutWorker):
+    """vLLM in this process, sampling many clients' requests in one batch, each through the
+    adapter its sampling client was made from (vLLM mixes adapters in a batch)."""
+
+    saved: dict[int, tuple[dict, dict]]  # adapter id -> (tensors, PEFT config), to reinstall after vLLM evicts
+
+    @register(Dispatch.ALL)
+    def keep_adapter(self, adapter_id: int, boxed: list, evict: list[int]) -> int:
+        """Hold the adapter ``[ObjectRef of (tensors, config)]`` under ``adapter_id``, install it
+        in the engine, and forget the ids in ``evict``; returns the layers it adapts."""
+        import ray
+
+        tensors, config = ray.get(boxed[0])
+        self.saved = getattr(self, "saved", {})
+        for old in evict:
+            self.saved.pop(old, None)
+        self.saved[adapter_id] = (tensors, config)
+        return load_adapter(self.llm, tensors, config, adapter_id)
+
+    def _ensure_installed(self, ids: set[int]) -> None:
+        missing = ids - installed_adapters(self.llm)
+        for adapter_id in sorted(missing):
+            load_adapter(self.llm, *self.saved[adapter_id], adapter_id)
+
+    @register(Dispatch.ALL)
+    def sample_many(self, requests: list[dict]) -> list[dict]:
+        """Sample every request in one engine call; each request holds ``prompt`` (token ids),
+        ``num_samples``, ``params`` (Tinker's SamplingParams as a dict), ``adapter`` (an id given
+        to ``keep_adapter``, or None: the base model) and ``prompt_logprobs`` (bool). Returns per
+        request ``sequences`` [{tokens, logprobs, stop_reason}] and ``prompt_logprobs`` (None first)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        empty_prefix_cache(self.llm)  # blocks computed under earlier weights are never reused
+        self._ensure_installed({r["adapter"] for r in requests if r.get("adapter") is not None})
+        prompts, params, adapters = [], [], []
+        for req in requests:
+            p = req["params"]
+            stop = p.get("stop")
+            stop = [stop] if isinstance(stop, (str, int)) else list(stop or [])
+            strings, ids = [s for s in stop if isinstance(s, str)], [s for s in stop if isinstance(s, int)]
+            ends = [] if p.get("stop") == [] else self.stop_ids  # Tinker: stop=[] turns off even the end token
+            max_tokens = p.get("max_tokens") or self.context - len(req["prompt"])
+            params.append(SamplingParams(
+                n=req["num_samples"], temperature=p.get("temperature", 1.0), top_p=p.get("top_p", 1.0),
+                top_k=max(p.get("top_k", -1), 0), max_tokens=max_tokens, seed=p.get("seed"), logprobs=0,
+                stop=strings or None, stop_token_ids=[*ends, *ids], ignore_eos=not ends, detokenize=bool(strings),
+                prompt_logprobs=0 if req.get("prompt_logprobs") else None))
+            prompts.append(TokensPrompt(prompt_token_ids=list(req["prompt"])))
+            adapters.append(adapter_request(req["adapter"]) if req.get("adapter") is not None else None)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=adapters)
+        return [_answer(out) for out in outputs]
+
+
+def _answer(out) -> dict:
+    sequences = []
+    for completion in out.outputs:
+        tokens, logprobs = sampled_logprobs(completion)
+        sequences.append({"tokens": tokens, "logprobs": logprobs, "stop_reason": _stop_reason(completion.finish_reason)})
+    prompt = None
+    if out.prompt_logprobs is not None:
+        ids = out.prompt_token_ids
+        prompt = [None] + [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], ids[1:])]
+    return {"sequences": sequences, "prompt_logprobs": prompt}

@@ -1,0 +1,260 @@
+"""The Tinker API served by hybridlab (``hybridlab serve tinker``), driven by the unchanged
+``tinker`` SDK on loopback with the tiny zoo model.
+
+One server serves the module. A reference copy of the adapter, trained in this process with
+plain transformers + peft and torch's AdamW, follows every training call: the server's
+log-probs and losses must equal it, which checks each loss's gradient and every optimizer step.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+import torch
+from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
+
+from hybridlab.config.training import LoraConfig
+from hybridlab.tinker import routes
+from hybridlab.tinker.losses import LOSSES
+from hybridlab.tinker.server import TinkerServer
+from hybridlab.tinker.service import ATTN, MLP
+from hybridlab.tinker.settings import ServiceSettings
+from hybridlab.workers.train import lora
+from hybridlab.workers.train.fsdp_model import build_model
+
+RANK, ALPHA, SEED = 4, 32.0, 0
+ADAM = dict(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=0.0)
+
+
+class Reference:
+    """The adapter as the server should hold it: same initialisation, same AdamW steps."""
+
+    def __init__(self, model_dir: Path):
+        torch.manual_seed(SEED)
+        self.model = lora.add_adapter(build_model(str(model_dir), False), LoraConfig(
+            rank=RANK, alpha=ALPHA, target_modules=ATTN + MLP))
+        self.params = [p for n, p in self.model.named_parameters() if lora.saved_name(n)]
+        self.opt = torch.optim.AdamW(self.params, lr=ADAM["learning_rate"], betas=(ADAM["beta1"], ADAM["beta2"]),
+                                     eps=ADAM["eps"], weight_decay=ADAM["weight_decay"])
+
+    def logprobs(self, tokens: list[int], targets: list[int]) -> torch.Tensor:
+        ids = torch.tensor([[*tokens, targets[-1]]])
+        logits = self.model(input_ids=ids).logits[0, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(targets)[:, None])[:, 0]
+
+    def forward_backward(self, data: list[dict], loss: str, config: dict | None = None) -> tuple[list, float]:
+        total, out = 0.0, []
+        for d in data:
+            logp = self.logprobs(d["tokens"], d["target_tokens"])
+            value = formula(loss, logp, d, config or {})
+            value.backward()
+            total += float(value.detach())
+            out.append(logp.detach())
+        return out, total
+
+    def step(self) -> None:
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def formula(loss: str, logp: torch.Tensor, d: dict, config: dict) -> torch.Tensor:
+    """Tinker's documented loss on one datum, written out here apart from hybridlab's."""
+    if loss == "cross_entropy":
+        return -(logp * torch.tensor(d.get("weights", [1.0] * len(logp)))).sum()
+    q, adv = torch.tensor(d["logprobs"]), torch.tensor(d["advantages"])
+    ratio = torch.exp(logp - q)
+    low, high = config.get("clip_low_threshold"), config.get("clip_high_threshold")
+    if loss == "importance_sampling":
+        return -(ratio * adv).sum()
+    if loss == "ppo":
+        return -torch.min(ratio * adv, torch.clamp(ratio, low, high) * adv).sum()
+    if loss == "cispo":
+        return -(torch.clamp(ratio, low, high).detach() * logp * adv).sum()
+    if loss == "dro":
+        return -(logp * adv - 0.5 * config["beta"] * (logp - q) ** 2).sum()
+    assert loss == "gspo"  # GSPO's paper: the sequence's ratio, its gradient carried by each token
+    seq_ratio = torch.exp((logp - q).mean())
+    token_ratio = seq_ratio.detach() * torch.exp(logp - logp.detach())
+    return -torch.min(token_ratio * adv, torch.clamp(token_ratio, low, high) * adv).sum()
+
+
+def datum(d: dict) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(d["tokens"]),
+                       loss_fn_inputs={k: v for k, v in d.items() if k != "tokens"})
+
+
+def rl_data(reference: Reference, rng: np.random.Generator) -> list[dict]:
+    """Two sampled-looking datums: the reference's own log-probs, shifted, as the sampler's."""
+    out = []
+    for length in (7, 5):
+        tokens = rng.integers(3, 200, length + 1).tolist()
+        with torch.no_grad():
+            q = reference.logprobs(tokens[:-1], tokens[1:]) + torch.tensor(rng.normal(0, 0.05, length))
+        out.append({"tokens": tokens[:-1], "target_tokens": tokens[1:], "logprobs": q.float().tolist(),
+                    "advantages": rng.normal(0, 1, length).round(3).tolist()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(ray_local, tiny_dir, tmp_path_factory):
+    settings = ServiceSettings(model=str(tiny_dir), run_dir=str(tmp_path_factory.mktemp("tinker")),
+                               max_lora_rank=8, lora_alpha=ALPHA, context=128, kv_cache_mb=32, seed=SEED)
+    srv = TinkerServer(settings).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def clients(server, tiny_dir):
+    service = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key)
+    training = service.create_lora_training_client(base_model=server.service.base_model, rank=RANK).result()
+    yield service, training, Reference(tiny_dir)
+    service.close("success")
+
+
+def test_every_route_of_the_sdk_is_served_or_refused_by_name():
+    sdk = Path(tinker.__file__).parent
+    paths = set()
+    for source in [*sdk.glob("resources/*.py"), *sdk.glob("lib/*.py"), *sdk.glob("lib/public_interfaces/*.py")]:
+        paths |= set(re.findall(r'"/api/v1/([a-z_/{}]+)"', source.read_text()))
+    served = {"client/config", "client/dynamic_config", "create_session", "session_heartbeat",
+              "sessions/{session_id}/finish", "create_model", "get_info", "forward_backward", "optim_step",
+              "save_weights", "save_weights_for_sampler", "load_weights", "create_sampling_session", "asample",
+              "retrieve_future", "telemetry", "cancel_future", "get_server_capabilities", "healthz",
+              "samplers/{sampler_id}", "samplers/{sampling_session_id}"}
+    refused = set(routes.NOT_SERVED) | {p for p in paths if p.split("/")[0] in routes.REST_ONLY} - served
+    assert paths - served - refused == set()  # a route a new SDK adds fails here until it is classified
+    assert served <= paths  # and one it drops
+    assert routes.HANDLERS.keys() == served - {"get_server_capabilities", "healthz", "samplers/{sampler_id}",
+                                                 "samplers/{sampling_session_id}"}
+
+
+def test_cross_entropy_rounds_lower_the_loss_and_equal_the_same_steps_done_directly(clients):
+    _, training, reference = clients
+    tokenizer = training.get_tokenizer()
+    text = [tokenizer.encode(t) for t in ("12+7=19\n", "3+4=7\n")]
+    data = [{"tokens": ids[:-1], "target_tokens": ids[1:], "weights": [0.0, *[1.0] * (len(ids) - 2)]}
+            for ids in text]
+    losses = []
+    for _ in range(3):
+        result = training.forward_backward([datum(d) for d in data], "cross_entropy").result()
+        expected, value = reference.forward_backward(data, "cross_entropy")
+        training.optim_step(types.AdamParams(**ADAM)).result()
+        reference.step()
+        for out, want in zip(result.loss_fn_outputs, expected):
+            np.testing.assert_allclose(out["logprobs"].to_numpy(), want.numpy(), atol=1e-5, rtol=0)
+        assert result.metrics["loss:sum"] == pytest.approx(value, abs=1e-4)
+        losses.append(result.metrics["loss:sum"])
+    assert losses[0] > losses[1] > losses[2]
+
+
+@pytest.mark.parametrize("loss", [name for name in LOSSES if name != "cross_entropy"])
+def test_each_rl_loss_and_its_gradient_equal_the_formula(clients, loss):
+    _, training, reference = clients
+    data = rl_data(reference, np.random.default_rng(len(loss)))
+    config = {"beta": 0.3} if loss == "dro" else {"clip_low_threshold": 0.97, "clip_high_threshold": 1.02} \
+        if loss in ("ppo", "cispo", "gspo") else None
+    result = training.forward_backward([datum(d) for d in data], loss, loss_fn_config=config).result()
+    expected, value = reference.forward_backward(data, loss, config)
+    training.optim_step(types.AdamParams(**ADAM)).result()
+    reference.step()
+    assert result.metrics["loss:sum"] == pytest.approx(value, abs=1e-4)
+    # the next forward sees the step each side took: equal log-probs mean equal gradients
+    after = training.forward([datum(d) for d in data], "cross_entropy").result()
+    with torch.no_grad():
+        for out, d in zip(after.loss_fn_outputs, data):
+            want = reference.logprobs(d["tokens"], d["target_tokens"])
+            np.testing.assert_allclose(out["logprobs"].to_numpy(), want.numpy(), atol=2e-5, rtol=0)
+
+
+def test_sampling_uses_exactly_the_saved_weights(clients):
+    service, training, reference = clients
+    prompt = types.ModelInput.from_ints([21, 22, 15, 27])
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=0)
+    older = training.save_weights_and_get_sampling_client().result()
+    with torch.no_grad():
+        old_logprobs = reference.logprobs([21, 22, 15], [22, 15, 27])
+    data = rl_data(reference, np.random.default_rng(7))
+    training.forward_backward([datum(d) for d in data], "importance_sampling").result()
+    reference.forward_backward(data, "importance_sampling")
+    training.optim_step(types.AdamParams(**ADAM)).result()
+    reference.step()
+    newer = training.save_weights_and_get_sampling_client().result()
+    sampled = newer.sample(prompt, num_samples=2, sampling_params=params).result()
+    assert len(sampled.sequences) == 2
+    for seq in sampled.sequences:
+        scored = newer.compute_logprobs(types.ModelInput.from_ints([21, 22, 15, 27, *seq.tokens])).result()
+        np.testing.assert_allclose(scored[4:], seq.logprobs, atol=1e-4, rtol=0)
+        with torch.no_grad():
+            want = reference.logprobs([21, 22, 15, 27, *seq.tokens[:-1]], [22, 15, 27, *seq.tokens])
+        np.testing.assert_allclose(seq.logprobs, want[3:].numpy(), atol=1e-4, rtol=0)
+    # the older client still samples from the weights it was saved with
+    np.testing.assert_allclose(older.compute_logprobs(prompt).result()[1:], old_logprobs.numpy(), atol=1e-4)
+    base = service.create_sampling_client(base_model=training.get_info().model_data.model_name).result()
+    assert not np.allclose(base.compute_logprobs(prompt).result()[1:], old_logprobs.numpy(), atol=1e-3)
+
+
+def test_refusals_name_what_is_wrong(server, clients):
+    _, training, _ = clients
+    d = types.Datum(model_input=types.ModelInput.from_ints([21, 22]), loss_fn_inputs={"target_tokens": [22, 15]})
+    with pytest.raises(tinker.RequestFailedError, match="loss_fn 'stable_reinforce' is not served here: it is not"
+                                                        " public"):
+        training.forward_backward([d], "stable_reinforce").result()
+    with pytest.raises(tinker.RequestFailedError, match="loss_fn 'ppo' needs loss_fn_inputs logprobs, advantages"):
+        training.forward_backward([d], "ppo").result()
+    with pytest.raises(tinker.RequestFailedError, match="loss_fn_config for 'ppo' takes clip_low_threshold,"
+                                                        " clip_high_threshold; got beta"):
+        training.forward_backward([d], "ppo", loss_fn_config={"beta": 1.0}).result()
+    wrong = tinker.ServiceClient(base_url=server.base_url, api_key="tml-wrong")
+    with pytest.raises(tinker.AuthenticationError, match="missing or wrong X-API-Key"):
+        wrong.create_lora_training_client(base_model=server.service.base_model, rank=RANK).result()
+    other = httpx.get(f"{server.base_url}/api/v1/training_runs", headers={"X-API-Key": server.api_key})
+    assert other.status_code == 404
+    assert "training_runs is not served by hybridlab's Tinker server" in other.json()["detail"]
+
+
+def test_training_calls_run_in_seq_id_order_whatever_order_they_arrive_in(server, clients):
+    # last in the module: it takes seq_ids behind the SDK client's back
+    _, training, reference = clients
+    model_id = training.get_info().model_id
+    tokens, targets = [21, 22, 15], [22, 15, 27]
+    headers = {"X-API-Key": server.api_key}
+
+    def chunk(seq: int, forward_only: bool) -> dict:
+        request = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq, loss_fn="cross_entropy",
+                                            forward_only=forward_only)
+        d = request.data.add()
+        d.model_input.add().encoded_text.tokens = np.asarray(tokens, np.int32).tobytes()
+        t = d.loss_fn_inputs["target_tokens"]
+        t.dense, t.dtype = np.asarray(targets, np.int64).tobytes(), pb.DTYPE_INT64
+        return httpx.post(f"{server.base_url}/api/v1/forward_backward", content=request.SerializeToString(),
+                          headers={**headers, "Content-Type": "application/x-protobuf"}, timeout=60).json()
+
+    def result(request_id: str) -> bytes:
+        return httpx.post(f"{server.base_url}/api/v1/retrieve_future", headers=headers, timeout=60,
+                          json={"request_id": request_id}).content
+
+    first = server.sequencers[model_id].next_seq  # the SDK client's calls took the ids before
+    late = chunk(first + 2, forward_only=True)  # sent first, runs last: it must see the step
+    step = httpx.post(f"{server.base_url}/api/v1/optim_step", headers=headers, timeout=60, json={
+        "model_id": model_id, "seq_id": first + 1, "type": "optim_step", "adam_params": ADAM}).json()
+    early = chunk(first, forward_only=False)  # sent last, runs first: the step applies its gradient
+    assert chunk(first, forward_only=False) == early  # a retried seq_id gets the same request back
+    def logprobs(request_id: str) -> np.ndarray:
+        output = pb.ForwardBackwardOutput()
+        output.ParseFromString(result(request_id))
+        return np.frombuffer(output.loss_fn_outputs[0].fields["logprobs"].data, np.float32)
+
+    before = logprobs(early["request_id"])
+    result(step["request_id"])
+    reference.forward_backward([{"tokens": tokens, "target_tokens": targets}], "cross_entropy")
+    reference.step()
+    after = logprobs(late["request_id"])
+    with torch.no_grad():
+        np.testing.assert_allclose(after, reference.logprobs(tokens, targets).numpy(), atol=1e-4, rtol=0)
+    assert np.abs(after - before).max() > 1e-2  # the forward ran after the step, not when it arrived
