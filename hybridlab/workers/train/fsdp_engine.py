@@ -194,8 +194,8 @@ class FSDPEngine:
 
     def accumulate(self, batch, loss_fn: LossFn, micro_batch_size: int) -> tuple[torch.Tensor, list[dict]]:
         """Add the gradients of ``loss_fn`` over the batch's micro-batches to the parameters'
-        (no optimizer step); returns the response tokens' log-probs, [batch, response_len], and
-        each micro-batch's metrics."""
+        (no optimizer step); returns the response tokens' log-probs (a critic's values), [batch,
+        response_len], and each micro-batch's metrics."""
         self.model.train()
         micros = self._micro_batches(batch, micro_batch_size)
         totals = global_totals(batch, None, self.dp, self.device)
@@ -210,7 +210,7 @@ class FSDPEngine:
                               "num_microbatches": len(micros), **({"packed": micro.packed} if micro.packed else {})}
                     loss, metrics = loss_fn(outputs, inputs)
                     store.append({k: torch.as_tensor(v).detach().float().cpu() for k, v in metrics.items()})
-                    logprobs.append(outputs["log_probs"].detach().float().cpu())
+                    logprobs.append(outputs["values" if self.value_head else "log_probs"].detach().float().cpu())
                 (loss * self.dp).backward()  # FSDP averages over ranks; the shares must add up
         real = [m for m in micros if m is not None]
         return packing.gather_rows(logprobs, real, len(batch)) if real else torch.zeros(0), store
