@@ -7,6 +7,7 @@ log-probs and losses must equal it, which checks each loss's gradient and every 
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -197,6 +198,38 @@ def test_sampling_uses_exactly_the_saved_weights(clients):
     np.testing.assert_allclose(older.compute_logprobs(prompt).result()[1:], old_logprobs.numpy(), atol=1e-4)
     base = service.create_sampling_client(base_model=training.get_info().model_data.model_name).result()
     assert not np.allclose(base.compute_logprobs(prompt).result()[1:], old_logprobs.numpy(), atol=1e-3)
+
+
+def test_a_state_saved_with_its_optimizer_continues_bit_for_bit_in_a_new_server(server, clients, tiny_dir,
+                                                                                 tmp_path):
+    service, training, reference = clients
+    data = rl_data(reference, np.random.default_rng(11))
+    training.forward_backward([datum(d) for d in data], "importance_sampling").result()  # moments to carry
+    training.optim_step(types.AdamParams(**ADAM)).result()
+    path = training.save_state("resume-check").result().path
+    assert path == f"tinker://{training.get_info().model_id}/weights/resume-check"
+    settings = dataclasses.replace(server.settings, api_key="", port=0)
+    second = TinkerServer(settings).start()
+    try:
+        other = tinker.ServiceClient(base_url=second.base_url, api_key=second.api_key)
+        resumed = other.create_training_client_from_state_with_optimizer(path).result()
+        fresh_moments = other.create_training_client_from_state(path)  # refused: one model per server
+        with pytest.raises(tinker.RequestFailedError, match="this server trains one model at a time"):
+            fresh_moments.result()
+        outputs = []
+        for client in (training, resumed):
+            for _ in range(2):
+                client.forward_backward([datum(d) for d in data], "importance_sampling").result()
+                client.optim_step(types.AdamParams(**ADAM)).result()
+            outputs.append(client.forward([datum(d) for d in data], "cross_entropy").result())
+        for a, b in zip(*(o.loss_fn_outputs for o in outputs)):
+            assert np.array_equal(a["logprobs"].to_numpy(), b["logprobs"].to_numpy())
+        other.close("success")
+    finally:
+        second.stop()
+    for _ in range(3):  # keep the reference in step with the first server
+        reference.forward_backward(data, "importance_sampling")
+        reference.step()
 
 
 def test_refusals_name_what_is_wrong(server, clients):
