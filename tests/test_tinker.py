@@ -18,6 +18,7 @@ import tinker
 import torch
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
+from transformers import AutoTokenizer
 
 from hybridlab.config.training import LoraConfig
 from hybridlab.tinker import routes
@@ -113,11 +114,17 @@ def rl_data(reference: Reference, rng: np.random.Generator) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def server(ray_local, tiny_dir, tmp_path_factory):
+    from huggingface_hub import constants
+
+    hub = tmp_path_factory.mktemp("hub")  # where the served name's tokenizer is published, for this module
     settings = ServiceSettings(model=str(tiny_dir), run_dir=str(tmp_path_factory.mktemp("tinker")),
-                               max_lora_rank=8, lora_alpha=ALPHA, context=128, kv_cache_mb=32, seed=SEED)
-    srv = TinkerServer(settings).start()
-    yield srv
-    srv.stop()
+                               hub_cache=str(hub), max_lora_rank=8, lora_alpha=ALPHA, context=128, kv_cache_mb=32,
+                               seed=SEED)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(constants, "HF_HUB_CACHE", str(hub))  # what transformers reads at each load
+        srv = TinkerServer(settings).start()
+        yield srv
+        srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +150,16 @@ def test_every_route_of_the_sdk_is_served_or_refused_by_name():
     assert served <= paths  # and one it drops
     assert routes.HANDLERS.keys() == served - {"get_server_capabilities", "healthz", "samplers/{sampler_id}",
                                                  "samplers/{sampling_session_id}"}
+
+
+def test_the_served_name_loads_its_tokenizer_offline_as_the_sdk_does(server, clients, tiny_dir):
+    service, training, _ = clients
+    assert server.service.base_model == f"hybridlab/{tiny_dir.name}"
+    sampling = service.create_sampling_client(base_model=server.service.base_model).result()
+    text = "12+7=19"
+    want = AutoTokenizer.from_pretrained(str(tiny_dir)).encode(text)
+    assert sampling.get_tokenizer().encode(text) == want  # by name, from the hub cache (HF_HUB_OFFLINE=1)
+    assert training.get_tokenizer().encode(text) == want  # by get_info's tokenizer_id
 
 
 def test_cross_entropy_rounds_lower_the_loss_and_equal_the_same_steps_done_directly(clients):

@@ -27,6 +27,7 @@ from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.errors import UserError
 from hybridlab.models.zoo import resolve_model
 from hybridlab.tinker import wire
+from hybridlab.tinker.names import publish_tokenizer
 from hybridlab.tinker.losses import INPUTS, check_loss, token_losses
 from hybridlab.tinker.settings import ServiceSettings
 from hybridlab.tinker.workers import INPUT_PREFIX, TinkerSampler, TinkerTrainer, datum_batch
@@ -68,6 +69,7 @@ class TinkerService:
         self.settings = settings.validate()
         self.model_dir = resolve_model(settings.model, seed=settings.seed)
         self.base_model = base_model_name(settings, self.model_dir)
+        publish_tokenizer(self.model_dir, self.base_model, settings.hub_cache)  # the SDK loads it by name
         self.run_dir = Path(settings.run_dir)
         self.workers: WorkerSet | None = None
         self.model: TrainingModel | None = None

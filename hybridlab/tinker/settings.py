@@ -27,6 +27,7 @@ class ServiceSettings:
     port: int = 0                  # 0: a free port, printed at start
     api_key: str = ""              # "": a fresh tml-... key, printed at start
     run_dir: str = "runs/tinker"   # tinker:// paths are folders under it
+    hub_cache: str = ""            # where the model's tokenizer is published under its name ("": HF_HUB_CACHE)
     max_lora_rank: int = 32        # the largest rank a training client may ask for (the engine reserves it)
     lora_alpha: float = 32.0       # the adapters' scale is alpha / rank
     sampler_adapters: int = 8      # saved sampler weights kept in memory (oldest forgotten past it)
