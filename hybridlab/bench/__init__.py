@@ -24,6 +24,7 @@ BENCHES = {
     "published": "hybridlab.bench.published",
     "start": "hybridlab.bench.start",
     "sandbox": "hybridlab.bench.sandbox",
+    "tinker": "hybridlab.bench.tinker",
 }
 
 

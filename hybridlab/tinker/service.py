@@ -76,7 +76,12 @@ class TinkerService:
         self.samplers: dict[str, Sampler] = {}
         self.adapters: collections.OrderedDict[int, str | None] = collections.OrderedDict()  # id -> saved path
         self.next_adapter = 2  # 1 is the RL actor's slot (vllm_engine.ADAPTER_ID); any positive id works
-        self.tied = bool(json.loads((self.model_dir / "config.json").read_text()).get("tie_word_embeddings"))
+        config = json.loads((self.model_dir / "config.json").read_text())
+        longest = int(config.get("max_position_embeddings", 0)) or settings.context
+        if settings.context > longest:
+            raise UserError(f"context={settings.context} is longer than {self.model_dir.name}'s"
+                            f" max_position_embeddings ({longest}); give at most that, or 0 for it")
+        self.context = settings.context or longest
 
     # ------------------------------------------------------------------ lifecycle
     def _mapping(self, roles: tuple[str, ...]) -> DeviceMapping:
@@ -87,7 +92,7 @@ class TinkerService:
         """Start the sampler's worker (the trainer comes with the first model); returns self."""
         s = self.settings
         sampler = RoleClass(TinkerSampler, kwargs=dict(
-            model_dir=str(self.model_dir), max_model_len=s.context, kv_cache_mb=s.kv_cache_mb, seed=s.seed,
+            model_dir=str(self.model_dir), max_model_len=self.context, kv_cache_mb=s.kv_cache_mb, seed=s.seed,
             lora_rank=s.max_lora_rank, lora_slots=(s.batch_adapters, s.sampler_adapters)))
         self.workers = WorkerSet(self._mapping(("rollout",)), {"rollout": sampler}).start()
         return self
@@ -100,7 +105,7 @@ class TinkerService:
 
     def capabilities(self) -> dict:
         """Return ``get_server_capabilities``' answer: the one model served."""
-        return {"supported_models": [{"model_name": self.base_model, "max_context_length": self.settings.context,
+        return {"supported_models": [{"model_name": self.base_model, "max_context_length": self.context,
                                       "trainable": True, "sampleable": True}]}
 
     # ------------------------------------------------------------------ models
@@ -293,10 +298,10 @@ class TinkerService:
                 raise UserError(f"{key} is not served by this server (top-k log-probs)")
         prompt = wire.model_input_tokens(req["prompt"])
         params = dict(req.get("sampling_params") or {})
-        room = self.settings.context - len(prompt)
+        room = self.context - len(prompt)
         if room < 1 or (params.get("max_tokens") or 1) > room:
             raise UserError(f"a prompt of {len(prompt)} tokens with max_tokens={params.get('max_tokens')} does not"
-                            f" fit the server's context of {self.settings.context}")
+                            f" fit the server's context of {self.context}")
         return {"prompt": prompt, "num_samples": int(req.get("num_samples", 1)), "params": params,
                 "adapter": sampler.adapter, "prompt_logprobs": bool(req.get("prompt_logprobs"))}
 

@@ -32,7 +32,7 @@ class ServiceSettings:
     lora_alpha: float = 32.0       # the adapters' scale is alpha / rank
     sampler_adapters: int = 8      # saved sampler weights kept in memory (oldest forgotten past it)
     batch_adapters: int = 4        # adapters vLLM mixes in one batch
-    context: int = 1024            # the longest prompt + completion, in tokens
+    context: int = 0               # the longest prompt + completion, in tokens (0: the model's own)
     kv_cache_mb: int = RolloutConfig.kv_cache_mb
     seed: int = 0
     poll_s: float = 25.0           # how long a retrieve_future call waits for its result (the SDK times out at 45)
@@ -44,7 +44,9 @@ class ServiceSettings:
             problems.append(f"api_key must start with {KEY_PREFIX!r} (the Tinker SDK refuses other keys)")
         if not 0 <= self.port < 65536:
             problems.append(f"port must be in 0..65535, got {self.port}")
-        for key in ("max_lora_rank", "sampler_adapters", "batch_adapters", "context", "kv_cache_mb"):
+        if self.context < 0:
+            problems.append(f"context must be 0 (the model's) or a token count, got {self.context}")
+        for key in ("max_lora_rank", "sampler_adapters", "batch_adapters", "kv_cache_mb"):
             if getattr(self, key) < 1:
                 problems.append(f"{key} must be at least 1, got {getattr(self, key)}")
         if self.batch_adapters > self.sampler_adapters:
