@@ -16,9 +16,15 @@ def cmd_serve(args) -> int:
     from hybridlab.tinker.settings import load_settings
 
     settings = load_settings(args.config, args.overrides)  # every setting checked before a worker starts
+    if args.explain:
+        from hybridlab.tinker.service import TinkerService
+
+        print(TinkerService(settings).explain(), flush=True)
+        return 0
     print(f"starting the Tinker API on {settings.model} ...", flush=True)
     server = TinkerServer(settings).start()
-    print(f"serving {server.service.base_model} ({server.service.model_dir})\n"
+    print(f"serving {server.service.base_model} ({server.service.model_dir}); its dashboard:"
+          f" hybridlab dashboard {settings.run_dir}\n"
           f"TINKER_BASE_URL={server.base_url}\nTINKER_API_KEY={server.api_key}", flush=True)
     try:
         threading.Event().wait()
@@ -33,4 +39,5 @@ def add_command(sub) -> None:
     s.add_argument("service", choices=SERVICES, help="what to serve")
     s.add_argument("config", nargs="?", default=None, help="YAML file of the service's settings (omit for defaults)")
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="settings, e.g. model=small port=8700")
+    s.add_argument("--explain", action="store_true", help="print what would run where, and start nothing")
     s.set_defaults(func=cmd_serve)

@@ -23,7 +23,7 @@ def test_bench_dispatch_json(ray_local, capfd):
 def test_unknown_benchmark_lists_names(capfd):
     assert main(["bench", "nope", "--json"]) == 2
     assert ("unknown benchmark 'nope'; choose one of: agent, dashboard, dispatch, dpo, e2e, learn, lora, plan, precision,"
-            " published, remap, rollout, sandbox, soak, start, sync, train") in capfd.readouterr().err
+            " published, remap, rollout, sandbox, soak, start, sync, tinker, train") in capfd.readouterr().err
 
 
 def test_with_json_standard_output_is_the_json_alone_even_what_arrives_after_it():
@@ -78,6 +78,19 @@ def test_bench_train_fsdp2_json(ray_local, capfd):
     assert_ratio(result["ratio_fsdp2_vs_hf"], speed["tiny_fsdp2_dp1"], result["hf_tokens_per_s"]["tiny"], 3)
     assert main(["bench", "train", "--strategy", "deepspeed", "--json"]) == 2
     assert "benchmark train: strategy must be megatron or fsdp2, got 'deepspeed'" in capfd.readouterr().err
+
+
+def test_bench_tinker_json_runs_the_loop_and_times_grpo_beside_it(ray_local, capfd, tmp_path):
+    result = run_bench(["tinker", "--opt", "iterations=2", "--opt", "prompts=2", "--opt", "group=2",
+                        "--opt", "warm_steps=0", "--opt", "test_samples=8", "--opt", "grpo_steps=1",
+                        "--opt", f"out={tmp_path}"], capfd)
+    assert len(result["reward_curve"]) == result["iterations"] == 2
+    assert result["batch"] == {"prompts": 2, "group": 2} and result["test_samples"] == 8
+    for key in ("accuracy_before", "accuracy_after"):
+        assert result[key] * 8 == round(result[key] * 8)  # a share of the 8 test prompts
+    assert result["gain"] == round(100 * (result["accuracy_after"] - result["accuracy_before"]), 1)
+    assert result["goal_points"] == 15.0 and result["goal_met"] == (result["gain"] >= 15.0)
+    assert_ratio(result["speed_ratio"], result["grpo_s_per_step"], result["loop_s_per_iteration"], 3)
 
 
 def test_bench_lora_json(ray_local, capfd):

@@ -200,6 +200,26 @@ def test_each_rl_loss_and_its_gradient_equal_the_formula(clients, loss):
             np.testing.assert_allclose(out["logprobs"].to_numpy(), want.numpy(), atol=2e-5, rtol=0)
 
 
+def test_a_custom_loss_trains_through_the_sdks_forward_and_weighted_cross_entropy(clients):
+    _, training, reference = clients
+    data = rl_data(reference, np.random.default_rng(5))
+
+    def squared(batch, logprobs):  # a nonlinear loss of the log-probs: the SDK differentiates it itself
+        loss = sum((lp ** 2).sum() for lp in logprobs)
+        return loss, {"squared": float(loss)}
+
+    training.forward_backward_custom([datum(d) for d in data], squared).result()
+    training.optim_step(types.AdamParams(**ADAM)).result()
+    for d in data:
+        (reference.logprobs(d["tokens"], d["target_tokens"]) ** 2).sum().backward()
+    reference.step()
+    after = training.forward([datum(d) for d in data], "cross_entropy").result()
+    with torch.no_grad():
+        for out, d in zip(after.loss_fn_outputs, data):
+            want = reference.logprobs(d["tokens"], d["target_tokens"])
+            np.testing.assert_allclose(out["logprobs"].to_numpy(), want.numpy(), atol=2e-5, rtol=0)
+
+
 def test_sampling_uses_exactly_the_saved_weights(clients):
     service, training, reference = clients
     prompt = types.ModelInput.from_ints([21, 22, 15, 27])

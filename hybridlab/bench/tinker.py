@@ -138,12 +138,13 @@ def run(iterations: int = 150, prompts: int = 32, group: int = 8, rank: int = 16
         service.close("success")
     finally:
         server.stop()
-    loop_s = statistics.median(c["seconds"] for c in curve[1:] or curve)
-    grpo_s = grpo_seconds(model_dir, prompts, group, rank, grpo_steps, workdir / "grpo") if grpo_steps else None
+    loop_s = round(statistics.median(c["seconds"] for c in curve[1:] or curve), 3)
+    grpo_s = round(grpo_seconds(model_dir, prompts, group, rank, grpo_steps, workdir / "grpo"), 3) if grpo_steps \
+        else None
     gain = round(100 * (after - before), 1)
     return {"processor": describe()["processor"], "accuracy_before": before, "accuracy_after": after, "gain": gain,
             "goal_points": GOAL_POINTS, "goal_met": gain >= GOAL_POINTS, "iterations": iterations,
             "batch": {"prompts": prompts, "group": group}, "rank": rank, "lr": lr, "training_minutes": round(minutes, 2),
-            "loop_s_per_iteration": round(loop_s, 3), "grpo_s_per_step": None if grpo_s is None else round(grpo_s, 3),
+            "loop_s_per_iteration": loop_s, "grpo_s_per_step": grpo_s,
             "speed_ratio": None if grpo_s is None else round(grpo_s / loop_s, 3),
             "reward_curve": [round(c["reward"], 3) for c in curve], "test_samples": len(samples)}

@@ -28,6 +28,7 @@ from hybridlab.telemetry.panels import (BusyPanel, MemoryPanel, MismatchPanel, R
                                        RunningPanel, ema)
 from hybridlab.telemetry.record_source import RecordSource
 from hybridlab.telemetry.runs import Overlay, RunInfo, find_runs
+from hybridlab.telemetry.service_panel import ServicePanel
 from hybridlab.telemetry.training_panel import TrainingPanel
 
 STAGE_COLORS = {"generate": "#4e79a7", "reward": "#f28e2b", "reward_model": "#f28e2b", "remax_baseline": "#edc948",
@@ -92,9 +93,9 @@ class Dashboard:
         self.memory.fig.x_range = self.gantt_fig.x_range  # the phases above are the memory's phase markers
         self.busy, self.rollout, self.reshard = BusyPanel(), RolloutPanel(), ReshardPanel()
         self.mismatch, self.agent, self.moe = MismatchPanel(), AgentPanel(), MoEPanel()
-        self.training, self.advice = TrainingPanel(), AdvicePanel(run_dir, control)
+        self.training, self.advice, self.service = TrainingPanel(), AdvicePanel(run_dir, control), ServicePanel()
         self.panels = [self.running, self.memory, self.busy, self.rollout, self.reshard, self.mismatch, self.agent,
-                       self.moe, self.training, self.advice] + ([self.controls] if self.controls else [])
+                       self.moe, self.training, self.advice, self.service] + ([self.controls] if self.controls else [])
         self.explanation = pn.pane.Markdown("", name="explanation", sizing_mode="stretch_width")
         self.sections = page.sections(self)
         # dynamic: the browser builds a section when it is opened, so the first render draws the Overview only

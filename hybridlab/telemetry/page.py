@@ -25,6 +25,7 @@ def sections(board) -> dict:
                                             pn.Row(board.reshard.fig, pn.Column(board.reshard.caption, **row), **row),
                                             board.sync_fig, pn.pane.Markdown("**Remaps**"), board.remap_table, **row),
         "System": pn.Column(board.devices.fig, board.memory.fig, board.memory.heat.fig, board.gantt_fig, **row),
+        "Service": board.service.layout,
         STUCK: board.running.layout,
         "Config": board.explanation,
     }

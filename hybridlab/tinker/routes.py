@@ -77,6 +77,7 @@ async def create_session(server, request):
     body = await _json(request)
     session_id = server.new_id("session")
     server.sessions[session_id] = {"tags": body.get("tags", []), "finished": None}
+    server.service.telemetry.emit("service", {"call": "create_session", "seconds": 0.0, "session": session_id})
     return web.json_response({"session_id": session_id, "type": "create_session"})
 
 
@@ -123,7 +124,8 @@ async def create_model(server, request):
     model_id = _model_id(body)
     work = functools.partial(server.service.create_model, model_id, body.get("base_model"),
                              body.get("lora_config") or {}, body.get("optimizer_config"))
-    return web.json_response({"request_id": server.submit_training(model_id, None, work), "model_id": model_id})
+    return web.json_response({"request_id": server.submit_training(model_id, None, work, "create_model"),
+                              "model_id": model_id})
 
 
 async def get_info(server, request):
@@ -151,7 +153,8 @@ async def optim_step(server, request):
 async def save_weights(server, request):
     body = await _json(request)
     work = functools.partial(server.service.save_state, body["model_id"], str(body.get("path") or "state"))
-    return web.json_response({"request_id": server.submit_training(body["model_id"], body.get("seq_id"), work)})
+    request_id = server.submit_training(body["model_id"], body.get("seq_id"), work, "save")
+    return web.json_response({"request_id": request_id})
 
 
 async def save_for_sampler(server, request):
@@ -166,7 +169,7 @@ async def save_for_sampler(server, request):
         server.service.add_sampler(sampler_id, None, None, adapter)
         return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
-    return web.json_response({"request_id": server.submit_training(model_id, body.get("seq_id"), work)})
+    return web.json_response({"request_id": server.submit_training(model_id, body.get("seq_id"), work, "save")})
 
 
 async def load_weights(server, request):
@@ -178,7 +181,7 @@ async def load_weights(server, request):
         model_id, session = _model_id(body), (body["session_id"], body["model_seq_id"])
     work = functools.partial(server.service.load_state, model_id, body["path"], optimizer, session)
     seq = body.get("seq_id") if session is None else None
-    return web.json_response({"request_id": server.submit_training(model_id, seq, work)})
+    return web.json_response({"request_id": server.submit_training(model_id, seq, work, "load")})
 
 
 # ---------------------------------------------------------------------- sampling

@@ -118,16 +118,23 @@ class TinkerServer:
             self.service.close()
 
     # ------------------------------------------------------------------ operations
-    def submit_training(self, model_id: str, seq_id: int | None, work, encode=None) -> str:
+    def submit_training(self, model_id: str, seq_id: int | None, work, call: str | None = None) -> str:
         """Queue ``work`` (a blocking call) as training operation ``seq_id`` of ``model_id``;
-        returns its request id (the same one again for a repeated ``seq_id``)."""
+        returns its request id (the same one again for a repeated ``seq_id``). ``call`` names it
+        on the dashboard (None: ``work`` reports itself)."""
         sequencer = self.sequencers.setdefault(model_id, Sequencer())
         if seq_id is not None and seq_id in sequencer.seen:
             return sequencer.seen[seq_id]
         request_id = self.futures.create(self.new_id("req"))
 
+        def timed():
+            if call is None:
+                return work()
+            with self.service.timed(call, model=model_id):
+                return work()
+
         async def run():
-            await self.futures.run(request_id, self.loop.run_in_executor(self.train_pool, work), encode)
+            await self.futures.run(request_id, self.loop.run_in_executor(self.train_pool, timed))
 
         sequencer.add(seq_id, request_id, run)
         return request_id
@@ -147,8 +154,10 @@ class TinkerServer:
             while not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             bodies = [body for _, body in batch]
+            samplers = sorted({str(b.get("sampling_session_id")) for b in bodies})
             try:
-                answers = await self.loop.run_in_executor(self.sample_pool, self.service.sample_many, bodies)
+                with self.service.timed("sample", requests=len(bodies), samplers=samplers):
+                    answers = await self.loop.run_in_executor(self.sample_pool, self.service.sample_many, bodies)
             except Exception as exc:  # the engine failed: every request of the batch fails with it
                 answers = [exc] * len(batch)
             for (request_id, _), answer in zip(batch, answers):

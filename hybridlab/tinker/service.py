@@ -11,9 +11,11 @@ each model's ``seq_id`` order, and sampling calls on another, batched.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import re
+import time
 from pathlib import Path
 
 import ray
@@ -24,8 +26,10 @@ from hybridlab.config.training import ActorConfig, LoraConfig
 from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.controller.worker_set import WorkerSet
+from hybridlab.environment import describe
 from hybridlab.errors import UserError
 from hybridlab.models.zoo import resolve_model
+from hybridlab.telemetry.run import RunTelemetry
 from hybridlab.tinker import wire
 from hybridlab.tinker.names import publish_tokenizer
 from hybridlab.tinker.losses import INPUTS, check_loss, token_losses
@@ -71,6 +75,7 @@ class TinkerService:
         self.base_model = base_model_name(settings, self.model_dir)
         publish_tokenizer(self.model_dir, self.base_model, settings.hub_cache)  # the SDK loads it by name
         self.run_dir = Path(settings.run_dir)
+        self.telemetry = RunTelemetry(self.run_dir)  # the dashboard's records: `hybridlab dashboard RUN_DIR`
         self.workers: WorkerSet | None = None
         self.model: TrainingModel | None = None
         self.samplers: dict[str, Sampler] = {}
@@ -89,19 +94,51 @@ class TinkerService:
                                         "roles": {r: {"pool": "main", "colocate": "tinker"} for r in roles}})
 
     def start(self) -> "TinkerService":
-        """Start the sampler's worker (the trainer comes with the first model); returns self."""
+        """Start the sampler's worker (the trainer comes with the first model) and the run's
+        telemetry; returns self."""
         s = self.settings
         sampler = RoleClass(TinkerSampler, kwargs=dict(
             model_dir=str(self.model_dir), max_model_len=self.context, kv_cache_mb=s.kv_cache_mb, seed=s.seed,
             lora_rank=s.max_lora_rank, lora_slots=(s.batch_adapters, s.sampler_adapters)))
-        self.workers = WorkerSet(self._mapping(("rollout",)), {"rollout": sampler}).start()
+        env: dict = {}
+        mapping = self._mapping(("rollout", "actor"))
+        self.telemetry.start(env, {"name": f"tinker {self.base_model}", "processor": describe()["processor"],
+                                   "backends": {"trainer": "fsdp2 (LoRA)", "sampler": "vllm (LoRA)"},
+                                   "mapping": mapping.to_dict(), "explanation": self.explain()})
+        self.workers = WorkerSet(self._mapping(("rollout",)), {"rollout": sampler}, env=env).start()
+        self.telemetry.watch(self.workers, {})  # call spans and the calls in flight
         return self
 
+    def explain(self) -> str:
+        """Return what the service runs where, as Markdown (the dashboard's Config section)."""
+        s = self.settings
+        return (f"**{self.base_model}** ({self.model_dir}), context {self.context} tokens. One device, one process:"
+                f" the **trainer** (a LoRA adapter of rank up to {s.max_lora_rank}, alpha {s.lora_alpha:g}, on the"
+                " FSDP2 backend, built when a client creates a model) and the **sampler** (vLLM with LoRA:"
+                f" {s.batch_adapters} adapters in a batch, {s.sampler_adapters} saved sampler weights held)."
+                " Saved sampler weights reach the sampler through Ray's object store, adapter only;"
+                f" `tinker://` paths are folders under `{self.run_dir}`.")
+
+    @contextlib.contextmanager
+    def timed(self, call: str, **fields):
+        """Time the block and send the dashboard a ``service`` record of the call (with ``fields``,
+        which the block may add to, and ``error`` when it raised)."""
+        start = time.perf_counter()
+        try:
+            yield fields
+        except BaseException as exc:
+            fields["error"] = type(exc).__name__
+            raise
+        finally:
+            self.telemetry.emit("service", {"call": call, "seconds": time.perf_counter() - start, **fields})
+
     def close(self) -> None:
-        """Stop every worker of the service."""
+        """Stop every worker of the service, then its telemetry (the records stay on disk)."""
+        self.telemetry.stop_watching()
         if self.workers is not None:
             self.workers.shutdown()
             self.workers = None
+        self.telemetry.close()
 
     def capabilities(self) -> dict:
         """Return ``get_server_capabilities``' answer: the one model served."""
@@ -163,22 +200,26 @@ class TinkerService:
     def forward_backward(self, call: wire.FwdBwdCall) -> bytes:
         """Run one forward_backward (or forward) chunk; returns the ForwardBackwardOutput body
         with each datum's log-probs and ``loss:sum``."""
-        self._trained(call.model_id)
-        check_loss(call.loss_fn, call.config, set(call.inputs[0]) if call.inputs else {"target_tokens"},
-                   call.forward_only)
-        batch = datum_batch(call.tokens, call.inputs)
-        out = self.trainer.forward_backward(batch, None if call.forward_only else call.loss_fn, call.config)
-        logprobs = out["logprobs"]
-        inputs = {k.removeprefix(INPUT_PREFIX): v for k, v in batch.tensors.items() if k.startswith(INPUT_PREFIX)}
-        loss = 0.0 if call.forward_only and set(INPUTS[call.loss_fn][0]) - set(inputs) else \
-            float(token_losses(call.loss_fn, logprobs, inputs, batch["response_mask"], call.config).sum())
+        kind = "forward" if call.forward_only else "forward_backward"
+        with self.timed(kind, model=call.model_id, datums=len(call.tokens), loss_fn=call.loss_fn) as record:
+            self._trained(call.model_id)
+            check_loss(call.loss_fn, call.config, set(call.inputs[0]) if call.inputs else {"target_tokens"},
+                       call.forward_only)
+            batch = datum_batch(call.tokens, call.inputs)
+            out = self.trainer.forward_backward(batch, None if call.forward_only else call.loss_fn, call.config)
+            logprobs = out["logprobs"]
+            inputs = {k.removeprefix(INPUT_PREFIX): v for k, v in batch.tensors.items() if k.startswith(INPUT_PREFIX)}
+            loss = 0.0 if call.forward_only and set(INPUTS[call.loss_fn][0]) - set(inputs) else \
+                float(token_losses(call.loss_fn, logprobs, inputs, batch["response_mask"], call.config).sum())
+            record["loss_sum"] = loss
         per_datum = [logprobs[i, :len(t)].numpy() for i, t in enumerate(call.tokens)]
         return wire.forward_backward_output(per_datum, {"loss:sum": loss})
 
     def optim_step(self, model_id: str, adam: dict) -> dict:
         """Apply the accumulated gradients with ``adam`` (AdamParams); returns OptimStepResponse."""
-        self._trained(model_id)
-        out = self.trainer.optim_step(adam)[0]
+        with self.timed("optim_step", model=model_id, lr=adam.get("learning_rate")):
+            self._trained(model_id)
+            out = self.trainer.optim_step(adam)[0]
         return {"metrics": {"grad_norm:mean": out["grad_norm"], "skipped:sum": out["skipped"]}}
 
     def _folder(self, model_id: str, kind: str, name: str) -> Path:
@@ -267,6 +308,7 @@ class TinkerService:
             self._check_base(base_model)
         sampler = Sampler(sampler_id, adapter, model_path)
         self.samplers[sampler_id] = sampler
+        self.telemetry.emit("service", {"call": "create_sampler", "seconds": 0.0, "sampler": sampler_id})
         return sampler
 
     def sample_many(self, requests: list[dict]) -> list[dict | Exception]:
