@@ -24,7 +24,7 @@ def cmd_serve(args) -> int:
     print(f"starting the Tinker API on {settings.model} ...", flush=True)
     server = TinkerServer(settings).start()
     print(f"serving {server.service.base_model} ({server.service.model_dir}); its dashboard:"
-          f" hybridlab dashboard {settings.run_dir}\n"
+          f" hybridlab dashboard {server.service.dashboard_dir}\n"
           f"TINKER_BASE_URL={server.base_url}\nTINKER_API_KEY={server.api_key}", flush=True)
     try:
         threading.Event().wait()

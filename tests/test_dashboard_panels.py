@@ -425,3 +425,27 @@ def test_stage_seconds_are_bars_on_a_short_run_and_areas_on_a_long_one():
     panel.feed([{**step_record(BARS_UP_TO + 1, 0.0), "timing/update_actor_s": 1.0}])  # one step too many for bars
     assert [type(r.glyph) for r in panel.time_fig.renderers] == [VArea, VArea]
     assert len(panel.timing.data["step"]) == BARS_UP_TO + 1 and len(panel.time_fig.legend[0].items) == 2
+
+
+def test_the_service_section_counts_sessions_clients_and_calls_and_plots_the_loops_losses(tmp_path):
+    t = 1_000.0
+    calls = [{"kind": "service", "call": "create_session", "seconds": 0.0, "session": "s1", "time": t},
+             {"kind": "service", "call": "create_model", "seconds": 4.0, "model": "s1:train:0", "time": t + 1},
+             {"kind": "service", "call": "create_sampler", "seconds": 0.0, "sampler": "sampler-3", "time": t + 2},
+             {"kind": "service", "call": "create_sampler", "seconds": 0.0, "sampler": "sampler-4", "time": t + 3}]
+    calls += [{"kind": "service", "call": "forward_backward", "seconds": 0.5, "model": "s1:train:0",
+               "loss_sum": 10.0 - i, "time": t + 50 + i} for i in range(3)]
+    calls += [{"kind": "service", "call": "optim_step", "seconds": 0.25, "model": "s1:train:0", "time": t + 70}]
+    run_dir = write_run(tmp_path / "run", [{"kind": "run", "name": "tinker", "mapping": {}}, *calls])
+    board = dash.Dashboard(run_dir, control=False)
+    board.update()
+    service = board.service
+    assert service.table.object == "\n".join([
+        "**1** sessions, **1** training clients, **2** sampling clients", "",
+        "| call | calls | mean s | calls/s (last minute) |", "|---|---|---|---|",
+        "| forward_backward | 3 | 0.500 | 0.05 |",     # all three within the minute before the last call
+        "| optim_step | 1 | 0.250 | 0.02 |",
+        "| create_model | 1 | 4.000 | 0.00 |"])         # 69 s before the last call
+    assert service.losses.data == {"call": [0, 1, 2], "loss": [10.0, 9.0, 8.0]}
+    assert service.times["optim_step"].data == {"time": [1000 * (t + 70)], "seconds": [0.25]}
+    assert "Service" in board.sections

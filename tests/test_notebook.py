@@ -68,6 +68,11 @@ def test_agents_notebook_runs(calc_warm_dir, tmp_path, monkeypatch):
     run_notebook("06_agents_and_tools.ipynb", calc_warm_dir, tmp_path, monkeypatch)  # its cells assert
 
 
+def test_tinker_notebook_runs(trained_dir, tmp_path, monkeypatch):
+    run_notebook("07_tinker_api.ipynb", trained_dir, tmp_path, monkeypatch)  # its cells assert
+    assert len(list((tmp_path / "run" / "tinker" / "dashboards").glob("*/telemetry.jsonl"))) == 1
+
+
 def test_notebooks_are_committed_without_outputs():
     import nbformat
 

@@ -217,7 +217,7 @@ def test_a_custom_loss_trains_through_the_sdks_forward_and_weighted_cross_entrop
     with torch.no_grad():
         for out, d in zip(after.loss_fn_outputs, data):
             want = reference.logprobs(d["tokens"], d["target_tokens"])
-            np.testing.assert_allclose(out["logprobs"].to_numpy(), want.numpy(), atol=2e-5, rtol=0)
+            np.testing.assert_allclose(out["logprobs"].to_numpy(), want.numpy(), atol=5e-5, rtol=0)
 
 
 def test_sampling_uses_exactly_the_saved_weights(clients):
@@ -277,6 +277,31 @@ def test_a_state_saved_with_its_optimizer_continues_bit_for_bit_in_a_new_server(
     for _ in range(3):  # keep the reference in step with the first server
         reference.forward_backward(data, "importance_sampling")
         reference.step()
+
+
+def test_the_dashboard_gets_every_call_its_loss_and_the_workers_devices(server, clients):
+    import json
+    import time as clock
+
+    _, training, reference = clients
+    data = rl_data(reference, np.random.default_rng(3))
+    loss = training.forward([datum(d) for d in data], "importance_sampling").result().metrics["loss:sum"]
+    server.service.telemetry.flush()
+    path = server.service.dashboard_dir / "telemetry.jsonl"
+    deadline = clock.time() + 10  # the workers' device samples arrive once a second
+    while True:
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        if any(r["kind"] == "device" and r["role"] == "rollout,actor" for r in records) or clock.time() > deadline:
+            break
+        clock.sleep(0.5)
+    calls = [r for r in records if r["kind"] == "service"]
+    last = [r for r in calls if r["call"] == "forward"][-1]
+    assert (last["loss_sum"], last["datums"], last["loss_fn"]) == (loss, 2, "importance_sampling")
+    assert {"create_session", "create_model", "forward_backward", "optim_step", "sample", "save",
+            "create_sampler"} <= {r["call"] for r in calls}
+    run = next(r for r in records if r["kind"] == "run")
+    assert run["name"] == f"tinker {server.service.base_model}" and server.service.base_model in run["explanation"]
+    assert any(r["kind"] == "device" and r["role"] == "rollout,actor" for r in records)  # the System section's
 
 
 def test_refusals_name_what_is_wrong(server, clients):

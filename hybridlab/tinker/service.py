@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from hybridlab.config.training import ActorConfig, LoraConfig
 from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
+from hybridlab.controller.resources import connect
 from hybridlab.controller.worker_set import WorkerSet
 from hybridlab.environment import describe
 from hybridlab.errors import UserError
@@ -75,7 +77,10 @@ class TinkerService:
         self.base_model = base_model_name(settings, self.model_dir)
         publish_tokenizer(self.model_dir, self.base_model, settings.hub_cache)  # the SDK loads it by name
         self.run_dir = Path(settings.run_dir)
-        self.telemetry = RunTelemetry(self.run_dir)  # the dashboard's records: `hybridlab dashboard RUN_DIR`
+        # each server's dashboard records apart (servers may share run_dir: a state saved by one
+        # loads in the next): `hybridlab dashboard RUN_DIR/dashboards` lists them
+        self.dashboard_dir = self.run_dir / "dashboards" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        self.telemetry = RunTelemetry(self.dashboard_dir)
         self.workers: WorkerSet | None = None
         self.model: TrainingModel | None = None
         self.samplers: dict[str, Sampler] = {}
@@ -102,6 +107,7 @@ class TinkerService:
             lora_rank=s.max_lora_rank, lora_slots=(s.batch_adapters, s.sampler_adapters)))
         env: dict = {}
         mapping = self._mapping(("rollout", "actor"))
+        connect()  # before the telemetry hub, an actor: Ray would start a cluster without our settings
         self.telemetry.start(env, {"name": f"tinker {self.base_model}", "processor": describe()["processor"],
                                    "backends": {"trainer": "fsdp2 (LoRA)", "sampler": "vllm (LoRA)"},
                                    "mapping": mapping.to_dict(), "explanation": self.explain()})
