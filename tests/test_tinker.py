@@ -371,3 +371,24 @@ def test_training_calls_run_in_seq_id_order_whatever_order_they_arrive_in(server
     with torch.no_grad():
         np.testing.assert_allclose(after, reference.logprobs(tokens, targets).numpy(), atol=2e-5, rtol=0)
     assert np.abs(after - before).max() > 0.1  # the forward ran after the step, not when it arrived
+
+
+def test_bad_settings_are_refused_by_name_before_any_worker_starts(capfd):
+    from hybridlab.cli import main
+
+    assert main(["serve", "tinker", "port=70000", "api_key=abc", "colour=blue"]) == 2
+    assert "unknown tinker service setting(s) colour; known: model, name, host" in capfd.readouterr().err
+    assert main(["serve", "tinker", "port=70000", "api_key=abc"]) == 2
+    assert capfd.readouterr().err == ("error: tinker service settings:\n"
+                                      "  api_key must start with 'tml-' (the Tinker SDK refuses other keys)\n"
+                                      "  port must be in 0..65535, got 70000\n")
+
+
+def test_serve_tinker_explain_says_what_runs_where(tiny_dir, tmp_path, capfd):
+    from hybridlab.cli import main
+
+    assert main(["serve", "tinker", f"model={tiny_dir}", f"run_dir={tmp_path}", f"hub_cache={tmp_path / 'hub'}",
+                 "max_lora_rank=16", "--explain"]) == 0
+    out = capfd.readouterr().out
+    assert out.startswith(f"**hybridlab/{tiny_dir.name}** ({tiny_dir}), context 512 tokens. One device")
+    assert "a LoRA adapter of rank up to 16, alpha 32, on the FSDP2 backend" in out

@@ -152,7 +152,8 @@ async def optim_step(server, request):
 
 async def save_weights(server, request):
     body = await _json(request)
-    work = functools.partial(server.service.save_state, body["model_id"], str(body.get("path") or "state"))
+    work = functools.partial(server.service.save_state, body["model_id"], str(body.get("path") or "state"),
+                             bool(body.get("overwrite")))
     request_id = server.submit_training(body["model_id"], body.get("seq_id"), work, "save")
     return web.json_response({"request_id": request_id})
 

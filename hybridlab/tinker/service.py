@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import ray
 import torch
 from safetensors.torch import load_file, save_file
 
+from hybridlab.atomic import replace_dir
 from hybridlab.config.training import ActorConfig, LoraConfig
 from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
@@ -167,6 +169,8 @@ class TinkerService:
         modules = (ATTN if lora.get("train_attn", True) else []) + (MLP if lora.get("train_mlp", True) else [])
         if not modules:
             raise UserError("train_attn and train_mlp are both false: the adapter would train nothing")
+        if self.model is not None and self.model.model_id == model_id:  # the SDK retried the call
+            return {"model_id": model_id, "type": "create_model"}
         if self.model is not None:
             raise UserError(f"this server trains one model at a time and holds {self.model.model_id}; start another"
                             " server for a second training client")
@@ -211,6 +215,11 @@ class TinkerService:
             self._trained(call.model_id)
             check_loss(call.loss_fn, call.config, set(call.inputs[0]) if call.inputs else {"target_tokens"},
                        call.forward_only)
+            if not call.tokens:
+                raise UserError(f"{kind} needs at least one datum")
+            longest = max(len(t) for t in call.tokens)
+            if longest >= self.context:
+                raise UserError(f"a datum of {longest} tokens does not fit the server's context of {self.context}")
             batch = datum_batch(call.tokens, call.inputs)
             out = self.trainer.forward_backward(batch, None if call.forward_only else call.loss_fn, call.config)
             logprobs = out["logprobs"]
@@ -235,25 +244,30 @@ class TinkerService:
 
     def _path_folder(self, path: str) -> Path:
         parts = path.removeprefix("tinker://").split("/")
-        if not path.startswith("tinker://") or len(parts) != 3:
-            raise UserError(f"{path!r} is not a tinker:// path of this server (tinker://<model>/<kind>/<name>)")
+        if not path.startswith("tinker://") or len(parts) != 3 or parts[1] not in ("weights", "sampler_weights") \
+                or not all(re.fullmatch(r"[A-Za-z0-9._:-]+", p) and p not in (".", "..") for p in parts):
+            raise UserError(f"{path!r} is not a tinker:// path of this server (tinker://<model>/weights/<name> or"
+                            " tinker://<model>/sampler_weights/<name>)")
         folder = self.run_dir / parts[0].replace(":", "_") / parts[1] / parts[2]
         if not folder.is_dir():
             raise UserError(f"{path}: nothing saved there (looked in {folder})")
         return folder
 
-    def save_state(self, model_id: str, name: str) -> dict:
-        """Save the adapter and its AdamW state under ``name``; returns SaveWeightsResponse."""
+    def save_state(self, model_id: str, name: str, overwrite: bool = False) -> dict:
+        """Save the adapter and its AdamW state under ``name`` (replacing one of that name only
+        with ``overwrite``); returns SaveWeightsResponse."""
         model = self._trained(model_id)
-        state = next(s for s in self.trainer.checkpoint_state() if s is not None)
         folder = self._folder(model_id, "weights", name)
+        if folder.exists() and not overwrite:
+            raise UserError(f"a state named {name!r} exists already for {model_id}; save under another name"
+                            " (or with overwrite=True)")
+        state = next(s for s in self.trainer.checkpoint_state() if s is not None)
         tmp = folder.with_name(folder.name + ".tmp")
-        tmp.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         torch.save(state, tmp / "state.pt")
         (tmp / "model.json").write_text(json.dumps({"base_model": self.base_model, "lora": model.lora}))
-        if folder.exists():
-            raise UserError(f"a state named {name!r} exists already for {model_id}; save under another name")
-        tmp.rename(folder)
+        replace_dir(tmp, folder)  # whole: a reader never sees half a state
         return {"path": f"tinker://{model_id}/weights/{name}", "type": "save_weights"}
 
     def load_state(self, model_id: str, path: str, optimizer: bool, session: tuple[str, int] | None = None) -> dict:
@@ -293,9 +307,12 @@ class TinkerService:
         if name is not None:
             tensors, config = ray.get(ref)
             folder = self._folder(model_id, "sampler_weights", name)
-            folder.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "adapter_model.safetensors"))
-            (folder / "adapter_config.json").write_text(json.dumps(config))
+            tmp = folder.with_name(folder.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"))
+            (tmp / "adapter_config.json").write_text(json.dumps(config))
+            replace_dir(tmp, folder)
             path = f"tinker://{model_id}/sampler_weights/{name}"
         return self._keep(ref, path), path
 

@@ -18,7 +18,7 @@ from hybridlab.protocol import PAD_KEY, Batch
 from hybridlab.tinker.losses import engine_loss
 from hybridlab.workers.rollout.worker import RolloutWorker
 from hybridlab.workers.rollout.vllm_engine import (adapter_request, empty_prefix_cache, installed_adapters,
-                                                   load_adapter, sampled_logprobs)
+                                                   load_adapter, per_request_seeds, sampled_logprobs)
 from hybridlab.workers.train.workers import ActorWorker
 
 INPUT_PREFIX = "tinker/"  # a loss input's tensor name in the batch: tinker/weights, tinker/advantages, ...
@@ -132,7 +132,9 @@ class TinkerSampler(RolloutWorker):
             max_tokens = p.get("max_tokens") or self.context - len(req["prompt"])
             params.append(SamplingParams(
                 n=req["num_samples"], temperature=p.get("temperature", 1.0), top_p=p.get("top_p", 1.0),
-                top_k=max(p.get("top_k", -1), 0), max_tokens=max_tokens, seed=p.get("seed"), logprobs=0,
+                top_k=max(p.get("top_k", -1), 0), max_tokens=max_tokens, logprobs=0,
+                # vLLM 0.32's CPU backend fails seeded requests whose prompt is prefilled in parts
+                seed=p.get("seed") if per_request_seeds() else None,
                 stop=strings or None, stop_token_ids=[*ends, *ids], ignore_eos=not ends, detokenize=bool(strings),
                 prompt_logprobs=0 if req.get("prompt_logprobs") else None))
             prompts.append(TokensPrompt(prompt_token_ids=list(req["prompt"])))
