@@ -112,6 +112,16 @@ def rl_data(reference: Reference, rng: np.random.Generator) -> list[dict]:
     return out
 
 
+def assert_same_forward(training, reference: Reference, data: list[dict], atol: float) -> None:
+    """The server's next forward equals the reference's: after a step on each side, equal
+    log-probs mean the two took the same gradient."""
+    after = training.forward([datum(d) for d in data], "cross_entropy").result()
+    with torch.no_grad():
+        for out, d in zip(after.loss_fn_outputs, data):
+            want = reference.logprobs(d["tokens"], d["target_tokens"])
+            np.testing.assert_allclose(out["logprobs"].to_numpy(), want.numpy(), atol=atol, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def server(ray_local, tiny_dir, tmp_path_factory):
     from huggingface_hub import constants
@@ -192,12 +202,7 @@ def test_each_rl_loss_and_its_gradient_equal_the_formula(clients, loss):
     training.optim_step(types.AdamParams(**ADAM)).result()
     reference.step()
     assert result.metrics["loss:sum"] == pytest.approx(value, abs=1e-4)
-    # the next forward sees the step each side took: equal log-probs mean equal gradients
-    after = training.forward([datum(d) for d in data], "cross_entropy").result()
-    with torch.no_grad():
-        for out, d in zip(after.loss_fn_outputs, data):
-            want = reference.logprobs(d["tokens"], d["target_tokens"])
-            np.testing.assert_allclose(out["logprobs"].to_numpy(), want.numpy(), atol=2e-5, rtol=0)
+    assert_same_forward(training, reference, data, atol=2e-5)
 
 
 def test_a_custom_loss_trains_through_the_sdks_forward_and_weighted_cross_entropy(clients):
@@ -213,11 +218,7 @@ def test_a_custom_loss_trains_through_the_sdks_forward_and_weighted_cross_entrop
     for d in data:
         (reference.logprobs(d["tokens"], d["target_tokens"]) ** 2).sum().backward()
     reference.step()
-    after = training.forward([datum(d) for d in data], "cross_entropy").result()
-    with torch.no_grad():
-        for out, d in zip(after.loss_fn_outputs, data):
-            want = reference.logprobs(d["tokens"], d["target_tokens"])
-            np.testing.assert_allclose(out["logprobs"].to_numpy(), want.numpy(), atol=5e-5, rtol=0)
+    assert_same_forward(training, reference, data, atol=5e-5)
 
 
 def test_sampling_uses_exactly_the_saved_weights(clients):
