@@ -26,6 +26,7 @@ from hybridlab.tinker.losses import LOSSES
 from hybridlab.tinker.server import TinkerServer
 from hybridlab.tinker.service import ATTN, MLP
 from hybridlab.tinker.settings import ServiceSettings
+from hybridlab.tinker.workers import fresh_adapter
 from hybridlab.workers.train import lora
 from hybridlab.workers.train.fsdp_model import build_model
 
@@ -62,12 +63,18 @@ class Reference:
     def load(self, state_file: Path) -> None:
         """Take the adapter and AdamW state a server saved (``save_state``): no drift from here."""
         state = torch.load(state_file, weights_only=False)
-        named = {lora.saved_name(n): p for n, p in self.model.named_parameters() if lora.saved_name(n)}
+        self.set_adapter(state["model"])
+        for name, p in self.named().items():
+            self.opt.state[p] = {"step": torch.tensor(state["adam_step"]), "exp_avg": state["exp_avg"][name].clone(),
+                                 "exp_avg_sq": state["exp_avg_sq"][name].clone()}
+
+    def named(self) -> dict[str, torch.nn.Parameter]:
+        return {lora.saved_name(n): p for n, p in self.model.named_parameters() if lora.saved_name(n)}
+
+    def set_adapter(self, weights: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
-            for name, p in named.items():
-                p.copy_(state["model"][name])
-                self.opt.state[p] = {"step": torch.tensor(state["adam_step"]), "exp_avg": state["exp_avg"][name].clone(),
-                                     "exp_avg_sq": state["exp_avg_sq"][name].clone()}
+            for name, p in self.named().items():
+                p.copy_(weights[name])
 
     def step(self) -> None:
         self.opt.step()
@@ -261,23 +268,56 @@ def test_a_state_saved_with_its_optimizer_continues_bit_for_bit_in_a_new_server(
     try:
         other = tinker.ServiceClient(base_url=second.base_url, api_key=second.api_key)
         resumed = other.create_training_client_from_state_with_optimizer(path).result()
-        fresh_moments = other.create_training_client_from_state(path)  # refused: one model per server
-        with pytest.raises(tinker.RequestFailedError, match="this server trains one model at a time"):
-            fresh_moments.result()
+        weights_only = other.create_training_client_from_state(path).result()  # a second client: new moments
         outputs = []
-        for client in (training, resumed):
+        for client in (training, resumed, weights_only):
             for _ in range(2):
                 client.forward_backward([datum(d) for d in data], "importance_sampling").result()
                 client.optim_step(types.AdamParams(**ADAM)).result()
             outputs.append(client.forward([datum(d) for d in data], "cross_entropy").result())
-        for a, b in zip(*(o.loss_fn_outputs for o in outputs)):
-            assert np.array_equal(a["logprobs"].to_numpy(), b["logprobs"].to_numpy())
+        logprobs = [[o["logprobs"].to_numpy() for o in out.loss_fn_outputs] for out in outputs]
+        assert all(np.array_equal(a, b) for a, b in zip(logprobs[0], logprobs[1]))
+        assert not any(np.allclose(a, c, atol=1e-4) for a, c in zip(logprobs[0], logprobs[2]))
         other.close("success")
     finally:
         second.stop()
     for _ in range(3):  # keep the reference in step with the first server
         reference.forward_backward(data, "importance_sampling")
         reference.step()
+
+
+def test_two_clients_share_the_base_weights_train_apart_and_sample_their_own_adapters(server, clients, tiny_dir):
+    service, first, reference = clients
+    data = rl_data(reference, np.random.default_rng(9))
+    before = first.forward([datum(d) for d in data], "cross_entropy").result()
+    second = service.create_lora_training_client(base_model=server.service.base_model, rank=RANK).result()
+    other = Reference(tiny_dir)  # the second client's adapter: a fresh one, drawn from the server's seed + 1
+    shapes = {name: tuple(p.shape) for name, p in other.named().items()}
+    other.set_adapter(fresh_adapter(shapes, SEED + 1))
+    with torch.no_grad(), other.model.disable_adapter():
+        base = [other.logprobs(d["tokens"], d["target_tokens"]) for d in data]
+    start = second.forward([datum(d) for d in data], "cross_entropy").result()
+    for out, want in zip(start.loss_fn_outputs, base):  # B = 0: a fresh adapter leaves the base model as it is
+        np.testing.assert_allclose(out["logprobs"].to_numpy(), want.numpy(), atol=1e-5, rtol=0)
+    for _ in range(2):  # interleaved: each call swaps the other client's adapter, moments and gradients out
+        second.forward_backward([datum(d) for d in data], "importance_sampling").result()
+        first.forward([datum(d) for d in data], "cross_entropy").result()
+        second.optim_step(types.AdamParams(**ADAM)).result()
+        other.forward_backward(data, "importance_sampling")
+        other.step()
+    assert_same_forward(second, other, data, atol=2e-5)
+    after = first.forward([datum(d) for d in data], "cross_entropy").result()
+    for a, b in zip(before.loss_fn_outputs, after.loss_fn_outputs):  # the first client's adapter untouched
+        assert np.array_equal(a["logprobs"].to_numpy(), b["logprobs"].to_numpy())
+    prompt = [21, 22, 15, 27]
+    scores = []
+    for client in (first, second):  # each sampler scores as its own client's trainer does
+        sampler = client.save_weights_and_get_sampling_client().result()
+        scores.append(np.array(sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[1:]))
+        trained = client.forward([datum({"tokens": prompt[:-1], "target_tokens": prompt[1:]})], "cross_entropy")
+        np.testing.assert_allclose(scores[-1], trained.result().loss_fn_outputs[0]["logprobs"].to_numpy(),
+                                   atol=1e-4, rtol=0)
+    assert np.abs(scores[0] - scores[1]).max() > 1e-2  # and the two adapters differ
 
 
 def test_the_dashboard_gets_every_call_its_loss_and_the_workers_devices(server, clients):

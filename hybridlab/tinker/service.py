@@ -51,6 +51,7 @@ class TrainingModel:
 
     model_id: str
     lora: dict                      # Tinker's lora_config: rank, train_mlp, train_attn, train_unembed
+    seed: int                       # its adapter's initialisation (the first client's: the trainer's own)
 
 
 @dataclasses.dataclass
@@ -84,7 +85,7 @@ class TinkerService:
         self.dashboard_dir = self.run_dir / "dashboards" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.telemetry = RunTelemetry(self.dashboard_dir)
         self.workers: WorkerSet | None = None
-        self.model: TrainingModel | None = None
+        self.models: dict[str, TrainingModel] = {}  # the training clients, by model id
         self.samplers: dict[str, Sampler] = {}
         self.adapters: collections.OrderedDict[int, str | None] = collections.OrderedDict()  # id -> saved path
         self.next_adapter = 2  # 1 is the RL actor's slot (vllm_engine.ADAPTER_ID); any positive id works
@@ -159,44 +160,53 @@ class TinkerService:
             raise UserError(f"base_model {base_model!r} is not served here; this server offers {self.base_model!r}")
 
     def create_model(self, model_id: str, base_model: str | None, lora: dict, optimizer: dict | None) -> dict:
-        """Build the trainer with a fresh adapter for ``model_id``; returns CreateModelResponse."""
+        """Register ``model_id`` with a fresh adapter (building the trainer for the first one);
+        returns CreateModelResponse. Every client of a server trains the same adapter shape:
+        its rank and modules are the first client's."""
         self._check_base(base_model)
         if optimizer and optimizer.get("type", "adamw") != "adamw":
             raise UserError(f"optimizer {optimizer.get('type')!r} is not served; this server trains with adamw")
         rank = int(lora.get("rank", 32))
         if not 1 <= rank <= self.settings.max_lora_rank:
             raise UserError(f"lora rank {rank} is outside 1..{self.settings.max_lora_rank} (the server's max_lora_rank)")
-        modules = (ATTN if lora.get("train_attn", True) else []) + (MLP if lora.get("train_mlp", True) else [])
+        shape = {"rank": rank, "train_attn": lora.get("train_attn", True), "train_mlp": lora.get("train_mlp", True)}
+        modules = (ATTN if shape["train_attn"] else []) + (MLP if shape["train_mlp"] else [])
         if not modules:
             raise UserError("train_attn and train_mlp are both false: the adapter would train nothing")
-        if self.model is not None and self.model.model_id == model_id:  # the SDK retried the call
+        if model_id in self.models:  # the SDK retried the call
             return {"model_id": model_id, "type": "create_model"}
-        if self.model is not None:
-            raise UserError(f"this server trains one model at a time and holds {self.model.model_id}; start another"
-                            " server for a second training client")
-        section = ActorConfig(strategy="fsdp2", micro_batch_tokens=0, remove_padding=False, warmup_steps=0,
-                              lora=LoraConfig(rank=rank, alpha=self.settings.lora_alpha, target_modules=modules))
-        trainer = RoleClass(TinkerTrainer, kwargs=dict(
-            model_dir=str(self.model_dir), settings=TrainSettings(section, self.settings.seed, 1.0)))
-        self.workers.remap(self._mapping(("rollout", "actor")), {"actor": trainer})
-        self.model = TrainingModel(model_id, {"rank": rank, "train_attn": lora.get("train_attn", True),
-                                              "train_mlp": lora.get("train_mlp", True),
-                                              "train_unembed": lora.get("train_unembed", True)})
+        first = next(iter(self.models.values()), None)
+        if first is not None and {k: first.lora[k] for k in shape} != shape:
+            raise UserError(f"the clients of one server share the adapter's shape: {first.model_id} trains"
+                            f" rank {first.lora['rank']}, train_attn={first.lora['train_attn']},"
+                            f" train_mlp={first.lora['train_mlp']}; ask for the same, or start another server")
+        if first is None:
+            section = ActorConfig(strategy="fsdp2", micro_batch_tokens=0, remove_padding=False, warmup_steps=0,
+                                  lora=LoraConfig(rank=rank, alpha=self.settings.lora_alpha, target_modules=modules))
+            trainer = RoleClass(TinkerTrainer, kwargs=dict(
+                model_dir=str(self.model_dir), settings=TrainSettings(section, self.settings.seed, 1.0)))
+            self.workers.remap(self._mapping(("rollout", "actor")), {"actor": trainer})
+        seed = int(lora["seed"]) if lora.get("seed") is not None else self.settings.seed + len(self.models)
+        self.models[model_id] = TrainingModel(model_id, {**shape, "train_unembed": lora.get("train_unembed", True)},
+                                              seed)
         return {"model_id": model_id, "type": "create_model"}
 
     def info(self, model_id: str) -> dict:
         """Return ``get_info``'s answer for ``model_id``: the base model's name and a tokenizer
         id that loads with no hub access (its checkpoint directory)."""
-        self._trained(model_id)
-        return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": self.model.lora["rank"],
+        model = self._trained(model_id, activate=False)
+        return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": model.lora["rank"],
                 "model_name": self.base_model,
                 "model_data": {"arch": "lora", "model_name": self.base_model, "tokenizer_id": str(self.model_dir)}}
 
-    def _trained(self, model_id: str) -> TrainingModel:
-        if self.model is None or self.model.model_id != model_id:
-            have = self.model.model_id if self.model else "none"
-            raise UserError(f"unknown model_id {model_id!r} (this server holds: {have})")
-        return self.model
+    def _trained(self, model_id: str, activate: bool = True) -> TrainingModel:
+        """Return the client ``model_id``, its adapter made the trainer's (``activate``)."""
+        model = self.models.get(model_id)
+        if model is None:
+            raise UserError(f"unknown model_id {model_id!r} (this server holds: {', '.join(self.models) or 'none'})")
+        if activate:
+            self.trainer.activate(model_id, model.seed)
+        return model
 
     @property
     def trainer(self):

@@ -11,6 +11,8 @@ are exactly Tinker's per-position log-probs (position i predicts ``target_tokens
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hybridlab.controller.worker import Dispatch, register
@@ -48,8 +50,68 @@ def datum_batch(tokens: list[list[int]], inputs: list[dict[str, list]]) -> Batch
                   **{INPUT_PREFIX + k: v for k, v in extra.items()}})
 
 
+def fresh_adapter(shapes: dict[str, tuple], seed: int) -> dict[str, torch.Tensor]:
+    """Return a new adapter's weights as peft initialises them (A: Kaiming-uniform with a = sqrt(5),
+    as ``nn.Linear``; B: zeros, so the model is unchanged until it trains), drawn from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in sorted(shapes.items()):
+        weight = torch.zeros(shape)
+        if ".lora_A." in name:
+            bound = 1 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)) on [rank, in]: U(-1/sqrt(in), 1/sqrt(in))
+            weight.uniform_(-bound, bound, generator=generator)
+        out[name] = weight
+    return out
+
+
 class TinkerTrainer(ActorWorker):
-    """A LoRA adapter and its AdamW state on the FSDP2 backend, driven by Tinker's calls."""
+    """LoRA adapters and their AdamW states on the FSDP2 backend, driven by Tinker's calls.
+
+    Several training clients share the base weights: the engine holds one adapter at a time, and
+    ``activate`` swaps in a client's adapter, AdamW moments, step and accumulated gradients
+    (an adapter is small: the swap copies a few MB in this process) before each of its calls.
+    """
+
+    active: str | None = None                 # the client whose adapter the engine holds
+    held: dict | None = None                  # the other clients': model id -> what _stash returned
+
+    @register(Dispatch.ALL)
+    def activate(self, model_id: str, seed: int) -> bool:
+        """Make ``model_id``'s adapter the engine's, stashing the active client's; a client seen
+        for the first time gets the adapter the engine was built with (the first client) or a
+        fresh one drawn from ``seed``. Returns whether anything was swapped."""
+        if self.active == model_id:
+            return False
+        self.held = self.held if self.held is not None else {}
+        if self.active is None:  # the first client: the engine's own adapter
+            self.active = model_id
+            return False
+        self.held[self.active] = self._stash()
+        self._restore(self.held.pop(model_id, None) or self._fresh(seed))
+        self.active = model_id
+        return True
+
+    def _stash(self) -> dict:
+        engine = self.engine
+        state = engine.state(moments=True)
+        # copies: at dp 1 the engine's whole tensors may be the parameters' own storage
+        copied = {key: {name: t.clone() for name, t in state[key].items()} for key in ("model", "exp_avg", "exp_avg_sq")
+                  if key in state}
+        grads = {name: None if p.grad is None else p.grad.detach().clone() for name, p in engine.saved.items()}
+        return {**state, **copied, "step": engine.step_count, "grads": grads}
+
+    def _fresh(self, seed: int) -> dict:
+        shapes = {name: tuple(p.shape) for name, p in self.engine.saved.items()}
+        return {"model": fresh_adapter(shapes, seed), "step": 0, "grads": {}}
+
+    def _restore(self, state: dict) -> None:
+        engine = self.engine
+        moments = {m: state[m] for m in ("exp_avg", "exp_avg_sq") if state.get(m)}
+        for p in engine.saved.values():  # a fresh adapter starts with no moments
+            engine.optimizer.state.pop(p, None)
+        engine.load_state(state["model"], moments, state["step"], state.get("adam_step", 0.0))
+        for name, p in engine.saved.items():
+            p.grad = state["grads"].get(name)
 
     @register(Dispatch.DP)
     def forward_backward(self, batch: Batch, loss: str | None, config: dict | None) -> Batch:
