@@ -191,7 +191,7 @@ def test_sections_the_training_panel_and_the_stuck_calls_alarm(tmp_path):
     run_dir = write_run(tmp_path / "run", [{"kind": "run", "name": "r", "mapping": {}}])
     board = dash.Dashboard(run_dir, control=False)
     assert board.tabs._names == ["Overview", "Rollouts", "Training", "Mapping and resharding", "System",
-                                 "Stuck calls", "Config"]
+                                 "Stuck calls", "Service", "Config"]
     steps = [{**step_record(1, time.time()), "actor/pg_loss": 0.5, "actor/grad_norm": 2.0, "timing/generate_s": 1.5,
               "timing/update_actor_s": 0.5},
              {**step_record(2, time.time()), "actor/pg_loss": 0.25, "actor/entropy": 1.1, "timing/generate_s": 1.0,

@@ -25,8 +25,8 @@ def sections(board) -> dict:
                                             pn.Row(board.reshard.fig, pn.Column(board.reshard.caption, **row), **row),
                                             board.sync_fig, pn.pane.Markdown("**Remaps**"), board.remap_table, **row),
         "System": pn.Column(board.devices.fig, board.memory.fig, board.memory.heat.fig, board.gantt_fig, **row),
-        "Service": board.service.layout,
         STUCK: board.running.layout,
+        "Service": board.service.layout,
         "Config": board.explanation,
     }
 
