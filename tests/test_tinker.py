@@ -119,6 +119,19 @@ def rl_data(reference: Reference, rng: np.random.Generator) -> list[dict]:
     return out
 
 
+LEVELS = iter(range(1_000_000))
+
+
+def level(server, training, reference: Reference) -> None:
+    """Load the server's exact adapter and AdamW state into the reference (``save_state``): the
+    two drift apart by float rounding over many steps (more with one thread per process, as the
+    suite runs), so each check after a step starts level."""
+    name = f"level-{next(LEVELS)}"
+    training.save_state(name).result()
+    model_id = training.get_info().model_id
+    reference.load(server.service.run_dir / model_id.replace(":", "_") / "weights" / name / "state.pt")
+
+
 def assert_same_forward(training, reference: Reference, data: list[dict], atol: float) -> None:
     """The server's next forward equals the reference's: after a step on each side, equal
     log-probs mean the two took the same gradient."""
@@ -199,8 +212,9 @@ def test_cross_entropy_rounds_lower_the_loss_and_equal_the_same_steps_done_direc
 
 
 @pytest.mark.parametrize("loss", [name for name in LOSSES if name != "cross_entropy"])
-def test_each_rl_loss_and_its_gradient_equal_the_formula(clients, loss):
+def test_each_rl_loss_and_its_gradient_equal_the_formula(server, clients, loss):
     _, training, reference = clients
+    level(server, training, reference)
     data = rl_data(reference, np.random.default_rng(len(loss)))
     config = {"beta": 0.3} if loss == "dro" else {"clip_low_threshold": 0.97, "clip_high_threshold": 1.02} \
         if loss in ("ppo", "cispo", "gspo") else None
@@ -212,8 +226,9 @@ def test_each_rl_loss_and_its_gradient_equal_the_formula(clients, loss):
     assert_same_forward(training, reference, data, atol=2e-5)
 
 
-def test_a_custom_loss_trains_through_the_sdks_forward_and_weighted_cross_entropy(clients):
+def test_a_custom_loss_trains_through_the_sdks_forward_and_weighted_cross_entropy(server, clients):
     _, training, reference = clients
+    level(server, training, reference)
     data = rl_data(reference, np.random.default_rng(5))
 
     def squared(batch, logprobs):  # a nonlinear loss of the log-probs: the SDK differentiates it itself
@@ -225,11 +240,12 @@ def test_a_custom_loss_trains_through_the_sdks_forward_and_weighted_cross_entrop
     for d in data:
         (reference.logprobs(d["tokens"], d["target_tokens"]) ** 2).sum().backward()
     reference.step()
-    assert_same_forward(training, reference, data, atol=5e-5)
+    assert_same_forward(training, reference, data, atol=2e-5)
 
 
-def test_sampling_uses_exactly_the_saved_weights(clients):
+def test_sampling_uses_exactly_the_saved_weights(server, clients):
     service, training, reference = clients
+    level(server, training, reference)
     prompt = types.ModelInput.from_ints([21, 22, 15, 27])
     params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=0)
     older = training.save_weights_and_get_sampling_client().result()
@@ -385,12 +401,8 @@ def test_training_calls_run_in_seq_id_order_whatever_order_they_arrive_in(server
         return httpx.post(f"{server.base_url}/api/v1/retrieve_future", headers=headers, timeout=60,
                           json={"request_id": request_id}).content
 
+    level(server, training, reference)
     first = server.sequencers[model_id].next_seq  # the SDK client's calls took the ids before
-    saved = httpx.post(f"{server.base_url}/api/v1/save_weights", headers=headers, timeout=60, json={
-        "model_id": model_id, "seq_id": first, "path": "order-check", "type": "save_weights"}).json()
-    result(saved["request_id"])
-    reference.load(server.service.run_dir / model_id.replace(":", "_") / "weights" / "order-check" / "state.pt")
-    first += 1
     late = chunk(first + 2, forward_only=True)  # sent first, runs last: it must see the step
     big = {**ADAM, "learning_rate": 0.05}
     step = httpx.post(f"{server.base_url}/api/v1/optim_step", headers=headers, timeout=60, json={

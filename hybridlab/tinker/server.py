@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hmac
+import secrets
 import threading
 
 from aiohttp import web
@@ -40,6 +41,7 @@ class TinkerServer:
         self.sequencers: dict[str, Sequencer] = {}
         self.sessions: dict[str, dict] = {}
         self.counter = 0
+        self.instance = secrets.token_hex(3)  # this server's part of every id it hands out
         self.loop: asyncio.AbstractEventLoop | None = None
         self.port = self.settings.port
         self._thread: threading.Thread | None = None
@@ -53,9 +55,10 @@ class TinkerServer:
         return f"http://{host}:{self.port}"
 
     def new_id(self, prefix: str) -> str:
-        """Return a fresh id (``prefix-N``) unique within this server."""
+        """Return a fresh id (``prefix-SERVER-N``), unique across servers too: sessions name the
+        training clients, and their ``tinker://`` folders share ``run_dir`` with other servers'."""
         self.counter += 1
-        return f"{prefix}-{self.counter}"
+        return f"{prefix}-{self.instance}-{self.counter}"
 
     # ------------------------------------------------------------------ running
     def app(self) -> web.Application:
