@@ -58,13 +58,10 @@ def built_once(out: Path, build: Callable[[], object]) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_model_dir(out: str | os.PathLike) -> Iterator[Path]:
-    """Yield a scratch folder beside ``out``; on success it replaces ``out`` whole.
-
-    ``out`` must be free or an earlier model directory (one with a config.json). On an error
-    the scratch folder is removed and ``out`` is left as it was.
-    """
-    out = check_model_dir_target(out)
+def atomic_dir(out: str | os.PathLike) -> Iterator[Path]:
+    """Yield a scratch folder beside ``out``; on success it replaces ``out`` (if any) whole. On
+    an error the scratch folder is removed and ``out`` is left as it was."""
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -72,3 +69,11 @@ def atomic_model_dir(out: str | os.PathLike) -> Iterator[Path]:
         replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_model_dir(out: str | os.PathLike) -> Iterator[Path]:
+    """``atomic_dir`` for a model directory: ``out`` must be free or an earlier model directory
+    (one with a config.json)."""
+    with atomic_dir(check_model_dir_target(out)) as tmp:
+        yield tmp

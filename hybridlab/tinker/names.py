@@ -13,6 +13,8 @@ import hashlib
 import shutil
 from pathlib import Path
 
+from hybridlab.atomic import atomic_dir
+
 WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
@@ -37,12 +39,9 @@ def publish_tokenizer(model_dir: Path, repo_id: str, cache_dir: str = "") -> Pat
     repo = hub_cache(cache_dir) / ("models--" + repo_id.replace("/", "--"))
     snapshot = repo / "snapshots" / revision
     if not snapshot.is_dir():
-        tmp = snapshot.with_name(revision + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for path in files:
-            shutil.copy2(path, tmp / path.name)
-        tmp.rename(snapshot)
+        with atomic_dir(snapshot) as tmp:
+            for path in files:
+                shutil.copy2(path, tmp / path.name)
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text(revision)
     return snapshot
