@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import ray
 import torch
 from safetensors.torch import load_file, save_file
 
-from hybridlab.atomic import replace_dir
+from hybridlab.atomic import atomic_dir
 from hybridlab.config.training import ActorConfig, LoraConfig
 from hybridlab.controller.group import RoleClass
 from hybridlab.controller.mapping import DeviceMapping
@@ -168,7 +167,8 @@ class TinkerService:
             raise UserError(f"optimizer {optimizer.get('type')!r} is not served; this server trains with adamw")
         rank = int(lora.get("rank", 32))
         if not 1 <= rank <= self.settings.max_lora_rank:
-            raise UserError(f"lora rank {rank} is outside 1..{self.settings.max_lora_rank} (the server's max_lora_rank)")
+            raise UserError(f"lora rank {rank} is outside 1..{self.settings.max_lora_rank}"
+                            " (the server's max_lora_rank)")
         shape = {"rank": rank, "train_attn": lora.get("train_attn", True), "train_mlp": lora.get("train_mlp", True)}
         modules = (ATTN if shape["train_attn"] else []) + (MLP if shape["train_mlp"] else [])
         if not modules:
@@ -222,14 +222,13 @@ class TinkerService:
         with each datum's log-probs and ``loss:sum``."""
         kind = "forward" if call.forward_only else "forward_backward"
         with self.timed(kind, model=call.model_id, datums=len(call.tokens), loss_fn=call.loss_fn) as record:
-            self._trained(call.model_id)
-            check_loss(call.loss_fn, call.config, set(call.inputs[0]) if call.inputs else {"target_tokens"},
-                       call.forward_only)
             if not call.tokens:
                 raise UserError(f"{kind} needs at least one datum")
+            check_loss(call.loss_fn, call.config, set(call.inputs[0]), call.forward_only)
             longest = max(len(t) for t in call.tokens)
             if longest >= self.context:
                 raise UserError(f"a datum of {longest} tokens does not fit the server's context of {self.context}")
+            self._trained(call.model_id)  # checked first: activating swaps adapters
             batch = datum_batch(call.tokens, call.inputs)
             out = self.trainer.forward_backward(batch, None if call.forward_only else call.loss_fn, call.config)
             logprobs = out["logprobs"]
@@ -272,12 +271,9 @@ class TinkerService:
             raise UserError(f"a state named {name!r} exists already for {model_id}; save under another name"
                             " (or with overwrite=True)")
         state = next(s for s in self.trainer.checkpoint_state() if s is not None)
-        tmp = folder.with_name(folder.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        torch.save(state, tmp / "state.pt")
-        (tmp / "model.json").write_text(json.dumps({"base_model": self.base_model, "lora": model.lora}))
-        replace_dir(tmp, folder)  # whole: a reader never sees half a state
+        with atomic_dir(folder) as tmp:  # whole: a reader never sees half a state
+            torch.save(state, tmp / "state.pt")
+            (tmp / "model.json").write_text(json.dumps({"base_model": self.base_model, "lora": model.lora}))
         return {"path": f"tinker://{model_id}/weights/{name}", "type": "save_weights"}
 
     def load_state(self, model_id: str, path: str, optimizer: bool, session: tuple[str, int] | None = None) -> dict:
@@ -317,12 +313,9 @@ class TinkerService:
         if name is not None:
             tensors, config = ray.get(ref)
             folder = self._folder(model_id, "sampler_weights", name)
-            tmp = folder.with_name(folder.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"))
-            (tmp / "adapter_config.json").write_text(json.dumps(config))
-            replace_dir(tmp, folder)
+            with atomic_dir(folder) as tmp:
+                save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"))
+                (tmp / "adapter_config.json").write_text(json.dumps(config))
             path = f"tinker://{model_id}/sampler_weights/{name}"
         return self._keep(ref, path), path
 
