@@ -430,7 +430,9 @@ def test_bad_settings_are_refused_by_name_before_any_worker_starts(capfd):
     from hybridlab.cli import main
 
     assert main(["serve", "tinker", "port=70000", "api_key=abc", "colour=blue"]) == 2
-    assert "unknown tinker service setting(s) colour; known: model, name, host" in capfd.readouterr().err
+    assert "error: unknown key colour; allowed keys: model, name, host, port, api_key" in capfd.readouterr().err
+    assert main(["serve", "tinker", "port=eighty"]) == 2
+    assert capfd.readouterr().err == "error: port: expected int, got 'eighty' (str)\n"
     assert main(["serve", "tinker", "port=70000", "api_key=abc"]) == 2
     assert capfd.readouterr().err == ("error: tinker service settings:\n"
                                       "  api_key must start with 'tml-' (the Tinker SDK refuses other keys)\n"

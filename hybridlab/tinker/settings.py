@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from hybridlab.config.loading import build
 from hybridlab.config.schema import RolloutConfig
 from hybridlab.errors import UserError
 
@@ -75,24 +76,9 @@ def load_settings(config: str | None = None, overrides: list[str] = ()) -> Servi
         if not path.is_file():
             raise UserError(f"{config}: no such settings file")
         values = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(values, dict):
-            raise UserError(f"{config}: expected a mapping of settings, got {type(values).__name__}")
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
             raise UserError(f"override {item!r}: expected KEY=VALUE")
         values[key.strip()] = yaml.safe_load(value)
-    fields = {f.name: f for f in dataclasses.fields(ServiceSettings)}
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise UserError(f"unknown tinker service setting(s) {', '.join(unknown)}; known: {', '.join(fields)}")
-    typed = {}
-    for key, value in values.items():
-        kind = type(getattr(ServiceSettings(), key))
-        try:
-            typed[key] = kind(value) if not isinstance(value, bool) or kind is bool else None
-        except (TypeError, ValueError):
-            typed[key] = None
-        if typed[key] is None or (kind is int and isinstance(value, float) and value != int(value)):
-            raise UserError(f"{key}: expected {kind.__name__}, got {value!r}")
-    return ServiceSettings(**typed).validate()
+    return build(ServiceSettings, values).validate()  # the run config's checks of keys and types
