@@ -50,12 +50,11 @@ class FutureStore:
         message = str(exc) or type(exc).__name__
         self._settle(request_id, ("json", {"error": message, "category": category}))
 
-    async def run(self, request_id: str, work: Awaitable, encode: Callable | None = None) -> None:
-        """Await ``work`` and record its result (through ``encode``: a dict, or bytes for protobuf)."""
+    async def run(self, request_id: str, work: Awaitable) -> None:
+        """Await ``work`` and record its result: a dict (JSON), or bytes (a protobuf body)."""
         try:
             result = await work
-            encoded = encode(result) if encode else result
-            self.finish(request_id, encoded, proto=isinstance(encoded, bytes))
+            self.finish(request_id, result, proto=isinstance(result, bytes))
         except Exception as exc:  # every failure reaches the client as the SDK's error shape
             self.fail(request_id, exc)
 

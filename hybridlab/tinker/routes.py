@@ -43,11 +43,8 @@ async def _json(request: web.Request) -> dict:
 def add_routes(app: web.Application, server) -> None:
     """Add every route of the Tinker API, served by ``server`` (a ``TinkerServer``: the
     handlers below take it first)."""
-    for path in ("client/config", "client/dynamic_config", "create_session", "session_heartbeat",
-                 "sessions/{session_id}/finish", "create_model", "get_info", "forward_backward", "optim_step",
-                 "save_weights", "save_weights_for_sampler", "load_weights", "create_sampling_session", "asample",
-                 "retrieve_future", "telemetry", "cancel_future"):
-        app.router.add_post(f"{API}/{path}", functools.partial(HANDLERS[path], server))
+    for path, handler in HANDLERS.items():
+        app.router.add_post(f"{API}/{path}", functools.partial(handler, server))
     app.router.add_get(f"{API}/get_server_capabilities", functools.partial(capabilities, server))
     app.router.add_get(f"{API}/healthz", lambda _: web.json_response({"status": "ok"}))
     app.router.add_get(API + "/samplers/{sampler_id}", functools.partial(get_sampler, server))

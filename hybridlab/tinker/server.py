@@ -45,7 +45,7 @@ class TinkerServer:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.port = self.settings.port
         self._thread: threading.Thread | None = None
-        self._stopped = threading.Event()
+        self._stopping: asyncio.Event | None = None  # set in the server's loop: it stops serving
         self._queue: asyncio.Queue | None = None
 
     @property
@@ -88,9 +88,9 @@ class TinkerServer:
             self.port = free_port(self.settings.host)
         await web.TCPSite(runner, self.settings.host, self.port).start()
         batcher = asyncio.create_task(self._sample_batches())
+        self._stopping = asyncio.Event()
         ready.set()
-        while not self._stopped.is_set():
-            await asyncio.sleep(0.1)
+        await self._stopping.wait()
         batcher.cancel()
         await runner.cleanup()
 
@@ -112,8 +112,8 @@ class TinkerServer:
 
     def stop(self, close_service: bool = True) -> None:
         """Stop serving and (``close_service``) the workers."""
-        self._stopped.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self._stopping.set)
             self._thread.join(10)
         self.train_pool.shutdown(wait=False, cancel_futures=True)
         self.sample_pool.shutdown(wait=False, cancel_futures=True)
