@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
 
-from hybridlab.tinker.losses import LossError
+from hybridlab.errors import UserError
 
 _NUMPY = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 
@@ -26,14 +26,14 @@ class FwdBwdCall:
     loss_fn: str
     config: dict
     forward_only: bool
-    tokens: list[list[int]]             # each datum's model input
-    inputs: list[dict[str, list]]       # each datum's loss_fn_inputs as flat lists
+    tokens: list[np.ndarray]            # each datum's model input
+    inputs: list[dict[str, np.ndarray]]  # each datum's loss_fn_inputs, one value per position
 
 
 def _tensor(msg: pb.Tensor, key: str) -> np.ndarray:
     dtype = _NUMPY.get(msg.dtype)
     if dtype is None:
-        raise LossError(f"loss_fn_inputs[{key!r}]: dtype {pb.DType.Name(msg.dtype)} is not served (float32, int64)")
+        raise UserError(f"loss_fn_inputs[{key!r}]: dtype {pb.DType.Name(msg.dtype)} is not served (float32, int64)")
     if msg.WhichOneof("encoding") == "sparse_csr":
         values = np.frombuffer(msg.sparse_csr.values, dtype)
         crow = np.frombuffer(msg.sparse_csr.crow_indices, np.int64)
@@ -47,19 +47,19 @@ def _tensor(msg: pb.Tensor, key: str) -> np.ndarray:
         if msg.shape:
             array = array.reshape(tuple(msg.shape))
     if array.ndim != 1:
-        raise LossError(f"loss_fn_inputs[{key!r}] has shape {list(array.shape)}; this server takes one value per"
+        raise UserError(f"loss_fn_inputs[{key!r}] has shape {list(array.shape)}; this server takes one value per"
                         " position (shape [N])")
     return array
 
 
-def _chunk_tokens(chunks) -> list[int]:
-    tokens: list[int] = []
+def _chunk_tokens(chunks) -> np.ndarray:
+    parts = []
     for chunk in chunks:
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
-            raise LossError(f"model_input holds a {kind} chunk; this server trains on token chunks only")
-        tokens.extend(np.frombuffer(chunk.encoded_text.tokens, np.int32).tolist())
-    return tokens
+            raise UserError(f"model_input holds a {kind} chunk; this server trains on token chunks only")
+        parts.append(np.frombuffer(chunk.encoded_text.tokens, np.int32))
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
 
 def _config(request: pb.ForwardBackwardRequest) -> dict:
@@ -70,23 +70,23 @@ def _config(request: pb.ForwardBackwardRequest) -> dict:
 
 
 def parse_forward_backward(body: bytes) -> FwdBwdCall:
-    """Return the chunk a ``ForwardBackwardRequest`` body carries; raises LossError naming a
+    """Return the chunk a ``ForwardBackwardRequest`` body carries; raises UserError naming a
     datum whose inputs do not line up with its model input."""
     request = pb.ForwardBackwardRequest()
     request.ParseFromString(body)
     tokens, inputs = [], []
     for i, datum in enumerate(request.data):
         ids = _chunk_tokens(datum.model_input)
-        row = {key: _tensor(t, key).tolist() for key, t in datum.loss_fn_inputs.items()}
+        row = {key: _tensor(t, key) for key, t in datum.loss_fn_inputs.items()}
         bad = {key: len(v) for key, v in row.items() if len(v) != len(ids)}
-        if bad or not ids:
-            raise LossError(f"datum {i}: model_input has {len(ids)} tokens but loss_fn_inputs lengths are {bad};"
+        if bad or not len(ids):
+            raise UserError(f"datum {i}: model_input has {len(ids)} tokens but loss_fn_inputs lengths are {bad};"
                             " every input has one value per model_input position")
         tokens.append(ids)
         inputs.append(row)
     keys = {frozenset(row) for row in inputs}
     if len(keys) > 1:
-        raise LossError(f"the datums of one call carry different loss_fn_inputs: {sorted(map(sorted, keys))}")
+        raise UserError(f"the datums of one call carry different loss_fn_inputs: {sorted(map(sorted, keys))}")
     return FwdBwdCall(request.model_id, request.seq_id, request.loss_fn, _config(request), request.forward_only,
                       tokens, inputs)
 
@@ -123,10 +123,10 @@ def sample_response(answer: dict) -> bytes:
 
 def model_input_tokens(model_input: dict) -> list[int]:
     """Return the token ids of a JSON ``ModelInput`` ({"chunks": [{"type": "encoded_text",
-    "tokens": [...]}, ...]}); raises LossError on any other chunk."""
+    "tokens": [...]}, ...]}); raises UserError on any other chunk."""
     tokens: list[int] = []
     for chunk in model_input.get("chunks", []):
         if chunk.get("type", "encoded_text") != "encoded_text":
-            raise LossError(f"the prompt holds a {chunk.get('type')} chunk; this server samples from token chunks only")
+            raise UserError(f"the prompt holds a {chunk.get('type')} chunk; this server samples from token chunks only")
         tokens.extend(int(t) for t in chunk["tokens"])
     return tokens

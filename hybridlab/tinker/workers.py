@@ -26,10 +26,10 @@ from hybridlab.workers.train.workers import ActorWorker
 INPUT_PREFIX = "tinker/"  # a loss input's tensor name in the batch: tinker/weights, tinker/advantages, ...
 
 
-def datum_batch(tokens: list[list[int]], inputs: list[dict[str, list]]) -> Batch:
+def datum_batch(tokens: list, inputs: list[dict]) -> Batch:
     """Return the Batch of Tinker datums: ``tokens`` their model inputs, ``inputs`` their
-    ``loss_fn_inputs`` as lists (``target_tokens`` and one list per other key), right-padded
-    to the longest datum; ``response_mask`` is 1 on each datum's positions."""
+    ``loss_fn_inputs`` (``target_tokens`` and each other key, one value per position; arrays or
+    lists), right-padded to the longest datum; ``response_mask`` is 1 on each datum's positions."""
     width = max(len(t) for t in tokens)
     n = len(tokens)
     input_ids = torch.zeros(n, width + 1, dtype=torch.long)
@@ -38,10 +38,11 @@ def datum_batch(tokens: list[list[int]], inputs: list[dict[str, list]]) -> Batch
     mask = torch.zeros(n, width, dtype=torch.float32)
     extra = {key: torch.zeros(n, width, dtype=torch.float32) for key in inputs[0] if key != "target_tokens"}
     for i, (ids, row) in enumerate(zip(tokens, inputs)):
-        length, target = len(ids), row["target_tokens"]
-        input_ids[i, :length + 1] = torch.tensor([*ids, target[-1]])
+        length, target = len(ids), torch.tensor(row["target_tokens"], dtype=torch.long)
+        input_ids[i, :length] = torch.tensor(ids, dtype=torch.long)
+        input_ids[i, length] = target[-1]
         attention[i, :length + 1] = 1
-        targets[i, :length] = torch.tensor(target)
+        targets[i, :length] = target
         mask[i, :length] = 1
         for key, values in row.items():
             if key != "target_tokens":
@@ -72,8 +73,10 @@ class TinkerTrainer(ActorWorker):
     (an adapter is small: the swap copies a few MB in this process) before each of its calls.
     """
 
-    active: str | None = None                 # the client whose adapter the engine holds
-    held: dict | None = None                  # the other clients': model id -> what _stash returned
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.active: str | None = None  # the client whose adapter the engine holds
+        self.held: dict[str, dict] = {}  # the other clients': model id -> what _stash returned
 
     @register(Dispatch.ALL)
     def activate(self, model_id: str, seed: int) -> bool:
@@ -82,7 +85,6 @@ class TinkerTrainer(ActorWorker):
         fresh one drawn from ``seed``. Returns whether anything was swapped."""
         if self.active == model_id:
             return False
-        self.held = self.held if self.held is not None else {}
         if self.active is None:  # the first client: the engine's own adapter
             self.active = model_id
             return False
@@ -153,7 +155,10 @@ class TinkerSampler(RolloutWorker):
     """vLLM in this process, sampling many clients' requests in one batch, each through the
     adapter its sampling client was made from (vLLM mixes adapters in a batch)."""
 
-    saved: dict[int, tuple[dict, dict]]  # adapter id -> (tensors, PEFT config), to reinstall after vLLM evicts
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # adapter id -> (tensors, PEFT config): reinstalled when vLLM has evicted it
+        self.saved: dict[int, tuple[dict, dict]] = {}
 
     @register(Dispatch.ALL)
     def keep_adapter(self, adapter_id: int, boxed: list, evict: list[int]) -> int:
@@ -162,7 +167,6 @@ class TinkerSampler(RolloutWorker):
         import ray
 
         tensors, config = ray.get(boxed[0])
-        self.saved = getattr(self, "saved", {})
         for old in evict:
             self.saved.pop(old, None)
         self.saved[adapter_id] = (tensors, config)
@@ -209,7 +213,8 @@ def _answer(out) -> dict:
     sequences = []
     for completion in out.outputs:
         tokens, logprobs = sampled_logprobs(completion)
-        sequences.append({"tokens": tokens, "logprobs": logprobs, "stop_reason": _stop_reason(completion.finish_reason)})
+        sequences.append({"tokens": tokens, "logprobs": logprobs,
+                          "stop_reason": _stop_reason(completion.finish_reason)})
     prompt = None
     if out.prompt_logprobs is not None:
         ids = out.prompt_token_ids
