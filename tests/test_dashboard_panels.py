@@ -12,7 +12,7 @@ import pytest
 
 from hybridlab.errors import UserError
 from hybridlab.telemetry import dashboard as dash
-from hybridlab.telemetry import panels
+from hybridlab.telemetry import panels, service_panel
 from hybridlab.telemetry.busy import busy_fractions, busy_metrics, union_seconds
 from hybridlab.telemetry.memory import leak_check
 from hybridlab.telemetry.timeline import Span
@@ -436,10 +436,15 @@ def test_the_service_section_counts_sessions_clients_and_calls_and_plots_the_loo
     calls += [{"kind": "service", "call": "forward_backward", "seconds": 0.5, "model": "s1:train:0",
                "loss_sum": 10.0 - i, "time": t + 50 + i} for i in range(3)]
     calls += [{"kind": "service", "call": "optim_step", "seconds": 0.25, "model": "s1:train:0", "time": t + 70}]
-    run_dir = write_run(tmp_path / "run", [{"kind": "run", "name": "tinker", "mapping": {}}, *calls])
+    run_dir = write_run(tmp_path / "run", [{"kind": "run", "name": "tinker", "mapping": {}}])
     board = dash.Dashboard(run_dir, control=False)
     board.update()
     service = board.service
+    assert service.table.object == service_panel.WAITING and not service.figures.visible  # a training run's
+    with (run_dir / "telemetry.jsonl").open("a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in calls)
+    board.update()
+    assert service.figures.visible
     assert service.table.object == "\n".join([
         "**1** sessions, **1** training clients, **2** sampling clients", "",
         "| call | calls | mean s | calls/s (last minute) |", "|---|---|---|---|",
