@@ -447,3 +447,4 @@ def test_serve_tinker_explain_says_what_runs_where(tiny_dir, tmp_path, capfd):
     out = capfd.readouterr().out
     assert out.startswith(f"**hybridlab/{tiny_dir.name}** ({tiny_dir}), context 512 tokens. One device")
     assert "a LoRA adapter of rank up to 16, alpha 32, on the FSDP2 backend" in out
+    assert not (tmp_path / "hub").exists()  # explaining writes nothing: the tokenizer is published at start

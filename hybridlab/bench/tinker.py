@@ -18,6 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import tinker
+from tinker import types
+
 from hybridlab.config.schema import RunConfig
 from hybridlab.dataflow.session import RLSession
 from hybridlab.dataflow.warm_start import warm_start
@@ -37,10 +40,8 @@ def _log(message: str) -> None:
 
 def greedy_accuracy(sampling, tokenizer, task, samples, max_tokens: int) -> float:
     """Return the share of ``samples`` the sampling client answers right at temperature 0."""
-    import tinker
-
-    params = tinker.types.SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    futures = [sampling.sample(tinker.types.ModelInput.from_ints(prompt_ids(tokenizer, s)), 1, params)
+    params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    futures = [sampling.sample(types.ModelInput.from_ints(prompt_ids(tokenizer, s)), 1, params)
                for s in samples]
     right = 0
     for future, sample in zip(futures, samples):
@@ -51,8 +52,6 @@ def greedy_accuracy(sampling, tokenizer, task, samples, max_tokens: int) -> floa
 
 def rl_iteration(training, tokenizer, task, rows, group: int, max_tokens: int, adam) -> dict:
     """One iteration of the cookbook's loop; returns its mean reward and seconds."""
-    from tinker import types
-
     start = time.perf_counter()
     sampling = training.save_weights_and_get_sampling_client().result()
     params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0)
@@ -101,8 +100,6 @@ def run(iterations: int = 150, prompts: int = 32, group: int = 8, rank: int = 16
         grpo_steps: int = 3, test_samples: int = 0, warm_steps: int = -1, out: str | None = None) -> dict:
     """Return the loop's greedy accuracy before and after, gain in points, its minutes, seconds
     per iteration and GRPO's (``speed_ratio``), with the processor."""
-    import tinker
-
     cfg = RunConfig()
     if warm_steps >= 0:
         cfg.warm_start.max_steps = warm_steps
@@ -125,7 +122,7 @@ def run(iterations: int = 150, prompts: int = 32, group: int = 8, rank: int = 16
         before = greedy_accuracy(training.save_weights_and_get_sampling_client().result(), tokenizer, task, samples,
                                  max_tokens)
         _log(f"before: {before:.3f}; {iterations} iterations of {prompts} x {group}")
-        adam = tinker.types.AdamParams(learning_rate=lr, beta1=0.9, beta2=0.999, eps=1e-8)
+        adam = types.AdamParams(learning_rate=lr, beta1=0.9, beta2=0.999, eps=1e-8)
         start, curve = time.perf_counter(), []
         for i in range(iterations):
             rows = [train_rows[(i * prompts + j) % len(train_rows)] for j in range(prompts)]

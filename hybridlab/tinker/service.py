@@ -77,7 +77,6 @@ class TinkerService:
         self.settings = settings.validate()
         self.model_dir = resolve_model(settings.model, seed=settings.seed)
         self.base_model = base_model_name(settings, self.model_dir)
-        publish_tokenizer(self.model_dir, self.base_model, settings.hub_cache)  # the SDK loads it by name
         self.run_dir = Path(settings.run_dir)
         # each server's dashboard records apart (servers may share run_dir: a state saved by one
         # loads in the next): `hybridlab dashboard RUN_DIR/dashboards` lists them
@@ -101,12 +100,13 @@ class TinkerService:
                                         "roles": {r: {"pool": "main", "colocate": "tinker"} for r in roles}})
 
     def start(self) -> "TinkerService":
-        """Start the sampler's worker (the trainer comes with the first model) and the run's
-        telemetry; returns self."""
+        """Publish the model's tokenizer under its name, start the sampler's worker (the trainer
+        comes with the first model) and the run's telemetry; returns self."""
         s = self.settings
         sampler = RoleClass(TinkerSampler, kwargs=dict(
             model_dir=str(self.model_dir), max_model_len=self.context, kv_cache_mb=s.kv_cache_mb, seed=s.seed,
             lora_rank=s.max_lora_rank, lora_slots=(s.batch_adapters, s.sampler_adapters)))
+        publish_tokenizer(self.model_dir, self.base_model, s.hub_cache)  # the SDK loads it by name
         env: dict = {}
         mapping = self._mapping(("rollout", "actor"))
         connect()  # before the telemetry hub, an actor: Ray would start a cluster without our settings
