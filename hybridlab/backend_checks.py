@@ -6,10 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridlab.config import RunConfig
+from hybridlab.config.bounds import one_of
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.errors import UserError
+from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import CONVERTED, model_config, parse_preset
-from hybridlab.workers.train.backend import STRATEGIES, resolve_strategy
+from hybridlab.workers.train.backend import PRECISIONS, STRATEGIES, resolve_strategy
 from hybridlab.workers.train.lora import SYNC_MODES
 
 MAX_VLLM_LORA_RANK = 512  # vLLM 0.32's largest max_lora_rank (vllm.config.lora.MaxLoRARanks)
@@ -18,6 +20,36 @@ MAX_VLLM_LORA_RANK = 512  # vLLM 0.32's largest max_lora_rank (vllm.config.lora.
 def backend_problems(cfg: RunConfig, mapping: DeviceMapping) -> list[str]:
     """Return every problem of the backend, LoRA and offload settings with ``mapping``, each naming its key."""
     return [*_strategy_problems(cfg, mapping), *_lora_problems(cfg, mapping), *_fsdp_problems(cfg, mapping)]
+
+
+def training_problems(cfg: RunConfig) -> list[str]:
+    """Return the problems of the actor's and critic's precision and strategy, and of the model
+    for the strategies asked (Megatron trains the families it converts), each naming its key."""
+    p = []
+    for section in ("actor", "critic"):
+        p += one_of(f"{section}.precision", getattr(cfg, section).precision, PRECISIONS)
+        p += one_of(f"{section}.strategy", getattr(cfg, section).strategy, STRATEGIES)
+    try:
+        p += _model_problems(cfg)
+    except UserError as exc:
+        p.append(f"model: {exc}")
+    return p
+
+
+def _model_problems(cfg: RunConfig) -> list[str]:
+    megatron = [s for s in ("actor", "critic") if getattr(cfg, s).strategy == "megatron"]
+    if not Path(cfg.model).is_dir():
+        arch = parse_preset(cfg.model)[1]
+        return [f"{section}.strategy: the zoo's {arch} models have no Megatron conversion; use auto or fsdp2"
+                for section in megatron if arch not in CONVERTED]
+    if not (Path(cfg.model) / "config.json").is_file():
+        return [f"model: {cfg.model} is not a Hugging Face checkpoint directory (no config.json)"]
+    if not ModelSpec.read(cfg.model).converted and megatron:  # read raises if transformers cannot build it
+        try:
+            ModelSpec.from_hf(cfg.model)
+        except UserError as exc:
+            raise UserError(f"{exc} ({megatron[0]}.strategy=megatron; auto or fsdp2 trains it with FSDP2)") from None
+    return []
 
 
 def training_strategy(cfg: RunConfig, section: str) -> str:

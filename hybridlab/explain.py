@@ -28,7 +28,6 @@ from hybridlab.models.chat import prompt_ids, use_template
 from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import resolve_model
 from hybridlab.reshard.plan import hf_shapes
-from hybridlab.run_config import validate_config
 
 # Where each constant comes from.
 # - The runtime bases (``*_mb``): resident memory of a worker process beyond what the model adds:
@@ -184,11 +183,10 @@ def _dpo_update_line(cfg: RunConfig) -> str:
 
 
 def explain(cfg: RunConfig, model_dir: str | Path | None = None) -> Explanation:
-    """Return the Explanation of a valid ``cfg`` (``validate_config`` refuses an invalid one
-    first, naming the sizes that do not fit); ``model_dir`` defaults to the config's model."""
+    """Return the Explanation of a validated ``cfg`` (``load_config``'s, or a session's, which
+    refuse sizes that do not fit); ``model_dir`` defaults to the config's model."""
     from transformers import AutoTokenizer
 
-    validate_config(cfg)
     model_dir = Path(model_dir or resolve_model(cfg.model, data=cfg.data))
     spec = ModelSpec.read(model_dir)
     params = parameter_count(model_dir)

@@ -2,8 +2,9 @@
 schema (``schema.py``, with the training roles' sections in ``training.py`` and the algorithm's
 in ``algorithm.py``: nested dataclasses with verl's key names, each field declaring how a change
 of it applies, ``setting.py``) and how YAML and ``key=value`` overrides become a RunConfig
-(``loading.py``). The checks across keys, which ask the stage, algorithm, mapping, task and
-reward registries, compose them one level up: ``hybridlab.run_config`` (``load_config``).
+(``loading.py``), with the range of each numeric setting (``bounds.py``). The checks that ask the
+stage, algorithm, mapping, task and reward registries live in those parts; ``hybridlab.run_config``
+(``load_config``) lists them one level up.
 """
 from __future__ import annotations
 

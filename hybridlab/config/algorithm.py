@@ -38,7 +38,7 @@ class RolloutCorrectionConfig:
     rollout's. ``bypass_mode``: the rollout's log-probs are the old ones and the actor's loss
     is ``bypass_mode`` with ``loss_type`` ppo_clip or reinforce."""
     rollout_is: Optional[str] = None    # None (off), "token" or "sequence"
-    rollout_is_threshold: object = 2.0  # a number (truncate) or a "lower_upper" string (IcePop); checked in run_config.py
+    rollout_is_threshold: object = 2.0  # a number (truncate) or a "lower_upper" string (IcePop); checked in algos/checks.py
     rollout_is_batch_normalize: bool = False
     rollout_rs: Optional[str] = None    # comma-separated rejection criteria, e.g. "seq_mean_k1" (Geo-RS)
     rollout_rs_threshold: object = None  # one threshold, or one per criterion ("0.999_1.001,0.05")

@@ -2,8 +2,8 @@
 change of it applies to a running session (``setting.py``); the training roles' sections are
 in ``training.py``, the algorithm's in ``algorithm.py``. The defaults are the embedded default
 run: GRPO on ``arith`` with the tiny zoo model after a supervised warm start. How YAML and
-``key=value`` overrides become a RunConfig is in ``loading.py``; checks across keys in
-``hybridlab/run_config.py``.
+``key=value`` overrides become a RunConfig is in ``loading.py``; the numeric settings' ranges in
+``bounds.py``; the checks across keys are listed in ``hybridlab/run_config.py``.
 """
 from __future__ import annotations
 

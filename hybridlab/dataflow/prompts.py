@@ -6,10 +6,10 @@ from pathlib import Path
 
 from hybridlab.batching import PROMPT_WIDTH
 from hybridlab.errors import UserError
-from hybridlab.models.chat import as_chat, prompt_ids
+from hybridlab.models.chat import as_chat, prompt_ids, template_file
 from hybridlab.models.spec import ModelSpec
 from hybridlab.protocol import Batch
-from hybridlab.tasks import Sample, get_task
+from hybridlab.tasks import Sample, Task, get_task
 from hybridlab.tasks.dataset import load_dataset
 
 # what prompt_batch makes (extra_info: the row's extra_info, its chat messages included, as verl's reward functions get it)
@@ -26,6 +26,41 @@ def data_files(value, key: str) -> list[str]:
     if isinstance(value, list) and all(isinstance(v, (str, Path)) for v in value):
         return [str(v) for v in value]
     raise UserError(f"{key}: expected a file path or a list of them, got {value!r}")
+
+
+def data_problems(cfg) -> list[str]:
+    """Return the problems of ``data.*`` (its files, its task, the chat template, and the warm
+    start they allow), each naming its key."""
+    data, p = cfg.data, []
+    for split in ("train", "test"):  # 0 means every row of the files; a task's generator needs a count
+        if not getattr(data, f"{split}_samples") and not data.train_files:
+            p.append(f"data.{split}_samples: 0 (every row) needs data.train_files; a task makes as many as asked")
+    if data.chat_template:
+        try:
+            template_file(data.chat_template)
+        except UserError as exc:
+            p.append(str(exc))
+    for key in ("train_files", "test_files"):
+        try:
+            files = data_files(getattr(data, key), f"data.{key}")
+        except UserError as exc:
+            p.append(str(exc))
+            continue
+        p.extend(f"data.{key}: no file {path!r}" for path in files if not Path(path).is_file())
+        if key == "train_files" and data.preferences and len(files) > 1:
+            p.append("data.train_files: preference pairs are read from one file")
+    if not data.train_files:
+        try:
+            task = get_task(data.task, **data.task_options)
+            if data.preferences and type(task).wrong_answer is Task.wrong_answer:
+                p.append(f"data.task: task {data.task!r} has no wrong_answer, so it cannot make preference pairs;"
+                         " give them in data.train_files (TRL's columns)")
+        except UserError as exc:
+            p.append(f"data.task: {exc}")
+    if cfg.warm_start.max_steps and data.train_files:
+        p.append("warm_start.max_steps: the supervised warm start needs a task's worked answers; set it to 0 with"
+                 " data.train_files")
+    return p
 
 
 def load_samples(cfg, split: str) -> list:
