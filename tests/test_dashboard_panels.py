@@ -427,6 +427,27 @@ def test_stage_seconds_are_bars_on_a_short_run_and_areas_on_a_long_one():
     assert len(panel.timing.data["step"]) == BARS_UP_TO + 1 and len(panel.time_fig.legend[0].items) == 2
 
 
+def test_a_page_opened_on_a_history_draws_no_legend_over_its_first_steps(tmp_path):
+    """Opened at step 26, the stacked stage seconds showed no bars for steps 1 to 25: the legend,
+    drawn inside the plot at its top left, covered them. Every legend now stands beside its plot,
+    after a redraw for a new stage too."""
+    from bokeh.models import Legend
+
+    history = [{**step_record(s, time.time()), "timing/update_actor_s": 1.0} for s in range(1, 27)]
+    run_dir = write_run(tmp_path / "run", [{"kind": "run", "name": "r", "mapping": {}}, *history])
+    board = dash.Dashboard(run_dir, control=False)
+    board.update()
+    assert board.training.timing.data["step"] == list(range(1, 27))
+    with (run_dir / "telemetry.jsonl").open("a") as f:  # a stage first timed now redraws the bars
+        f.write(json.dumps({**step_record(27, time.time()), "timing/sync_weights_s": 0.5}) + "\n")
+    board.update()
+    with_legend = [fig for fig in board.figures() if fig.select(type=Legend)]
+    assert board.training.time_fig in with_legend and board.reward_fig in with_legend
+    assert [fig for fig in with_legend if any(isinstance(x, Legend) for x in fig.center)] == []
+    legend = board.training.time_fig.right[0]
+    assert [item.label["value"] for item in legend.items] == ["generate", "update_actor", "sync_weights"]
+
+
 def test_the_service_section_counts_sessions_clients_and_calls_and_plots_the_loops_losses(tmp_path):
     t = 1_000.0
     calls = [{"kind": "service", "call": "create_session", "seconds": 0.0, "session": "s1", "time": t},

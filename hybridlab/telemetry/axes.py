@@ -81,6 +81,15 @@ def add_hover(fig) -> None:
     fig.add_tools(HoverTool(tooltips=[("series", "$name"), ("x", "$x{0,0.[00]}"), ("y", "$y{0,0.[000]}")]))
 
 
+def legend_beside(fig) -> None:
+    """Move ``fig``'s legend out of the plot area to its right (once): drawn inside, a legend
+    hides what lies under it, the first steps' bars and curves of a page opened on a history."""
+    for legend in [x for x in fig.center if x.__class__.__name__ == "Legend"]:
+        fig.center.remove(legend)
+        legend.location = "top_left"
+        fig.add_layout(legend, "right")
+
+
 def name_series(fig) -> None:
     """Name each renderer after its legend entry (what the hover tool shows as the series)."""
     legend = fig.legend[0] if fig.legend else None

@@ -19,7 +19,7 @@ from pathlib import Path
 from hybridlab.telemetry import page
 from hybridlab.telemetry.advice_panel import AdvicePanel
 from hybridlab.telemetry.agent_panel import AgentPanel
-from hybridlab.telemetry.axes import AXIS_LABELS, STEP, WALL, StepAxis, add_hover, name_series
+from hybridlab.telemetry.axes import AXIS_LABELS, STEP, WALL, StepAxis, add_hover, legend_beside, name_series
 from hybridlab.telemetry.controls import RunControls
 from hybridlab.telemetry.heatmap import HeatMap
 from hybridlab.telemetry.mapping_view import mapping_html, mapping_text, remap_table
@@ -255,6 +255,7 @@ class Dashboard:
         for fig in self.figures():  # the hover tool names each series (plots built at their first step too)
             add_hover(fig)
             name_series(fig)
+            legend_beside(fig)
         if self.axis.mode == WALL:  # lines and step markers added since the switch follow it too
             self.axis.apply(self.step_figures(), WALL)
         self.status.object = self._status_text()
