@@ -12,6 +12,7 @@ import hybridlab.algos as A
 from hybridlab.algos.advantages import compute_advantage
 from hybridlab.algos.rollout_correction import compute_rollout_correction_and_rejection_mask
 from hybridlab.dataflow.graph import DataflowError, StageError
+from hybridlab.dataflow.recovery import step_start
 from hybridlab.dataflow.session import RLSession
 from hybridlab.dataflow.stages import STAGES, register_stage
 
@@ -144,21 +145,34 @@ def test_a_reward_model_stage_is_added_between_steps(rl, trained_dir, tmp_path):
     assert torch.allclose(b["token_level_scores"].sum(-1), expect, atol=1e-4)
 
 
-def test_one_step_off_policy_records_staleness(rl):
+def test_one_step_off_policy_records_staleness_and_trains_every_prompt_once(rl):
+    """Staleness per step; and rollouts ahead thrown away by a settings change are not lost: the
+    prompt stream goes back before their prompts, so the steps train every prompt once, in
+    order, and count the regenerated ones."""
     import time
 
     since = time.time()
+    per_step, first_uid, regenerated = rl.cfg.data.prompts_per_step, rl.state.prompts.drawn, rl.state.ahead.regenerated
     rl.update("trainer.off_policy=true")
     try:
         first, second = rl.step(), rl.step()
-        # bounded staleness: two rollouts kept ahead (the change drops the pending one first)
+        # bounded staleness: two rollouts kept ahead (the change throws the pending one away first)
         rl.update("trainer.max_staleness=2")
-        deeper = [rl.step().metrics["rollout/staleness"] for _ in range(4)]
+        deeper = [rl.step() for _ in range(4)]
         assert len(rl.state.ahead.pending) == 2
+        # a checkpoint, and a step retried after a worker fault, go back before the two batches ahead
+        assert rl.state.prompts.drawn == first_uid + 8 * per_step
+        assert rl.state.record(None)["prompts"]["drawn"] == step_start(rl.state).prompts["drawn"] \
+            == first_uid + 6 * per_step
     finally:
         rl.update("trainer.off_policy=false", "trainer.max_staleness=1")
+    after = rl.step()  # on-policy: the first prompts of the two rollouts thrown away
     assert first.metrics["rollout/staleness"] == 0 and second.metrics["rollout/staleness"] == 1
-    assert deeper == [0, 1, 2, 2] and rl.state.ahead.pending == []
+    assert [r.metrics["rollout/staleness"] for r in deeper] == [0, 1, 2, 2] and rl.state.ahead.pending == []
+    trained = [uid for r in (first, second, *deeper, after) for uid in sorted(set(r.batch["uid"]))]
+    assert trained == list(range(first_uid, first_uid + 7 * per_step))
+    assert rl.state.ahead.regenerated - regenerated == 3 * per_step  # one batch ahead, then two
+    assert deeper[-1].metrics["rollout/regenerated_prompts"] == rl.state.ahead.regenerated - 2 * per_step
     assert "advantages" in second.batch and second.metrics["sync/bytes"] > 0
     # rollouts submitted ahead (collected by the next step's thread) still count as generate
     generated = [s for s in rl.workers.timeline.spans(since=since) if s.method == "generate"]

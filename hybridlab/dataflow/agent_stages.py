@@ -17,7 +17,7 @@ import torch
 from hybridlab.agents.rollout import AgentSettings, STAT_FIELDS, load_spec
 from hybridlab.batching import on_last_token
 from hybridlab.dataflow.fields import SEQUENCE_FIELDS
-from hybridlab.dataflow.generation_stages import finish_reward, generation_metrics
+from hybridlab.dataflow.generation_stages import ahead_metrics, finish_reward, generation_metrics
 from hybridlab.errors import UserError
 from hybridlab.protocol import Batch
 from hybridlab.sandbox import Sandbox, SandboxUnavailable
@@ -94,7 +94,7 @@ def generate_agent(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     metrics = generation_metrics(ctx.cfg, out)  # response_length/*: the model's tokens per trajectory
     lengths = out["attention_mask"][:, -out["response_mask"].shape[1]:].sum(-1)
     metrics["response_length/clip_ratio"] = float((lengths >= ctx.cfg.rollout.max_trajectory_tokens).float().mean())
-    return out, {**metrics, **agent_metrics(out), "rollout/staleness": staleness}
+    return out, {**metrics, **agent_metrics(out), **ahead_metrics(ctx, staleness)}
 
 
 def own_scores(batch: Batch, error_score: float) -> tuple[torch.Tensor, torch.Tensor]:

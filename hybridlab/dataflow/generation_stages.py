@@ -36,7 +36,14 @@ def generate(ctx: StepContext, batch: Batch) -> tuple[Batch, dict]:
     else:
         out, staleness = ctx.group("rollout").generate(batch, ctx.sampling()), 0
     fault_point("generate", ctx.state.step_count + 1)
-    return out, {**generation_metrics(ctx.cfg, out), "rollout/staleness": staleness}
+    return out, {**generation_metrics(ctx.cfg, out), **ahead_metrics(ctx, staleness)}
+
+
+def ahead_metrics(ctx: StepContext, staleness: int) -> dict:
+    """Return ``rollout/staleness`` and, off-policy, ``rollout/regenerated_prompts``: the prompts
+    whose rollouts ahead were thrown away (settings or workers changed) and generated again, in all."""
+    regenerated = {"rollout/regenerated_prompts": ctx.state.ahead.regenerated} if ctx.cfg.trainer.off_policy else {}
+    return {"rollout/staleness": staleness, **regenerated}
 
 
 def generation_metrics(cfg, out: Batch) -> dict:

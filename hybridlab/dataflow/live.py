@@ -40,7 +40,7 @@ class LiveEdits:
             flow.validate(self.cfg, self.mapping.roles, step_inputs(self.cfg))  # against the config it now meets
             self._dataflow = flow
             self.cfg = dataclasses.replace(self.cfg, dataflow=flow.names)
-            self.state.ahead.drop()
+            self.state.ahead.drop(self.state.prompts)
 
         self.boundary.run(assign)
 
@@ -111,7 +111,7 @@ class LiveEdits:
             self.state.kl_ctrl = get_kl_controller(new.algorithm.kl_ctrl)
         if (new.trainer.off_policy, new.trainer.max_staleness, new.rollout) != \
                 (self.cfg.trainer.off_policy, self.cfg.trainer.max_staleness, self.cfg.rollout):
-            self.state.ahead.drop()
+            self.state.ahead.drop(self.state.prompts)
         if self.workers is not None and new.trainer.spare_processes != self.cfg.trainer.spare_processes:
             self.workers.set_spares(new.trainer.spare_processes)
         self.cfg, self._dataflow = new, flow

@@ -145,15 +145,23 @@ def prompt_batch(samples: list[Sample], tokenizer, uids: list, fit: PromptFit | 
 
 class ShuffledEpochs:
     """Indices into ``size`` items, drawn in shuffled epochs from a seed; its position saves and
-    restores as plain data (for checkpoints)."""
+    restores as plain data (for checkpoints), and it can go back to before any of its last
+    ``MARKS`` draws (``state_before``: rollouts generated ahead and then thrown away are drawn
+    again). The position after ``p`` items depends on ``p`` alone, however they were grouped."""
+
+    MARKS = 16  # at least trainer.max_staleness + 2 (RolloutAhead raises it for a deeper queue)
 
     def __init__(self, size: int, seed: int = 0):
         self.size, self.rng = size, random.Random(seed)
         self.order: list[int] = []
         self.drawn = 0
+        self.marks: dict[int, dict] = {}  # items drawn -> the position then, for the newest MARKS draws
 
     def take(self, n: int) -> list[int]:
         """Return the next ``n`` indices (a new shuffled epoch starts when one runs out)."""
+        self.marks[self.drawn] = self.state()
+        for old in sorted(self.marks)[:-self.MARKS]:
+            del self.marks[old]
         picked = []
         while len(picked) < n:
             if not self.order:
@@ -168,6 +176,14 @@ class ShuffledEpochs:
         version, internal, gauss = self.rng.getstate()
         return {"rng": [version, list(internal), gauss], "order": list(self.order), "drawn": self.drawn,
                 "size": self.size}
+
+    def state_before(self, drawn: int) -> dict:
+        """Return the position before the draw that started at item ``drawn`` (a batch's first uid);
+        raises ValueError when that draw is not among the newest ``MARKS``."""
+        if drawn not in self.marks:
+            raise ValueError(f"the prompt stream keeps its position before its last {self.MARKS} draws only;"
+                             f" item {drawn} was drawn earlier (or never)")
+        return self.marks[drawn]
 
     def set_state(self, state: dict) -> None:
         """Go back to a position ``state()`` returned; raises UserError when the stream it came from

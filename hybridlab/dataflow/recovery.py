@@ -62,7 +62,7 @@ class StepStart:
 
 def step_start(state: RunState) -> StepStart:
     """Return the controller state a retried step must start from."""
-    return StepStart(state.prompts.state(), (random.getstate(), np.random.get_state(), torch.get_rng_state()),
+    return StepStart(state.prompt_position(), (random.getstate(), np.random.get_state(), torch.get_rng_state()),
                      dict(vars(state.kl_ctrl)))
 
 
@@ -162,7 +162,7 @@ def recover(rl: "RLSession", err: WorkerError, dead: set[str], ctx: "StepContext
     t0 = time.perf_counter()
     print(f"{what}; re-creating {', '.join(sorted(dead))} (restart {rl.state.worker_restarts} of at most"
           f" {rl.cfg.trainer.max_restarts})", file=sys.stderr, flush=True)
-    rl.state.ahead.pending = []  # its workers may be gone; the look-ahead is submitted again
+    rl.state.ahead.forget(rl.state.prompts)  # its workers may be gone: its prompts are drawn and generated again
     for pool_roles in {rl.workers.colocated(r) for r in dead}:
         rl.workers.recreate(pool_roles[0], close_timeout=2.0)
     if rollback:

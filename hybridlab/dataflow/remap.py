@@ -121,7 +121,7 @@ def apply_change(rl: "RLSession", change: Change) -> RemapReport | None:
     if not change.remap:
         rl.apply_config(change.cfg, change.flow, change.configure)
         return None
-    rl.state.ahead.drop()
+    rl.state.ahead.drop(rl.state.prompts)
     try:
         report = apply(rl, change.cfg, change.mapping, change.recreate, change.reason)
     except BaseException as exc:

@@ -81,9 +81,16 @@ class RunState:
         self.bad_updates += bad
         self.bad_steps_in_a_row = self.bad_steps_in_a_row + 1 if bad else 0
 
+    def prompt_position(self) -> dict:
+        """Return the prompt stream's position before the prompts of the rollouts ahead (what a
+        checkpoint saves and a retried step goes back to: those prompts are generated again)."""
+        first = self.ahead.first_uid()
+        return self.prompts.state() if first is None else self.prompts.state_before(first)
+
     def record(self, train: TrainProgress | None) -> dict[str, Any]:
         """Return the state a checkpoint saves (its ``session.json`` fields), with ``train()``'s progress."""
-        return {"step": self.step_count, "actor_version": self.actor_version, "prompts": self.prompts.state(),
+        return {"step": self.step_count, "actor_version": self.actor_version, "prompts": self.prompt_position(),
+                "regenerated_prompts": self.ahead.regenerated,
                 "kl_ctrl": dict(vars(self.kl_ctrl)), "history": self.history,
                 "faults": {"bad_updates": self.bad_updates, "bad_steps_in_a_row": self.bad_steps_in_a_row,
                            "worker_restarts": self.worker_restarts},
@@ -101,4 +108,5 @@ class RunState:
         self.bad_updates = record["faults"]["bad_updates"]
         self.bad_steps_in_a_row = record["faults"]["bad_steps_in_a_row"]
         self.worker_restarts = record["faults"].get("worker_restarts", 0)
+        self.ahead.regenerated = record.get("regenerated_prompts", 0)
         vars(self.kl_ctrl).update(record["kl_ctrl"])

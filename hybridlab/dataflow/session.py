@@ -233,7 +233,7 @@ class RLSession(Stepping, LiveEdits):
 
     def shutdown(self) -> None:
         """Stop the workers and close the logs (the Ray connection stays for the kernel)."""
-        self.state.ahead.pending = []
+        self.state.ahead.forget(self.state.prompts)
         self.telemetry.stop_watching()
         if self.workers is not None:
             self.workers.shutdown()

@@ -79,7 +79,7 @@ def finish(rl: "RLSession", progress: TrainProgress, saved: int, stopped: str) -
     """End the loop: drop the rollouts ahead, evaluate (unless the last step just was), checkpoint
     (unless step ``saved`` is the last) and write the summary; returns it."""
     with rl.boundary.lock:  # a queued edit may drop the pending rollout too
-        rl.state.ahead.drop()
+        rl.state.ahead.drop(rl.state.prompts)
     curve, step = progress.curve, rl.state.step_count
     try:  # the last step may just have been evaluated: same weights, so its result stands
         after = progress.last if curve and curve[-1]["step"] == step else record_eval(rl, progress)
