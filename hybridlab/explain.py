@@ -233,9 +233,28 @@ def explain(cfg: RunConfig, model_dir: str | Path | None = None) -> Explanation:
                      f" trains and syncs ({'the adapter alone' if lora.sync == 'adapter' else 'merged into the base'})"
                      + ("; ref is the actor's base model with the adapter off, in the actor's processes"
                         if "ref" in mapping.roles else ""))
+    lines += _pipeline_lines(cfg, samples)
     lines += ["device mapping:", *draw_mapping(mapping)]
     memory = estimate_memory(cfg, mapping, params, spec.vocab_size, seq_len, expert_parameter_count(spec))
     lines.append("estimated resident memory per process (runtime base + model state, activations not"
                  " counted; see hybridlab.explain.MEMORY):")
     lines += [f"  {name}: {mb:.0f} MB" for name, mb in memory.items()]
     return Explanation(sizes, lines, memory)
+
+
+def _pipeline_lines(cfg: RunConfig, samples: int) -> list[str]:
+    """Return how generation overlaps training: streaming, off-policy batches ahead, or none."""
+    t, prompts = cfg.trainer, cfg.data.prompts_per_step
+    if t.streaming:
+        return [f"streaming rollouts: the rollout engines generate continuously; a step trains the first {prompts}"
+                f" groups to finish ({samples} samples); prompts are admitted while at most (steps done +"
+                f" {t.max_staleness} + 1) x {prompts} have been (trainer.max_staleness={t.max_staleness}), so the"
+                f" oldest token of a trained sample is at most {t.max_staleness} update(s) old unless it outlasts"
+                f" later prompts (then trainer.stale_samples={t.stale_samples}); a sync does not wait for samples in"
+                f" flight, which go on from their {'old KV cache' if t.partial_rollouts == 'keep' else 'KV cache computed again'}"
+                f" (trainer.partial_rollouts={t.partial_rollouts})"]
+    if t.off_policy:
+        return [f"off-policy: the rollouts of the next {t.max_staleness} step(s) are submitted ahead, so generation"
+                f" overlaps training; each batch is at most {t.max_staleness} update(s) stale"]
+    return []
+

@@ -98,6 +98,15 @@ def test_overrides_parse_values_as_yaml():
      INVALID + "reward.function: reward.kind is 'function', so give an import path like mypkg.rewards:score"),
     (['data.task=sudoku'],
      INVALID + "data.task: unknown task 'sudoku'; choose one of: arith, calc, countdown, countdown_code, reasoning_gym, reverse"),
+    (['trainer.streaming=true'],
+     INVALID + "trainer.streaming: the rollout role shares the actor's processes (colocate 'engine'); give it processes"
+               " of its own (another pool or colocate name): the engines generate while the actor trains"),
+    (['trainer.streaming=true', 'trainer.off_policy=true', 'trainer.partial_rollouts=later', 'rollout.backend=hf',
+      'trainer.stale_samples=wait', "mapping={pools: {a: {devices: 1}, r: {devices: 1}}, roles: {actor: {pool: a},"
+      " rollout: {pool: r, colocate: g}, reward: {pool: r, colocate: g}}}", 'trainer.devices=2'],
+     INVALID + "trainer.partial_rollouts: 'later' is not one of keep, recompute\n  - trainer.stale_samples: 'wait' is"
+               " not one of train, drop\n  - trainer.streaming: needs rollout.backend=vllm, got 'hf'\n  -"
+               " trainer.streaming: replaces trainer.off_policy; set trainer.off_policy=false"),
     (['trainer.off_policy=true',
       'dataflow=[generate, reward, rollout_as_old_logprob, ref_logprob, advantages, update_actor, sync_weights]'],
      INVALID + "dataflow[2] rollout_as_old_logprob: trainer.off_policy: off-policy samples come from older weights, "

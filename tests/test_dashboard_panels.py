@@ -187,6 +187,28 @@ def test_the_moe_panel_waits_with_a_reason_then_plots_balance_and_the_latest_tok
     assert moe.source.data["step"] == [2]
 
 
+def test_the_streaming_panel_waits_then_plots_the_engines_the_shares_and_the_runs_staleness_histogram(tmp_path):
+    def stream_step(step: int, stale: dict[int, int], partial: float, preempted: int) -> dict:
+        return {**step_record(step, time.time() - 50 + step), "rollout/occupancy": 30.0 + step,
+                "rollout/in_flight_groups": 8, "rollout/buffer_groups": 4, "rollout/engine_idle_share": 0.25,
+                "rollout/trainer_wait_s": 0.5, "rollout/staleness": max(stale), "rollout/staleness_mean": 1.0,
+                "rollout/partial_share": partial, "rollout/preempted": preempted, "rollout/samples": 16,
+                **{f"rollout/stale_tokens/{a}": n for a, n in stale.items()}}
+
+    run_dir, board = board_after_one_step(tmp_path)
+    stream = board.stream
+    assert stream.note.visible and not stream.figures.visible and "trainer.streaming=true" in stream.note.object
+    with (run_dir / "telemetry.jsonl").open("a") as f:
+        f.writelines(json.dumps(stream_step(*x)) + "\n" for x in ((2, {0: 10, 1: 6}, 0.5, 4), (3, {1: 7, 2: 3}, 0.25, 0)))
+    board.update()
+    assert not stream.note.visible and stream.figures.visible
+    data = stream.source.data
+    assert data["step"] == [2, 3] and data["occupancy"] == [32.0, 33.0] and data["staleness"] == [1, 2]
+    assert data["partial_pct"] == [50.0, 25.0] and data["preempted_pct"] == [25.0, 0.0]
+    assert data["engine_idle_pct"] == [25.0, 25.0]
+    assert stream.histogram.data == {"staleness": [0, 1, 2], "tokens": [10, 13, 3]}  # summed over the run
+
+
 def test_sections_the_training_panel_and_the_stuck_calls_alarm(tmp_path):
     run_dir = write_run(tmp_path / "run", [{"kind": "run", "name": "r", "mapping": {}}])
     board = dash.Dashboard(run_dir, control=False)

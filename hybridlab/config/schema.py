@@ -146,6 +146,12 @@ class TrainerConfig:
     seed: int = setting(0, change="fixed", why="the run's random streams were seeded from it when the workers started")
     off_policy: bool = False
     max_staleness: int = 1              # off-policy: rollouts generated ahead (each at most this many updates stale)
+    # streaming rollouts (dataflow/stream.py): the rollout engines generate continuously, a step trains
+    # the first data.prompts_per_step groups to finish, a sync does not wait for samples in flight;
+    # max_staleness then bounds the updates between a trained sample's oldest token and the trainer
+    streaming: bool = setting(False, change="fixed", why="switching streaming in a running session is not built yet")
+    partial_rollouts: str = "keep"      # streaming, at a sync: samples in flight keep their KV cache, or "recompute" it
+    stale_samples: str = "train"        # streaming: a finished sample past max_staleness is trained ("train") or "drop"ped
     # verl's key: the trackers fed every step's metrics, of console, tensorboard, wandb, mlflow
     logger: list = setting(factory=lambda: ["console", "tensorboard"], change="fixed",
                            why="the trackers are opened with the session")

@@ -18,6 +18,7 @@ from hybridlab.dataflow.graph import Dataflow
 from hybridlab.dataflow.pairs import step_inputs
 from hybridlab.dataflow.prompts import has_test_prompts
 from hybridlab.dataflow.stages import STAGES
+from hybridlab.dataflow.stream import stream_problems
 
 
 def dataflow_problems(cfg: RunConfig) -> list[str]:
@@ -34,8 +35,9 @@ def dataflow_problems(cfg: RunConfig) -> list[str]:
     except Exception as exc:  # MappingError: malformed mapping
         p.append(f"mapping: {exc}")
     first = "generate_agent" if agentic(cfg) else "generate"
-    if cfg.trainer.off_policy and names[0] != first:
-        p.append(f"trainer.off_policy: the dataflow must start with {first!r} to overlap the next rollout")
+    for key in ("off_policy", "streaming"):
+        if getattr(cfg.trainer, key) and names[0] != first:
+            p.append(f"trainer.{key}: the dataflow must start with {first!r} to overlap the next rollout")
     return p
 
 
@@ -51,6 +53,7 @@ def _mapping_problems(cfg: RunConfig, names: list[str], mapping: DeviceMapping) 
     p += backend_problems(cfg, mapping)
     rollout = mapping.roles.get("rollout")
     p += agent_problems(cfg, rollout.tp if rollout is not None else 1)
+    p += stream_problems(cfg, mapping, agentic(cfg))
     if rollout is not None and rollout.tp > 1 and cfg.rollout.backend != "vllm":
         p.append(f"mapping.roles.rollout.tp: tp={rollout.tp} needs rollout.backend=vllm (the"
                  f" {cfg.rollout.backend!r} backend runs a whole model per device); use dp for replicas")

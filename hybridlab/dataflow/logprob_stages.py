@@ -50,8 +50,9 @@ def rollout_log_probs_inexact(cfg) -> list[str]:
     out = []
     if cfg.algorithm.rollout_correction.bypass_mode:  # the mismatch is accepted and corrected in the loss
         return out
-    if cfg.trainer.off_policy:
-        out.append("trainer.off_policy: off-policy samples come from older weights, so their rollout log-probs are"
+    if cfg.trainer.off_policy or cfg.trainer.streaming:
+        key = "trainer.off_policy" if cfg.trainer.off_policy else "trainer.streaming"
+        out.append(f"{key}: off-policy samples come from older weights, so their rollout log-probs are"
                    " not the current policy's" + fix)
     r = cfg.rollout
     if (r.dtype, cfg.actor.precision) != ("float32", "fp32"):

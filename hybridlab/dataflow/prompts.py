@@ -156,12 +156,15 @@ class ShuffledEpochs:
         self.order: list[int] = []
         self.drawn = 0
         self.marks: dict[int, dict] = {}  # items drawn -> the position then, for the newest MARKS draws
+        self.pin: int | None = None       # a uid whose draw's mark is kept however old (a prompt still in flight)
 
     def take(self, n: int) -> list[int]:
         """Return the next ``n`` indices (a new shuffled epoch starts when one runs out)."""
         self.marks[self.drawn] = self.state()
+        pinned = max((d for d in self.marks if d <= self.pin), default=None) if self.pin is not None else None
         for old in sorted(self.marks)[:-self.MARKS]:
-            del self.marks[old]
+            if pinned is None or old < pinned:
+                del self.marks[old]
         picked = []
         while len(picked) < n:
             if not self.order:
@@ -184,6 +187,13 @@ class ShuffledEpochs:
             raise ValueError(f"the prompt stream keeps its position before its last {self.MARKS} draws only;"
                              f" item {drawn} was drawn earlier (or never)")
         return self.marks[drawn]
+
+    def draw_start(self, uid: int) -> int:
+        """Return the first uid of the draw (among the newest ``MARKS``) that holds ``uid``."""
+        starts = [d for d in self.marks if d <= uid < self.drawn]
+        if not starts:
+            raise ValueError(f"the prompt stream keeps its last {self.MARKS} draws only; item {uid} is not in them")
+        return max(starts)
 
     def set_state(self, state: dict) -> None:
         """Go back to a position ``state()`` returned; raises UserError when the stream it came from

@@ -58,17 +58,20 @@ class StepStart:
     prompts: dict
     rng: tuple
     kl: dict
+    skip: list  # streaming: uids after the position that were trained already
 
 
 def step_start(state: RunState) -> StepStart:
     """Return the controller state a retried step must start from."""
-    return StepStart(state.prompt_position(), (random.getstate(), np.random.get_state(), torch.get_rng_state()),
-                     dict(vars(state.kl_ctrl)))
+    position, skip = state.prompt_position()
+    return StepStart(position, (random.getstate(), np.random.get_state(), torch.get_rng_state()),
+                     dict(vars(state.kl_ctrl)), skip)
 
 
 def back_to(state: RunState, start: StepStart) -> None:
     """Put the run's prompt stream, KL controller and the controller's RNGs back to ``start``."""
     state.prompts.set_state(start.prompts)
+    state.stream.skip = set(start.skip)
     random.setstate(start.rng[0])
     np.random.set_state(start.rng[1])
     torch.set_rng_state(start.rng[2])
@@ -163,6 +166,9 @@ def recover(rl: "RLSession", err: WorkerError, dead: set[str], ctx: "StepContext
     print(f"{what}; re-creating {', '.join(sorted(dead))} (restart {rl.state.worker_restarts} of at most"
           f" {rl.cfg.trainer.max_restarts})", file=sys.stderr, flush=True)
     rl.state.ahead.forget(rl.state.prompts)  # its workers may be gone: its prompts are drawn and generated again
+    rl.state.stream.forget(rl.state.prompts)  # the same for streamed prompts not trained yet
+    if rl.cfg.trainer.streaming and "rollout" not in dead:  # a live engine would go on with them
+        rl.workers.groups["rollout"].stream_close()
     for pool_roles in {rl.workers.colocated(r) for r in dead}:
         rl.workers.recreate(pool_roles[0], close_timeout=2.0)
     if rollback:

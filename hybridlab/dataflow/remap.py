@@ -122,6 +122,9 @@ def apply_change(rl: "RLSession", change: Change) -> RemapReport | None:
         rl.apply_config(change.cfg, change.flow, change.configure)
         return None
     rl.state.ahead.drop(rl.state.prompts)
+    if rl.cfg.trainer.streaming:  # streamed prompts not trained yet are generated again on the new mapping
+        rl.workers.groups["rollout"].stream_close()
+        rl.state.stream.forget(rl.state.prompts)
     try:
         report = apply(rl, change.cfg, change.mapping, change.recreate, change.reason)
     except BaseException as exc:

@@ -14,6 +14,7 @@ from hybridlab.algos.kl import AdaptiveKLController, FixedKLController
 from hybridlab.dataflow.ahead import RolloutAhead
 from hybridlab.dataflow.pairs import PairSource
 from hybridlab.dataflow.prompts import PromptSource
+from hybridlab.dataflow.stream import RolloutStream
 
 HISTORY_STEPS = 1000  # the newest steps' metrics kept in memory (and in checkpoints)
 
@@ -62,6 +63,7 @@ class RunState:
     rollout_version: int = 0  # the actor_version the rollout engines hold (set by each sync)
     history: list[dict] = dataclasses.field(default_factory=list)  # the newest HISTORY_STEPS steps' metrics
     ahead: RolloutAhead = dataclasses.field(default_factory=RolloutAhead)  # off-policy rollouts submitted ahead
+    stream: RolloutStream = dataclasses.field(default_factory=RolloutStream)  # streaming rollouts' buffer
     bad_updates: int = 0            # optimizer steps skipped for a NaN or inf, in all
     bad_steps_in_a_row: int = 0     # steps in a row with a skipped update (trainer.max_bad_updates)
     worker_restarts: int = 0        # dead or stuck workers re-created (trainer.max_restarts)
@@ -81,16 +83,22 @@ class RunState:
         self.bad_updates += bad
         self.bad_steps_in_a_row = self.bad_steps_in_a_row + 1 if bad else 0
 
-    def prompt_position(self) -> dict:
-        """Return the prompt stream's position before the prompts of the rollouts ahead (what a
-        checkpoint saves and a retried step goes back to: those prompts are generated again)."""
+    def prompt_position(self) -> tuple[dict, list[int]]:
+        """Return the prompt stream's position before the prompts generated ahead or streamed but
+        not trained yet, and the uids after it that were trained (what a checkpoint saves and a
+        retried step goes back to: those prompts are generated again, the trained ones skipped)."""
         first = self.ahead.first_uid()
-        return self.prompts.state() if first is None else self.prompts.state_before(first)
+        if first is None:
+            first = self.stream.oldest(self.prompts)
+        if first is None:
+            return self.prompts.state(), []
+        return self.prompts.state_before(first), self.stream.consumed_since(first)
 
     def record(self, train: TrainProgress | None) -> dict[str, Any]:
         """Return the state a checkpoint saves (its ``session.json`` fields), with ``train()``'s progress."""
-        return {"step": self.step_count, "actor_version": self.actor_version, "prompts": self.prompt_position(),
-                "regenerated_prompts": self.ahead.regenerated,
+        position, skip = self.prompt_position()
+        return {"step": self.step_count, "actor_version": self.actor_version, "prompts": position,
+                "stream_skip": skip, "regenerated_prompts": self.ahead.regenerated + self.stream.regenerated,
                 "kl_ctrl": dict(vars(self.kl_ctrl)), "history": self.history,
                 "faults": {"bad_updates": self.bad_updates, "bad_steps_in_a_row": self.bad_steps_in_a_row,
                            "worker_restarts": self.worker_restarts},
@@ -109,4 +117,5 @@ class RunState:
         self.bad_steps_in_a_row = record["faults"]["bad_steps_in_a_row"]
         self.worker_restarts = record["faults"].get("worker_restarts", 0)
         self.ahead.regenerated = record.get("regenerated_prompts", 0)
+        self.stream.skip = set(record.get("stream_skip", []))
         vars(self.kl_ctrl).update(record["kl_ctrl"])

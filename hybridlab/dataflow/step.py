@@ -83,9 +83,13 @@ class Stepping:
     def sync_weights(self, reason: str = "step"):
         """Copy the actor's weights into the rollout engines now; returns the SyncReport (the
         dataflow's sync_weights stage calls this, and a remap with ``reason="remap"``)."""
-        lora = self.cfg.actor.lora
+        lora, streaming = self.cfg.actor.lora, self.cfg.trainer.streaming
+        if streaming:  # the engines stop between two steps while every bucket loads, then go on
+            self.workers.groups["rollout"].stream_pause()
         report = sync_mapped(self.workers.groups, self.mapping, self.spec,
                              adapter=lora.rank > 0 and lora.sync == "adapter")
+        if streaming:
+            self.workers.groups["rollout"].stream_resume(self.state.actor_version)
         self.state.rollout_version = self.state.actor_version
         self.emit("sync", {"step": self.state.step_count + (reason == "step"), "bytes": report.bytes_moved,
                             "buckets": report.buckets, "seconds": report.seconds, "mode": report.mode,

@@ -24,6 +24,7 @@ from hybridlab.telemetry.controls import RunControls
 from hybridlab.telemetry.heatmap import HeatMap
 from hybridlab.telemetry.mapping_view import mapping_html, mapping_text, remap_table
 from hybridlab.telemetry.moe_panel import MoEPanel
+from hybridlab.telemetry.stream_panel import StreamPanel
 from hybridlab.telemetry.panels import (BusyPanel, MemoryPanel, MismatchPanel, ReshardPanel, RolloutPanel,
                                        RunningPanel, ema)
 from hybridlab.telemetry.record_source import RecordSource
@@ -92,10 +93,10 @@ class Dashboard:
         self.memory = MemoryPanel(self._clock)
         self.memory.fig.x_range = self.gantt_fig.x_range  # the phases above are the memory's phase markers
         self.busy, self.rollout, self.reshard = BusyPanel(), RolloutPanel(), ReshardPanel()
-        self.mismatch, self.agent, self.moe = MismatchPanel(), AgentPanel(), MoEPanel()
+        self.mismatch, self.agent, self.moe, self.stream = MismatchPanel(), AgentPanel(), MoEPanel(), StreamPanel()
         self.training, self.advice, self.service = TrainingPanel(), AdvicePanel(run_dir, control), ServicePanel()
         self.panels = [self.running, self.memory, self.busy, self.rollout, self.reshard, self.mismatch, self.agent,
-                       self.moe, self.training, self.advice, self.service] + ([self.controls] if self.controls else [])
+                       self.moe, self.stream, self.training, self.advice, self.service] + ([self.controls] if self.controls else [])
         self.explanation = pn.pane.Markdown("", name="explanation", sizing_mode="stretch_width")
         self.sections = page.sections(self)
         # dynamic: the browser builds a section when it is opened, so the first render draws the Overview only
@@ -349,7 +350,7 @@ class Dashboard:
             self.busy.heat.cut(back)
             self.axis.cut(back)
             for source in (self.curves, self.evals, self.sync, self.rollout.source, self.mismatch.source,
-                           self.agent.source, *self.agent.tools.values(), self.moe.source):
+                           self.agent.source, *self.agent.tools.values(), self.moe.source, self.stream.source):
                 keep = [i for i, step in enumerate(source.data["step"]) if step <= back]
                 source.data = {k: [v[i] for i in keep] for k, v in source.data.items()}
             self._resmooth()  # the smoothing state continues from the kept steps

@@ -19,7 +19,7 @@ def sections(board) -> dict:
     return {
         "Overview": pn.Column(board.memory.alarm, pn.Row(board.reward_fig, board.training.time_fig, **row),
                               pn.Row(board.rollout.speed, board.busy.fig, **row), board.mapping_pane, **row),
-        "Rollouts": pn.Column(board.rollout.lengths, board.agent.layout, **row),
+        "Rollouts": pn.Column(board.rollout.lengths, board.stream.layout, board.agent.layout, **row),
         "Training": pn.Column(board.training.layout, board.mismatch.layout, board.moe.layout, **row),
         "Mapping and resharding": pn.Column(board.advice.layout, board.mapping_drawing,
                                             pn.Row(board.reshard.fig, pn.Column(board.reshard.caption, **row), **row),

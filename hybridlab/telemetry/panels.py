@@ -15,7 +15,7 @@ from hybridlab.telemetry.heatmap import HeatMap
 from hybridlab.telemetry.memory import leak_check
 
 ROLLOVER = {"memory": 3600, "markers": 2000, "busy": 5000, "lengths": 5000, "matrix": 4096, "mismatch": 5000,
-            "agent": 5000, "moe": 5000, "training": 100_000}
+            "agent": 5000, "moe": 5000, "stream": 5000, "training": 100_000}
 COMMON = dict(height=240, sizing_mode="stretch_width", toolbar_location="above")
 
 

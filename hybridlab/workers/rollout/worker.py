@@ -24,6 +24,7 @@ from hybridlab.reshard.sources import join_slices
 from hybridlab.sandbox import tool as python_tool
 from hybridlab.workers.rollout.hf_engine import generate_ids
 from hybridlab.workers.rollout.sampling import SamplingConfig, fit_prompts
+from hybridlab.workers.rollout.stream import EngineStream
 from hybridlab.workers.rollout.vllm_engine import (adapter_request, close_llm, engine_files, generate, load_adapter,
                                                    per_request_seeds, reload_weights, sampling_params, start_llm)
 
@@ -62,6 +63,7 @@ class RolloutWorker(Worker):
         self.tp, self.dtype = tp, getattr(torch, dtype)
         self.load_seconds = {"fetch_s": 0.0, "load_s": 0.0}
         self.adapter = False  # a LoRA adapter is installed: generation runs through it
+        self.stream: EngineStream | None = None  # the continuously running engine (trainer.streaming)
         if backend == "vllm":
             if tp > 1:
                 self.init_distributed()  # the engines' TP groups are cut from this group's world
@@ -78,6 +80,7 @@ class RolloutWorker(Worker):
 
     def close(self) -> None:
         """Stop the engine and free what it holds outside this process (``/dev/shm`` segments)."""
+        self.stream_close()
         if self.backend == "vllm" and getattr(self, "llm", None) is not None:
             close_llm(self.llm)
             self.llm = None
@@ -144,6 +147,55 @@ class RolloutWorker(Worker):
         for key, values in batch.repeat(cfg.n).objects.items():
             out.objects.setdefault(key, values)
         return out
+
+    @register(Dispatch.RAW)
+    def stream_submit(self, order: dict) -> int:
+        """Add ``order["prompts"]`` (``(key, prompt ids)``) to this rank's continuously running
+        engine, started on the first call (``order["partial"]``: what samples in flight do at a
+        sync; ``order["version"]``: the weights' version it holds); each comes back from
+        ``stream_take`` as a group of ``order["sampling"]["n"]`` samples. Returns the groups in
+        the engine. (Raw dispatch: the controller shares prompts out over the ranks.)"""
+        if self.backend != "vllm" or self.tp > 1:
+            raise ValueError("streaming rollouts need the vllm backend with rollout tp=1 (one engine per process,"
+                             f" stepped by a thread of it); this group has backend={self.backend!r}, tp={self.tp}")
+        if self.stream is None:
+            self.stream = EngineStream(self.llm, order["partial"], order["version"])
+        self.stream.partial = order["partial"]  # a live change applies from the next sync
+        cfg = SamplingConfig(**order["sampling"]).validate()
+        keys = [key for key, _ in order["prompts"]]
+        fitted = fit_prompts([ids for _, ids in order["prompts"]], cfg.max_tokens, self.context, self.truncate)
+        seeded = per_request_seeds()  # else the requests share the engine's seeded stream
+        self.stream.submit([(key, ids, sampling_params(cfg, self.stop_ids, seed=cfg.seed + key if seeded else None))
+                            for key, ids in zip(keys, fitted)], adapter_request() if self.adapter else None)
+        return len(self.stream.groups)
+
+    @register(Dispatch.ALL)
+    def stream_take(self) -> dict:
+        """Return this rank's finished groups (oldest first), the engine's stats since the last
+        call, the groups still generating, and the pad id (empty when no stream runs)."""
+        if self.stream is None:
+            return {"groups": [], "stats": None, "in_flight": 0, "pad_id": self.pad_id}
+        groups, stats, in_flight = self.stream.take()
+        return {"groups": groups, "stats": vars(stats), "in_flight": in_flight, "pad_id": self.pad_id}
+
+    @register(Dispatch.ALL)
+    def stream_pause(self) -> None:
+        """Stop the engine stepping (a weight sync follows; a no-op without a stream)."""
+        if self.stream is not None:
+            self.stream.pause()
+
+    @register(Dispatch.ALL)
+    def stream_resume(self, version: int) -> None:
+        """Go on generating, labelling tokens ``version`` (the weights just synced)."""
+        if self.stream is not None:
+            self.stream.resume(version)
+
+    @register(Dispatch.ALL)
+    def stream_close(self) -> None:
+        """Abort the stream's requests and stop its thread (a no-op without a stream)."""
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
 
     @property
     def tokenizer(self):

@@ -1,0 +1,242 @@
+"""Streaming rollouts (``trainer.streaming``): the rollout engines generate continuously and a
+step trains the first ``data.prompts_per_step`` prompt groups to finish.
+
+Each rollout process runs its engine in a thread of its own (``workers/rollout/stream.py``). The
+controller's ``RolloutStream`` keeps the engines fed: it admits prompts, one group at a time, to
+the rank with the fewest in flight, as long as the staleness bound allows, and collects the
+groups whose n samples have all finished into a buffer; the generate stage takes a step's groups
+from it. A weight sync pauses the engines between two of their steps, loads every bucket in
+place and lets them go on (``pause`` and ``resume``, around ``Stepping.sync_weights``): samples
+in flight become partial, their tokens labelled with the version that sampled each.
+
+The bound (``trainer.max_staleness`` = K), AReaL's: with k steps done, prompts are admitted
+while at most (k + K + 1) batches' worth have been, so a sample admitted now is trained at most
+K updates later unless it outlasts the prompts admitted after it. Such a long
+sample, once finished, is trained with its staleness recorded (``trainer.stale_samples=train``)
+or dropped and counted (``drop``).
+
+Reward is scored in the reward stage, on the reward workers, after the groups are taken: the
+engines never wait for it (they are stepped by their own threads, whatever the processes run).
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from hybridlab.batching import sequences_batch
+from hybridlab.config import RunConfig
+from hybridlab.config.bounds import one_of
+from hybridlab.controller.mapping import DeviceMapping
+from hybridlab.protocol import Batch
+from hybridlab.workers.rollout.stream import PARTIAL_MODES
+
+if TYPE_CHECKING:
+    from hybridlab.dataflow.context import StepContext
+
+STALE_SAMPLES = ("train", "drop")
+POLL_S = 0.005  # between two looks at the engines while a step waits for its groups
+
+
+class RolloutStream:
+    """The controller's side of streaming rollouts; see the module docstring."""
+
+    def __init__(self):
+        self.rows: dict[int, dict] = {}     # uid -> the prompt's row (its objects), admitted or waiting
+        self.waiting: list[int] = []        # uids drawn, not admitted yet, oldest first
+        self.in_flight: dict[int, int] = {}  # uid -> the rank generating it
+        self.ready: list[dict] = []         # finished groups not trained yet, oldest first
+        self.admitted: int | None = None    # prompts admitted in all (None: as many as the steps done trained)
+        self.dropped = 0                    # samples dropped past the bound (stale_samples=drop)
+        self.consumed: set[int] = set()     # uids trained (or dropped whole), newer than the oldest one not
+        self.skip: set[int] = set()         # uids drawn again after a rewind that were trained already
+        self.regenerated = 0                # prompts thrown away in flight or unused, drawn and generated again
+        self.pad_id = 0
+        self.totals: dict[str, float] = {}  # engine stats summed since the last take
+
+    @property
+    def active(self) -> bool:
+        """True while prompts are admitted or groups wait to be trained."""
+        return bool(self.in_flight or self.ready or self.waiting)
+
+    def take(self, ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
+        """Queue this step's prompts (``batch``), keep the engines fed, and return the first
+        ``data.prompts_per_step`` groups to finish, repeated n times with their responses,
+        behaviour log-probs and per-token versions (``rollout_versions``), with the metrics."""
+        self._queue(batch)
+        self._pin(ctx.state.prompts)
+        want, started = ctx.cfg.data.prompts_per_step, time.perf_counter()
+        while True:
+            self._admit(ctx)
+            self._collect(ctx)
+            kept = self._within_bound(ctx)
+            if kept >= want:
+                break
+            time.sleep(POLL_S)
+        groups, self.ready = self.ready[:want], self.ready[want:]
+        out = self._batch(ctx, groups)
+        return out, self._metrics(ctx, out, time.perf_counter() - started)
+
+    def pause(self, rollout) -> None:
+        """Stop the engines between two of their steps (before a weight sync)."""
+        rollout.stream_pause()
+
+    def resume(self, rollout, version: int) -> None:
+        """Let the engines go on, labelling their tokens ``version``."""
+        rollout.stream_resume(version)
+
+    def oldest(self, prompts) -> int | None:
+        """Return the first uid of the draw holding the oldest prompt not trained yet (None: none)."""
+        return prompts.draw_start(min(self.rows)) if self.rows else None
+
+    def consumed_since(self, start: int) -> list[int]:
+        """Return the uids from ``start`` on that were trained (a resumed run skips them)."""
+        return sorted(u for u in self.consumed | self.skip if u >= start)
+
+    def forget(self, prompts) -> None:
+        """Throw away every prompt not trained yet (in flight, finished or waiting: the workers'
+        streams are the caller's to close) and put the prompt stream back before the oldest of
+        them; the prompts trained since are skipped when drawn again."""
+        start = self.oldest(prompts)
+        if start is not None:
+            self.skip = set(self.consumed_since(start))
+            self.regenerated += len(self.rows)
+            prompts.set_state(prompts.state_before(start))
+        self.rows, self.waiting, self.in_flight, self.ready, self.consumed = {}, [], {}, [], set()
+        self.admitted = prompts.pin = None
+
+    def _queue(self, batch: Batch) -> None:
+        for i, uid in enumerate(batch["uid"]):
+            if uid in self.skip:  # trained before a rewind
+                self.skip.discard(uid)
+                continue
+            self.rows[uid] = {k: v[i] for k, v in batch.objects.items()}
+            self.waiting.append(uid)
+
+    def _admit(self, ctx: "StepContext") -> None:
+        """Admit waiting prompts (drawing more when none wait) while the bound allows, each to
+        the rank with the fewest groups in flight: with k steps done, the prompts of batches up
+        to k + max_staleness, so a batch is admitted at most max_staleness updates before its step."""
+        per_step, bound = ctx.cfg.data.prompts_per_step, ctx.cfg.trainer.max_staleness
+        if self.admitted is None:  # a new stream, or one rewound: everything before was trained
+            self.admitted = ctx.state.step_count * per_step
+        room = (ctx.state.step_count + bound + 1) * per_step - self.admitted
+        if room <= 0:
+            return
+        while len(self.waiting) < room:
+            self._queue(ctx.state.prompts.next())
+        rollout = ctx.group("rollout")
+        ranks = rollout.world_size
+        load = [sum(1 for r in self.in_flight.values() if r == rank) for rank in range(ranks)]
+        parts: list[list] = [[] for _ in range(ranks)]
+        for uid in self.waiting[:room]:
+            rank = load.index(min(load))
+            load[rank] += 1
+            parts[rank].append((uid, self.rows[uid]["prompt_ids"]))
+            self.in_flight[uid] = rank
+        del self.waiting[:room]
+        self.admitted += room
+        order = {"sampling": ctx.sampling(seed=ctx.cfg.trainer.seed), "partial": ctx.cfg.trainer.partial_rollouts,
+                 "version": ctx.state.rollout_version}
+        rollout.stream_submit([{**order, "prompts": part} for part in parts])
+
+    def _collect(self, ctx: "StepContext") -> None:
+        """Move the engines' finished groups into ``ready`` and add up their stats."""
+        for answer in ctx.group("rollout").stream_take():
+            self.pad_id = answer["pad_id"]
+            for group in answer["groups"]:
+                if self.in_flight.pop(group["key"], None) is not None:  # else forgotten meanwhile
+                    self.ready.append(group)
+            for key, value in (answer["stats"] or {}).items():
+                self.totals[key] = self.totals.get(key, 0.0) + value
+
+    def _within_bound(self, ctx: "StepContext") -> int:
+        """Drop the ready groups with a sample past the bound (``stale_samples=drop``: the whole
+        group, so that every prompt keeps its n samples; counted, and its slot freed); return
+        how many groups are ready."""
+        if ctx.cfg.trainer.stale_samples == "drop":
+            oldest = ctx.state.actor_version - ctx.cfg.trainer.max_staleness
+            stale = [g for g in self.ready if min(min(s["versions"], default=oldest) for s in g["samples"]) < oldest]
+            self.dropped += sum(len(g["samples"]) for g in stale)
+            self.admitted -= len(stale)
+            self._consume([g["key"] for g in stale])
+            self.ready = [g for g in self.ready if g not in stale]
+        if len(self.ready) < ctx.cfg.data.prompts_per_step and not self.in_flight:
+            raise RuntimeError(f"the rollout stream holds {len(self.ready)} finished groups and none in flight, and the"
+                               f" bound admits no more (admitted {self.admitted}, step {ctx.state.step_count})")
+        return len(self.ready)
+
+    def _batch(self, ctx: "StepContext", groups: list[dict]) -> Batch:
+        """Return the groups as a generated batch (verl's layout), prompts' objects repeated."""
+        rows = [(g, s) for g in groups for s in g["samples"]]
+        out = sequences_batch([g["prompt_ids"] for g, _ in rows], [s["ids"] for _, s in rows], self.pad_id,
+                              response_len=ctx.cfg.rollout.max_new_tokens)
+        shape = out["responses"].shape
+        log_probs, versions = torch.zeros(shape, dtype=torch.float32), torch.full(shape, -1, dtype=torch.long)
+        for i, (_, s) in enumerate(rows):
+            log_probs[i, :len(s["logprobs"])] = torch.tensor(s["logprobs"], dtype=torch.float32)
+            versions[i, :len(s["versions"])] = torch.tensor(s["versions"], dtype=torch.long)
+        out.tensors.update(rollout_log_probs=log_probs, rollout_versions=versions)
+        for key in self.rows[groups[0]["key"]]:
+            out.objects.setdefault(key, [self.rows[g["key"]][key] for g, _ in rows])
+        out.objects["prompt_ids"] = [g["prompt_ids"] for g, _ in rows]  # as generated (maybe truncated)
+        self._consume([g["key"] for g in groups])
+        return out
+
+    def _consume(self, uids: list[int]) -> None:
+        """Mark prompts trained; ``consumed`` keeps those newer than the oldest untrained one."""
+        for uid in uids:
+            self.rows.pop(uid, None)
+            self.consumed.add(uid)
+        low = min(self.rows, default=None)
+        self.consumed = {u for u in self.consumed if low is not None and u > low}
+
+    def _pin(self, prompts) -> None:
+        """Keep the prompt stream's mark before the oldest prompt not trained yet, however old."""
+        prompts.pin = min(self.rows, default=None)
+
+    def _metrics(self, ctx: "StepContext", out: Batch, wait_s: float) -> dict:
+        """Return the step's streaming metrics: staleness of the trained tokens, partial and
+        preempted shares, the engines' occupancy and idle share, the buffer, what was dropped."""
+        mask = out["response_mask"].bool()
+        stale = (ctx.state.actor_version - out["rollout_versions"])[mask].float()
+        first, last = out["rollout_versions"].masked_fill(~mask, 10**9).min(-1).values, out["rollout_versions"].max(-1).values
+        t, self.totals = self.totals, {}
+        samples = len(out)
+        ages = {f"rollout/stale_tokens/{int(a)}": int(c) for a, c in zip(*stale.unique(return_counts=True))}
+        return {**ages, "rollout/staleness": float(stale.max()) if stale.numel() else 0.0,
+                "rollout/staleness_mean": float(stale.mean()) if stale.numel() else 0.0,
+                "rollout/partial_share": float((first < last).float().mean()),
+                "rollout/preempted": t.get("preempted", 0), "rollout/recomputed": t.get("recomputed", 0),
+                "rollout/occupancy": t.get("running", 0) / t["engine_steps"] if t.get("engine_steps") else 0.0,
+                "rollout/engine_idle_share": t.get("idle_s", 0) / max(t.get("idle_s", 0) + t.get("busy_s", 0), 1e-9),
+                "rollout/trainer_wait_s": wait_s, "rollout/buffer_groups": len(self.ready),
+                "rollout/in_flight_groups": len(self.in_flight), "rollout/stale_dropped": self.dropped,
+                "rollout/samples": samples}
+
+
+def stream_problems(cfg: RunConfig, mapping: DeviceMapping, agentic: bool) -> list[str]:
+    """Return the problems of the streaming settings with ``mapping``, each naming its key."""
+    t = cfg.trainer
+    p = [*one_of("trainer.partial_rollouts", t.partial_rollouts, PARTIAL_MODES),
+         *one_of("trainer.stale_samples", t.stale_samples, STALE_SAMPLES)]
+    if not t.streaming:
+        return p
+    rollout, actor, r = mapping.roles.get("rollout"), mapping.roles.get("actor"), cfg.rollout
+    shared = rollout is not None and actor is not None and rollout.colocate is not None \
+        and rollout.colocate == actor.colocate
+    problems = [
+        (r.backend != "vllm", f"needs rollout.backend=vllm, got {r.backend!r}"),
+        (t.off_policy, "replaces trainer.off_policy; set trainer.off_policy=false"),
+        (r.prefix_caching, "rollout.prefix_caching would serve KV blocks computed under old weights to new prompts;"
+                           " set rollout.prefix_caching=false"),
+        (agentic, "agent rollouts (rollout.tools, rollout.agent, an environment) do not stream yet; use"
+                  " trainer.off_policy for them"),
+        (rollout is not None and rollout.tp > 1, f"needs mapping.roles.rollout.tp=1 (one engine per process, stepped by"
+                                                 f" a thread of its own), got tp={rollout.tp if rollout else 1}"),
+        (shared, f"the rollout role shares the actor's processes (colocate {rollout.colocate if shared else ''!r});"
+                 " give it processes of its own (another pool or colocate name): the engines generate while the"
+                 " actor trains")]
+    p += [f"trainer.streaming: {why}" for bad, why in problems if bad]
+    return p

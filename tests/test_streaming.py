@@ -1,0 +1,173 @@
+"""Streaming rollouts (trainer.streaming): the engine stepped by a thread of its own, samples
+that span a weight sync, the staleness bound, and the controller's buffer (dataflow/stream.py).
+
+The first test drives one in-process vLLM engine (fp32, no top-p/top-k) through a sync in the
+middle of its samples; the others run a streaming session on split placement (actor on one
+device, rollout and reward on the other)."""
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import pytest
+import torch
+
+from hybridlab.dataflow.session import RLSession
+from hybridlab.dataflow.stages import register_stage
+
+SPLIT = ("mapping={pools: {a: {devices: 1}, r: {devices: 1}}, roles: {actor: {pool: a},"
+         " rollout: {pool: r, colocate: gen}, reward: {pool: r, colocate: gen}}}")
+PER_STEP, N, BOUND = 4, 2, 2
+
+
+def _span_a_sync(llm, mode: str, old: dict, new: dict) -> list[dict]:
+    """Generate 2 prompts x 2 samples of 24 tokens on a stream, load ``new`` after 8 engine
+    steps, and return the finished groups (the engine holds ``old`` again afterwards)."""
+    from hybridlab.workers.rollout.sampling import SamplingConfig
+    from hybridlab.workers.rollout.stream import EngineStream
+    from hybridlab.workers.rollout.vllm_engine import reload_weights, sampling_params
+
+    stream = EngineStream(llm, mode)
+    cfg = SamplingConfig(n=2, temperature=1.0, max_tokens=24, ignore_eos=True, seed=0)
+    stream.submit([(i, [5 + i, 6, 7, 8], sampling_params(cfg, [], seed=None)) for i in range(2)])
+    while stream.stats.engine_steps < 8:  # the first 8 tokens of each sample under the old weights, at least
+        time.sleep(0.001)
+    stream.pause()
+    reload_weights(llm, sorted(new.items()), True)
+    stream.resume(1)
+    groups: list[dict] = []
+    while len(groups) < 2:
+        groups += stream.take()[0]
+        time.sleep(0.01)
+    stream.close()
+    reload_weights(llm, sorted(old.items()), True)
+    return groups
+
+
+def test_a_sample_spanning_a_sync_records_two_versions_with_each_versions_log_probs(tiny_dir):
+    """recompute: the tokens after the sync are sampled with the KV cache computed again under
+    the new weights, so every token's log-prob is transformers' under the version that sampled
+    it (1e-5). keep: the tokens after it come from the old weights' KV cache, so they differ."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hybridlab.workers.rollout.vllm_engine import start_llm
+
+    llm = start_llm(str(tiny_dir), 512, 64, "float32", 0)
+    old = load_file(glob.glob(os.path.join(tiny_dir, "*.safetensors"))[0])
+    new = {k: v * 1.05 if v.is_floating_point() else v for k, v in old.items()}
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+    def log_probs(weights: dict, prompt: list[int], ids: list[int]) -> torch.Tensor:
+        hf.load_state_dict(weights, strict=False)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + ids])).logits.double()[0, len(prompt) - 1:-1]
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1)
+
+    for mode in ("recompute", "keep"):
+        gaps = {0: 0.0, 1: 0.0}
+        for group in _span_a_sync(llm, mode, old, new):
+            for sample in group["samples"]:
+                versions = torch.tensor(sample["versions"])
+                assert len(sample["ids"]) == 24 and 0 < int((versions == 0).sum()) < 24  # it spans the sync
+                assert versions.tolist() == sorted(versions.tolist())  # old tokens first, then new
+                got = torch.tensor(sample["logprobs"], dtype=torch.float64)
+                for version, weights in ((0, old), (1, new)):
+                    ref = log_probs(weights, group["prompt_ids"], sample["ids"])
+                    gaps[version] = max(gaps[version], float((ref - got)[versions == version].abs().max()))
+        assert gaps[0] < 1e-5, (mode, gaps)
+        if mode == "recompute":
+            assert gaps[1] < 1e-5, gaps
+        else:  # the KV cache of the first tokens is the old weights': the new tokens' log-probs are not a fresh pass's
+            assert gaps[1] > 1e-3, gaps
+
+
+@pytest.fixture(scope="module")
+def stream_rl(ray_local, tiny_dir, tmp_path_factory):
+    """A streaming GRPO session, split placement, token-level rollout correction."""
+    session = RLSession(None, [f"model={tiny_dir}", "warm_start.max_steps=0", f"data.prompts_per_step={PER_STEP}",
+                               f"rollout.n={N}", "rollout.max_new_tokens=24", "rollout.ignore_eos=true",
+                               f"actor.ppo_mini_batch_size={PER_STEP}", "data.test_samples=4", "trainer.devices=2",
+                               SPLIT, "trainer.streaming=true", f"trainer.max_staleness={BOUND}",
+                               "algorithm.rollout_correction.rollout_is=token", "trainer.progress=false",
+                               f"trainer.run_dir={tmp_path_factory.mktemp('stream') / 'run'}"])
+    session.start()
+    yield session
+    session.shutdown()
+
+
+@register_stage("slow_trainer", None, ("responses",), ())
+def slow_trainer(ctx, batch):
+    """A trainer that falls behind: half a second more per step."""
+    time.sleep(0.5)
+    return None, {}
+
+
+def test_streaming_steps_train_each_prompt_once_within_the_bound_and_correct_per_token(stream_rl):
+    rl, trained = stream_rl, []
+    flow = rl.dataflow.names
+    rl.dataflow = [*flow[:-1], "slow_trainer", flow[-1]]  # the engine gets ahead; admission must stop
+    try:
+        for _ in range(5):
+            version = rl.state.actor_version
+            result = rl.step()
+            b, m = result.batch, result.metrics
+            assert len(b) == PER_STEP * N and len(set(b["uid"])) == PER_STEP
+            trained += sorted(set(b["uid"]))
+            mask = b["response_mask"].bool()
+            versions = b["rollout_versions"][mask]
+            assert int(versions.max()) <= version and version - int(versions.min()) <= BOUND
+            assert m["rollout/staleness"] == version - int(versions.min())
+            assert sum(v for k, v in m.items() if k.startswith("rollout/stale_tokens/")) == int(mask.sum())
+            # the bound: with k steps done, at most k + bound + 1 batches' prompts were admitted
+            assert rl.state.stream.admitted <= (rl.state.step_count + BOUND + 1) * PER_STEP
+            # token-level correction on the per-token behaviour log-probs (threshold 2)
+            expect = torch.exp(b["old_log_probs"] - b["rollout_log_probs"]).clamp(max=2.0)
+            assert torch.allclose(b["rollout_is_weights"][mask], expect[mask], atol=1e-6)
+    finally:
+        rl.dataflow = flow
+    assert len(trained) == len(set(trained)) == 5 * PER_STEP
+    from hybridlab.explain import explain
+
+    text = explain(rl.cfg, rl.model_dir).text()
+    assert f"a step trains the first {PER_STEP} groups to finish ({PER_STEP * N} samples)" in text
+    assert f"(trainer.max_staleness={BOUND})" in text and "(trainer.partial_rollouts=keep)" in text
+    assert m["rollout/occupancy"] > 0 and m["rollout/in_flight_groups"] + m["rollout/buffer_groups"] > 0
+
+
+def test_prompts_in_flight_are_generated_again_after_a_forget_and_none_is_trained_twice(stream_rl):
+    """What a remap or a worker fault does: the engines' streams close, the prompts not trained
+    yet go back into the prompt stream, and the ones trained after the oldest of them are skipped."""
+    rl = stream_rl
+    trained = [uid for _ in range(2) for uid in set(rl.step().batch["uid"])]
+    untrained = set(rl.state.stream.rows)
+    position, _ = rl.state.prompt_position()
+    assert untrained and position["drawn"] <= min(untrained)  # what a checkpoint saves: before every one of them
+    rl.workers.groups["rollout"].stream_close()
+    rl.state.stream.forget(rl.state.prompts)
+    after = [uid for _ in range(3) for uid in set(rl.step().batch["uid"])]
+    assert not set(after) & set(trained) and untrained <= set(after) | set(rl.state.stream.rows)
+    assert rl.state.stream.regenerated >= len(untrained)
+
+
+def test_a_rewound_stream_skips_the_prompts_trained_out_of_order(tiny_dir):
+    """Groups finish out of order: a prompt admitted later may be trained before an earlier one
+    still in flight. Going back before the oldest untrained prompt must not train it twice."""
+    from transformers import AutoTokenizer
+
+    from hybridlab.dataflow.prompts import PromptSource
+    from hybridlab.dataflow.stream import RolloutStream
+    from hybridlab.tasks import get_task
+
+    prompts = PromptSource(get_task("arith").split("train", 40, seed=0), AutoTokenizer.from_pretrained(tiny_dir), 4)
+    stream = RolloutStream()
+    for _ in range(3):
+        stream._queue(prompts.next())  # uids 0..11
+    stream._consume([5, 6, 9])  # finished first and trained
+    assert stream.oldest(prompts) == 0 and stream.consumed_since(0) == [5, 6, 9]
+    stream.forget(prompts)
+    assert prompts.drawn == 0 and stream.regenerated == 9
+    for _ in range(3):
+        stream._queue(prompts.next())
+    assert sorted(stream.rows) == [0, 1, 2, 3, 4, 7, 8, 10, 11] and not stream.skip
