@@ -22,7 +22,7 @@ def test_bench_dispatch_json(ray_local, capfd):
 
 def test_unknown_benchmark_lists_names(capfd):
     assert main(["bench", "nope", "--json"]) == 2
-    assert ("unknown benchmark 'nope'; choose one of: agent, dashboard, dispatch, dpo, e2e, learn, lora, plan, precision,"
+    assert ("unknown benchmark 'nope'; choose one of: agent, async, dashboard, dispatch, dpo, e2e, learn, lora, plan, precision,"
             " published, remap, rollout, sandbox, soak, start, sync, tinker, train") in capfd.readouterr().err
 
 
@@ -91,6 +91,20 @@ def test_bench_tinker_json_runs_the_loop_and_times_grpo_beside_it(ray_local, cap
     assert result["gain"] == round(100 * (result["accuracy_after"] - result["accuracy_before"]), 1)
     assert result["goal_points"] == 15.0 and result["goal_met"] == (result["gain"] >= 15.0)
     assert_ratio(result["speed_ratio"], result["grpo_s_per_step"], result["loop_s_per_iteration"], 3)
+
+
+def test_bench_async_json_compares_streaming_with_the_pipeline_one_batch_ahead(ray_local, capfd):
+    result = run_bench(["async", "--opt", "workloads=training", "--opt", "modes=ahead,stream1", "--opt", "steps=1",
+                        "--opt", "warmup=1", "--opt", "prompts_per_step=4", "--opt", "group=2"], capfd)
+    training = result["training"]
+    ahead, stream = training["modes"]["ahead"], training["modes"]["stream1"]
+    assert sorted(training["modes"]) == ["ahead", "stream1"] and training["bound_by"] == "trainer"
+    assert ahead["occupancy"] == 8.0  # 4 prompts x 2 samples decoding together, all 16 tokens long
+    assert ahead["staleness_max"] == 1 and stream["staleness_max"] <= 1 and ahead["partial_share"] == 0.0
+    assert_ratio(training["speedup_vs_one_step_ahead"]["stream1"], stream["tokens_per_s"], ahead["tokens_per_s"], 3)
+    assert training["best_streaming"] == "stream1" and training["bottleneck_busy"] == stream["busy"]["trainer"]
+    assert result["goal_bottleneck_busy_met"] == (training["bottleneck_busy"] >= 0.9)
+    assert "goal_speedup_met" not in result and result["processor"]  # the generation workload did not run
 
 
 def test_bench_lora_json(ray_local, capfd):

@@ -30,7 +30,12 @@ this step's other stages, but only when the rollout's devices are not the traine
 stage runs in the rollout's processes (a reward there waits behind the next generation): the
 step is then the longer of the two sides. A ``trainer.max_staleness`` above 1 gives the same
 steady state: every step costs the mean times here, and a deeper queue only evens out steps
-whose generation and training times vary. Busy fraction: the device-seconds the stages keep busy over
+whose generation and training times vary. With ``trainer.streaming`` (rollout devices of its
+own) the engines run all the time at a full batch: a step's generation costs the decode steps
+of the mean response, not of the longest (no drain: unfinished samples go on into the next
+step), it overlaps every other stage (the reward included: it runs on the taken groups), and
+the sync, which pauses the engines, adds to both sides: the step is the longer side plus the
+sync. Busy fraction: the device-seconds the stages keep busy over
 ``step_s x devices``. Memory per device comes from ``explain.estimate_memory``.
 """
 from __future__ import annotations
@@ -247,8 +252,10 @@ def stage_seconds(profile: DeviceProfile, cfg: RunConfig, work: Workload, mappin
     """Return the predicted seconds of each stage of ``cfg``'s dataflow on ``mapping``."""
     out = {}
     for name in dataflow_names(cfg):
-        if name in GENERATE_STAGES:
-            out[name] = generate_s(profile, work, mapping.roles["rollout"])
+        if name in GENERATE_STAGES:  # streaming: engines decode at a full batch, no drain to the longest
+            decode = dataclasses.replace(work, response_max=math.ceil(work.response_mean)) if cfg.trainer.streaming \
+                else work
+            out[name] = generate_s(profile, decode, mapping.roles["rollout"])
         elif name in FORWARD_STAGES:
             role = FORWARD_STAGES[name]
             out[name] = forward_s(profile, cfg, work, role, mapping.roles[role])
@@ -325,7 +332,11 @@ def predict(work: Workload, cfg: RunConfig, mapping: DeviceMapping, profile: Dev
     step_s, overlapped = sum(stage_s.values()), False
     rollout_devices = devices.get("rollout", set())
     trainer_devices = set().union(*(devices[r] for r in ("actor", "critic", "ref") if r in devices))
-    if cfg.trainer.off_policy and not rollout_devices & trainer_devices and not _behind_rollout(stage_s, mapping):
+    split = not rollout_devices & trainer_devices
+    if cfg.trainer.streaming and split:  # generation overlaps every stage but the sync, which pauses it
+        gen, sync = (sum(s for n, s in stage_s.items() if n in names) for names in (GENERATE_STAGES, ("sync_weights",)))
+        step_s, overlapped = max(gen, step_s - gen - sync) + sync, True
+    elif cfg.trainer.off_policy and split and not _behind_rollout(stage_s, mapping):
         ahead = sum(s for n, s in stage_s.items() if n in GENERATE_STAGES)
         step_s, overlapped = max(ahead, step_s - ahead), True
     busy = sum(s * len(_stage_devices(n, devices)) for n, s in stage_s.items()) / (step_s * total) if step_s else 0.0

@@ -25,6 +25,7 @@ BENCHES = {
     "start": "hybridlab.bench.start",
     "sandbox": "hybridlab.bench.sandbox",
     "tinker": "hybridlab.bench.tinker",
+    "async": "hybridlab.bench.asynchronous",
 }
 
 

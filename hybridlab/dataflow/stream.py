@@ -6,7 +6,7 @@ controller's ``RolloutStream`` keeps the engines fed: it admits prompts, one gro
 the rank with the fewest in flight, as long as the staleness bound allows, and collects the
 groups whose n samples have all finished into a buffer; the generate stage takes a step's groups
 from it. A weight sync pauses the engines between two of their steps, loads every bucket in
-place and lets them go on (``pause`` and ``resume``, around ``Stepping.sync_weights``): samples
+place and lets them go on (``stream_pause`` and ``stream_resume`` in ``Stepping.sync_weights``): samples
 in flight become partial, their tokens labelled with the version that sampled each.
 
 The bound (``trainer.max_staleness`` = K), AReaL's: with k steps done, prompts are admitted
@@ -55,11 +55,6 @@ class RolloutStream:
         self.pad_id = 0
         self.totals: dict[str, float] = {}  # engine stats summed since the last take
 
-    @property
-    def active(self) -> bool:
-        """True while prompts are admitted or groups wait to be trained."""
-        return bool(self.in_flight or self.ready or self.waiting)
-
     def take(self, ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
         """Queue this step's prompts (``batch``), keep the engines fed, and return the first
         ``data.prompts_per_step`` groups to finish, repeated n times with their responses,
@@ -70,21 +65,12 @@ class RolloutStream:
         while True:
             self._admit(ctx)
             self._collect(ctx)
-            kept = self._within_bound(ctx)
-            if kept >= want:
+            if self._within_bound(ctx) >= want:
                 break
             time.sleep(POLL_S)
         groups, self.ready = self.ready[:want], self.ready[want:]
         out = self._batch(ctx, groups)
         return out, self._metrics(ctx, out, time.perf_counter() - started)
-
-    def pause(self, rollout) -> None:
-        """Stop the engines between two of their steps (before a weight sync)."""
-        rollout.stream_pause()
-
-    def resume(self, rollout, version: int) -> None:
-        """Let the engines go on, labelling their tokens ``version``."""
-        rollout.stream_resume(version)
 
     def oldest(self, prompts) -> int | None:
         """Return the first uid of the draw holding the oldest prompt not trained yet (None: none)."""
@@ -211,6 +197,7 @@ class RolloutStream:
                 "rollout/preempted": t.get("preempted", 0), "rollout/recomputed": t.get("recomputed", 0),
                 "rollout/occupancy": t.get("running", 0) / t["engine_steps"] if t.get("engine_steps") else 0.0,
                 "rollout/engine_idle_share": t.get("idle_s", 0) / max(t.get("idle_s", 0) + t.get("busy_s", 0), 1e-9),
+                "rollout/engine_busy_s": t.get("busy_s", 0.0),
                 "rollout/trainer_wait_s": wait_s, "rollout/buffer_groups": len(self.ready),
                 "rollout/in_flight_groups": len(self.in_flight), "rollout/stale_dropped": self.dropped,
                 "rollout/samples": samples}
