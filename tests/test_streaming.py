@@ -151,6 +151,27 @@ def test_prompts_in_flight_are_generated_again_after_a_forget_and_none_is_traine
     assert rl.state.stream.regenerated >= len(untrained)
 
 
+def test_a_resumed_streaming_run_trains_the_prompts_in_flight_at_its_checkpoint_and_none_twice(stream_rl):
+    """A checkpoint written while prompts are in flight saves the prompt stream before them (and
+    the ones trained after the oldest, to skip): the resumed run generates them again, trains
+    none of the earlier ones twice. (Last of the module's tests on the session: it stops it.)"""
+    rl = stream_rl
+    before = {uid for _ in range(2) for uid in set(rl.step().batch["uid"])}
+    in_flight = set(rl.state.stream.rows)
+    (position, skip), run_dir = rl.state.prompt_position(), rl.run_dir
+    assert in_flight and position["drawn"] <= min(in_flight) and set(skip) <= before
+    rl.save_checkpoint()
+    rl.shutdown()
+    resumed = RLSession.resume(run_dir)
+    try:
+        assert resumed.state.stream.skip == set(skip) and resumed.state.prompts.drawn == position["drawn"]
+        after = {uid for _ in range(3) for uid in set(resumed.step().batch["uid"])}
+        assert after.isdisjoint(before) and min(after) >= position["drawn"]
+        assert in_flight <= after | set(resumed.state.stream.rows)  # generated again: none lost
+    finally:
+        resumed.shutdown()
+
+
 def test_a_rewound_stream_skips_the_prompts_trained_out_of_order(tiny_dir):
     """Groups finish out of order: a prompt admitted later may be trained before an earlier one
     still in flight. Going back before the oldest untrained prompt must not train it twice."""
