@@ -151,6 +151,27 @@ def test_prompts_in_flight_are_generated_again_after_a_forget_and_none_is_traine
     assert rl.state.stream.regenerated >= len(untrained)
 
 
+def test_streaming_switches_off_and_on_between_steps_and_trains_each_prompt_once(stream_rl):
+    """Off: the streams close and their prompts not trained yet go back into the prompt stream,
+    which an on-policy step draws again (the ones trained out of order passed over); on again:
+    streaming from where the stream stands."""
+    rl = stream_rl
+    trained = [uid for _ in range(2) for uid in set(rl.step().batch["uid"])]
+    in_flight = set(rl.state.stream.rows)
+    streaming_eval = rl.evaluate()  # greedy, through the running stream (its engine is the stream thread's)
+    rl.update("trainer.streaming=false")
+    assert rl.evaluate() == streaming_eval and streaming_eval["n"] == 4  # the same weights, the same answers
+    off = [rl.step() for _ in range(2)]
+    assert all("rollout/occupancy" not in r.metrics and r.metrics["rollout/staleness"] == 0 for r in off)
+    first = sorted(in_flight)[:2 * PER_STEP]  # drawn again first, generated on-policy
+    assert sorted(uid for r in off for uid in set(r.batch["uid"]))[:len(first)] == first
+    rl.update("trainer.streaming=true")
+    trained += [uid for r in off for uid in set(r.batch["uid"])]
+    trained += [uid for _ in range(2) for uid in set(rl.step().batch["uid"])]
+    assert len(trained) == len(set(trained)) == 6 * PER_STEP
+    assert in_flight and in_flight <= set(trained) | set(rl.state.stream.rows)
+
+
 def test_a_resumed_streaming_run_trains_the_prompts_in_flight_at_its_checkpoint_and_none_twice(stream_rl):
     """A checkpoint written while prompts are in flight saves the prompt stream before them (and
     the ones trained after the oldest, to skip): the resumed run generates them again, trains
@@ -164,7 +185,7 @@ def test_a_resumed_streaming_run_trains_the_prompts_in_flight_at_its_checkpoint_
     rl.shutdown()
     resumed = RLSession.resume(run_dir)
     try:
-        assert resumed.state.stream.skip == set(skip) and resumed.state.prompts.drawn == position["drawn"]
+        assert resumed.state.prompts.skip == set(skip) and resumed.state.prompts.drawn == position["drawn"]
         after = {uid for _ in range(3) for uid in set(resumed.step().batch["uid"])}
         assert after.isdisjoint(before) and min(after) >= position["drawn"]
         assert in_flight <= after | set(resumed.state.stream.rows)  # generated again: none lost
@@ -186,9 +207,10 @@ def test_a_rewound_stream_skips_the_prompts_trained_out_of_order(tiny_dir):
     for _ in range(3):
         stream._queue(prompts.next())  # uids 0..11
     stream._consume([5, 6, 9])  # finished first and trained
-    assert stream.oldest(prompts) == 0 and stream.consumed_since(0) == [5, 6, 9]
+    assert stream.oldest(prompts) == 0 and stream.consumed_since(0, prompts) == [5, 6, 9]
     stream.forget(prompts)
     assert prompts.drawn == 0 and stream.regenerated == 9
     for _ in range(3):
         stream._queue(prompts.next())
-    assert sorted(stream.rows) == [0, 1, 2, 3, 4, 7, 8, 10, 11] and not stream.skip
+    assert sorted(stream.rows) == [0, 1, 2, 3, 4, 7, 8, 10, 11, 12, 13, 14] and not prompts.skip
+    assert prompts.drawn == 15  # three draws of 4 passed over the 3 trained prompts

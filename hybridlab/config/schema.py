@@ -149,7 +149,7 @@ class TrainerConfig:
     # streaming rollouts (dataflow/stream.py): the rollout engines generate continuously, a step trains
     # the first data.prompts_per_step groups to finish, a sync does not wait for samples in flight;
     # max_staleness then bounds the updates between a trained sample's oldest token and the trainer
-    streaming: bool = setting(False, change="fixed", why="switching streaming in a running session is not built yet")
+    streaming: bool = False             # switched in a running session between steps (the prompts in flight go back)
     partial_rollouts: str = "keep"      # streaming, at a sync: samples in flight keep their KV cache, or "recompute" it
     stale_samples: str = "train"        # streaming: a finished sample past max_staleness is trained ("train") or "drop"ped
     # verl's key: the trackers fed every step's metrics, of console, tensorboard, wandb, mlflow

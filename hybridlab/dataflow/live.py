@@ -109,9 +109,12 @@ class LiveEdits:
             self.workers.groups[role].configure(**settings)
         if new.algorithm.kl_ctrl != self.cfg.algorithm.kl_ctrl:
             self.state.kl_ctrl = get_kl_controller(new.algorithm.kl_ctrl)
-        if (new.trainer.off_policy, new.trainer.max_staleness, new.rollout) != \
-                (self.cfg.trainer.off_policy, self.cfg.trainer.max_staleness, self.cfg.rollout):
+        if (new.trainer.off_policy, new.trainer.max_staleness, new.rollout, new.trainer.streaming) != \
+                (self.cfg.trainer.off_policy, self.cfg.trainer.max_staleness, self.cfg.rollout, self.cfg.trainer.streaming):
             self.state.ahead.drop(self.state.prompts)
+        if self.cfg.trainer.streaming and not new.trainer.streaming and self.workers is not None:
+            self.workers.groups["rollout"].stream_close()  # the prompts not trained yet are drawn again
+            self.state.stream.forget(self.state.prompts)
         if self.workers is not None and new.trainer.spare_processes != self.cfg.trainer.spare_processes:
             self.workers.set_spares(new.trainer.spare_processes)
         self.cfg, self._dataflow = new, flow

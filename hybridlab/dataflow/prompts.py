@@ -157,6 +157,7 @@ class ShuffledEpochs:
         self.drawn = 0
         self.marks: dict[int, dict] = {}  # items drawn -> the position then, for the newest MARKS draws
         self.pin: int | None = None       # a uid whose draw's mark is kept however old (a prompt still in flight)
+        self.skip: set[int] = set()       # uids to pass over when drawn again: trained before a rewind
 
     def take(self, n: int) -> list[int]:
         """Return the next ``n`` indices (a new shuffled epoch starts when one runs out)."""
@@ -219,8 +220,15 @@ class PromptSource(ShuffledEpochs):
         self.ids = tokenize_prompts(samples, tokenizer, fit)
 
     def next(self) -> Batch:
-        """Return the next ``per_step`` prompts, each with a fresh uid (its group id)."""
-        first = self.drawn
-        picked = self.take(self.per_step)
-        return prompt_batch([self.samples[i] for i in picked], self.tokenizer, list(range(first, self.drawn)),
-                            ids=[self.ids[i] for i in picked])
+        """Return the next ``per_step`` prompts, each with a fresh uid (its group id: its position
+        in the stream), passing over the uids in ``skip`` (trained before the stream went back)."""
+        picked, uids = [], []
+        while len(picked) < self.per_step:
+            first = self.drawn
+            for uid, index in enumerate(self.take(self.per_step - len(picked)), start=first):
+                if uid in self.skip:
+                    self.skip.discard(uid)
+                else:
+                    picked.append(index)
+                    uids.append(uid)
+        return prompt_batch([self.samples[i] for i in picked], self.tokenizer, uids, ids=[self.ids[i] for i in picked])

@@ -71,7 +71,7 @@ def step_start(state: RunState) -> StepStart:
 def back_to(state: RunState, start: StepStart) -> None:
     """Put the run's prompt stream, KL controller and the controller's RNGs back to ``start``."""
     state.prompts.set_state(start.prompts)
-    state.stream.skip = set(start.skip)
+    state.prompts.skip = set(start.skip)
     random.setstate(start.rng[0])
     np.random.set_state(start.rng[1])
     torch.set_rng_state(start.rng[2])

@@ -91,8 +91,8 @@ class RunState:
         if first is None:
             first = self.stream.oldest(self.prompts)
         if first is None:
-            return self.prompts.state(), []
-        return self.prompts.state_before(first), self.stream.consumed_since(first)
+            return self.prompts.state(), sorted(self.prompts.skip)
+        return self.prompts.state_before(first), self.stream.consumed_since(first, self.prompts)
 
     def record(self, train: TrainProgress | None) -> dict[str, Any]:
         """Return the state a checkpoint saves (its ``session.json`` fields), with ``train()``'s progress."""
@@ -117,5 +117,5 @@ class RunState:
         self.bad_steps_in_a_row = record["faults"]["bad_steps_in_a_row"]
         self.worker_restarts = record["faults"].get("worker_restarts", 0)
         self.ahead.regenerated = record.get("regenerated_prompts", 0)
-        self.stream.skip = set(record.get("stream_skip", []))
+        self.prompts.skip = set(record.get("stream_skip", []))
         vars(self.kl_ctrl).update(record["kl_ctrl"])

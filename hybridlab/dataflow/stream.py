@@ -50,7 +50,6 @@ class RolloutStream:
         self.admitted: int | None = None    # prompts admitted in all (None: as many as the steps done trained)
         self.dropped = 0                    # samples dropped past the bound (stale_samples=drop)
         self.consumed: set[int] = set()     # uids trained (or dropped whole), newer than the oldest one not
-        self.skip: set[int] = set()         # uids drawn again after a rewind that were trained already
         self.regenerated = 0                # prompts thrown away in flight or unused, drawn and generated again
         self.pad_id = 0
         self.totals: dict[str, float] = {}  # engine stats summed since the last take
@@ -76,17 +75,17 @@ class RolloutStream:
         """Return the first uid of the draw holding the oldest prompt not trained yet (None: none)."""
         return prompts.draw_start(min(self.rows)) if self.rows else None
 
-    def consumed_since(self, start: int) -> list[int]:
-        """Return the uids from ``start`` on that were trained (a resumed run skips them)."""
-        return sorted(u for u in self.consumed | self.skip if u >= start)
+    def consumed_since(self, start: int, prompts) -> list[int]:
+        """Return the uids from ``start`` on that were trained (drawn again, they are skipped)."""
+        return sorted(u for u in self.consumed | prompts.skip if u >= start)
 
     def forget(self, prompts) -> None:
         """Throw away every prompt not trained yet (in flight, finished or waiting: the workers'
         streams are the caller's to close) and put the prompt stream back before the oldest of
-        them; the prompts trained since are skipped when drawn again."""
+        them; the prompts trained since are skipped when drawn again (``prompts.skip``)."""
         start = self.oldest(prompts)
         if start is not None:
-            self.skip = set(self.consumed_since(start))
+            prompts.skip = set(self.consumed_since(start, prompts))
             self.regenerated += len(self.rows)
             prompts.set_state(prompts.state_before(start))
         self.rows, self.waiting, self.in_flight, self.ready, self.consumed = {}, [], {}, [], set()
@@ -94,9 +93,6 @@ class RolloutStream:
 
     def _queue(self, batch: Batch) -> None:
         for i, uid in enumerate(batch["uid"]):
-            if uid in self.skip:  # trained before a rewind
-                self.skip.discard(uid)
-                continue
             self.rows[uid] = {k: v[i] for k, v in batch.objects.items()}
             self.waiting.append(uid)
 

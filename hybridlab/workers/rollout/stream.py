@@ -17,6 +17,7 @@ recomputes their KV cache under the new weights (AReaL), which vLLM counts as pr
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 import time
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class EngineStream:
         self.gate, self.callers = threading.Lock(), 0  # calls waiting for their turn: the thread lets them in first
         self.groups: dict[str, dict] = {}     # request id -> the group's submission (key, prompt ids, n)
         self.finished: list[dict] = []        # finished groups, oldest first
+        self.answers: dict[str, dict] = {}    # finished groups of ``generate`` calls, by key
         self.paused = self.closed = False
         self.version = version
         self.stats = StreamStats()
@@ -72,6 +74,19 @@ class EngineStream:
                 self.engine.add_request(request, TokensPrompt(prompt_token_ids=list(ids)), params,
                                         lora_request=lora_request)
             self.cond.notify_all()
+
+    def generate(self, prompts: list[list[int]], params, lora_request=None) -> list[list[dict]]:
+        """Generate beside the stream (an evaluation, a refill) and wait: returns each prompt's
+        samples (``ids``, ``logprobs``, ``versions``), in order. The engine is this thread's to
+        step, so a plain ``LLM.generate`` must not run while a stream does."""
+        keys = [f"call-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        self.submit([(key, ids, copy.copy(params)) for key, ids in zip(keys, prompts)], lora_request)
+        while True:
+            with self._turn():
+                self._raise()
+                if all(key in self.answers for key in keys):
+                    return [self.answers.pop(key)["samples"] for key in keys]
+            time.sleep(0.002)
 
     def take(self) -> tuple[list[dict], StreamStats, int]:
         """Return (the finished groups, oldest first; the stats since the last take; the groups
@@ -176,4 +191,7 @@ class EngineStream:
                 versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
             samples.append({"ids": ids, "logprobs": [step[t].logprob for step, t in zip(completion.logprobs, ids)],
                             "versions": versions})
-        self.finished.append({**group, "samples": samples})
+        if isinstance(group["key"], str):  # a generate call's
+            self.answers[group["key"]] = {"samples": samples}
+        else:
+            self.finished.append({**group, "samples": samples})

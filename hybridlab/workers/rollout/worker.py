@@ -105,7 +105,12 @@ class RolloutWorker(Worker):
         else:
             raise ValueError("generate needs an object field 'prompt_ids' (token-id lists) or 'prompt' (texts)")
         prompts = fit_prompts(ids, cfg.max_tokens, self.context, self.truncate, batch.objects.get("index"))
-        if self.backend == "vllm":
+        if self.stream is not None:  # streaming: the engine is the stream thread's, so the call goes through it
+            params = sampling_params(cfg, self.stop_ids, seed=cfg.seed if per_request_seeds() else None)
+            samples = [s for group in self.stream.generate(prompts, params, adapter_request() if self.adapter else None)
+                       for s in group]
+            responses, logprobs = [s["ids"] for s in samples], [s["logprobs"] for s in samples]
+        elif self.backend == "vllm":
             responses, logprobs = generate(self.llm, prompts, cfg, self.stop_ids, adapter=self.adapter)
         else:
             responses, logprobs = generate_ids(self.model, prompts, cfg, self.pad_id, self.stop_ids)
@@ -127,6 +132,8 @@ class RolloutWorker(Worker):
     def generate_agent(self, batch: Batch, sampling: SamplingConfig | dict, settings: dict) -> Batch:
         """Return n agent trajectories per prompt in verl's multi-turn layout (``hybridlab.agents``):
         the model's tokens have response_mask 1, tool and template tokens 0."""
+        if self.stream is not None:
+            raise ValueError("agent rollouts do not run beside a streaming engine (trainer.streaming); switch it off")
         if self.backend != "vllm" or self.tp > 1:
             raise ValueError("agent rollouts need the vllm backend with rollout tp=1 (the engine is driven from"
                              f" this process's event loop); this group has backend={self.backend!r}, tp={self.tp}")
