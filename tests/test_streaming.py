@@ -18,6 +18,9 @@ from hybridlab.dataflow.stages import register_stage
 
 SPLIT = ("mapping={pools: {a: {devices: 1}, r: {devices: 1}}, roles: {actor: {pool: a},"
          " rollout: {pool: r, colocate: gen}, reward: {pool: r, colocate: gen}}}")
+MOVED = {"pools": {"a": {"devices": 1}, "r": {"devices": 1}},  # the reward beside the actor, the rollout alone
+         "roles": {"actor": {"pool": "a", "colocate": "t"}, "reward": {"pool": "a", "colocate": "t"},
+                   "rollout": {"pool": "r"}}}
 PER_STEP, N, BOUND = 4, 2, 2
 
 
@@ -136,19 +139,17 @@ def test_streaming_steps_train_each_prompt_once_within_the_bound_and_correct_per
     assert m["rollout/occupancy"] > 0 and m["rollout/in_flight_groups"] + m["rollout/buffer_groups"] > 0
 
 
-def test_prompts_in_flight_are_generated_again_after_a_forget_and_none_is_trained_twice(stream_rl):
-    """What a remap or a worker fault does: the engines' streams close, the prompts not trained
-    yet go back into the prompt stream, and the ones trained after the oldest of them are skipped."""
+def test_a_remap_during_streaming_draws_the_prompts_in_flight_again_and_says_so(stream_rl):
+    """The engines' streams close with the old workers; the prompts not trained yet go back into
+    the prompt stream and the report counts them; none is lost or trained twice."""
     rl = stream_rl
     trained = [uid for _ in range(2) for uid in set(rl.step().batch["uid"])]
-    untrained = set(rl.state.stream.rows)
-    position, _ = rl.state.prompt_position()
-    assert untrained and position["drawn"] <= min(untrained)  # what a checkpoint saves: before every one of them
-    rl.workers.groups["rollout"].stream_close()
-    rl.state.stream.forget(rl.state.prompts)
+    in_flight = set(rl.state.stream.rows)
+    report = rl.remap(MOVED)
+    assert report.prompts_drawn_again == len(in_flight) > 0 and set(report.roles_recreated) >= {"rollout"}
+    assert f"{len(in_flight)} streamed prompts not trained yet drawn again" in str(report)
     after = [uid for _ in range(3) for uid in set(rl.step().batch["uid"])]
-    assert not set(after) & set(trained) and untrained <= set(after) | set(rl.state.stream.rows)
-    assert rl.state.stream.regenerated >= len(untrained)
+    assert not set(after) & set(trained) and in_flight <= set(after) | set(rl.state.stream.rows)
 
 
 def test_streaming_switches_off_and_on_between_steps_and_trains_each_prompt_once(stream_rl):

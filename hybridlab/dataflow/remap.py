@@ -45,6 +45,7 @@ class RemapReport:
     mapping_before: dict
     mapping_after: dict
     reason: str = "remap"
+    prompts_drawn_again: int = 0       # streaming: prompts in flight or finished, not trained, drawn again after it
 
     def as_dict(self) -> dict:
         """Return the report as plain data (the run directory's remaps.jsonl, the dashboard)."""
@@ -57,7 +58,8 @@ class RemapReport:
         return (f"remap after step {self.step}: re-created {roles}{added}{removed}; "
                 f"{self.processes_started} processes started ({self.spares_used} of them spares), "
                 f"{self.processes_stopped} stopped; {self.bytes_moved / 2**20:.1f} MB moved in memory; "
-                f"{self.seconds['total']:.1f} s")
+                f"{self.seconds['total']:.1f} s" + (f"; {self.prompts_drawn_again} streamed prompts not trained yet"
+                                                    " drawn again" if self.prompts_drawn_again else ""))
 
 
 @dataclasses.dataclass
@@ -122,11 +124,12 @@ def apply_change(rl: "RLSession", change: Change) -> RemapReport | None:
         rl.apply_config(change.cfg, change.flow, change.configure)
         return None
     rl.state.ahead.drop(rl.state.prompts)
+    drawn_again = len(rl.state.stream.rows)
     if rl.cfg.trainer.streaming:  # streamed prompts not trained yet are generated again on the new mapping
         rl.workers.groups["rollout"].stream_close()
         rl.state.stream.forget(rl.state.prompts)
     try:
-        report = apply(rl, change.cfg, change.mapping, change.recreate, change.reason)
+        report = apply(rl, change.cfg, change.mapping, change.recreate, change.reason, drawn_again)
     except BaseException as exc:
         rl.broken = (f"a {change.reason} failed after the old workers were stopped ({type(exc).__name__}: {exc});"
                      f" this session cannot continue: call shutdown() and start a new one")
@@ -138,10 +141,12 @@ def apply_change(rl: "RLSession", change: Change) -> RemapReport | None:
     return report
 
 
-def apply(rl: "RLSession", cfg: RunConfig, mapping: DeviceMapping, recreate: set[str], reason: str) -> RemapReport:
+def apply(rl: "RLSession", cfg: RunConfig, mapping: DeviceMapping, recreate: set[str], reason: str,
+          drawn_again: int = 0) -> RemapReport:
     """Switch ``rl`` to ``cfg`` on ``mapping``, re-creating changed roles and ``recreate``;
-    returns the report (also written to the run directory and sent to the dashboard). Call it
-    between steps with everything already validated."""
+    returns the report (also written to the run directory and sent to the dashboard; ``drawn_again``:
+    the streamed prompts not trained yet that go back into the prompt stream). Call it between
+    steps with everything already validated."""
     session = rl.workers
     t0 = time.perf_counter()
     mapping_before = rl.mapping.to_dict()
@@ -174,7 +179,8 @@ def apply(rl: "RLSession", cfg: RunConfig, mapping: DeviceMapping, recreate: set
                          processes_stopped=len(pids_before - pids_after),
                          spares_used=(session.spares.taken if session.spares else 0) - taken_before,
                          bytes_moved=carried.bytes + sync_bytes, seconds={k: round(v, 3) for k, v in seconds.items()},
-                         mapping_before=mapping_before, mapping_after=mapping.to_dict(), reason=reason)
+                         mapping_before=mapping_before, mapping_after=mapping.to_dict(), reason=reason,
+                         prompts_drawn_again=drawn_again)
     with open(rl.run_dir / REMAP_LOG, "a") as f:
         f.write(json.dumps(report.as_dict()) + "\n")
     rl.emit("remap", report.as_dict())
