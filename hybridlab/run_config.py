@@ -19,7 +19,6 @@ from hybridlab.config import ConfigError, RunConfig, config_with, resolve_config
 from hybridlab.config.bounds import bound_problems
 from hybridlab.dataflow.config_checks import dataflow_problems
 from hybridlab.dataflow.prompts import data_problems
-from hybridlab.sandbox.runner import sandbox_problems
 from hybridlab.telemetry.trackers import logger_problems
 from hybridlab.verl import Translation, is_verl, verl_config
 from hybridlab.workers.reward.checks import reward_problems
@@ -30,7 +29,7 @@ def validate_config(cfg: RunConfig) -> None:
     """Raise ConfigError listing every problem of ``cfg``, each naming its key."""
     p = [*bound_problems(cfg), *rollout_problems(cfg), *algorithm_problems(cfg), *loss_problems(cfg),
          *correction_problems(cfg), *training_problems(cfg), *reward_problems(cfg), *data_problems(cfg),
-         *logger_problems(cfg.trainer.logger), *sandbox_problems(cfg.sandbox)]
+         *logger_problems(cfg.trainer.logger)]
     if not any(x.startswith("algorithm.adv_estimator:") for x in p):  # the stages' inputs follow the estimator
         p += dataflow_problems(cfg)
     if p:

@@ -1,5 +1,5 @@
-"""The range of every numeric setting that has one, spelled once (``RANGES``), and the two
-helpers the parts' own checks are written with (``one_of``, ``value_of``).
+"""The range of every numeric setting that has one, spelled once (``RANGES``), and the helper
+the parts' own checks are written with (``one_of``).
 
 ``bound_problems(cfg)`` names each setting outside its range. The checks that ask a registry
 (an estimator, a backend, a reward kind) or read several keys together live in the part they
@@ -26,12 +26,11 @@ RANGES: dict[str, float | str] = {
     "trainer.spare_processes": 0, "trainer.call_deadline_s": 0, "trainer.keep_checkpoints": 1,
     "trainer.max_bad_updates": 1, "trainer.call_deadline_floor_s": "positive", "trainer.max_minutes": 0,
     "trainer.critic_warmup": 0,
+    "sandbox.wall_s": 0.1, "sandbox.cpu_s": 1, "sandbox.memory_mb": 64,
+    "sandbox.processes": 4,  # bwrap and the program take two
+    "sandbox.file_mb": 1, "sandbox.open_files": 16, "sandbox.output_kb": 1, "sandbox.test_timeout_s": 0.1,
+    "sandbox.parallel": 1,
 }
-
-
-def value_of(cfg: Any, key: str) -> Any:
-    """Return the value of the dotted ``key`` (``"rollout.n"``) of a config."""
-    return functools.reduce(getattr, key.split("."), cfg)
 
 
 def one_of(key: str, value: Any, allowed) -> list[str]:
@@ -43,7 +42,7 @@ def bound_problems(cfg: Any) -> list[str]:
     """Return a problem for each setting of ``RANGES`` outside its range, naming the key."""
     out = []
     for key, bound in RANGES.items():
-        value = value_of(cfg, key)
+        value = functools.reduce(getattr, key.split("."), cfg)  # the dotted key's value
         if bound == "positive" and not value > 0:
             out.append(f"{key}: must be positive, got {value}")
         elif bound == "(0, 1]" and not 0 < value <= 1:

@@ -2,13 +2,21 @@
 ahead so that generation overlaps training."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from hybridlab.dataflow.prompts import ShuffledEpochs
 from hybridlab.protocol import Batch
 
 if TYPE_CHECKING:
     from hybridlab.dataflow.context import StepContext
+
+
+class Pending(NamedTuple):
+    """A rollout submitted ahead."""
+    future: object       # the rollout group's GroupFuture
+    step: int            # the step it was submitted at
+    first_uid: int       # its first prompt's uid (the prompt stream goes back before it)
+    prompts: int
 
 
 class RolloutAhead:
@@ -23,7 +31,7 @@ class RolloutAhead:
     them (``first_uid``), so a resumed run generates them again too."""
 
     def __init__(self):
-        self.pending: list = []   # (GroupFuture, step submitted at, first prompt uid, prompts), oldest first
+        self.pending: list[Pending] = []  # oldest first
         self.regenerated = 0      # prompts whose rollouts ahead were thrown away, to be generated again
 
     def take(self, ctx: "StepContext", batch: Batch,
@@ -37,26 +45,26 @@ class RolloutAhead:
         seed = ctx.sampling()["seed"]
         submit = submit or ctx.group("rollout").generate.submit
         if not self.pending:  # nothing ahead yet: this step's prompts now, the next ones ahead
-            self.pending.append((submit(batch, ctx.sampling()), step, batch["uid"][0], len(batch)))
+            self.pending.append(Pending(submit(batch, ctx.sampling()), step, batch["uid"][0], len(batch)))
             batch = prompts.next()
-        future, submitted, _, _ = self.pending.pop(0)
-        out = future.result()
+        taken = self.pending.pop(0)
+        out = taken.future.result()
         while len(self.pending) < depth:
             ahead = len(self.pending) + 1
-            self.pending.append((submit(batch, ctx.sampling(seed=seed + ahead)), step, batch["uid"][0],
-                                 len(batch)))
+            self.pending.append(Pending(submit(batch, ctx.sampling(seed=seed + ahead)), step, batch["uid"][0],
+                                        len(batch)))
             if len(self.pending) < depth:
                 batch = prompts.next()
-        return out, step - submitted
+        return out, step - taken.step
 
     def first_uid(self) -> int | None:
         """Return the first prompt uid of the oldest rollout ahead (None when none is)."""
-        return self.pending[0][2] if self.pending else None
+        return self.pending[0].first_uid if self.pending else None
 
     def drop(self, prompts: ShuffledEpochs) -> None:
         """Let the rollouts ahead finish (their workers stay), then ``forget`` them."""
-        for future, *_ in self.pending:
-            future.result()
+        for entry in self.pending:
+            entry.future.result()
         self.forget(prompts)
 
     def forget(self, prompts: ShuffledEpochs) -> None:
@@ -64,5 +72,5 @@ class RolloutAhead:
         prompt stream ``prompts`` back to before their prompts, which later steps draw again."""
         if self.pending:
             prompts.set_state(prompts.state_before(self.first_uid()))
-            self.regenerated += sum(entry[3] for entry in self.pending)
+            self.regenerated += sum(entry.prompts for entry in self.pending)
         self.pending = []

@@ -31,16 +31,15 @@ def generate(ctx: StepContext, batch: Batch) -> tuple[Batch, dict]:
     """Sample rollout.n responses per prompt on the rollout engines. With trainer.off_policy,
     take the responses generated ahead (at most trainer.max_staleness updates stale) and submit
     this step's prompts ahead (dataflow/ahead.py)."""
-    if ctx.cfg.trainer.streaming and not ctx.rerunning:
-        out, streamed = ctx.state.stream.take(ctx, batch)
-        fault_point("generate", ctx.state.step_count + 1)
-        return out, {**generation_metrics(ctx.cfg, out), **streamed}
-    if ctx.cfg.trainer.off_policy and not ctx.rerunning:
+    if ctx.cfg.trainer.streaming and not ctx.rerunning:  # the first groups to finish (dataflow/stream.py)
+        out, metrics = ctx.state.stream.take(ctx, batch)
+    elif ctx.cfg.trainer.off_policy and not ctx.rerunning:
         out, staleness = ctx.state.ahead.take(ctx, batch)
+        metrics = ahead_metrics(ctx, staleness)
     else:
-        out, staleness = ctx.group("rollout").generate(batch, ctx.sampling()), 0
+        out, metrics = ctx.group("rollout").generate(batch, ctx.sampling()), ahead_metrics(ctx, 0)
     fault_point("generate", ctx.state.step_count + 1)
-    return out, {**generation_metrics(ctx.cfg, out), **ahead_metrics(ctx, staleness)}
+    return out, {**generation_metrics(ctx.cfg, out), **metrics}
 
 
 def ahead_metrics(ctx: StepContext, staleness: int) -> dict:

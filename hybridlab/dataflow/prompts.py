@@ -181,20 +181,19 @@ class ShuffledEpochs:
         return {"rng": [version, list(internal), gauss], "order": list(self.order), "drawn": self.drawn,
                 "size": self.size}
 
-    def state_before(self, drawn: int) -> dict:
-        """Return the position before the draw that started at item ``drawn`` (a batch's first uid);
-        raises ValueError when that draw is not among the newest ``MARKS``."""
-        if drawn not in self.marks:
-            raise ValueError(f"the prompt stream keeps its position before its last {self.MARKS} draws only;"
-                             f" item {drawn} was drawn earlier (or never)")
-        return self.marks[drawn]
-
     def draw_start(self, uid: int) -> int:
-        """Return the first uid of the draw (among the newest ``MARKS``) that holds ``uid``."""
+        """Return the first position of the draw (among the kept marks) that holds ``uid``;
+        raises ValueError when that draw's mark is no longer kept."""
         starts = [d for d in self.marks if d <= uid < self.drawn]
         if not starts:
-            raise ValueError(f"the prompt stream keeps its last {self.MARKS} draws only; item {uid} is not in them")
+            raise ValueError(f"the prompt stream keeps its position before its last {self.MARKS} draws only (and"
+                             f" before a prompt still in flight); item {uid} is not in them")
         return max(starts)
+
+    def state_before(self, uid: int) -> dict:
+        """Return the position before the draw that holds ``uid`` (a batch's first uid, or any of
+        its uids: a draw may pass over uids in ``skip``)."""
+        return self.marks[self.draw_start(uid)]
 
     def set_state(self, state: dict) -> None:
         """Go back to a position ``state()`` returned; raises UserError when the stream it came from

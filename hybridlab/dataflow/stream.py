@@ -87,7 +87,7 @@ class RolloutStream:
         if start is not None:
             prompts.skip = set(self.consumed_since(start, prompts))
             self.regenerated += len(self.rows)
-            prompts.set_state(prompts.state_before(start))
+            prompts.set_state(prompts.marks[start])
         self.rows, self.waiting, self.in_flight, self.ready, self.consumed = {}, [], {}, [], set()
         self.admitted = prompts.pin = None
 
@@ -139,11 +139,12 @@ class RolloutStream:
         how many groups are ready."""
         if ctx.cfg.trainer.stale_samples == "drop":
             oldest = ctx.state.actor_version - ctx.cfg.trainer.max_staleness
-            stale = [g for g in self.ready if min(min(s["versions"], default=oldest) for s in g["samples"]) < oldest]
+            fresh = [min(min(s["versions"], default=oldest) for s in g["samples"]) >= oldest for g in self.ready]
+            stale = [g for g, ok in zip(self.ready, fresh) if not ok]
             self.dropped += sum(len(g["samples"]) for g in stale)
             self.admitted -= len(stale)
             self._consume([g["key"] for g in stale])
-            self.ready = [g for g in self.ready if g not in stale]
+            self.ready = [g for g, ok in zip(self.ready, fresh) if ok]
         if len(self.ready) < ctx.cfg.data.prompts_per_step and not self.in_flight:
             raise RuntimeError(f"the rollout stream holds {len(self.ready)} finished groups and none in flight, and the"
                                f" bound admits no more (admitted {self.admitted}, step {ctx.state.step_count})")

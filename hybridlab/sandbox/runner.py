@@ -158,16 +158,6 @@ def read_output(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[list
     return [b"".join(c) for c in chunks], False, False
 
 
-LOWEST = {"wall_s": 0.1, "cpu_s": 1, "memory_mb": 64, "processes": 4, "file_mb": 1, "open_files": 16,
-          "output_kb": 1, "test_timeout_s": 0.1, "parallel": 1}  # processes: bwrap and the program take two
-
-
-def sandbox_problems(config: SandboxConfig) -> list[str]:
-    """Return what is wrong with the ``sandbox`` settings, each naming its key."""
-    return [f"sandbox.{key}: must be at least {low}, got {getattr(config, key)!r}" for key, low in LOWEST.items()
-            if getattr(config, key) < low]
-
-
 def check_available(sandbox: Sandbox) -> None:
     """Raise SandboxUnavailable naming what is missing: bwrap, prlimit, setpriv, the interpreter,
     a read-only directory, a pids cgroup, or user namespaces (bwrap's trial run)."""
