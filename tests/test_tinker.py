@@ -426,8 +426,13 @@ def test_training_calls_run_in_seq_id_order_whatever_order_they_arrive_in(server
     assert np.abs(after - before).max() > 0.1  # the forward ran after the step, not when it arrived
 
 
-def test_bad_settings_are_refused_by_name_before_any_worker_starts(capfd):
+def test_bad_settings_are_refused_by_name_before_any_worker_starts(capfd, tmp_path):
     from hybridlab.cli import main
+
+    listed = tmp_path / "listed.yaml"
+    listed.write_text("- port\n- 8000\n")
+    assert main(["serve", "tinker", str(listed), "port=8000"]) == 2  # not a mapping, with overrides on top
+    assert capfd.readouterr().err == f"error: {listed}: expected a mapping of settings, got list\n"
 
     assert main(["serve", "tinker", "port=70000", "api_key=abc", "colour=blue"]) == 2
     assert "error: unknown key colour; allowed keys: model, name, host, port, api_key" in capfd.readouterr().err

@@ -76,6 +76,8 @@ def load_settings(config: str | None = None, overrides: list[str] = ()) -> Servi
         if not path.is_file():
             raise UserError(f"{config}: no such settings file")
         values = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(values, dict):  # checked before the overrides are set into it
+            raise UserError(f"{config}: expected a mapping of settings, got {type(values).__name__}")
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
