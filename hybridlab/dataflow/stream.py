@@ -36,7 +36,10 @@ if TYPE_CHECKING:
     from hybridlab.dataflow.context import StepContext
 
 STALE_SAMPLES = ("train", "drop")
-POLL_S = 0.005  # between two looks at the engines while a step waits for its groups
+# While a step waits for its groups, each look at the engines waits up to this long on the ranks
+# for a group to finish (``EngineStream.take``): one call per finished group rather than a poll
+# every few milliseconds, whose calls took the rollout's core from its engine.
+TAKE_WAIT_S = 0.1
 
 
 class RolloutStream:
@@ -60,13 +63,12 @@ class RolloutStream:
         behaviour log-probs and per-token versions (``rollout_versions``), with the metrics."""
         self._queue(batch)
         self._pin(ctx.state.prompts)
-        want, started = ctx.cfg.data.prompts_per_step, time.perf_counter()
+        want, started, wait = ctx.cfg.data.prompts_per_step, time.perf_counter(), 0.0
         while True:
-            self._admit(ctx)
-            self._collect(ctx)
+            self._exchange(ctx, self._admit(ctx), wait)
             if self._within_bound(ctx) >= want:
                 break
-            time.sleep(POLL_S)
+            wait = TAKE_WAIT_S  # the first look takes what is ready; the next ones wait for it
         groups, self.ready = self.ready[:want], self.ready[want:]
         out = self._batch(ctx, groups)
         return out, self._metrics(ctx, out, time.perf_counter() - started)
@@ -96,22 +98,22 @@ class RolloutStream:
             self.rows[uid] = {k: v[i] for k, v in batch.objects.items()}
             self.waiting.append(uid)
 
-    def _admit(self, ctx: "StepContext") -> None:
+    def _admit(self, ctx: "StepContext") -> list[list]:
         """Admit waiting prompts (drawing more when none wait) while the bound allows, each to
         the rank with the fewest groups in flight: with k steps done, the prompts of batches up
-        to k + max_staleness, so a batch is admitted at most max_staleness updates before its step."""
+        to k + max_staleness, so a batch is admitted at most max_staleness updates before its
+        step. Returns each rank's ``(uid, prompt ids)`` to submit (maybe none)."""
         per_step, bound = ctx.cfg.data.prompts_per_step, ctx.cfg.trainer.max_staleness
         if self.admitted is None:  # a new stream, or one rewound: everything before was trained
             self.admitted = ctx.state.step_count * per_step
+        ranks = ctx.group("rollout").world_size
+        parts: list[list] = [[] for _ in range(ranks)]
         room = (ctx.state.step_count + bound + 1) * per_step - self.admitted
         if room <= 0:
-            return
+            return parts
         while len(self.waiting) < room:
             self._queue(ctx.state.prompts.next())
-        rollout = ctx.group("rollout")
-        ranks = rollout.world_size
         load = [sum(1 for r in self.in_flight.values() if r == rank) for rank in range(ranks)]
-        parts: list[list] = [[] for _ in range(ranks)]
         for uid in self.waiting[:room]:
             rank = load.index(min(load))
             load[rank] += 1
@@ -119,13 +121,15 @@ class RolloutStream:
             self.in_flight[uid] = rank
         del self.waiting[:room]
         self.admitted += room
-        order = {"sampling": ctx.sampling(seed=ctx.cfg.trainer.seed), "partial": ctx.cfg.trainer.partial_rollouts,
-                 "version": ctx.state.rollout_version}
-        rollout.stream_submit([{**order, "prompts": part} for part in parts])
+        return parts
 
-    def _collect(self, ctx: "StepContext") -> None:
-        """Move the engines' finished groups into ``ready`` and add up their stats."""
-        for answer in ctx.group("rollout").stream_take():
+    def _exchange(self, ctx: "StepContext", parts: list[list], wait_s: float) -> None:
+        """Submit each rank's admitted prompts and move the engines' finished groups into
+        ``ready``, adding up their stats (a rank waits up to ``wait_s`` for a group when it has
+        none): one call per rank, so one turn of its engine."""
+        order = {"sampling": ctx.sampling(seed=ctx.cfg.trainer.seed), "partial": ctx.cfg.trainer.partial_rollouts,
+                 "version": ctx.state.rollout_version, "wait_s": wait_s}
+        for answer in ctx.group("rollout").stream_exchange([{**order, "prompts": part} for part in parts]):
             self.pad_id = answer["pad_id"]
             for group in answer["groups"]:
                 if self.in_flight.pop(group["key"], None) is not None:  # else forgotten meanwhile

@@ -55,6 +55,7 @@ class EngineStream:
         self.stats = StreamStats()
         self.preemptions: dict[str, int] = {}  # sample request id -> preemptions seen
         self.error: BaseException | None = None
+        self.has_finished = threading.Event()  # set when a group finishes (or the thread fails): wakes ``take``
         self.engine.set_weight_version(str(version))
         self.thread = threading.Thread(target=self._loop, name="rollout-stream", daemon=True)
         self.thread.start()
@@ -88,11 +89,16 @@ class EngineStream:
                     return [self.answers.pop(key)["samples"] for key in keys]
             time.sleep(0.002)
 
-    def take(self) -> tuple[list[dict], StreamStats, int]:
+    def take(self, wait_s: float = 0.0) -> tuple[list[dict], StreamStats, int]:
         """Return (the finished groups, oldest first; the stats since the last take; the groups
-        still in the engine)."""
+        still in the engine), after waiting up to ``wait_s`` for a group to finish when none has.
+        The wait holds no lock, so the engine steps meanwhile: a caller that waits here instead
+        of polling takes the engine's turn once per finished group, not once per look."""
+        if wait_s > 0 and not self.finished and self.groups:
+            self.has_finished.wait(wait_s)
         with self._turn():
             self._raise()
+            self.has_finished.clear()
             done, self.finished = self.finished, []
             stats, self.stats = self.stats, StreamStats()
             return done, stats, len(self.groups)
@@ -164,6 +170,7 @@ class EngineStream:
         except BaseException as exc:  # surfaced by the next call into the stream
             with self.cond:
                 self.error = exc
+            self.has_finished.set()
 
     def _scheduler(self):
         return self.engine.engine_core.engine_core.scheduler  # the in-process engine's (VLLM_ENABLE_V1_MULTIPROCESSING=0)
@@ -195,3 +202,4 @@ class EngineStream:
             self.answers[group["key"]] = {"samples": samples}
         else:
             self.finished.append({**group, "samples": samples})
+            self.has_finished.set()

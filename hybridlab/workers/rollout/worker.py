@@ -156,33 +156,28 @@ class RolloutWorker(Worker):
         return out
 
     @register(Dispatch.RAW)
-    def stream_submit(self, order: dict) -> int:
-        """Add ``order["prompts"]`` (``(key, prompt ids)``) to this rank's continuously running
-        engine, started on the first call (``order["partial"]``: what samples in flight do at a
-        sync; ``order["version"]``: the weights' version it holds); each comes back from
-        ``stream_take`` as a group of ``order["sampling"]["n"]`` samples. Returns the groups in
-        the engine. (Raw dispatch: the controller shares prompts out over the ranks.)"""
+    def stream_exchange(self, order: dict) -> dict:
+        """Add ``order["prompts"]`` (``(key, prompt ids)``, maybe none) to this rank's continuously
+        running engine, started on the first call (``order["partial"]``: what samples in flight
+        do at a sync; ``order["version"]``: the weights' version it holds), and take the groups
+        of ``order["sampling"]["n"]`` samples that finished, waiting up to ``order["wait_s"]`` for
+        one when none has. Returns the finished groups (oldest first), the engine's stats since
+        the last call, the groups still generating and the pad id. (Raw dispatch: the
+        controller shares prompts out over the ranks; one call, one turn of the engine.)"""
         if self.backend != "vllm" or self.tp > 1:
             raise ValueError("streaming rollouts need the vllm backend with rollout tp=1 (one engine per process,"
                              f" stepped by a thread of it); this group has backend={self.backend!r}, tp={self.tp}")
         if self.stream is None:
             self.stream = EngineStream(self.llm, order["partial"], order["version"])
         self.stream.partial = order["partial"]  # a live change applies from the next sync
-        cfg = SamplingConfig(**order["sampling"]).validate()
-        keys = [key for key, _ in order["prompts"]]
-        fitted = fit_prompts([ids for _, ids in order["prompts"]], cfg.max_tokens, self.context, self.truncate)
-        seeded = per_request_seeds()  # else the requests share the engine's seeded stream
-        self.stream.submit([(key, ids, sampling_params(cfg, self.stop_ids, seed=cfg.seed + key if seeded else None))
-                            for key, ids in zip(keys, fitted)], adapter_request() if self.adapter else None)
-        return len(self.stream.groups)
-
-    @register(Dispatch.ALL)
-    def stream_take(self) -> dict:
-        """Return this rank's finished groups (oldest first), the engine's stats since the last
-        call, the groups still generating, and the pad id (empty when no stream runs)."""
-        if self.stream is None:
-            return {"groups": [], "stats": None, "in_flight": 0, "pad_id": self.pad_id}
-        groups, stats, in_flight = self.stream.take()
+        if order["prompts"]:
+            cfg = SamplingConfig(**order["sampling"]).validate()
+            keys = [key for key, _ in order["prompts"]]
+            fitted = fit_prompts([ids for _, ids in order["prompts"]], cfg.max_tokens, self.context, self.truncate)
+            seeded = per_request_seeds()  # else the requests share the engine's seeded stream
+            self.stream.submit([(key, ids, sampling_params(cfg, self.stop_ids, seed=cfg.seed + key if seeded else None))
+                                for key, ids in zip(keys, fitted)], adapter_request() if self.adapter else None)
+        groups, stats, in_flight = self.stream.take(order["wait_s"])
         return {"groups": groups, "stats": vars(stats), "in_flight": in_flight, "pad_id": self.pad_id}
 
     @register(Dispatch.ALL)
