@@ -118,6 +118,9 @@ def test_offline_dpo_settings_are_checked_by_name(tiny_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"data.prompts_per_step: 3 preference pairs per step do not split over the"
                                           r" actor's data-parallel size 2"):
         load_config("dpo", ["data.prompts_per_step=3", "trainer.devices=2"])
+    with pytest.raises(ConfigError, match=r"trainer.rollout_data_dir: writes the generated samples of RL steps, and a"
+                                          r" DPO step trains pairs"):
+        load_config("dpo", ["trainer.rollout_data_dir=gen"])
     with pytest.raises(ConfigError, match=r"update_actor_dpo: input 'ref_log_prob' is not produced"):
         load_config("dpo", ["dataflow=[update_actor_dpo, sync_weights]"])
     with pytest.raises(ConfigError, match=r"data.train_files: no file"):

@@ -159,6 +159,13 @@ def test_critic_warmup_counts_as_verl_counts(gsm8k_files):
     assert load_config(None, settings(gsm8k_files, *common, "trainer.critic_warmup=0")).trainer.critic_warmup == 0
 
 
+def test_rollout_data_dir_is_taken_from_where_the_script_runs_as_verl_takes_it(gsm8k_files, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, settings(gsm8k_files, "data.train_batch_size=8", f"{AR}actor.ppo_mini_batch_size=8",
+                                     "trainer.rollout_data_dir=./gens"))
+    assert cfg.trainer.rollout_data_dir == str(tmp_path / "gens")
+
+
 def test_warmup_counts_training_steps_as_optimizer_steps(gsm8k_files):
     # 8 prompts a step in mini-batches of 4, 2 epochs: 4 optimizer steps per training step
     common = ["data.train_batch_size=8", f"{AR}actor.ppo_mini_batch_size=4", f"{AR}actor.ppo_epochs=2",

@@ -173,6 +173,8 @@ class TrainerConfig:
     advisor_profile: str = "local"      # its device profile: local (hybridlab calibrate), h100, h200, a100, h20, a file
     # CPU nodes: pin each worker process to its devices' share of the cores
     verl_names: bool = False            # also log metrics under verl's names (set for runs read the verl way)
+    # verl's key: each step's trained samples -> DIR/{step}.jsonl (dataflow/generations.py; relative: under run_dir)
+    rollout_data_dir: Optional[str] = None
     bind_threads: bool = setting(False, change="fixed",
                                  why="worker processes are pinned to their cores (or not) when the session starts them")
 

@@ -35,6 +35,9 @@ def dataflow_problems(cfg: RunConfig) -> list[str]:
     except Exception as exc:  # MappingError: malformed mapping
         p.append(f"mapping: {exc}")
     first = "generate_agent" if agentic(cfg) else "generate"
+    if cfg.trainer.rollout_data_dir and (cfg.data.preferences or cfg.dpo.online):
+        p.append("trainer.rollout_data_dir: writes the generated samples of RL steps, and a DPO step trains pairs"
+                 " (data.preferences, dpo.online); unset it")
     for key in ("off_policy", "streaming"):
         if getattr(cfg.trainer, key) and names[0] != first:
             p.append(f"trainer.{key}: the dataflow must start with {first!r} to overlap the next rollout")

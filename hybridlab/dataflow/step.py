@@ -18,6 +18,7 @@ import warnings
 
 from hybridlab.dataflow.context import StepContext
 from hybridlab.dataflow.evaluation import accuracy_report, eval_scores
+from hybridlab.dataflow.generations import generation_rows, generations_dir, write_generations
 from hybridlab.dataflow.graph import StepResult
 from hybridlab.dataflow.prompts import prompt_batch
 from hybridlab.dataflow.recovery import with_recovery
@@ -69,6 +70,9 @@ class Stepping:
         if t.verl_names:
             metrics.update(verl_metrics.step_metrics(metrics))
         state.add_step(metrics)
+        if t.rollout_data_dir:
+            write_generations(generations_dir(t.rollout_data_dir, self.run_dir), state.step_count,
+                              generation_rows(batch, self.tokenizer, state.step_count))
         self.log.write(state.step_count, metrics)
         self.trackers.log(state.step_count, metrics)
         self.emit("metrics", {"step": state.step_count, **metrics})

@@ -14,6 +14,7 @@ Each key gets one of three treatments:
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -276,6 +277,8 @@ KEYS: list[Key] = [
         " trainer.default_local_dir goes on from it (another run's checkpoint is linked in first)", joint=True),
     Key("trainer.default_local_dir", "trainer.run_dir"),
     Key("trainer.max_actor_ckpt_to_keep", "trainer.keep_checkpoints"),
+    Key("trainer.rollout_data_dir", "trainer.rollout_data_dir",
+        convert=lambda v: os.path.abspath(os.path.expanduser(v)) if v else None),  # verl's: from where it started
     Key("trainer.log_val_generations", note="the validation generations are in the run directory's records"),
     Key("model_engine", "actor.strategy and critic.strategy", refuse=_STRATEGY, joint=True),
 ]
