@@ -6,6 +6,7 @@ trajectories the trainer saw.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -34,6 +35,18 @@ async def two_calls_parity(client, sample):
     messages = list(sample["extra_info"]["messages"])
     first = await client.chat.completions.create(model="any-name", messages=messages, max_tokens=6)
     messages.append({"role": "assistant", "content": first.choices[0].message.content or ""})
+    messages.append({"role": "tool", "content": f"the answer is {sample['ground_truth']}"})
+    await client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+    return float(sum(first.choices[0].model_extra["token_ids"]) % 2)
+
+
+async def two_calls_pause(client, sample):
+    """two_calls_parity with a tool that takes 0.3 s between the calls (so that weight syncs fall
+    between a trajectory's turns when the rollout streams)."""
+    messages = list(sample["extra_info"]["messages"])
+    first = await client.chat.completions.create(model="any-name", messages=messages, max_tokens=6)
+    messages.append({"role": "assistant", "content": first.choices[0].message.content or ""})
+    await asyncio.sleep(0.3)
     messages.append({"role": "tool", "content": f"the answer is {sample['ground_truth']}"})
     await client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
     return float(sum(first.choices[0].model_extra["token_ids"]) % 2)

@@ -17,6 +17,7 @@ from hybridlab.agents.tools import Tool, call_tool, load_tools, parse_tool_calls
 from hybridlab.agents.traces import model_turns
 from hybridlab.agents.trajectory import MODEL, TOOL, Trajectory, trajectories_batch
 from hybridlab.batching import on_last_token
+from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.errors import UserError
 from openenv_envs import DroppingServer
 
@@ -422,11 +423,43 @@ SPLIT = {"pools": {"train": {"devices": 1}, "gen": {"devices": 2}},
                    "reward": {"pool": "gen", "dp": 2, "colocate": "g"}}}
 
 
+def test_streamed_agent_trajectories_span_weight_syncs_with_exact_masks(agent_rl):
+    """Streaming (the rollout on processes of its own): each trajectory's model tokens record
+    the version that sampled them, some trajectories have turns on both sides of a sync, the
+    mask is 1 on exactly the model's tokens (each with the log-prob it was sampled with, which
+    the correction reads), context tokens carry no version, and no prompt is trained twice."""
+    from hybridlab.agents.trajectory import SOURCES
+
+    rl, _ = agent_rl
+    if rl.mapping != DeviceMapping.from_dict(SPLIT):
+        rl.remap(SPLIT)  # the actor alone, two rollout engines beside it
+    rl.update(f"rollout.agent={AGENTS}:two_calls_pause")
+    rl.update("trainer.streaming=true")
+    try:
+        results = [(rl.state.actor_version, rl.step()) for _ in range(4)]
+    finally:
+        rl.update("trainer.streaming=false", f"rollout.agent={AGENTS}:two_calls")
+    spanning, trained = 0, []
+    for version, result in results:
+        b, m = result.batch, result.metrics
+        assert len(b) == 16 and m["agent/turns_mean"] == 2.0 and m["agent/errors"] == 0
+        mask = b["response_mask"].bool()
+        assert torch.equal(mask, b["token_sources"] == SOURCES.index(MODEL))
+        versions = b["rollout_versions"]
+        assert set(versions[~mask].tolist()) == {-1}
+        assert int(versions[mask].max()) <= version and version - int(versions[mask].min()) <= m["rollout/staleness"]
+        assert float(b["rollout_log_probs"][~mask].abs().sum()) == 0.0 and bool((b["rollout_log_probs"][mask] < 0).all())
+        spanning += sum(int(versions[i][mask[i]].min() < versions[i][mask[i]].max()) for i in range(len(b)))
+        trained += sorted(set(b["uid"]))
+    assert spanning > 0 and len(trained) == len(set(trained)) == 16
+
+
 def test_agent_training_goes_on_through_a_remap_and_a_resume(agent_rl):
     from hybridlab.dataflow.session import RLSession
 
     rl, _ = agent_rl
-    rl.remap(SPLIT)  # the actor alone, two rollout engines beside it
+    if rl.mapping != DeviceMapping.from_dict(SPLIT):
+        rl.remap(SPLIT)  # the actor alone, two rollout engines beside it
     moved = rl.step()
     gap = (moved.batch["old_log_probs"] - moved.batch["rollout_log_probs"])[moved.batch["response_mask"].bool()].abs()
     assert len(moved.batch) == 16 and moved.metrics["agent/turns_mean"] == 2.0 and gap.max() < 1e-4

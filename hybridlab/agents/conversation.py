@@ -73,7 +73,7 @@ class Conversation:
         whole, base = self.render([*_BASE, *new], True), self.render(_BASE, False)
         return whole[len(base):] if whole.startswith(base) else self.render(new, True)
 
-    def record_reply(self, ids: Sequence[int], logprobs: Sequence[float], version: int) -> str:
+    def record_reply(self, ids: Sequence[int], logprobs: Sequence[float], version: int | Sequence[int]) -> str:
         """Record a model turn's sampled ids; returns its text (special tokens dropped), the
         content of the assistant message that the next call's messages are expected to carry."""
         self.trajectory.add_model(ids, logprobs, version)

@@ -15,9 +15,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 from hybridlab.workers.rollout.vllm_engine import sampled_logprobs
+
+
+class Sampled(NamedTuple):
+    """One model call's answer: the sampled ids, their log-probs and, when the engine labels
+    them, the policy version that sampled each (a streaming engine's; None: the rollout's)."""
+
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int] | None = None
 
 
 class AsyncEngine:
@@ -30,8 +39,8 @@ class AsyncEngine:
         self.ids = itertools.count()
         self.pump: asyncio.Task | None = None
 
-    async def generate(self, prompt_ids: list[int], params: Any) -> tuple[list[int], list[float]]:
-        """Return (sampled ids, their log-probs) for one ``n=1`` request. A cancelled call
+    async def generate(self, prompt_ids: list[int], params: Any) -> Sampled:
+        """Return the sampled ids and their log-probs for one ``n=1`` request. A cancelled call
         aborts its request in the engine."""
         from vllm.inputs import TokensPrompt
 
@@ -48,7 +57,7 @@ class AsyncEngine:
             if self.waiting.pop(request_id, None) is not None:
                 self.engine.abort_request([request_id])
             raise
-        return sampled_logprobs(out.outputs[0])
+        return Sampled(*sampled_logprobs(out.outputs[0]))
 
     async def _pump(self) -> None:
         while self.waiting:

@@ -97,68 +97,85 @@ async def _agent_trajectory(spec: AgentSpec, endpoint: Any, i: int, sample: dict
     return trajectory
 
 
+class TrajectoryRunner:
+    """Runs agent trajectories on the running event loop, at most ``max_in_flight`` at once:
+    ``async with TrajectoryRunner(...) as runner: await runner.run(i, sample)``. The loopback
+    endpoint that agent functions call (and the SDK's HTTP client) lives as long as the runner:
+    one batch's rollout, or a streaming engine's whole life (``agents/stream.py``)."""
+
+    def __init__(self, spec: AgentSpec, make_client: Callable[[int], ChatClient], limits: AgentLimits,
+                 max_in_flight: int):
+        self.spec, self.make_client, self.limits = spec, make_client, limits
+        # an environment served with fewer sessions: the others wait here, before their time limit starts
+        self.size = min(max_in_flight, getattr(spec.env, "sessions", None) or max_in_flight)
+        self.endpoint: Any = None
+        self.http: Any = None
+
+    async def __aenter__(self) -> "TrajectoryRunner":
+        from hybridlab.agents.endpoint import Endpoint, InProcessTransport  # aiohttp: imported where it serves
+
+        self.slots = asyncio.Semaphore(self.size)
+        self.endpoint = await Endpoint(self.make_client).__aenter__()
+        if self.spec.agent is not None:
+            import openai
+
+            # the SDK's client, its calls to the endpoint answered in this process (InProcessTransport)
+            self.http = openai.DefaultAsyncHttpxClient(mounts=InProcessTransport(self.endpoint).mounts())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self.http is not None:
+            await self.http.aclose()
+        await self.endpoint.__aexit__(*exc)
+
+    async def run(self, i: int, sample: dict) -> Trajectory:
+        """Return trajectory ``i`` (a number no other trajectory of this runner has) on its own
+        copy of ``sample``; a failure is recorded in its ``error``, never raised."""
+        spec, limits = self.spec, self.limits
+        async with self.slots:
+            sample = copy.deepcopy(sample)  # each trajectory may change its own
+            try:
+                if spec.agent is not None:
+                    trajectory = await _agent_trajectory(spec, self.endpoint, i, sample, limits.agent_timeout_s,
+                                                         self.http)
+                elif spec.env is not None:
+                    trajectory = await asyncio.wait_for(run_env(self.make_client(i), spec.env, sample, limits),
+                                                        limits.agent_timeout_s or None)
+                else:
+                    trajectory = await run_tool_agent(self.make_client(i), sample["messages"], spec.tools, limits)
+            except asyncio.TimeoutError:
+                trajectory = Trajectory(list(sample["prompt_ids"]), error="the environment ran past"
+                                        f" rollout.agent_timeout_s={limits.agent_timeout_s:g} s")
+            except Exception as exc:  # a first prompt that cannot be rendered
+                trajectory = Trajectory(list(sample["prompt_ids"]), error=f"{type(exc).__name__}: {exc}")
+            self.endpoint.clients.pop(i, None)  # its record is the trajectory now
+            drop_trailing_context(trajectory)
+            trajectory.truncate(limits.budget)
+            return trajectory
+
+
 async def run_trajectories(spec: AgentSpec, make_client: Callable[[int], ChatClient], samples: list[dict], n: int,
                            limits: AgentLimits, max_in_flight: int) -> list[Trajectory]:
     """Return ``n`` trajectories per sample, at most ``max_in_flight`` running at once, each
     making its model calls through ``make_client(i)`` (the agent's behind the endpoint)."""
-    from hybridlab.agents.endpoint import Endpoint, InProcessTransport  # aiohttp: imported where it serves
-
-    # an environment served with fewer sessions: the others wait here, before their time limit starts
-    sessions = getattr(spec.env, "sessions", None) or max_in_flight
-    slots = asyncio.Semaphore(min(max_in_flight, sessions))
-    async with Endpoint(make_client) as endpoint:
-        http = None
-        if spec.agent is not None:
-            import openai
-
-            # the SDK's client, its calls to the endpoint answered in this process (InProcessTransport)
-            http = openai.DefaultAsyncHttpxClient(mounts=InProcessTransport(endpoint).mounts())
-
-        async def one(i: int) -> Trajectory:
-            async with slots:
-                sample = copy.deepcopy(samples[i // n])  # each trajectory may change its own
-                try:
-                    if spec.agent is not None:
-                        trajectory = await _agent_trajectory(spec, endpoint, i, sample, limits.agent_timeout_s, http)
-                    elif spec.env is not None:
-                        trajectory = await asyncio.wait_for(run_env(make_client(i), spec.env, sample, limits),
-                                                            limits.agent_timeout_s or None)
-                    else:
-                        trajectory = await run_tool_agent(make_client(i), sample["messages"], spec.tools, limits)
-                except asyncio.TimeoutError:
-                    trajectory = Trajectory(list(sample["prompt_ids"]), error="the environment ran past"
-                                            f" rollout.agent_timeout_s={limits.agent_timeout_s:g} s")
-                except Exception as exc:  # a first prompt that cannot be rendered
-                    trajectory = Trajectory(list(sample["prompt_ids"]), error=f"{type(exc).__name__}: {exc}")
-                drop_trailing_context(trajectory)
-                trajectory.truncate(limits.budget)
-                return trajectory
-
-        try:
-            return list(await asyncio.gather(*(one(i) for i in range(len(samples) * n))))
-        finally:
-            if http is not None:
-                await http.aclose()
+    return await run_all(TrajectoryRunner(spec, make_client, limits, max_in_flight), samples, n)
 
 
-def run_agents(llm: Any, tokenizer: Any, samples: list[dict], n: int, params: Callable[[int, int | None], Any],
-               spec: AgentSpec, limits: AgentLimits, version: int, seed: int | None,
-               max_in_flight: int = 64, lora_request: Any = None) -> list[Trajectory]:
-    """Return ``n`` trajectories per sample (interleaved: a a b b). A sample is a dict with
-    ``messages`` (the first prompt), ``prompt_ids`` and the dataset row's ``SAMPLE_FIELDS``.
-    ``params(max_tokens, seed)`` gives one call's sampling parameters; ``version`` is the
-    weight version recorded on every model turn."""
+async def run_all(runner: TrajectoryRunner, samples: list[dict], n: int) -> list[Trajectory]:
+    """Return ``n`` trajectories per sample (interleaved: a a b b), all run by ``runner``."""
+    async with runner:
+        return list(await asyncio.gather(*(runner.run(i, samples[i // n]) for i in range(len(samples) * n))))
+
+
+def run_agents(llm: Any, samples: list[dict], n: int, make_runner: Callable[[AsyncEngine], TrajectoryRunner],
+               lora_request: Any = None) -> list[Trajectory]:
+    """Return ``n`` trajectories per sample (interleaved: a a b b) on the in-process engine
+    ``llm``, run by ``make_runner(engine)``. A sample is a dict with ``messages`` (the first
+    prompt), ``prompt_ids`` and the dataset row's ``SAMPLE_FIELDS``."""
     from hybridlab.workers.rollout.vllm_engine import empty_prefix_cache
 
     empty_prefix_cache(llm)  # earlier weights' KV must not be reused; within the rollout, turns share it
-    engine = AsyncEngine(llm, lora_request)
-    schemas = [t.schema for t in spec.tools.values()]
-
-    def make_client(i: int) -> ChatClient:
-        return ChatClient(engine, tokenizer, params, limits, version, None if seed is None else seed * 100_003 + i,
-                          schemas)
-
-    return asyncio.run(run_trajectories(spec, make_client, samples, n, limits, max_in_flight))
+    return asyncio.run(run_all(make_runner(AsyncEngine(llm, lora_request)), samples, n))
 
 
 def agent_batch(trajectories: list[Trajectory], pad_id: int, budget: int, prompt_len: int | None = None) -> Batch:
@@ -218,14 +235,16 @@ def load_spec(settings: AgentSettings, serve: bool = True) -> AgentSpec:
 
 
 def agent_samples(batch: Batch) -> list[dict]:
-    """Return each prompt of ``batch`` as an agent's sample: the dataset row's fields, its
-    ``messages`` (a text prompt as one user message) and ``prompt_ids``."""
+    """Return each prompt of ``batch`` as an agent's sample (``agent_sample``)."""
     n = len(batch)
     rows = {k: batch.objects.get(k, [None] * n) for k in (*SAMPLE_FIELDS, "prompt_ids")}
-    samples = []
-    for i in range(n):
-        row = {k: v[i] for k, v in rows.items()}
-        extra = row["extra_info"] or {}
-        row["messages"] = list(extra.get("messages") or [{"role": "user", "content": row["prompt"]}])
-        samples.append(row)
-    return samples
+    return [agent_sample({k: v[i] for k, v in rows.items()}) for i in range(n)]
+
+
+def agent_sample(row: dict) -> dict:
+    """Return a prompt's row as an agent's sample: the dataset row's fields, its ``messages``
+    (a text prompt as one user message) and ``prompt_ids``."""
+    sample = {k: row.get(k) for k in (*SAMPLE_FIELDS, "prompt_ids")}
+    extra = sample["extra_info"] or {}
+    sample["messages"] = list(extra.get("messages") or [{"role": "user", "content": sample["prompt"]}])
+    return sample

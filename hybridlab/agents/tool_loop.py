@@ -55,8 +55,9 @@ class ChatClient:
             if room <= 0:
                 return None
             seed = None if self.seed is None else hash((self.seed, self.trajectory.turns)) & 0x7FFFFFFF
-            sampled, logprobs = await self.engine.generate(ids, self.sampling(room, seed))
-            return self.conversation.record_reply(sampled, logprobs, self.version)
+            out = await self.engine.generate(ids, self.sampling(room, seed))
+            return self.conversation.record_reply(out.ids, out.logprobs, self.version if out.versions is None
+                                                  else out.versions)
 
 
 async def run_tool_agent(client: ChatClient, messages: list[dict], tools: dict[str, Tool],

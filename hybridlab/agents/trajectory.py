@@ -22,12 +22,12 @@ SOURCES = ("", MODEL, TOOL, ENV, USER, TEMPLATE)  # the codes of ``token_sources
 @dataclasses.dataclass
 class Segment:
     """A run of tokens from one source; model segments carry their log-probs and the weight
-    version that sampled them."""
+    version that sampled each token (a turn generated across a weight sync has two)."""
 
     ids: list[int]
     source: str
     logprobs: list[float] | None = None
-    version: int | None = None
+    versions: list[int] | None = None
 
 
 @dataclasses.dataclass
@@ -47,11 +47,13 @@ class Trajectory:
     final_text: str = ""      # the last model turn's text (what a rule reward scores)
     tools_used: dict = dataclasses.field(default_factory=dict)   # tool name -> [calls, errors, seconds]
 
-    def add_model(self, ids: Sequence[int], logprobs: Sequence[float], version: int) -> None:
-        """Append a model turn's sampled ids with their log-probs."""
-        if len(ids) != len(logprobs):
-            raise ValueError(f"{len(ids)} sampled ids but {len(logprobs)} log-probs")
-        self.segments.append(Segment(list(ids), MODEL, list(logprobs), version))
+    def add_model(self, ids: Sequence[int], logprobs: Sequence[float], version: int | Sequence[int]) -> None:
+        """Append a model turn's sampled ids with their log-probs and the version that sampled
+        them (one for the turn, or one per token)."""
+        versions = [version] * len(ids) if isinstance(version, int) else list(version)
+        if not len(ids) == len(logprobs) == len(versions):
+            raise ValueError(f"{len(ids)} sampled ids but {len(logprobs)} log-probs and {len(versions)} versions")
+        self.segments.append(Segment(list(ids), MODEL, list(logprobs), versions))
         self.turns += 1
 
     def add_context(self, ids: Sequence[int], source: str) -> None:
@@ -77,7 +79,7 @@ class Trajectory:
 
     def response_versions(self) -> list[int]:
         """Return the weight version of each model token after the prompt, -1 for context."""
-        return [s.version if s.source == MODEL else -1 for s in self.segments for _ in s.ids]
+        return [v for s in self.segments for v in (s.versions if s.source == MODEL else [-1] * len(s.ids))]
 
     def tokens_by_source(self) -> dict[str, int]:
         """Return how many tokens after the prompt each source wrote."""
@@ -93,7 +95,8 @@ class Trajectory:
             if room <= 0:
                 break
             if len(s.ids) > room:
-                s = Segment(s.ids[:room], s.source, s.logprobs[:room] if s.logprobs else None, s.version)
+                s = Segment(s.ids[:room], s.source, s.logprobs[:room] if s.logprobs else None,
+                            s.versions[:room] if s.versions else None)
             kept.append(s)
             room -= len(s.ids)
         self.segments = kept

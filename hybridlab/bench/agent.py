@@ -93,11 +93,12 @@ class AsyncLLMAdapter:
         self.llm, self.ids = llm, itertools.count()
         self.prefix = f"bench-{uuid.uuid4().hex[:8]}-"
 
-    async def generate(self, prompt_ids: list[int], params: Any) -> tuple[list[int], list[float]]:
-        """Return (sampled ids, their log-probs)."""
+    async def generate(self, prompt_ids: list[int], params: Any) -> Sampled:
+        """Return the sampled ids and their log-probs."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        from hybridlab.agents.engine import Sampled
         from hybridlab.workers.rollout.vllm_engine import sampled_logprobs
 
         params.output_kind = RequestOutputKind.FINAL_ONLY
@@ -105,7 +106,7 @@ class AsyncLLMAdapter:
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
                                            f"{self.prefix}{next(self.ids)}"):
             pass
-        return sampled_logprobs(out.outputs[0])
+        return Sampled(*sampled_logprobs(out.outputs[0]))
 
 
 class LockstepEngine:
@@ -119,8 +120,8 @@ class LockstepEngine:
         self.held: list[tuple[list[int], Any, asyncio.Future]] = []
         self.batches: list[int] = []
 
-    async def generate(self, prompt_ids: list[int], params: Any) -> tuple[list[int], list[float]]:
-        """Return (sampled ids, their log-probs) once the turn's batch has run."""
+    async def generate(self, prompt_ids: list[int], params: Any) -> Sampled:
+        """Return the sampled ids and their log-probs once the turn's batch has run."""
         future = asyncio.get_running_loop().create_future()
         self.held.append((prompt_ids, params, future))
         if len(self.held) == self.calls_per_turn[self.turn]:
@@ -192,7 +193,8 @@ class Workload:
                 live = [i for i, p in enumerate(wave) if len(p) > turn]
                 outs = await asyncio.gather(*(self.engine.generate(ids[i], self.params(wave[i][turn][0], None))
                                               for i in live))
-                for i, (sampled, _) in zip(live, outs):
+                for i, out in zip(live, outs):
+                    sampled = out.ids
                     ids[i] += sampled + self.context
                     generated += len(sampled)
                 ends += [loop.time() + wave[i][turn][1] for i in live if len(wave[i]) == turn + 1]
@@ -208,7 +210,7 @@ class Workload:
             async with slots:
                 ids = list(self.prompt_ids)
                 for tokens, _ in plan:
-                    sampled, _ = await self.engine.generate(ids, self.params(tokens, None))
+                    sampled = (await self.engine.generate(ids, self.params(tokens, None))).ids
                     ids += sampled + self.context
                     generated.append(len(sampled))
 

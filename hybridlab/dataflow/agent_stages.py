@@ -85,16 +85,20 @@ def generate_agent(ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
     rollout = ctx.group("rollout")
     # Every model turn records the policy version the engines hold when the rollout starts: the
     # rollout worker runs it, ahead or not, before any later sync reaches it.
+    # Streaming, each token records the version that sampled it (the engine labels its steps).
     settings = agent_settings(ctx.cfg, ctx.state.rollout_version)
-    if ctx.cfg.trainer.off_policy and not ctx.rerunning:
+    if ctx.cfg.trainer.streaming and not ctx.rerunning:  # the first groups to finish (dataflow/stream.py)
+        out, pipeline = ctx.state.stream.take(ctx, batch)
+    elif ctx.cfg.trainer.off_policy and not ctx.rerunning:
         out, staleness = ctx.state.ahead.take(
             ctx, batch, lambda prompts, sampling: rollout.generate_agent.submit(prompts, sampling, settings))
+        pipeline = ahead_metrics(ctx, staleness)
     else:
-        out, staleness = rollout.generate_agent(batch, ctx.sampling(), settings), 0
+        out, pipeline = rollout.generate_agent(batch, ctx.sampling(), settings), ahead_metrics(ctx, 0)
     metrics = generation_metrics(ctx.cfg, out)  # response_length/*: the model's tokens per trajectory
     lengths = out["attention_mask"][:, -out["response_mask"].shape[1]:].sum(-1)
     metrics["response_length/clip_ratio"] = float((lengths >= ctx.cfg.rollout.max_trajectory_tokens).float().mean())
-    return out, {**metrics, **agent_metrics(out), **ahead_metrics(ctx, staleness)}
+    return out, {**metrics, **agent_metrics(out), **pipeline}
 
 
 def own_scores(batch: Batch, error_score: float) -> tuple[torch.Tensor, torch.Tensor]:

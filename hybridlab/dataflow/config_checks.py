@@ -56,7 +56,7 @@ def _mapping_problems(cfg: RunConfig, names: list[str], mapping: DeviceMapping) 
     p += backend_problems(cfg, mapping)
     rollout = mapping.roles.get("rollout")
     p += agent_problems(cfg, rollout.tp if rollout is not None else 1)
-    p += stream_problems(cfg, mapping, agentic(cfg))
+    p += stream_problems(cfg, mapping)
     if rollout is not None and rollout.tp > 1 and cfg.rollout.backend != "vllm":
         p.append(f"mapping.roles.rollout.tp: tp={rollout.tp} needs rollout.backend=vllm (the"
                  f" {cfg.rollout.backend!r} backend runs a whole model per device); use dp for replicas")

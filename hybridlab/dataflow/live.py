@@ -15,6 +15,7 @@ from hybridlab.algos.kl import get_kl_controller
 from hybridlab.config import ConfigError, RunConfig
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.dataflow import remap as changes  # what an edit changes, and applying it
+from hybridlab.dataflow.agent_stages import agentic
 from hybridlab.dataflow.context import StepContext
 from hybridlab.dataflow.graph import Dataflow, DataflowError, merge
 from hybridlab.dataflow.stages import get_stage
@@ -112,7 +113,9 @@ class LiveEdits:
         if (new.trainer.off_policy, new.trainer.max_staleness, new.rollout, new.trainer.streaming) != \
                 (self.cfg.trainer.off_policy, self.cfg.trainer.max_staleness, self.cfg.rollout, self.cfg.trainer.streaming):
             self.state.ahead.drop(self.state.prompts)
-        if self.cfg.trainer.streaming and not new.trainer.streaming and self.workers is not None:
+        # agent trajectories run with the settings their stream started with: a change starts them again
+        agents_changed = agentic(new) and new.rollout != self.cfg.rollout
+        if self.cfg.trainer.streaming and (not new.trainer.streaming or agents_changed) and self.workers is not None:
             self.workers.groups["rollout"].stream_close()  # the prompts not trained yet are drawn again
             self.state.stream.forget(self.state.prompts)
         if self.workers is not None and new.trainer.spare_processes != self.cfg.trainer.spare_processes:

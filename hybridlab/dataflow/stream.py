@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybridlab.agents.rollout import agent_batch, agent_sample
 from hybridlab.batching import sequences_batch
 from hybridlab.config import RunConfig
 from hybridlab.config.bounds import one_of
 from hybridlab.controller.mapping import DeviceMapping
+from hybridlab.dataflow.agent_stages import agent_settings, agentic
 from hybridlab.protocol import Batch
 from hybridlab.workers.rollout.stream import PARTIAL_MODES
 
@@ -117,7 +119,8 @@ class RolloutStream:
         for uid in self.waiting[:room]:
             rank = load.index(min(load))
             load[rank] += 1
-            parts[rank].append((uid, self.rows[uid]["prompt_ids"]))
+            row = self.rows[uid]
+            parts[rank].append((uid, agent_sample(row) if agentic(ctx.cfg) else row["prompt_ids"]))
             self.in_flight[uid] = rank
         del self.waiting[:room]
         self.admitted += room
@@ -128,7 +131,8 @@ class RolloutStream:
         ``ready``, adding up their stats (a rank waits up to ``wait_s`` for a group when it has
         none): one call per rank, so one turn of its engine."""
         order = {"sampling": ctx.sampling(seed=ctx.cfg.trainer.seed), "partial": ctx.cfg.trainer.partial_rollouts,
-                 "version": ctx.state.rollout_version, "wait_s": wait_s}
+                 "version": ctx.state.rollout_version, "wait_s": wait_s,
+                 "agent": agent_settings(ctx.cfg, ctx.state.rollout_version) if agentic(ctx.cfg) else None}
         for answer in ctx.group("rollout").stream_exchange([{**order, "prompts": part} for part in parts]):
             self.pad_id = answer["pad_id"]
             for group in answer["groups"]:
@@ -143,9 +147,9 @@ class RolloutStream:
         how many groups are ready."""
         if ctx.cfg.trainer.stale_samples == "drop":
             oldest = ctx.state.actor_version - ctx.cfg.trainer.max_staleness
-            fresh = [min(min(s["versions"], default=oldest) for s in g["samples"]) >= oldest for g in self.ready]
+            fresh = [min(_sampled_versions(g), default=oldest) >= oldest for g in self.ready]
             stale = [g for g, ok in zip(self.ready, fresh) if not ok]
-            self.dropped += sum(len(g["samples"]) for g in stale)
+            self.dropped += sum(len(g.get("samples") or g["trajectories"]) for g in stale)
             self.admitted -= len(stale)
             self._consume([g["key"] for g in stale])
             self.ready = [g for g, ok in zip(self.ready, fresh) if ok]
@@ -155,7 +159,15 @@ class RolloutStream:
         return len(self.ready)
 
     def _batch(self, ctx: "StepContext", groups: list[dict]) -> Batch:
-        """Return the groups as a generated batch (verl's layout), prompts' objects repeated."""
+        """Return the groups as a generated batch (verl's layout; agent trajectories in their
+        multi-turn layout), prompts' objects repeated."""
+        if "trajectories" in groups[0]:
+            trajectories = [t for g in groups for t in g["trajectories"]]
+            out = agent_batch(trajectories, self.pad_id, ctx.cfg.rollout.max_trajectory_tokens)
+            for key in self.rows[groups[0]["key"]]:
+                out.objects.setdefault(key, [self.rows[g["key"]][key] for g in groups for _ in g["trajectories"]])
+            self._consume([g["key"] for g in groups])
+            return out
         rows = [(g, s) for g in groups for s in g["samples"]]
         out = sequences_batch([g["prompt_ids"] for g, _ in rows], [s["ids"] for _, s in rows], self.pad_id,
                               response_len=ctx.cfg.rollout.max_new_tokens)
@@ -204,7 +216,14 @@ class RolloutStream:
                 "rollout/samples": samples}
 
 
-def stream_problems(cfg: RunConfig, mapping: DeviceMapping, agentic: bool) -> list[str]:
+def _sampled_versions(group: dict) -> list[int]:
+    """Return the versions that sampled a finished group's tokens (an agent's model tokens)."""
+    if "trajectories" in group:
+        return [v for t in group["trajectories"] for v in t.response_versions() if v >= 0]
+    return [v for s in group["samples"] for v in s["versions"]]
+
+
+def stream_problems(cfg: RunConfig, mapping: DeviceMapping) -> list[str]:
     """Return the problems of the streaming settings with ``mapping``, each naming its key."""
     t = cfg.trainer
     p = [*one_of("trainer.partial_rollouts", t.partial_rollouts, PARTIAL_MODES),
@@ -219,8 +238,6 @@ def stream_problems(cfg: RunConfig, mapping: DeviceMapping, agentic: bool) -> li
         (t.off_policy, "replaces trainer.off_policy; set trainer.off_policy=false"),
         (r.prefix_caching, "rollout.prefix_caching would serve KV blocks computed under old weights to new prompts;"
                            " set rollout.prefix_caching=false"),
-        (agentic, "agent rollouts (rollout.tools, rollout.agent, an environment) do not stream yet; use"
-                  " trainer.off_policy for them"),
         (rollout is not None and rollout.tp > 1, f"needs mapping.roles.rollout.tp=1 (one engine per process, stepped by"
                                                  f" a thread of its own), got tp={rollout.tp if rollout else 1}"),
         (shared, f"the rollout role shares the actor's processes (colocate {rollout.colocate if shared else ''!r});"

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 PARTIAL_MODES = ("keep", "recompute")
@@ -49,7 +51,8 @@ class EngineStream:
         self.gate, self.callers = threading.Lock(), 0  # calls waiting for their turn: the thread lets them in first
         self.groups: dict[str, dict] = {}     # request id -> the group's submission (key, prompt ids, n)
         self.finished: list[dict] = []        # finished groups, oldest first
-        self.answers: dict[str, dict] = {}    # finished groups of ``generate`` calls, by key
+        self.calls: dict[str, Future] = {}    # request id -> the future of a ``call`` (its samples)
+        self.numbers = itertools.count()
         self.paused = self.closed = False
         self.version = version
         self.stats = StreamStats()
@@ -62,32 +65,46 @@ class EngineStream:
 
     def submit(self, prompts: list[tuple[int, list[int], object]], lora_request=None) -> None:
         """Add one request per ``(key, prompt ids, SamplingParams)``; each becomes a group of
-        ``params.n`` samples."""
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
+        ``params.n`` samples that ``take`` hands over."""
         with self._turn():
             self._raise()
             for key, ids, params in prompts:
-                params.output_kind = RequestOutputKind.FINAL_ONLY  # a group comes back once, whole
-                request = f"g{key}-{time.monotonic_ns()}"
-                self.groups[request] = {"key": key, "prompt_ids": list(ids), "version": self.version}
-                self.engine.add_request(request, TokensPrompt(prompt_token_ids=list(ids)), params,
-                                        lora_request=lora_request)
-            self.cond.notify_all()
+                self._add(f"g{key}-{next(self.numbers)}", {"key": key, "prompt_ids": list(ids), "version": self.version},
+                          ids, params, lora_request)
+
+    def call(self, ids: list[int], params, lora_request=None) -> tuple[str, Future]:
+        """Add one request for a caller to wait on (an agent's model call, an evaluation): returns
+        its request id and a future of its ``params.n`` samples (``ids``, ``logprobs``, ``versions``)."""
+        request, future = f"call-{next(self.numbers)}", Future()
+        with self._turn():
+            self._raise()
+            self.calls[request] = future
+            self._add(request, {"key": request, "prompt_ids": list(ids), "version": self.version}, ids,
+                      copy.copy(params), lora_request)
+        return request, future
+
+    def abort(self, request: str) -> None:
+        """Abort one ``call`` that is no longer waited for."""
+        with self._turn():
+            if self.groups.pop(request, None) is not None:
+                self.engine.abort_request([request])
+            self.calls.pop(request, None)
 
     def generate(self, prompts: list[list[int]], params, lora_request=None) -> list[list[dict]]:
         """Generate beside the stream (an evaluation, a refill) and wait: returns each prompt's
         samples (``ids``, ``logprobs``, ``versions``), in order. The engine is this thread's to
         step, so a plain ``LLM.generate`` must not run while a stream does."""
-        keys = [f"call-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        self.submit([(key, ids, copy.copy(params)) for key, ids in zip(keys, prompts)], lora_request)
-        while True:
-            with self._turn():
-                self._raise()
-                if all(key in self.answers for key in keys):
-                    return [self.answers.pop(key)["samples"] for key in keys]
-            time.sleep(0.002)
+        futures = [self.call(ids, params, lora_request)[1] for ids in prompts]
+        return [future.result() for future in futures]
+
+    def _add(self, request: str, group: dict, ids: list[int], params, lora_request) -> None:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # a group comes back once, whole
+        self.groups[request] = group
+        self.engine.add_request(request, TokensPrompt(prompt_token_ids=list(ids)), params, lora_request=lora_request)
+        self.cond.notify_all()
 
     def take(self, wait_s: float = 0.0) -> tuple[list[dict], StreamStats, int]:
         """Return (the finished groups, oldest first; the stats since the last take; the groups
@@ -127,6 +144,9 @@ class EngineStream:
             if self.groups:
                 self.engine.abort_request(list(self.groups))
                 self.groups.clear()
+            for future in self.calls.values():
+                future.cancel()
+            self.calls.clear()
             self.cond.notify_all()
         self.thread.join(timeout=30)
 
@@ -167,9 +187,12 @@ class EngineStream:
                     for out in outputs:
                         if out.finished:
                             self._finish(out)
-        except BaseException as exc:  # surfaced by the next call into the stream
+        except BaseException as exc:  # surfaced by the next call into the stream, and to every waiting caller
             with self.cond:
                 self.error = exc
+                for future in self.calls.values():
+                    future.set_exception(RuntimeError(f"the rollout stream's engine thread failed: {exc!r}"))
+                self.calls.clear()
             self.has_finished.set()
 
     def _scheduler(self):
@@ -188,8 +211,10 @@ class EngineStream:
 
     def _finish(self, out) -> None:
         """Move a finished group from the engine to ``finished``, with each sample's tokens,
-        log-probs and the version that sampled each token."""
-        group = self.groups.pop(out.request_id)
+        log-probs and the version that sampled each token (a call's samples to its future)."""
+        group = self.groups.pop(out.request_id, None)
+        if group is None:  # aborted meanwhile
+            return
         samples = []
         for completion in out.outputs:
             ids = list(completion.token_ids)
@@ -198,8 +223,10 @@ class EngineStream:
                 versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
             samples.append({"ids": ids, "logprobs": [step[t].logprob for step, t in zip(completion.logprobs, ids)],
                             "versions": versions})
-        if isinstance(group["key"], str):  # a generate call's
-            self.answers[group["key"]] = {"samples": samples}
+        future = self.calls.pop(out.request_id, None)
+        if future is not None:  # a call's
+            if not future.cancelled():
+                future.set_result(samples)
         else:
             self.finished.append({**group, "samples": samples})
             self.has_finished.set()

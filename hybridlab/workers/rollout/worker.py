@@ -9,11 +9,14 @@ any other per-sample fields ride along. Output: the input repeated
 from __future__ import annotations
 
 import os
+from typing import Any, Callable
 
 import torch
 
-from hybridlab.agents.rollout import AgentSettings, agent_batch, agent_samples, load_spec, run_agents
-from hybridlab.agents.tool_loop import AgentLimits
+from hybridlab.agents.rollout import (AgentSettings, TrajectoryRunner, agent_batch, agent_samples, load_spec,
+                                      run_agents)
+from hybridlab.agents.stream import AgentStream
+from hybridlab.agents.tool_loop import AgentLimits, ChatClient
 from hybridlab.batching import PROMPT_WIDTH, sequences_batch
 from hybridlab.config.schema import DataConfig, RolloutConfig, SandboxConfig, TrainerConfig
 from hybridlab.controller.worker import Dispatch, Worker, register
@@ -64,6 +67,7 @@ class RolloutWorker(Worker):
         self.load_seconds = {"fetch_s": 0.0, "load_s": 0.0}
         self.adapter = False  # a LoRA adapter is installed: generation runs through it
         self.stream: EngineStream | None = None  # the continuously running engine (trainer.streaming)
+        self.agent_stream: AgentStream | None = None  # agent trajectories run on it
         if backend == "vllm":
             if tp > 1:
                 self.init_distributed()  # the engines' TP groups are cut from this group's world
@@ -137,23 +141,48 @@ class RolloutWorker(Worker):
         if self.backend != "vllm" or self.tp > 1:
             raise ValueError("agent rollouts need the vllm backend with rollout tp=1 (the engine is driven from"
                              f" this process's event loop); this group has backend={self.backend!r}, tp={self.tp}")
-        cfg = (SamplingConfig(**sampling) if isinstance(sampling, dict) else sampling).validate()
-        agent = AgentSettings(**settings)
-        key = (agent.tools, agent.agent, agent.env, agent.env_adapter, agent.max_in_flight, agent.agent_timeout_s)
-        if getattr(self, "_agent_spec", (None, None))[0] != key:
-            self._agent_spec = (key, load_spec(agent))
-        tokenizer = use_template(self.tokenizer, agent.chat_template)
-        limits = AgentLimits(agent.max_turns, cfg.max_tokens, agent.max_trajectory_tokens, agent.tool_timeout_s,
-                             self.context, agent.agent_timeout_s)
-        trajectories = run_agents(
-            self.llm, tokenizer, agent_samples(batch), cfg.n,
-            lambda max_tokens, seed: sampling_params(cfg, self.stop_ids, n=1, max_tokens=max_tokens, seed=seed),
-            self._agent_spec[1], limits, agent.version, cfg.seed if per_request_seeds() else None, agent.max_in_flight,
-            adapter_request() if self.adapter else None)
+        cfg, agent = (SamplingConfig(**sampling) if isinstance(sampling, dict) else sampling).validate(), \
+            AgentSettings(**settings)
+        trajectories = run_agents(self.llm, agent_samples(batch), cfg.n, self._agent_runner(cfg, agent, agent.version),
+                                  adapter_request() if self.adapter else None)
         out = agent_batch(trajectories, self.pad_id, agent.max_trajectory_tokens, batch.meta.get(PROMPT_WIDTH))
         for key, values in batch.repeat(cfg.n).objects.items():
             out.objects.setdefault(key, values)
         return out
+
+    def _agent_runner(self, cfg: SamplingConfig, agent: AgentSettings, version: int) -> Callable:
+        """Return ``make_runner(engine)``: a TrajectoryRunner of ``agent``'s tools, function or
+        environment on ``engine``, its turns sampled as ``cfg`` says (``version``: recorded on
+        turns whose engine labels none)."""
+        key = (agent.tools, agent.agent, agent.env, agent.env_adapter, agent.max_in_flight, agent.agent_timeout_s)
+        if getattr(self, "_agent_spec", (None, None))[0] != key:
+            self._agent_spec = (key, load_spec(agent))
+        spec, tokenizer = self._agent_spec[1], use_template(self.tokenizer, agent.chat_template)
+        limits = AgentLimits(agent.max_turns, cfg.max_tokens, agent.max_trajectory_tokens, agent.tool_timeout_s,
+                             self.context, agent.agent_timeout_s)
+        seed, schemas = cfg.seed if per_request_seeds() else None, [t.schema for t in spec.tools.values()]
+
+        def params(max_tokens: int, call_seed: int | None):
+            return sampling_params(cfg, self.stop_ids, n=1, max_tokens=max_tokens, seed=call_seed)
+
+        def make_runner(engine: Any) -> TrajectoryRunner:
+            def make_client(i: int) -> ChatClient:
+                return ChatClient(engine, tokenizer, params, limits, version,
+                                  None if seed is None else seed * 100_003 + i, schemas)
+
+            return TrajectoryRunner(spec, make_client, limits, agent.max_in_flight)
+
+        return make_runner
+
+    def _agent_exchange(self, order: dict) -> list[dict]:
+        """Start the agent trajectories of ``order["prompts"]`` (``(key, sample)``) on this rank's
+        stream; returns the groups whose trajectories have all ended."""
+        cfg, agent = SamplingConfig(**order["sampling"]).validate(), AgentSettings(**order["agent"])
+        if self.agent_stream is None:
+            self.agent_stream = AgentStream(self.stream, self._agent_runner(cfg, agent, agent.version),
+                                            adapter_request() if self.adapter else None)
+        self.agent_stream.submit(order["prompts"], cfg.n)
+        return self.agent_stream.take(order["wait_s"])
 
     @register(Dispatch.RAW)
     def stream_exchange(self, order: dict) -> dict:
@@ -170,6 +199,11 @@ class RolloutWorker(Worker):
         if self.stream is None:
             self.stream = EngineStream(self.llm, order["partial"], order["version"])
         self.stream.partial = order["partial"]  # a live change applies from the next sync
+        if order.get("agent"):
+            groups = self._agent_exchange(order)
+            _, stats, _ = self.stream.take()
+            return {"groups": groups, "stats": vars(stats), "in_flight": self.agent_stream.in_flight(),
+                    "pad_id": self.pad_id}
         if order["prompts"]:
             cfg = SamplingConfig(**order["sampling"]).validate()
             keys = [key for key, _ in order["prompts"]]
@@ -195,6 +229,9 @@ class RolloutWorker(Worker):
     @register(Dispatch.ALL)
     def stream_close(self) -> None:
         """Abort the stream's requests and stop its thread (a no-op without a stream)."""
+        if self.agent_stream is not None:
+            self.agent_stream.close()
+            self.agent_stream = None
         if self.stream is not None:
             self.stream.close()
             self.stream = None
