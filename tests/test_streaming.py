@@ -86,6 +86,26 @@ def test_a_sample_spanning_a_sync_records_two_versions_with_each_versions_log_pr
             assert gaps[1] > 1e-3, gaps
 
 
+def test_preemptions_under_kv_cache_pressure_are_counted_and_the_samples_finish_whole(tiny_dir):
+    """A 1 MB KV cache holds three 128-token blocks of the tiny model: eight samples of 144
+    tokens each need two, so vLLM preempts some and computes them again; the stream counts it."""
+    from hybridlab.workers.rollout.sampling import SamplingConfig
+    from hybridlab.workers.rollout.stream import EngineStream
+    from hybridlab.workers.rollout.vllm_engine import sampling_params, start_llm
+
+    stream = EngineStream(start_llm(str(tiny_dir), 256, 1, "float32", 0), "keep")
+    cfg = SamplingConfig(n=2, temperature=1.0, max_tokens=140, ignore_eos=True, seed=0)
+    stream.submit([(i, [5 + i, 6, 7, 8], sampling_params(cfg, [], seed=None)) for i in range(4)])
+    groups, preempted = [], 0
+    while len(groups) < 4:
+        done, stats, _ = stream.take(0.1)
+        groups, preempted = groups + done, preempted + stats.preempted
+    stream.close()
+    assert preempted > 0
+    assert [len(s["ids"]) for g in groups for s in g["samples"]] == [140] * 8
+    assert all(set(s["versions"]) == {0} for g in groups for s in g["samples"])
+
+
 @pytest.fixture(scope="module")
 def stream_rl(ray_local, tiny_dir, tmp_path_factory):
     """A streaming GRPO session, split placement, token-level rollout correction."""
