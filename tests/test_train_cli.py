@@ -136,6 +136,14 @@ def test_bench_learn_reports_the_run_it_made(two_runs):
     assert (result["gain_min"], result["seconds_max"]) == (run["gain"], run["seconds"])
     # the goal: at least 20 points in at most 10 minutes; three steps of RL do not add 20 points
     assert run["gain"] < 20 and result["goal_met"] is False
+    # the curves: by step, by samples trained (steps x prompts_per_step x n) and by seconds into RL
+    evals = [line for line in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+             if "eval/accuracy" in line]
+    per_step = 8 * 4  # SHORT_RUN: data.prompts_per_step x rollout.n
+    assert run["curve"] == [[e["step"], round(e["eval/accuracy"], 4)] for e in evals] and len(evals) == 4
+    assert run["curve_samples"] == [[e["step"] * per_step, acc] for e, (_, acc) in zip(evals, run["curve"])]
+    seconds = [t for t, _ in run["curve_seconds"]]
+    assert seconds[0] == 0.0 and seconds == sorted(seconds) and 0 < seconds[-1] <= summary["rl_seconds"] + 1
 
 
 def test_a_warm_start_that_misses_its_target_stops_the_run_with_the_keys_named(ray_address, tmp_path):

@@ -37,10 +37,23 @@ def _seeds(seeds) -> list[int]:
 
 
 def curves(run_dir: Path) -> dict:
-    """Return the run's greedy test accuracy by step (``curve``) and, for agent runs, the share
-    of trajectories that called a tool, first and last step (``tool_call_share``)."""
+    """Return the run's greedy test accuracy by step (``curve``), by samples trained
+    (``curve_samples``: steps x data.prompts_per_step x rollout.n, from the run's config.yaml)
+    and by seconds since the first RL step began (``curve_seconds``: the first step's line time
+    less its step time), and for agent runs the share of trajectories that called a tool, first
+    and last step (``tool_call_share``)."""
+    import yaml
+
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    out: dict = {"curve": [[r["step"], round(r["eval/accuracy"], 4)] for r in records if "eval/accuracy" in r]}
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    per_step = cfg["data"]["prompts_per_step"] * cfg["rollout"]["n"]
+    steps = [r for r in records if "timing/step_s" in r]
+    start = steps[0]["time"] - steps[0]["timing/step_s"] if steps else 0.0
+    evals = [r for r in records if "eval/accuracy" in r]
+    out: dict = {"curve": [[r["step"], round(r["eval/accuracy"], 4)] for r in evals],
+                 "curve_samples": [[r["step"] * per_step, round(r["eval/accuracy"], 4)] for r in evals],
+                 "curve_seconds": [[round(max(r["time"] - start, 0.0), 1), round(r["eval/accuracy"], 4)]
+                                   for r in evals]}
     shares = [r["agent/tool_call_share"] for r in records if "agent/tool_call_share" in r]
     if shares:
         out["tool_call_share"] = {"first": shares[0], "last": shares[-1]}
