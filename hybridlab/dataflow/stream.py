@@ -104,7 +104,8 @@ class RolloutStream:
         """Admit waiting prompts (drawing more when none wait) while the bound allows, each to
         the rank with the fewest groups in flight: with k steps done, the prompts of batches up
         to k + max_staleness, so a batch is admitted at most max_staleness updates before its
-        step. Returns each rank's ``(uid, prompt ids)`` to submit (maybe none)."""
+        step. Returns each rank's ``(uid, prompt ids)`` to submit (for agents ``(uid, the prompt's
+        agent sample)``; maybe none)."""
         per_step, bound = ctx.cfg.data.prompts_per_step, ctx.cfg.trainer.max_staleness
         if self.admitted is None:  # a new stream, or one rewound: everything before was trained
             self.admitted = ctx.state.step_count * per_step

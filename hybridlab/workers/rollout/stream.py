@@ -191,7 +191,8 @@ class EngineStream:
             with self.cond:
                 self.error = exc
                 for future in self.calls.values():
-                    future.set_exception(RuntimeError(f"the rollout stream's engine thread failed: {exc!r}"))
+                    if not future.done():
+                        future.set_exception(RuntimeError(f"the rollout stream's engine thread failed: {exc!r}"))
                 self.calls.clear()
             self.has_finished.set()
 
