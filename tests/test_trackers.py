@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -34,12 +35,13 @@ def _records(path: Path):
 
 def wandb_runs(run_dir: Path) -> list[dict]:
     """Each offline W&B run under ``run_dir``, oldest first: its name, config and history rows
-    ({step: {key: value}}, W&B's own ``_`` keys left out)."""
+    ({step: {key: value}}, W&B's own ``_`` keys left out), and whether its exit record (the last one W&B writes) is there."""
     runs = []
     for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
-        run = {"name": None, "config": {}, "history": {}}
+        run = {"name": None, "config": {}, "history": {}, "finished": False}
         for record in _records(path):
             kind = record.WhichOneof("record_type")
+            run["finished"] |= kind == "exit"
             if kind == "run":
                 run["name"] = record.run.display_name
                 run["config"] = {i.key: json.loads(i.value_json) for i in record.run.config.update
@@ -83,6 +85,12 @@ def test_a_session_logs_config_metrics_and_events_and_a_roll_back_starts_another
     trackers.log(2, {"reward/mean": 0.75})
     trackers.close()
 
+    # W&B's service process writes the offline files: on a loaded machine a file was once still
+    # short of its records right after finish() (the full suite), so wait up to 30 s for each
+    # run's exit record
+    deadline = time.monotonic() + 30
+    while not all(run["finished"] for run in wandb_runs(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
     first, second = wandb_runs(run_dir)
     assert (first["name"], second["name"]) == ("grpo-run", "grpo-run (from step 1)")
     assert first["config"] == {"trainer": {"steps": 3}, "model": "tiny"}
