@@ -146,9 +146,17 @@ def cmd_dashboard(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    """Print the sizes a config implies, its mapping and memory per worker; returns the exit status."""
+    """Print the sizes a config implies, its mapping and memory per worker (with ``--service
+    tinker``: what the Tinker service would run where); returns the exit status."""
     from hybridlab.explain import explain
     from hybridlab.run_config import load_run
+
+    if args.service == "tinker":  # the service's settings file and KEY=VALUE settings, as `serve tinker` takes them
+        from hybridlab.tinker.service import TinkerService
+        from hybridlab.tinker.settings import load_settings
+
+        print(TinkerService(load_settings(args.config, args.overrides)).explain(), flush=True)
+        return 0
 
     cfg, verl = load_run(args.config, args.overrides, verl=args.verl)
     print(explain(cfg).text(), flush=True)
@@ -264,6 +272,8 @@ def _add_explain(sub) -> None:
     e.add_argument("config", nargs="?", default=None, help="YAML file or preset name (omit for the default run)")
     e.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     e.add_argument("--verl", action="store_true", help="read the settings as verl's main_ppo does (docs/verl.md)")
+    e.add_argument("--service", choices=("tinker",), default=None,
+                   help="explain a service's settings instead (tinker: what `hybridlab serve tinker` would run where)")
     e.set_defaults(func=cmd_explain)
 
 

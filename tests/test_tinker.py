@@ -453,3 +453,8 @@ def test_serve_tinker_explain_says_what_runs_where(tiny_dir, tmp_path, capfd):
     assert out.startswith(f"**hybridlab/{tiny_dir.name}** ({tiny_dir}), context 512 tokens. One device")
     assert "a LoRA adapter of rank up to 16, alpha 32, on the FSDP2 backend" in out
     assert not (tmp_path / "hub").exists()  # explaining writes nothing: the tokenizer is published at start
+    assert main(["explain", "--service", "tinker", f"model={tiny_dir}", f"run_dir={tmp_path}",
+                 f"hub_cache={tmp_path / 'hub'}", "max_lora_rank=16"]) == 0  # `hybridlab explain` says the same
+    assert capfd.readouterr().out == out
+    assert main(["explain", "--service", "tinker", "max_lora_rank=0"]) == 2
+    assert "max_lora_rank" in capfd.readouterr().err
