@@ -49,7 +49,12 @@ class AgentStream:
         self.thread = threading.Thread(target=self.loop.run_forever, name="agent-stream", daemon=True)
         self.thread.start()
         self.runner = make_runner(StreamEngine(stream, lora_request))
-        self._run(self.runner.__aenter__()).result(timeout=60)
+        try:
+            self._run(self.runner.__aenter__()).result(timeout=60)
+        except BaseException:  # the endpoint did not start: the loop's thread must not outlive this
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=30)
+            raise
         self.numbers = itertools.count()       # trajectory numbers: unique over the stream's life
         self.lock = threading.Lock()
         self.finished: list[dict] = []         # groups whose n trajectories ended, oldest first
