@@ -81,6 +81,29 @@ def test_a_math_verify_timeout_is_an_error_not_a_zero(monkeypatch):
         -2.0, None, "TimeoutError: math-verify on this response took longer than 1 s", {})
 
 
+def test_the_bound_holds_when_the_main_thread_blocks_sigalrm():
+    """A library may leave SIGALRM blocked on the main thread, so the process's alarm goes to
+    another thread: the bound still ends the work on time (it took the whole 5 s before), and the
+    main thread's mask is left as it was."""
+    import signal
+    import threading
+
+    from hybridlab.scorers.limits import bounded
+
+    other = threading.Event()
+    threading.Thread(target=other.wait, args=(10,), daemon=True).start()  # a thread that takes SIGALRM
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="work took longer than 1 s"):
+            bounded(lambda: time.sleep(5), 1, "work")
+        assert time.monotonic() - start < 3
+        assert signal.SIGALRM in signal.pthread_sigmask(signal.SIG_BLOCK, set())  # still blocked, as found
+    finally:
+        other.set()
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 @pytest.mark.parametrize("source, why", [
     ("hiyouga/geometry3k", "an image task"),
     ("my/own_data", "not a source verl scores by default")])
