@@ -13,13 +13,18 @@ from filelock import FileLock
 from hybridlab.errors import UserError
 
 
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (aside, then renamed): never half-written."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def write_json(path: Path, data: dict) -> None:
-    """Write ``data`` to ``path`` as JSON atomically (aside, then renamed): never half-written."""
+    """Write ``data`` to ``path`` as JSON atomically (``write_text``)."""
     import json
 
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
+    write_text(path, json.dumps(data, indent=2))
 
 
 def replace_dir(new: Path, target: Path) -> None:

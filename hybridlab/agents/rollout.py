@@ -154,13 +154,6 @@ class TrajectoryRunner:
             return trajectory
 
 
-async def run_trajectories(spec: AgentSpec, make_client: Callable[[int], ChatClient], samples: list[dict], n: int,
-                           limits: AgentLimits, max_in_flight: int) -> list[Trajectory]:
-    """Return ``n`` trajectories per sample, at most ``max_in_flight`` running at once, each
-    making its model calls through ``make_client(i)`` (the agent's behind the endpoint)."""
-    return await run_all(TrajectoryRunner(spec, make_client, limits, max_in_flight), samples, n)
-
-
 async def run_all(runner: TrajectoryRunner, samples: list[dict], n: int) -> list[Trajectory]:
     """Return ``n`` trajectories per sample (interleaved: a a b b), all run by ``runner``."""
     async with runner:

@@ -161,13 +161,13 @@ class Workload:
 
     async def run_agents(self, plans: list, latency: bool, engine: Any = None) -> int:
         """Run the planned agent on ``plans`` through the endpoint; returns the model tokens generated."""
-        from hybridlab.agents.rollout import AgentSpec, run_trajectories
+        from hybridlab.agents.rollout import AgentSpec, TrajectoryRunner, run_all
         from hybridlab.agents.tool_loop import ChatClient
 
         engine = engine or self.engine
         make_client = lambda i: ChatClient(engine, self.tokenizer, self.params, self.limits, 0, None, [])
-        trajectories = await run_trajectories(AgentSpec(agent=planned_agent), make_client,
-                                              _samples(plans, self.prompt, latency), 1, self.limits, self.in_flight)
+        runner = TrajectoryRunner(AgentSpec(agent=planned_agent), make_client, self.limits, self.in_flight)
+        trajectories = await run_all(runner, _samples(plans, self.prompt, latency), 1)
         errors = [t.error for t in trajectories if t.error]
         if errors:
             raise RuntimeError(f"the benchmark agent failed: {errors[0]}")

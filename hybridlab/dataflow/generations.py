@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hybridlab.atomic import write_text
 from hybridlab.protocol import Batch
 
 
@@ -50,7 +51,5 @@ def write_generations(directory: Path, step: int, rows: list[dict]) -> Path:
     """Write ``rows`` to ``directory/{step}.jsonl`` (aside, then renamed); returns the path."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{step}.jsonl"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in rows))
-    tmp.replace(path)
+    write_text(path, "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in rows))
     return path

@@ -150,7 +150,7 @@ class RolloutStream:
             oldest = ctx.state.actor_version - ctx.cfg.trainer.max_staleness
             fresh = [min(_sampled_versions(g), default=oldest) >= oldest for g in self.ready]
             stale = [g for g, ok in zip(self.ready, fresh) if not ok]
-            self.dropped += sum(len(g.get("samples") or g["trajectories"]) for g in stale)
+            self.dropped += sum(len(_members(g)) for g in stale)
             self.admitted -= len(stale)
             self._consume([g["key"] for g in stale])
             self.ready = [g for g, ok in zip(self.ready, fresh) if ok]
@@ -163,24 +163,13 @@ class RolloutStream:
         """Return the groups as a generated batch (verl's layout; agent trajectories in their
         multi-turn layout), prompts' objects repeated."""
         if "trajectories" in groups[0]:
-            trajectories = [t for g in groups for t in g["trajectories"]]
-            out = agent_batch(trajectories, self.pad_id, ctx.cfg.rollout.max_trajectory_tokens)
-            for key in self.rows[groups[0]["key"]]:
-                out.objects.setdefault(key, [self.rows[g["key"]][key] for g in groups for _ in g["trajectories"]])
-            self._consume([g["key"] for g in groups])
-            return out
-        rows = [(g, s) for g in groups for s in g["samples"]]
-        out = sequences_batch([g["prompt_ids"] for g, _ in rows], [s["ids"] for _, s in rows], self.pad_id,
-                              response_len=ctx.cfg.rollout.max_new_tokens)
-        shape = out["responses"].shape
-        log_probs, versions = torch.zeros(shape, dtype=torch.float32), torch.full(shape, -1, dtype=torch.long)
-        for i, (_, s) in enumerate(rows):
-            log_probs[i, :len(s["logprobs"])] = torch.tensor(s["logprobs"], dtype=torch.float32)
-            versions[i, :len(s["versions"])] = torch.tensor(s["versions"], dtype=torch.long)
-        out.tensors.update(rollout_log_probs=log_probs, rollout_versions=versions)
+            out = agent_batch([t for g in groups for t in g["trajectories"]], self.pad_id,
+                              ctx.cfg.rollout.max_trajectory_tokens)
+        else:
+            out = _samples_batch(groups, self.pad_id, ctx.cfg.rollout.max_new_tokens)
+        owners = [g["key"] for g in groups for _ in _members(g)]
         for key in self.rows[groups[0]["key"]]:
-            out.objects.setdefault(key, [self.rows[g["key"]][key] for g, _ in rows])
-        out.objects["prompt_ids"] = [g["prompt_ids"] for g, _ in rows]  # as generated (maybe truncated)
+            out.objects.setdefault(key, [self.rows[uid][key] for uid in owners])
         self._consume([g["key"] for g in groups])
         return out
 
@@ -215,6 +204,27 @@ class RolloutStream:
                 "rollout/trainer_wait_s": wait_s, "rollout/buffer_groups": len(self.ready),
                 "rollout/in_flight_groups": len(self.in_flight), "rollout/stale_dropped": self.dropped,
                 "rollout/samples": samples}
+
+
+def _members(group: dict) -> list:
+    """Return a finished group's samples (or an agent's trajectories)."""
+    return group["samples"] if "samples" in group else group["trajectories"]
+
+
+def _samples_batch(groups: list[dict], pad_id: int, response_len: int) -> Batch:
+    """Return the groups' samples in verl's layout with their behaviour log-probs and per-token
+    versions, and each sample's prompt ids as generated (maybe truncated)."""
+    rows = [(g, s) for g in groups for s in g["samples"]]
+    out = sequences_batch([g["prompt_ids"] for g, _ in rows], [s["ids"] for _, s in rows], pad_id,
+                          response_len=response_len)
+    shape = out["responses"].shape
+    log_probs, versions = torch.zeros(shape, dtype=torch.float32), torch.full(shape, -1, dtype=torch.long)
+    for i, (_, s) in enumerate(rows):
+        log_probs[i, :len(s["logprobs"])] = torch.tensor(s["logprobs"], dtype=torch.float32)
+        versions[i, :len(s["versions"])] = torch.tensor(s["versions"], dtype=torch.long)
+    out.tensors.update(rollout_log_probs=log_probs, rollout_versions=versions)
+    out.objects["prompt_ids"] = [g["prompt_ids"] for g, _ in rows]
+    return out
 
 
 def _sampled_versions(group: dict) -> list[int]:

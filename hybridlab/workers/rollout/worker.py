@@ -141,19 +141,19 @@ class RolloutWorker(Worker):
         if self.backend != "vllm" or self.tp > 1:
             raise ValueError("agent rollouts need the vllm backend with rollout tp=1 (the engine is driven from"
                              f" this process's event loop); this group has backend={self.backend!r}, tp={self.tp}")
-        cfg, agent = (SamplingConfig(**sampling) if isinstance(sampling, dict) else sampling).validate(), \
-            AgentSettings(**settings)
-        trajectories = run_agents(self.llm, agent_samples(batch), cfg.n, self._agent_runner(cfg, agent, agent.version),
+        cfg = (SamplingConfig(**sampling) if isinstance(sampling, dict) else sampling).validate()
+        agent = AgentSettings(**settings)
+        trajectories = run_agents(self.llm, agent_samples(batch), cfg.n, self._agent_runner(cfg, agent),
                                   adapter_request() if self.adapter else None)
         out = agent_batch(trajectories, self.pad_id, agent.max_trajectory_tokens, batch.meta.get(PROMPT_WIDTH))
         for key, values in batch.repeat(cfg.n).objects.items():
             out.objects.setdefault(key, values)
         return out
 
-    def _agent_runner(self, cfg: SamplingConfig, agent: AgentSettings, version: int) -> Callable:
+    def _agent_runner(self, cfg: SamplingConfig, agent: AgentSettings) -> Callable:
         """Return ``make_runner(engine)``: a TrajectoryRunner of ``agent``'s tools, function or
-        environment on ``engine``, its turns sampled as ``cfg`` says (``version``: recorded on
-        turns whose engine labels none)."""
+        environment on ``engine``, its turns sampled as ``cfg`` says (``agent.version``: recorded
+        on turns whose engine labels none)."""
         key = (agent.tools, agent.agent, agent.env, agent.env_adapter, agent.max_in_flight, agent.agent_timeout_s)
         if getattr(self, "_agent_spec", (None, None))[0] != key:
             self._agent_spec = (key, load_spec(agent))
@@ -167,7 +167,7 @@ class RolloutWorker(Worker):
 
         def make_runner(engine: Any) -> TrajectoryRunner:
             def make_client(i: int) -> ChatClient:
-                return ChatClient(engine, tokenizer, params, limits, version,
+                return ChatClient(engine, tokenizer, params, limits, agent.version,
                                   None if seed is None else seed * 100_003 + i, schemas)
 
             return TrajectoryRunner(spec, make_client, limits, agent.max_in_flight)
@@ -179,7 +179,7 @@ class RolloutWorker(Worker):
         stream; returns the groups whose trajectories have all ended."""
         cfg, agent = SamplingConfig(**order["sampling"]).validate(), AgentSettings(**order["agent"])
         if self.agent_stream is None:
-            self.agent_stream = AgentStream(self.stream, self._agent_runner(cfg, agent, agent.version),
+            self.agent_stream = AgentStream(self.stream, self._agent_runner(cfg, agent),
                                             adapter_request() if self.adapter else None)
         self.agent_stream.submit(order["prompts"], cfg.n)
         return self.agent_stream.take(order["wait_s"])
