@@ -56,8 +56,12 @@ def test_bench_published_compares_every_row_with_its_own_arithmetic(capfd):
     # streaming decodes the mean response at a full batch: cheaper than the colocated drain to the 28K tail
     at_2k = speedup["predicted"]["2048"]  # docs/advisor.md quotes these
     assert at_2k["streaming_stages_s"]["generate"] < at_2k["colocated_stages_s"]["generate"] / 2
-    assert [p["speedup"] for p in speedup["predicted"].values()] == [1.645, 1.226, 0.98]
-    assert speedup["error_at_best"] == -0.304
+    # the bound: 16 GPUs x 148 TFLOP/s x 269.80 s / (6 x 7.62B params x 8,192 sequences), less the 512-token prompt
+    bound = int(16 * 148e12 * 269.80 / (6 * 7_615_616_512 * 8192)) - 512
+    assert speedup["response_bound"] == bound == 1194
+    assert [m for m, p in speedup["predicted"].items() if p["feasible"]] == ["512", "1024", "1194"]
+    assert [p["speedup"] for p in speedup["predicted"].values()] == [3.048, 2.27, 2.115, 1.645, 1.226, 0.98]
+    assert speedup["error_at_bound"] == speedup["error"]["1194"] == -0.106
     assert [at_2k["streaming_stages_s"][k] for k in ("generate", "update_actor")] == [51.5, 260.1]
     seeds = result["seeds"]
     # the update alone, every FLOP at the A100's bf16 peak: 6 x 69.0B x 2^20 tokens / (64 x 312 TFLOP/s)
