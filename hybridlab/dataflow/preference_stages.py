@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from hybridlab.algos.preference import CHOSEN_TOKENS, dpo_loss_fn
 from hybridlab.batching import as_pairs
 from hybridlab.dataflow.fields import SEQUENCE_FIELDS, mean_metrics
+from hybridlab.dataflow.update_stages import run_updates
 from hybridlab.faults import fault_point
 from hybridlab.protocol import Batch
 
@@ -53,7 +54,7 @@ def update_actor_dpo(ctx: "StepContext", batch: Batch) -> tuple[None, dict]:
         return None, {}
     data = batch.select((*PAIR_FIELDS, CHOSEN_TOKENS))
     loss = dpo_loss_fn(d.loss_types, d.loss_weights, d.beta, d.label_smoothing)
-    results = [ctx.group("actor").update_actor(data, loss) for _ in range(a.ppo_epochs)]
+    results = run_updates(ctx.group("actor").update_actor, [data] * a.ppo_epochs, loss)
     metrics = mean_metrics(results)
     ctx.actor_unchanged = metrics.get("skipped", 0.0) == len(results)
     fault_point("update_actor", ctx.state.step_count + 1)

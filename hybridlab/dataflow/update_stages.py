@@ -73,14 +73,24 @@ def mini_batches(batch: Batch, prompts: int, n: int, epochs: int) -> list[Batch]
     return [batch.take(slice(s, s + rows)) for _ in range(epochs) for s in range(0, len(batch), rows)]
 
 
+def run_updates(method, batches: list[Batch], loss) -> list:
+    """Submit every mini-batch's optimizer step at once and return their results in order.
+
+    A worker process runs the calls it is sent one at a time, in the order they were sent, so
+    the steps are the same as calling them one after another; sent together, each rank starts
+    the next as soon as one ends instead of waiting a round trip to the controller for it
+    (about 3 ms a call on this machine, a tenth of a tiny model's step: ``bench async``)."""
+    futures = [method.submit(mb, loss) for mb in batches]
+    return [future.result() for future in futures]
+
+
 def update_critic(ctx: StepContext, batch: Batch) -> tuple[None, dict]:
     """Optimizer steps of the clipped value loss over mini-batches and epochs."""
     c = ctx.cfg.critic
     loss = critic_loss({"cliprange_value": c.cliprange_value, "loss_agg_mode": c.loss_agg_mode})
     data = batch.select([*SEQUENCE_FIELDS, "values", "returns"], meta=False)
-    group = ctx.group("critic")
-    results = [group.update_critic(mb, loss) for mb in mini_batches(data, c.ppo_mini_batch_size,
-                                                                       ctx.cfg.rollout.n, c.ppo_epochs)]
+    results = run_updates(ctx.group("critic").update_critic, mini_batches(data, c.ppo_mini_batch_size,
+                                                                          ctx.cfg.rollout.n, c.ppo_epochs), loss)
     metrics = mean_metrics(results)
     return None, {(k if k.startswith("critic/") else f"critic/{k}"): v for k, v in metrics.items()}
 
@@ -118,9 +128,8 @@ def update_actor(ctx: StepContext, batch: Batch) -> tuple[None, dict]:
     a = ctx.cfg.actor
     loss = actor_loss(actor_loss_settings(ctx.cfg))
     data = batch.select(actor_fields(ctx.cfg), meta=False)
-    group = ctx.group("actor")
-    results = [group.update_actor(mb, loss) for mb in mini_batches(data, a.ppo_mini_batch_size,
-                                                                      ctx.cfg.rollout.n, a.ppo_epochs)]
+    results = run_updates(ctx.group("actor").update_actor, mini_batches(data, a.ppo_mini_batch_size,
+                                                                        ctx.cfg.rollout.n, a.ppo_epochs), loss)
     metrics = mean_metrics(results)
     ctx.actor_unchanged = not results or metrics.get("skipped", 0.0) == len(results)
     fault_point("update_actor", ctx.state.step_count + 1)
