@@ -143,6 +143,11 @@ def test_streaming_steps_train_each_prompt_once_within_the_bound_and_correct_per
             assert int(versions.max()) <= version and version - int(versions.min()) <= BOUND
             assert m["rollout/staleness"] == version - int(versions.min())
             assert sum(v for k, v in m.items() if k.startswith("rollout/stale_tokens/")) == int(mask.sum())
+            # the sync did not wait for the engines: its look, pause, last load and resume are read
+            # by the next step (the trainer goes on meanwhile), and are not listed as running
+            assert [f.method for f in rl.state.stream.deferred] == ["stream_exchange", "stream_pause",
+                                                                  "load_weight_slices", "stream_resume"]
+            assert [c["method"] for c in rl.workers.watch.running()] == []
             # the bound: with k steps done, at most k + bound + 1 batches' prompts were admitted
             assert rl.state.stream.admitted <= (rl.state.step_count + BOUND + 1) * PER_STEP
             # token-level correction on the per-token behaviour log-probs (threshold 2)

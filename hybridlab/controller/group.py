@@ -181,6 +181,11 @@ class GroupFuture:
         self._call = group.watch.begin(group.role, method, self.stage, ranks,
                                        [group.placements[r]["pid"] for r in ranks if r < len(group.placements)])
 
+    def unwatch(self) -> None:
+        """Take the call off the watch's list of calls in flight, for a call whose answer is
+        read later (a streaming sync's last load): its deadline then counts from ``result()``."""
+        self.group.watch.end(self._call, ok=False)
+
     def done(self) -> bool:
         """Return True once every rank has answered (without waiting)."""
         ready, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=0)

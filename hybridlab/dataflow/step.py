@@ -12,6 +12,7 @@ weight sync, as part of RLSession (a mixin; the state they use is set up in sess
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import warnings
@@ -87,13 +88,13 @@ class Stepping:
     def sync_weights(self, reason: str = "step"):
         """Copy the actor's weights into the rollout engines now; returns the SyncReport (the
         dataflow's sync_weights stage calls this, and a remap with ``reason="remap"``)."""
-        lora, streaming = self.cfg.actor.lora, self.cfg.trainer.streaming
-        if streaming:  # the engines stop between two steps while every bucket loads, then go on
-            self.workers.groups["rollout"].stream_pause()
-        report = sync_mapped(self.workers.groups, self.mapping, self.spec,
-                             adapter=lora.rank > 0 and lora.sync == "adapter")
-        if streaming:
-            self.workers.groups["rollout"].stream_resume(self.state.actor_version)
+        lora = self.cfg.actor.lora
+        transfer = functools.partial(sync_mapped, self.workers.groups, self.mapping, self.spec,
+                                     adapter=lora.rank > 0 and lora.sync == "adapter")
+        if self.cfg.trainer.streaming:  # the engines keep generating: a step's sync does not wait for them
+            report = self.state.stream.sync(self.context(), transfer, wait=reason != "step")
+        else:
+            report = transfer()
         self.state.rollout_version = self.state.actor_version
         self.emit("sync", {"step": self.state.step_count + (reason == "step"), "bytes": report.bytes_moved,
                             "buckets": report.buckets, "seconds": report.seconds, "mode": report.mode,

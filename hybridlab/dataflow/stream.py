@@ -7,7 +7,12 @@ the rank with the fewest in flight, as long as the staleness bound allows, and c
 groups whose n samples have all finished into a buffer; the generate stage takes a step's groups
 from it. A weight sync pauses the engines between two of their steps, loads every bucket in
 place and lets them go on (``stream_pause`` and ``stream_resume`` in ``Stepping.sync_weights``): samples
-in flight become partial, their tokens labelled with the version that sampled each.
+in flight become partial, their tokens labelled with the version that sampled each. A step's sync
+does not wait for the engines: it asks them for the groups finished so far, pauses them, loads
+every bucket and resumes them without waiting for the last load (``RolloutStream.sync``); the next
+take serves its groups from what that look found when enough have finished, and sends its own
+look without waiting too, so the actor computes while the engines load (the answers are read in
+the order sent, at the latest by the next sync: ``settle``).
 
 The bound (``trainer.max_staleness`` = K), AReaL's: with k steps done, prompts are admitted
 while at most (k + K + 1) batches' worth have been, so a sample admitted now is trained at most
@@ -21,7 +26,7 @@ engines never wait for it (they are stepped by their own threads, whatever the p
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -29,6 +34,8 @@ from hybridlab.agents.rollout import agent_batch, agent_sample
 from hybridlab.batching import sequences_batch
 from hybridlab.config import RunConfig
 from hybridlab.config.bounds import one_of
+from hybridlab.controller.calls import WorkerError
+from hybridlab.controller.group import GroupFuture
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.dataflow.agent_stages import agent_settings, agentic
 from hybridlab.protocol import Batch
@@ -36,6 +43,7 @@ from hybridlab.workers.rollout.stream import PARTIAL_MODES
 
 if TYPE_CHECKING:
     from hybridlab.dataflow.context import StepContext
+    from hybridlab.reshard.transfer import SyncReport
 
 STALE_SAMPLES = ("train", "drop")
 # While a step waits for its groups, each look at the engines waits up to this long on the ranks
@@ -58,22 +66,73 @@ class RolloutStream:
         self.regenerated = 0                # prompts thrown away in flight or unused, drawn and generated again
         self.pad_id = 0
         self.totals: dict[str, float] = {}  # engine stats summed since the last take
+        self.deferred: list[GroupFuture] = []  # calls to the engines sent without waiting, oldest first
 
     def take(self, ctx: "StepContext", batch: Batch) -> tuple[Batch, dict]:
         """Queue this step's prompts (``batch``), keep the engines fed, and return the first
         ``data.prompts_per_step`` groups to finish, repeated n times with their responses,
-        behaviour log-probs and per-token versions (``rollout_versions``), with the metrics."""
+        behaviour log-probs and per-token versions (``rollout_versions``), with the metrics.
+
+        When that many have finished already (counting those the last sync's look found), the
+        prompts admitted now go to the engines without waiting for the answer: the trainer goes
+        on while the engines load the last sync's weights."""
         self._queue(batch)
         self._pin(ctx.state.prompts)
-        want, started, wait = ctx.cfg.data.prompts_per_step, time.perf_counter(), 0.0
-        while True:
-            self._exchange(ctx, self._admit(ctx), wait)
-            if self._within_bound(ctx) >= want:
-                break
-            wait = TAKE_WAIT_S  # the first look takes what is ready; the next ones wait for it
+        want, started = ctx.cfg.data.prompts_per_step, time.perf_counter()
+        self._read_answered()
+        parts = self._admit(ctx)
+        if self._within_bound(ctx) >= want:
+            self.defer([self._send(ctx, parts, 0.0)])
+        else:
+            self.settle()
+            self._read(self._send(ctx, parts, 0.0).result())  # the first look takes what is ready
+            while self._within_bound(ctx) < want:  # the next ones wait for a group to finish
+                self._read(self._send(ctx, self._admit(ctx), TAKE_WAIT_S).result())
         groups, self.ready = self.ready[:want], self.ready[want:]
         out = self._batch(ctx, groups)
         return out, self._metrics(ctx, out, time.perf_counter() - started)
+
+    def sync(self, ctx: "StepContext", transfer: Callable[..., "SyncReport"], wait: bool) -> "SyncReport":
+        """Load new weights into the running engines with ``transfer`` (``sync_mapped``, given
+        ``deferred``, the list for its last load); returns its report. The engines stop between two
+        of their steps while every bucket loads, then go on, labelling tokens with the new
+        version. Unless ``wait``, the trainer does not wait for them: the engines are asked for
+        the groups finished so far first (the next take reads that answer), and the last
+        bucket's load and the resume are read at the next ``settle``."""
+        rollout = ctx.group("rollout")
+        self.settle()
+        if wait:
+            rollout.stream_pause()
+            report = transfer()
+            rollout.stream_resume(ctx.state.actor_version)
+            return report
+        self.defer([self._send(ctx, [[] for _ in range(rollout.world_size)], 0.0), rollout.stream_pause.submit()])
+        later: list = []
+        report = transfer(deferred=later)
+        self.defer([*later, rollout.stream_resume.submit(ctx.state.actor_version)])
+        return report
+
+    def defer(self, futures: list[GroupFuture]) -> None:
+        """Keep calls to the engines sent without waiting, to read later in the order sent."""
+        for future in futures:
+            future.unwatch()
+        self.deferred += futures
+
+    def settle(self) -> None:
+        """Read the answers of every call sent without waiting, in the order sent (a sync's
+        look, pause, last load and resume, a take's look); raises the WorkerError of a failed one."""
+        while self.deferred:
+            self._read_call(self.deferred.pop(0))
+
+    def _read_answered(self) -> None:
+        """Read the calls sent without waiting that have answered, up to the first that has not."""
+        while self.deferred and self.deferred[0].done():
+            self._read_call(self.deferred.pop(0))
+
+    def _read_call(self, future: GroupFuture) -> None:
+        answers = future.result()
+        if future.method == "stream_exchange":
+            self._read(answers)
 
     def oldest(self, prompts) -> int | None:
         """Return the first uid of the draw holding the oldest prompt not trained yet (None: none)."""
@@ -87,6 +146,10 @@ class RolloutStream:
         """Throw away every prompt not trained yet (in flight, finished or waiting: the workers'
         streams are the caller's to close) and put the prompt stream back before the oldest of
         them; the prompts trained since are skipped when drawn again (``prompts.skip``)."""
+        try:
+            self.settle()  # what its looks hold is thrown away with the rest
+        except WorkerError:  # its workers are gone (a recovery)
+            self.deferred = []
         start = self.oldest(prompts)
         if start is not None:
             prompts.skip = set(self.consumed_since(start, prompts))
@@ -127,17 +190,22 @@ class RolloutStream:
         self.admitted += room
         return parts
 
-    def _exchange(self, ctx: "StepContext", parts: list[list], wait_s: float) -> None:
-        """Submit each rank's admitted prompts and move the engines' finished groups into
-        ``ready``, adding up their stats (a rank waits up to ``wait_s`` for a group when it has
-        none): one call per rank, so one turn of its engine."""
+    def _send(self, ctx: "StepContext", parts: list[list], wait_s: float) -> GroupFuture:
+        """Submit each rank's admitted prompts, asking for the groups its engine finished (a rank
+        waits up to ``wait_s`` for one when it has none); returns the call's future. One call
+        per rank, so one turn of its engine."""
         order = {"sampling": ctx.sampling(seed=ctx.cfg.trainer.seed), "partial": ctx.cfg.trainer.partial_rollouts,
                  "version": ctx.state.rollout_version, "wait_s": wait_s,
                  "agent": agent_settings(ctx.cfg, ctx.state.rollout_version) if agentic(ctx.cfg) else None}
-        for answer in ctx.group("rollout").stream_exchange([{**order, "prompts": part} for part in parts]):
+        return ctx.group("rollout").stream_exchange.submit([{**order, "prompts": part} for part in parts])
+
+    def _read(self, answers: list[dict]) -> None:
+        """Move the finished groups of the ranks' answers into ``ready`` (those forgotten
+        meanwhile dropped), adding up the engines' stats."""
+        for answer in answers:
             self.pad_id = answer["pad_id"]
             for group in answer["groups"]:
-                if self.in_flight.pop(group["key"], None) is not None:  # else forgotten meanwhile
+                if self.in_flight.pop(group["key"], None) is not None:
                     self.ready.append(group)
             for key, value in (answer["stats"] or {}).items():
                 self.totals[key] = self.totals.get(key, 0.0) + value

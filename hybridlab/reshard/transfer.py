@@ -36,10 +36,13 @@ class SyncReport:
 
 
 def sync_weights(actor, rollout, spec: ModelSpec, trainer: TrainerLayout, rollout_layout: RolloutLayout,
-                 bucket_mb: float = 64.0) -> SyncReport:
+                 bucket_mb: float = 64.0, deferred: list | None = None) -> SyncReport:
     """Copy the actor's current weights into every rollout engine; returns a SyncReport.
 
     The placement is read from the groups: colocated when both roles live in the same processes.
+    With a ``deferred`` list (separate placement), the last bucket's load is sent without waiting
+    for it: its future goes into the list, for the caller to read later (the trainer goes on
+    while the engines load), and the report's seconds end when it was sent.
     """
     # vLLM's loader takes whole tensors and cuts each rank's shard itself: every rank of an
     # engine receives whole tensors (docs/engine.md has the measurement).
@@ -59,7 +62,11 @@ def sync_weights(actor, rollout, spec: ModelSpec, trainer: TrainerLayout, rollou
             by_dp = defaultdict(list)  # trainer DP rank -> its TP ranks' (tp, pp, reference, bytes)
             for tp, pp, dp, ref, nbytes in filter(None, actor.export_slices(bucket, sorted(set(feeds)))):
                 by_dp[dp].append((tp, pp, ref, nbytes))
-            rollout.load_weight_slices([[(tp, ref) for tp, _, ref, _ in by_dp[feed]] for feed in feeds])
+            load = rollout.load_weight_slices.submit([[(tp, ref) for tp, _, ref, _ in by_dp[feed]] for feed in feeds])
+            if deferred is not None and bucket is groups[-1]:
+                deferred.append(load)
+            else:
+                load.result()
             for dst, feed in enumerate(feeds):
                 for tp, pp, _, nbytes in by_dp[feed]:
                     pairs[f"{trainer.rank(tp, pp, feed)}->{dst}"] += nbytes
@@ -94,13 +101,15 @@ def layouts(mapping) -> tuple[TrainerLayout, RolloutLayout]:
     return TrainerLayout(tp=a.tp, pp=a.pp, dp=a.dp), RolloutLayout(tp=r.tp, replicas=r.dp)
 
 
-def sync_mapped(groups: dict, mapping, spec: ModelSpec, bucket_mb: float = 64.0, adapter: bool = False) -> SyncReport:
+def sync_mapped(groups: dict, mapping, spec: ModelSpec, bucket_mb: float = 64.0, adapter: bool = False,
+                deferred: list | None = None) -> SyncReport:
     """Sync the actor's weights (with ``adapter``: its LoRA adapter alone) into the rollout
     engines of ``groups`` with the layouts of ``mapping`` (what the dataflow's sync stage and a
-    remap call); returns the SyncReport."""
+    remap call); returns the SyncReport. ``deferred``: see ``sync_weights``."""
     if adapter:
         return sync_adapter(groups["actor"], groups["rollout"])
-    return sync_weights(groups["actor"], groups["rollout"], spec, *layouts(mapping), bucket_mb=bucket_mb)
+    return sync_weights(groups["actor"], groups["rollout"], spec, *layouts(mapping), bucket_mb=bucket_mb,
+                        deferred=deferred)
 
 
 def _bucket_bytes(spec: ModelSpec, groups: list[list[str]], itemsize: int = 4) -> list[int]:
