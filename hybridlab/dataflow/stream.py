@@ -6,13 +6,13 @@ controller's ``RolloutStream`` keeps the engines fed: it admits prompts, one gro
 the rank with the fewest in flight, as long as the staleness bound allows, and collects the
 groups whose n samples have all finished into a buffer; the generate stage takes a step's groups
 from it. A weight sync pauses the engines between two of their steps, loads every bucket in
-place and lets them go on (``stream_pause`` and ``stream_resume`` in ``Stepping.sync_weights``): samples
-in flight become partial, their tokens labelled with the version that sampled each. A step's sync
-does not wait for the engines: it asks them for the groups finished so far, pauses them, loads
-every bucket and resumes them without waiting for the last load (``RolloutStream.sync``); the next
-take serves its groups from what that look found when enough have finished, and sends its own
-look without waiting too, so the actor computes while the engines load (the answers are read in
-the order sent, at the latest by the next sync: ``settle``).
+place and lets them go on (``RolloutStream.sync``): samples in flight become partial, their tokens
+labelled with the version that sampled each. A step's sync does not wait for the engines: it asks
+them for the groups finished so far, pauses them, sends every bucket and the resume, and returns
+once the last bucket is sent; the next take serves its groups from what that look found when
+enough have finished, and sends its own look without waiting too, so the actor computes while
+the engines load (the engines run the calls in the order sent; their answers are read at the
+latest by the next sync: ``settle``).
 
 The bound (``trainer.max_staleness`` = K), AReaL's: with k steps done, prompts are admitted
 while at most (k + K + 1) batches' worth have been, so a sample admitted now is trained at most
