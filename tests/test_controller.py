@@ -70,6 +70,20 @@ class Probe(Worker):
             raise ValueError(f"bad input on purpose at rank {rank}")
         return self.rank
 
+    @register(Dispatch.ALL)
+    def update(self, number: int, fail_at: int) -> int:
+        """An optimizer step's stand-in: recorded, a little work, a failure where asked for."""
+        self.updates = [*getattr(self, "updates", []), number]
+        time.sleep(0.05)
+        if number == fail_at:
+            raise ValueError(f"update number {number} fails on purpose")
+        return number
+
+    @register(Dispatch.RANK_ZERO)
+    def updates_made(self) -> list[int]:
+        made, self.updates = getattr(self, "updates", []), []
+        return made
+
     @register(Dispatch.RANK_ZERO)
     def die(self) -> None:
         os._exit(1)
@@ -197,6 +211,22 @@ def test_futures_let_independent_calls_overlap(session):
     session.groups["actor"].release(name)                   # would deadlock if calls were serial
     assert pending.result(timeout=30) == "released"
     ray.kill(signal)
+
+
+def test_updates_sent_behind_one_another_run_in_order_and_a_failure_stops_them(session):
+    """A step's mini-batch updates go out with the next one sent while the one before runs: the
+    processes run them in order; after a failed one a single update more has run, and the
+    processes answer at once (the recovery's check must not mistake a queue for a dead worker)."""
+    from hybridlab.dataflow.update_stages import run_updates
+
+    group = session.groups["critic"]
+    group.updates_made()
+    assert run_updates(group.update, list(range(6)), -1) == [[i] * 4 for i in range(6)]
+    assert group.updates_made() == list(range(6))
+    with pytest.raises(WorkerError, match="update number 2 fails on purpose"):
+        run_updates(group.update, list(range(8)), 2)
+    assert group.ping(timeout=1.0) and group.updates_made() == [0, 1, 2, 3]
+    assert [c for c in session.watch.running() if c["method"] == "update"] == []
 
 
 def test_spans_record_every_call_with_bytes(session):

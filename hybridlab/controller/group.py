@@ -181,6 +181,11 @@ class GroupFuture:
         self._call = group.watch.begin(group.role, method, self.stage, ranks,
                                        [group.placements[r]["pid"] for r in ranks if r < len(group.placements)])
 
+    def restart_clock(self) -> None:
+        """Count the call's time, and its deadline, from now (it was sent behind another call of
+        the same processes, which has just answered)."""
+        self.group.watch.restart(self._call)
+
     def unwatch(self) -> None:
         """Take the call off the watch's list of calls in flight, for a call whose answer is
         read later (a streaming sync's last load): its deadline then counts from ``result()``."""

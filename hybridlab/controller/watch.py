@@ -11,7 +11,11 @@ caches). ``fixed_s`` replaces all of that with one number. A call past its deadl
 the group that waits for it writes the stacks of its processes with ``dump_stacks`` and
 reports it like a dead worker (``WorkerError`` of kind ``"stuck"``), so the run's recovery
 re-creates it. A stuck call stays in ``running()`` (late) until its processes are replaced
-(``forget``): they are still busy with it, and a viewer polling once a second sees it.
+(``forget``): they are still busy with it, and a viewer polling once a second sees it. A call
+whose answer is read later (a streaming step's sync leaves its last load to the engines:
+``GroupFuture.unwatch``) is off the list; its deadline counts from when it is read. A call sent
+behind another of the same processes has its clock started again when that one answers
+(``restart``).
 
 Stacks come from ``faulthandler`` in each worker process (registered on SIGUSR1 by the host),
 which prints every Python thread's stack even when the process is busy in C code. The signal
@@ -79,6 +83,12 @@ class CallWatch:
             if call is not None and ok:
                 key = (call["role"], call["method"], call["stage"])
                 self._recent.setdefault(key, collections.deque(maxlen=HISTORY)).append(time.time() - call["start"])
+
+    def restart(self, call_id: int) -> None:
+        """Start a call's clock again now (a call sent behind another one starts when it ends)."""
+        with self._lock:
+            if call_id in self._calls:
+                self._calls[call_id]["start"] = time.time()
 
     def forget(self, roles: set[str]) -> None:
         """Drop the calls in flight and the recent call times of ``roles`` (their processes were

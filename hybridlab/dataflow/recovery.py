@@ -166,7 +166,7 @@ def recover(rl: "RLSession", err: WorkerError, dead: set[str], ctx: "StepContext
     print(f"{what}; re-creating {', '.join(sorted(dead))} (restart {rl.state.worker_restarts} of at most"
           f" {rl.cfg.trainer.max_restarts})", file=sys.stderr, flush=True)
     rl.state.ahead.forget(rl.state.prompts)  # its workers may be gone: its prompts are drawn and generated again
-    rl.state.stream.forget(rl.state.prompts)  # the same for streamed prompts not trained yet
+    rl.state.stream.forget(rl.state.prompts, read=False)  # the same for streamed prompts not trained yet
     if rl.cfg.trainer.streaming and "rollout" not in dead:  # a live engine would go on with them
         rl.workers.groups["rollout"].stream_close()
     for pool_roles in {rl.workers.colocated(r) for r in dead}:

@@ -110,9 +110,14 @@ class Stepping:
         if not samples:
             return {"accuracy": float("nan"), "n": 0, "reward_mean": float("nan")}
         prompts = prompt_batch(samples, self.tokenizer, list(range(len(samples))), self._prompt_fit())
+
+        def scores(ctx: StepContext) -> Batch:
+            self.state.stream.settle()  # streaming: the last sync's load is read first (a failed one raises)
+            return eval_scores(ctx, prompts)
+
         # under the step lock: a remap or an edit waits for the evaluation as for a step
         with self.boundary.lock, self.workers.timeline.staged("evaluate"):  # the dashboard labels calls by stage
-            scored = with_recovery(self, lambda ctx: eval_scores(ctx, prompts))
+            scored = with_recovery(self, scores)
         out = accuracy_report(scored, len(samples))
         if self.cfg.trainer.verl_names and "reward_answer" in scored.objects:
             n = self.cfg.evaluation.n

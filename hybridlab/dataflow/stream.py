@@ -11,8 +11,8 @@ labelled with the version that sampled each. A step's sync does not wait for the
 them for the groups finished so far, pauses them, sends every bucket and the resume, and returns
 once the last bucket is sent; the next take serves its groups from what that look found when
 enough have finished, and sends its own look without waiting too, so the actor computes while
-the engines load (the engines run the calls in the order sent; their answers are read at the
-latest by the next sync: ``settle``).
+the engines load (the engines run the calls in the order sent; their answers are read by the
+next sync or evaluation, ``settle``, or by the next take once they have come).
 
 The bound (``trainer.max_staleness`` = K), AReaL's: with k steps done, prompts are admitted
 while at most (k + K + 1) batches' worth have been, so a sample admitted now is trained at most
@@ -34,7 +34,6 @@ from hybridlab.agents.rollout import agent_batch, agent_sample
 from hybridlab.batching import sequences_batch
 from hybridlab.config import RunConfig
 from hybridlab.config.bounds import one_of
-from hybridlab.controller.calls import WorkerError
 from hybridlab.controller.group import GroupFuture
 from hybridlab.controller.mapping import DeviceMapping
 from hybridlab.dataflow.agent_stages import agent_settings, agentic
@@ -142,14 +141,15 @@ class RolloutStream:
         """Return the uids from ``start`` on that were trained (drawn again, they are skipped)."""
         return sorted(u for u in self.consumed | prompts.skip if u >= start)
 
-    def forget(self, prompts) -> None:
+    def forget(self, prompts, read: bool = True) -> None:
         """Throw away every prompt not trained yet (in flight, finished or waiting: the workers'
         streams are the caller's to close) and put the prompt stream back before the oldest of
-        them; the prompts trained since are skipped when drawn again (``prompts.skip``)."""
-        try:
-            self.settle()  # what its looks hold is thrown away with the rest
-        except WorkerError:  # its workers are gone (a recovery)
-            self.deferred = []
+        them; the prompts trained since are skipped when drawn again (``prompts.skip``). The
+        calls sent without waiting are read first (``read``; a failed one raises), or dropped
+        unread where their processes are being replaced (a recovery)."""
+        if read:
+            self.settle()  # what their looks found is thrown away with the rest
+        self.deferred = []
         start = self.oldest(prompts)
         if start is not None:
             prompts.skip = set(self.consumed_since(start, prompts))
