@@ -78,7 +78,7 @@ class RolloutStream:
         self._queue(batch)
         self._pin(ctx.state.prompts)
         want, started = ctx.cfg.data.prompts_per_step, time.perf_counter()
-        self._read_answered()
+        self.settle(wait=False)
         parts = self._admit(ctx)
         if self._within_bound(ctx) >= want:
             self.defer([self._send(ctx, parts, 0.0)])
@@ -117,21 +117,15 @@ class RolloutStream:
             future.unwatch()
         self.deferred += futures
 
-    def settle(self) -> None:
-        """Read the answers of every call sent without waiting, in the order sent (a sync's
-        look, pause, last load and resume, a take's look); raises the WorkerError of a failed one."""
-        while self.deferred:
-            self._read_call(self.deferred.pop(0))
-
-    def _read_answered(self) -> None:
-        """Read the calls sent without waiting that have answered, up to the first that has not."""
-        while self.deferred and self.deferred[0].done():
-            self._read_call(self.deferred.pop(0))
-
-    def _read_call(self, future: GroupFuture) -> None:
-        answers = future.result()
-        if future.method == "stream_exchange":
-            self._read(answers)
+    def settle(self, wait: bool = True) -> None:
+        """Read the answers of the calls sent without waiting, in the order sent (a sync's look,
+        pause, last load and resume, a take's look): every one, or without ``wait`` those that
+        have come, up to the first that has not; raises the WorkerError of a failed one."""
+        while self.deferred and (wait or self.deferred[0].done()):
+            future = self.deferred.pop(0)
+            answers = future.result()
+            if future.method == "stream_exchange":
+                self._read(answers)
 
     def oldest(self, prompts) -> int | None:
         """Return the first uid of the draw holding the oldest prompt not trained yet (None: none)."""
