@@ -59,3 +59,24 @@ def test_every_distribution_declares_the_import_names_python_would_infer_from_it
     assert len(ours) > 100  # about half of this environment's wheels leave it out
     for d in ours:  # the mapping is the one Python infers, only quicker to read
         assert sorted(d.read_text("top_level.txt").split()) == sorted(md._top_level_inferred(d)), d.metadata["Name"]
+
+
+def test_every_hybridlab_module_has_bytecode_compiled_from_its_current_source():
+    # With PYTHONDONTWRITEBYTECODE set (our machines and CI) Python never caches the bytecode of the
+    # editable hybridlab package itself, and compiles its modules again in every process (about 0.2 s
+    # of CPU per driver or kernel); `make test` and scripts/install.sh run compileall first.
+    import importlib.util
+    import struct
+    from pathlib import Path
+
+    package = Path(__file__).parents[1] / "hybridlab"
+    stale = []
+    for source in sorted(package.rglob("*.py")):
+        cached = Path(importlib.util.cache_from_source(str(source)))
+        header = cached.read_bytes()[:16] if cached.is_file() else b""
+        stat = source.stat()  # a pyc header: magic, flags (0: checked by time), source mtime and size
+        if len(header) < 16 or struct.unpack("<4xIII", header) != (0, int(stat.st_mtime) & 0xFFFFFFFF,
+                                                                   stat.st_size & 0xFFFFFFFF):
+            stale.append(str(source.relative_to(package.parent)))
+    assert stale == [], f"no current bytecode for {stale[:5]} ({len(stale)} modules): run `make test`," \
+                        " or `.venv/bin/python -m compileall -q hybridlab`"
