@@ -2,7 +2,9 @@
 named points (mid-update, mid-checkpoint-write, mid-rollout), each time resumed with
 `--resume`, then a worker killed mid-step and re-created, ends with per-step metrics identical
 to the run that was never killed, and leaves no Ray or vLLM process and no /dev/shm segment
-behind."""
+behind. The first killed driver owns its Ray cluster (its daemons must not outlive it); the
+other runs attach to the run's shared cluster, as on a user's cluster (the killed drivers'
+worker processes must not outlive them there)."""
 from __future__ import annotations
 
 import json
@@ -24,14 +26,48 @@ SETTINGS = ["warm_start.max_steps=0", "data.prompts_per_step=8", "rollout.n=4", 
             "trainer.eval_every=3", f"trainer.steps={STEPS}", "trainer.save_every=2", "trainer.keep_checkpoints=2"]
 
 
-def train(args: list[str], fault: str | None = None) -> tuple[subprocess.CompletedProcess, Path]:
-    """Run ``hybridlab train ARGS`` in its own process group and Ray cluster; returns the
-    finished process and its Ray temp dir."""
-    ray_tmp = Path(tempfile.mkdtemp(prefix="hlray-r", dir="/tmp"))
+def train(args: list[str], fault: str | None = None, own_cluster: bool = False) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run ``hybridlab train ARGS`` in its own process group, attached to the cluster RAY_ADDRESS
+    names or with ``own_cluster`` in a Ray cluster of its own; returns the finished process and
+    the Ray temp dir of its own cluster (None when attached)."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="hlray-r", dir="/tmp")) if own_cluster else None
     env = {**os.environ, "HYBRIDLAB_FAULT": fault or ""}
-    proc = subprocess.run([sys.executable, "-m", "hybridlab.cli", "train", *args, "--ray-temp-dir", str(ray_tmp)],
+    if own_cluster:
+        env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-m", "hybridlab.cli", "train", *args,
+                           *(["--ray-temp-dir", str(ray_tmp)] if own_cluster else [])],
                           env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
     return proc, ray_tmp
+
+
+CLUSTER_OWN = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
+
+
+def actors_left(temp_dir: str, wait_s: float = 60.0) -> list[str]:
+    """Titles of the actor processes (``ray::Host_actor...``, ``ray::TelemetryHub``...) that the
+    raylet of the cluster in ``temp_dir`` still runs after up to ``wait_s`` seconds: Ray ends a
+    finished or killed driver's actors shortly after it goes (the cluster's own agents and idle
+    pooled workers, ``ray::IDLE``, are not counted)."""
+    import time
+
+    def titles() -> list[str]:
+        procs = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            except (OSError, IndexError):
+                continue
+            procs[pid] = (cmd, ppid)
+        raylets = {pid for pid, (cmd, _) in procs.items() if "raylet" in cmd.split(" ")[0] and temp_dir in cmd}
+        assert raylets, f"no raylet of the cluster in {temp_dir}"
+        return sorted(cmd.strip() for cmd, ppid in procs.values()
+                      if ppid in raylets and cmd.startswith("ray::") and not cmd.startswith(CLUSTER_OWN))
+
+    deadline = time.time() + wait_s
+    while (left := titles()) and time.time() < deadline:
+        time.sleep(0.5)
+    return left
 
 
 def leftovers(ray_tmps: list[Path]) -> list[str]:
@@ -81,48 +117,36 @@ def metrics(run_dir: Path) -> list[dict]:
     return [repeatable(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def reference(trained_dir, tmp_path_factory) -> tuple[Path, Path]:
-    """The uninterrupted run: (its run directory, its Ray temp dir)."""
-    reference_dir = tmp_path_factory.mktemp("resume") / "reference"
-    ref, ray_tmp = train([f"model={trained_dir}", *SETTINGS, f"trainer.run_dir={reference_dir}"])
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    return reference_dir, ray_tmp
-
-
 def test_killed_three_times_resumed_and_a_worker_killed_the_run_repeats_the_uninterrupted_one(
-        trained_dir, reference, tmp_path):
+        trained_dir, ray_address, shared_cluster, tmp_path):
     """The driver SIGKILLed mid-update, mid-checkpoint-write and mid-rollout, resumed each time;
     in the last resumed run a worker process is killed mid-step, re-created, and the run rolls
     back to its checkpoint. Every step's metrics equal the uninterrupted run's."""
     shm_before = {os.path.join("/dev/shm", name) for name in os.listdir("/dev/shm")}
     base = [f"model={trained_dir}", *SETTINGS]
-    (reference_dir, tmp0), run_dir = reference, tmp_path / "killed"
-    tmps = [tmp0]
+    reference_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
+    ref, _ = train([*base, f"trainer.run_dir={reference_dir}"])
+    assert ref.returncode == 0, ref.stderr[-3000:]
 
-    killed, t = train([*base, f"trainer.run_dir={run_dir}"], fault="update_actor@3")
-    tmps.append(t)
+    killed, own = train([*base, f"trainer.run_dir={run_dir}"], fault="update_actor@3", own_cluster=True)
     assert killed.returncode == -signal.SIGKILL and "fault injected: update_actor at step 3" in killed.stderr
     assert [p.name for p in checkpoint_dirs(run_dir)] == ["step-000000", "step-000002"]  # 0: at the start
 
-    killed, t = train(["--resume", str(run_dir)], fault="checkpoint_write@4")
-    tmps.append(t)
+    killed, _ = train(["--resume", str(run_dir)], fault="checkpoint_write@4")  # attached from here on
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert "resuming" in killed.stdout and "step-000002" in killed.stdout
     assert [p.name for p in checkpoint_dirs(run_dir)] == ["step-000000", "step-000002"]  # the half-written one
     # does not count
     assert list((run_dir / "checkpoints").glob(".step-000004.*"))  # ... and is still there, unfinished
 
-    killed, t = train(["--resume", str(run_dir)], fault="generate@5")
-    tmps.append(t)
+    killed, _ = train(["--resume", str(run_dir)], fault="generate@5")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert [p.name for p in checkpoint_dirs(run_dir)] == ["step-000002", "step-000004"]
     assert not list((run_dir / "checkpoints").glob(".step-*"))  # the unfinished write was cleared
 
     # one process holds every role here: the kill takes the actor too, so the run goes back to
     # its checkpoint of step 4 and runs steps 5 and 6 again (step 5 was logged before the kill)
-    done, t = train(["--resume", str(run_dir)], fault="kill:rollout:reward@6")
-    tmps.append(t)
+    done, _ = train(["--resume", str(run_dir)], fault="kill:rollout:reward@6")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "fault injected: kill rollout" in done.stderr
     assert re.search(r"worker \w+ rank 0 died in \w+; re-creating [\w, ]+ \(restart 1 of at most 3\)", done.stderr), \
@@ -150,7 +174,8 @@ def test_killed_three_times_resumed_and_a_worker_killed_the_run_repeats_the_unin
     assert (restart["rolled_back_to"], restart["failure"]) == (4, "died")
     assert {"actor", "reward", "rollout"} <= set(restart["recreated"])  # every role: one process
 
-    assert leftovers(tmps) == []
+    assert leftovers([own]) == []  # the first killed driver's own cluster went with it
+    assert actors_left(shared_cluster.temp_dirs[-1]) == []  # the attached drivers' workers with them
     assert leaked_shm(shm_before) == []
 
 
@@ -191,8 +216,9 @@ def test_sigterm_stops_at_a_step_boundary_saves_and_says_how_to_resume_and_a_sec
     err_file = tmp_path / "stderr.txt"
 
     def start_and_wait_for(steps: int, stderr=subprocess.PIPE) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a cluster of its own
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                start_new_session=True, env={**os.environ, "HYBRIDLAB_FAULT": ""})
+                                start_new_session=True, env={**env, "HYBRIDLAB_FAULT": ""})
         deadline = time.time() + 300
         while steps_logged() < steps and time.time() < deadline and proc.poll() is None:
             time.sleep(0.2)
