@@ -28,22 +28,25 @@ os.environ["HYBRIDLAB_WARM_PROCESSES"] = "0"
 use_loopback()
 
 
-# Modules, longest first (their seconds in a full `make test` run, AMD EPYC with AVX-512, bef3610):
-# with two pytest-xdist workers and ``--dist loadfile`` each module is one unit of work, handed to
-# whichever worker is free, so the long ones go out first and the workers finish close together.
-# The others follow in file order; a stale list costs balance, never correctness.
-LONGEST = ["test_bench.py", "test_remap.py", "test_families.py", "test_resume.py", "test_notebook.py",
-           "test_train.py", "test_agents.py", "test_worker_faults.py", "test_fsdp.py",
-           "test_controller.py", "test_bench_e2e.py", "test_widgets.py", "test_rl.py", "test_train_cli.py",
-           "test_preference.py", "test_docs.py", "test_sync.py", "test_lab_browser.py", "test_dashboard.py",
-           "test_lora.py", "test_ray_job.py", "test_sft.py", "test_advisor.py", "test_bad_updates.py",
-           "test_rollout.py", "test_chat.py", "test_zoo.py"]
+# Modules, longest first (their seconds in a full `make test` run, AMD EPYC family 25 with AVX-512,
+# d4ffb14): with two pytest-xdist workers and ``--dist loadfile`` each module is one unit of work,
+# handed to whichever worker is free, so the long ones go out first and the workers finish close
+# together. The others follow in file order; a stale list costs balance, never correctness.
+# test_multinode (160 s) stops the worker's shared cluster (it runs two nodes of its own), and the
+# next module on that worker starts it again (about 6 s): far less than the idle core it left at
+# the end of the run when it was handed out last (about 140 s at d4ffb14).
+LONGEST = ["test_bench.py", "test_remap.py", "test_families.py", "test_notebook.py", "test_resume.py",
+           "test_agents.py", "test_multinode.py", "test_train.py", "test_fsdp.py", "test_streaming.py",
+           "test_worker_faults.py", "test_bench_e2e.py", "test_controller.py", "test_widgets.py", "test_rl.py",
+           "test_train_cli.py", "test_lab_browser.py", "test_verl_run.py", "test_docs.py", "test_sync.py",
+           "test_lora.py", "test_preference.py", "test_dashboard.py", "test_ray_job.py", "test_sft.py",
+           "test_bad_updates.py", "test_advisor.py", "test_warm_pool.py", "test_tinker.py", "test_rollout.py",
+           "test_sandbox.py", "test_chat.py", "test_reasoning_gym.py", "test_zoo.py"]
 
 
-# Modules handed out last, whatever their length: each stops this worker's shared cluster (test_multinode
-# runs two nodes of its own; test_binding's ``every_core`` starts one without the worker's core pin), and
-# the module after it would start the shared one again (about 11 s of CPU). Last, none comes after them.
-LAST = ["test_multinode.py", "test_binding.py"]
+# Handed out last, whatever its length: test_binding's ``every_core`` starts the worker's cluster again
+# without the worker's core pin, and a module after it would start the pinned one again.
+LAST = ["test_binding.py"]
 
 
 SUITE_MODULES = os.environ.get("HYBRIDLAB_SUITE_MODULES")  # scripts/suite_cpu.py modules: when each module began
