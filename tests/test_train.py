@@ -1,6 +1,7 @@
 """The megatron-core training engine inside worker groups, checked against transformers."""
 import functools
 import inspect
+import os
 from pathlib import Path
 
 import pytest
@@ -208,6 +209,11 @@ def test_tp2_dp2_step(tiny):
     with session_for(roles, tp=2, dp=2) as s:
         s.groups["actor"].sft_step(BATCH)
         RESULTS["tp2dp2"] = gathered(s.groups["actor"])
+        # Megatron's 30-odd gloo groups in each process share one transport device, so one event-loop
+        # thread polls for them all (controller/gloo_device.py), where each group's own device had one
+        for pid in (p["pid"] for p in s.groups["actor"].placements):
+            names = [Path(f"/proc/{pid}/task/{t}/comm").read_text().strip() for t in os.listdir(f"/proc/{pid}/task")]
+            assert names.count("gloo_tcp_loop") == 1 and names.count("pt_gloo_runloop") > 20, sorted(set(names))
 
 
 def test_packed_token_budget_micro_batches_give_the_padded_numbers_at_tp2_pp2(tiny):

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 import ray
 
 from hybridlab.controller.binding import bind_to_devices, set_threads
+from hybridlab.controller.gloo_device import share_one_gloo_device
 from hybridlab.controller.watch import STACK_SIGNAL, stack_file
 from hybridlab.protocol import Batch
 from hybridlab.telemetry.hub import ENV_HUB, DeviceSampler, get_hub
@@ -254,6 +255,7 @@ class WorkerHost:
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
                            "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])})
         bind_to_devices(self._gpu_ids())
+        share_one_gloo_device()  # before any role builds its process groups (controller/gloo_device.py)
         self.add_roles(roles)
         self._start_sampler(",".join(roles))
 
