@@ -30,7 +30,7 @@ run: $(STAMP)
 # Two pytest-xdist workers, each pinned to its own core (tests/conftest.py), a test module per unit
 # of work, the longest first.
 test: $(STAMP) system
-	$(PY) -m compileall -q hybridlab  # bytecode of what changed since the install (scripts/install.sh)
+	$(PY) -m compileall -q --invalidation-mode timestamp hybridlab  # bytecode of what changed since the install (scripts/install.sh)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # JupyterLab for the notebooks, with this environment as the kernel, on localhost only; it prints

@@ -61,7 +61,7 @@ echo "installing pinned requirements (first time: several minutes, about 4.5 GB)
 # PYTHONDONTWRITEBYTECODE is set (our machines and CI set it) Python then compiles hybridlab's
 # modules again in every process: about 0.2 s of CPU in each driver and kernel, 0.1 s in each
 # worker. `make test` compiles again what changed since.
-"$VENV/bin/python" -m compileall -q hybridlab
+"$VENV/bin/python" -m compileall -q --invalidation-mode timestamp hybridlab
 # The optional extra `openenv` (OpenEnv environments as rollout.env), pinned in pyproject.toml:
 # the tests use it. It adds 31 packages (gradio, fastmcp, pillow...), about 140 MB.
 "$VENV/bin/python" -m pip install --quiet "$(sed -n 's/^openenv = \["\(.*\)"\]$/\1/p' pyproject.toml)"

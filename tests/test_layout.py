@@ -237,7 +237,8 @@ THIRD_PARTY_PRIVATE = {
     "hybridlab/agents/endpoint.py": {"site._server"},           # aiohttp: the bound port of a port-0 site
     "hybridlab/telemetry/dashboard.py": {"self.tabs._names"},   # Panel: a Tabs' titles
     # torch: ProcessGroupGloo's options, the one way to give a gloo group a device of one's choosing
-    "hybridlab/controller/gloo_device.py": {"_GLOO._Options", "options._devices", "options._timeout"},
+    "hybridlab/controller/gloo_device.py": {"_GLOO._Options", "options._devices", "options._timeout",
+                                            "options._threads"},
     "hybridlab/workers/rollout/vllm_engine.py": {"manager._adapter_manager", "parallel_state._TP",
                                                  "parallel_state._PP", "torch._dynamo", "super()._distributed_args"},
     "hybridlab/workers/train/cpu_compat.py": {"mp_random._get_cuda_rng_state", "mp_random._set_cuda_rng_state"},

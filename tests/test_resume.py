@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import ray
 
 from hybridlab.dataflow.checkpoints import checkpoint_dirs
 
@@ -40,34 +41,48 @@ def train(args: list[str], fault: str | None = None, own_cluster: bool = False) 
     return proc, ray_tmp
 
 
-CLUSTER_OWN = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
+IDLE = ("ray::IDLE", "ray::SPILL", "ray::RESTORE", "ray::DELETE")  # Ray's pooled workers, not a driver's
 
 
-def actors_left(temp_dir: str, wait_s: float = 60.0) -> list[str]:
-    """Titles of the actor processes (``ray::Host_actor...``, ``ray::TelemetryHub``...) that the
-    raylet of the cluster in ``temp_dir`` still runs after up to ``wait_s`` seconds: Ray ends a
-    finished or killed driver's actors shortly after it goes (the cluster's own agents and idle
-    pooled workers, ``ray::IDLE``, are not counted)."""
+def cluster_processes(temp_dir: str) -> dict[str, str]:
+    """{pid: command line} of every process below the raylet of the cluster in ``temp_dir``: its
+    agents, pooled workers and actors (``ray::Host_actor...``) and whatever those started."""
+    procs = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
+            continue
+        procs[pid] = (cmd, ppid)
+    below = {pid for pid, (cmd, _) in procs.items() if "raylet" in cmd.split(" ")[0] and temp_dir in cmd}
+    assert below, f"no raylet of the cluster in {temp_dir}"
+    while grown := {pid for pid, (_, ppid) in procs.items() if ppid in below} - below:
+        below |= grown
+    return {pid: procs[pid][0] for pid in below if "raylet" not in procs[pid][0].split(" ")[0]}
+
+
+def processes_left(temp_dir: str, before: dict[str, str], wait_s: float = 60.0) -> list[str]:
+    """Command lines of the processes below the cluster's raylet that were not there ``before``
+    (or then had another title: a pooled worker became an actor) and are still there after up to
+    ``wait_s`` seconds, apart from Ray's pooled workers: Ray ends a finished or killed driver's
+    actors shortly after the driver goes."""
     import time
 
-    def titles() -> list[str]:
-        procs = {}
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-            except (OSError, IndexError):
-                continue
-            procs[pid] = (cmd, ppid)
-        raylets = {pid for pid, (cmd, _) in procs.items() if "raylet" in cmd.split(" ")[0] and temp_dir in cmd}
-        assert raylets, f"no raylet of the cluster in {temp_dir}"
-        return sorted(cmd.strip() for cmd, ppid in procs.values()
-                      if ppid in raylets and cmd.startswith("ray::") and not cmd.startswith(CLUSTER_OWN))
+    def new() -> list[str]:
+        now = cluster_processes(temp_dir)
+        return sorted(cmd for pid, cmd in now.items() if before.get(pid) != cmd and not cmd.startswith(IDLE))
 
     deadline = time.time() + wait_s
-    while (left := titles()) and time.time() < deadline:
+    while (left := new()) and time.time() < deadline:
         time.sleep(0.5)
     return left
+
+
+@ray.remote(num_cpus=0)
+class Probe:
+    def pid(self) -> int:
+        return os.getpid()
 
 
 def leftovers(ray_tmps: list[Path]) -> list[str]:
@@ -123,6 +138,12 @@ def test_killed_three_times_resumed_and_a_worker_killed_the_run_repeats_the_unin
     in the last resumed run a worker process is killed mid-step, re-created, and the run rolls
     back to its checkpoint. Every step's metrics equal the uninterrupted run's."""
     shm_before = {os.path.join("/dev/shm", name) for name in os.listdir("/dev/shm")}
+    shared = shared_cluster.temp_dirs[-1]
+    before = cluster_processes(shared)
+    probe = Probe.remote()  # the check below sees a driver's actor: this one's, until it is killed
+    ray.get(probe.pid.remote())
+    assert processes_left(shared, before, wait_s=0) == ["ray::Probe"]
+    ray.kill(probe)
     base = [f"model={trained_dir}", *SETTINGS]
     reference_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
     ref, _ = train([*base, f"trainer.run_dir={reference_dir}"])
@@ -175,7 +196,7 @@ def test_killed_three_times_resumed_and_a_worker_killed_the_run_repeats_the_unin
     assert {"actor", "reward", "rollout"} <= set(restart["recreated"])  # every role: one process
 
     assert leftovers([own]) == []  # the first killed driver's own cluster went with it
-    assert actors_left(shared_cluster.temp_dirs[-1]) == []  # the attached drivers' workers with them
+    assert processes_left(shared, before) == []  # the attached drivers' workers with them
     assert leaked_shm(shm_before) == []
 
 
