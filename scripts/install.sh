@@ -58,7 +58,7 @@ echo "installing pinned requirements (first time: several minutes, about 4.5 GB)
 "$VENV/bin/python" -m pip uninstall --quiet --yes rfc3987-syntax 2>/dev/null || true
 "$VENV/bin/python" -m pip install --quiet --no-deps -e .
 # pip compiles the bytecode of what it installs, but not of an editable package; where
-# PYTHONDONTWRITEBYTECODE is set (our machines and CI set it) Python then compiles hybridlab's
+# PYTHONDONTWRITEBYTECODE is set (it is set on our machines) Python then compiles hybridlab's
 # modules again in every process: about 0.2 s of CPU in each driver and kernel, 0.1 s in each
 # worker. `make test` compiles again what changed since.
 "$VENV/bin/python" -m compileall -q --invalidation-mode timestamp hybridlab

@@ -62,7 +62,7 @@ def test_every_distribution_declares_the_import_names_python_would_infer_from_it
 
 
 def test_every_hybridlab_module_has_bytecode_compiled_from_its_current_source():
-    # With PYTHONDONTWRITEBYTECODE set (our machines and CI) Python never caches the bytecode of the
+    # With PYTHONDONTWRITEBYTECODE set (as on our machines) Python never caches the bytecode of the
     # editable hybridlab package itself, and compiles its modules again in every process (about 0.2 s
     # of CPU per driver or kernel); `make test` and scripts/install.sh run compileall first.
     import importlib.util
