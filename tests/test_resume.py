@@ -27,7 +27,8 @@ SETTINGS = ["warm_start.max_steps=0", "data.prompts_per_step=8", "rollout.n=4", 
             "trainer.eval_every=3", f"trainer.steps={STEPS}", "trainer.save_every=2", "trainer.keep_checkpoints=2"]
 
 
-def train(args: list[str], fault: str | None = None, own_cluster: bool = False) -> tuple[subprocess.CompletedProcess, Path]:
+def train(args: list[str], fault: str | None = None,
+          own_cluster: bool = False) -> tuple[subprocess.CompletedProcess, Path | None]:
     """Run ``hybridlab train ARGS`` in its own process group, attached to the cluster RAY_ADDRESS
     names or with ``own_cluster`` in a Ray cluster of its own; returns the finished process and
     the Ray temp dir of its own cluster (None when attached)."""
@@ -44,25 +45,24 @@ def train(args: list[str], fault: str | None = None, own_cluster: bool = False) 
 IDLE = ("ray::IDLE", "ray::SPILL", "ray::RESTORE", "ray::DELETE")  # Ray's pooled workers, not a driver's
 
 
-def cluster_processes(temp_dir: str) -> dict[str, str]:
+def cluster_processes(temp_dir: str) -> dict[int, str]:
     """{pid: command line} of every process below the raylet of the cluster in ``temp_dir``: its
     agents, pooled workers and actors (``ray::Host_actor...``) and whatever those started."""
-    procs = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    import psutil
+
+    raylets = [p for p in psutil.process_iter(["cmdline"]) if (cmd := p.info["cmdline"])
+               and cmd[0].endswith("raylet") and temp_dir in " ".join(cmd)]
+    assert raylets, f"no raylet of the cluster in {temp_dir}"
+    out = {}
+    for child in (c for raylet in raylets for c in raylet.children(recursive=True)):
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-            ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-        except (OSError, IndexError):
+            out[child.pid] = " ".join(child.cmdline()).strip()
+        except psutil.Error:  # it ended meanwhile
             continue
-        procs[pid] = (cmd, ppid)
-    below = {pid for pid, (cmd, _) in procs.items() if "raylet" in cmd.split(" ")[0] and temp_dir in cmd}
-    assert below, f"no raylet of the cluster in {temp_dir}"
-    while grown := {pid for pid, (_, ppid) in procs.items() if ppid in below} - below:
-        below |= grown
-    return {pid: procs[pid][0] for pid in below if "raylet" not in procs[pid][0].split(" ")[0]}
+    return out
 
 
-def processes_left(temp_dir: str, before: dict[str, str], wait_s: float = 60.0) -> list[str]:
+def processes_left(temp_dir: str, before: dict[int, str], wait_s: float = 60.0) -> list[str]:
     """Command lines of the processes below the cluster's raylet that were not there ``before``
     (or then had another title: a pooled worker became an actor) and are still there after up to
     ``wait_s`` seconds, apart from Ray's pooled workers: Ray ends a finished or killed driver's
