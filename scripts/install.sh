@@ -65,6 +65,10 @@ echo "installing pinned requirements (first time: several minutes, about 4.5 GB)
 # The optional extra `openenv` (OpenEnv environments as rollout.env), pinned in pyproject.toml:
 # the tests use it. It adds 31 packages (gradio, fastmcp, pillow...), about 140 MB.
 "$VENV/bin/python" -m pip install --quiet "$(sed -n 's/^openenv = \["\(.*\)"\]$/\1/p' pyproject.toml)"
+# The Tinker cookbook (hybridlab/tinker/cookbook.py runs its recipes): without its dependencies, which
+# requirements.txt lists, because 0.6.1 asks for tml-renderers>=0.4.1 and no index we have holds it
+# (the cookbook imports it only for Thinking Machines' own models; docs/tinker.md).
+"$VENV/bin/python" -m pip install --quiet --no-deps tinker-cookbook==0.6.1
 # About half of the wheels leave out top_level.txt, and without it every `import transformers`
 # (each worker, driver and kernel) spends 0.85 s of CPU inferring import names from all ~47,000
 # installed file names; this writes the names Python would infer (tests/test_install.py checks them).

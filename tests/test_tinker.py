@@ -21,6 +21,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from transformers import AutoTokenizer
 
 from hybridlab.config.training import LoraConfig
+from hybridlab.errors import UserError
 from hybridlab.tinker import routes
 from hybridlab.tinker.losses import LOSSES
 from hybridlab.tinker.server import TinkerServer
@@ -148,7 +149,7 @@ def server(ray_local, tiny_dir, tmp_path_factory):
 
     hub = tmp_path_factory.mktemp("hub")  # where the served name's tokenizer is published, for this module
     settings = ServiceSettings(model=str(tiny_dir), run_dir=str(tmp_path_factory.mktemp("tinker")),
-                               hub_cache=str(hub), max_lora_rank=8, lora_alpha=ALPHA, context=128, kv_cache_mb=32,
+                               hub_cache=str(hub), max_lora_rank=8, lora_alpha=ALPHA, context=512, kv_cache_mb=32,
                                seed=SEED)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(constants, "HF_HUB_CACHE", str(hub))  # what transformers reads at each load
@@ -378,6 +379,60 @@ def test_refusals_name_what_is_wrong(server, clients):
     other = httpx.get(f"{server.base_url}/api/v1/training_runs", headers={"X-API-Key": server.api_key})
     assert other.status_code == 404
     assert "training_runs is not served by hybridlab's Tinker server" in other.json()["detail"]
+
+
+def test_the_cookbooks_own_sl_loop_and_rl_loop_run_unchanged_against_the_server(server, clients, tmp_path,
+                                                                                 monkeypatch):
+    import json
+
+    import datasets
+    from tinker_cookbook import model_info, renderers
+    from tinker_cookbook.exceptions import ConfigurationError
+
+    from hybridlab.tinker import cookbook
+
+    service, training, _ = clients
+    tokenizer = training.get_tokenizer()
+    chat = [{"role": "user", "content": "6+24="}, {"role": "assistant", "content": "30"}]
+    renderer = renderers.get_renderer(cookbook.DEFAULT_RENDERER, tokenizer)  # the zoo's chat template, exactly
+    assert renderer.build_generation_prompt(chat[:1]).to_ints() == tokenizer.apply_chat_template(
+        chat[:1], add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert renderer.get_stop_sequences() == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    with cookbook.offline_recipe():  # what the recipes look up while they run: ours for names the cookbook lacks
+        assert model_info.get_recommended_renderer_name(server.service.base_model) == "qwen3_instruct"
+        assert model_info.get_recommended_renderer_name("Qwen/Qwen3-8B") == "qwen3"
+        assert datasets.load_dataset("openai/gsm8k", "main")["train"][0] == {"question": "6+24=", "answer": "#### 30"}
+    with pytest.raises(ConfigurationError):
+        model_info.get_recommended_renderer_name(server.service.base_model)  # restored after
+
+    monkeypatch.setenv("TINKER_API_KEY", server.api_key)  # where the recipes' ServiceClient reads it
+    common = dict(base_url=server.base_url, model_name=server.service.base_model, lora_rank=RANK, save_every=0)
+    cookbook.run_recipe("sl_loop", dict(common, batch_size=16, learning_rate=1e-2, max_length=128,
+                                        log_path=str(tmp_path / "sl")), rows=48)
+    nll = [json.loads(line)["train_mean_nll"] for line in (tmp_path / "sl" / "metrics.jsonl").read_text().splitlines()]
+    assert len(nll) == 3 and nll[0] > nll[1] > nll[2] and nll[0] - nll[2] > 0.3  # 48 rows, one epoch of 16s
+    final = json.loads((tmp_path / "sl" / "checkpoints.jsonl").read_text().splitlines()[-1])
+    assert final["name"] == "final" and final["state_path"].startswith("tinker://")
+    sampler = service.create_sampling_client(model_path=final["sampler_path"]).result()  # the adapter it saved
+    assert len(sampler.sample(types.ModelInput.from_ints(tokenizer.encode("6+24=")), 1,
+                              types.SamplingParams(max_tokens=2, temperature=1.0)).result().sequences) == 1
+
+    def sample_requests() -> int:
+        server.service.telemetry.flush()
+        lines = (server.service.dashboard_dir / "telemetry.jsonl").read_text().splitlines()
+        return sum(r.get("requests", 0) for r in map(json.loads, lines) if r.get("call") == "sample")
+
+    before = sample_requests()
+    cookbook.run_recipe("rl_loop", dict(common, batch_size=2, group_size=4, max_tokens=8, max_steps=2,
+                                        loss_fn="importance_sampling", log_path=str(tmp_path / "rl")), rows=8)
+    rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["progress/batch"] for r in rows] == [0, 1] and all("reward/total" in r for r in rows)
+    assert sample_requests() - before == 4  # two batches of two questions, each one request of group_size samples
+    assert json.loads((tmp_path / "rl" / "checkpoints.jsonl").read_text().splitlines()[-1])["name"] == "final"
+
+    with pytest.raises(UserError, match="recipe 'rl_loop_v2' is not one this runs offline; choose one of"
+                                        r" \['sl_loop', 'rl_loop'\]"):
+        cookbook.run_recipe("rl_loop_v2", {})
 
 
 def test_training_calls_run_in_seq_id_order_whatever_order_they_arrive_in(server, clients):
