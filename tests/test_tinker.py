@@ -23,11 +23,11 @@ from transformers import AutoTokenizer
 from hybridlab.config.training import LoraConfig
 from hybridlab.errors import UserError
 from hybridlab.tinker import routes
+from hybridlab.tinker.adapters import fresh_adapter
 from hybridlab.tinker.losses import LOSSES
 from hybridlab.tinker.server import TinkerServer
 from hybridlab.tinker.service import ATTN, MLP
 from hybridlab.tinker.settings import ServiceSettings
-from hybridlab.tinker.workers import fresh_adapter
 from hybridlab.workers.train import lora
 from hybridlab.workers.train.fsdp_model import build_model
 
@@ -36,13 +36,14 @@ ADAM = dict(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.
 
 
 class Reference:
-    """The adapter as the server should hold it: same initialisation, same AdamW steps."""
+    """A client's adapter as the server should hold it, in the client's own shape (``rank`` on
+    ``modules``): the same initialisation (``fresh_adapter`` from ``seed``), the same AdamW steps."""
 
-    def __init__(self, model_dir: Path):
-        torch.manual_seed(SEED)
+    def __init__(self, model_dir: Path, rank: int = RANK, modules: list[str] = ATTN + MLP, seed: int = SEED):
         self.model = lora.add_adapter(build_model(str(model_dir), False), LoraConfig(
-            rank=RANK, alpha=ALPHA, target_modules=ATTN + MLP))
+            rank=rank, alpha=ALPHA, target_modules=modules))
         self.params = [p for n, p in self.model.named_parameters() if lora.saved_name(n)]
+        self.set_adapter(fresh_adapter({name: tuple(p.shape) for name, p in self.named().items()}, seed))
         self.opt = torch.optim.AdamW(self.params, lr=ADAM["learning_rate"], betas=(ADAM["beta1"], ADAM["beta2"]),
                                      eps=ADAM["eps"], weight_decay=ADAM["weight_decay"])
 
@@ -303,14 +304,14 @@ def test_a_state_saved_with_its_optimizer_continues_bit_for_bit_in_a_new_server(
         reference.step()
 
 
-def test_two_clients_share_the_base_weights_train_apart_and_sample_their_own_adapters(server, clients, tiny_dir):
+def test_two_clients_of_two_shapes_share_the_base_weights_train_apart_and_sample_their_own_adapters(server, clients, tiny_dir):
     service, first, reference = clients
     data = rl_data(reference, np.random.default_rng(9))
     before = first.forward([datum(d) for d in data], "cross_entropy").result()
-    second = service.create_lora_training_client(base_model=server.service.base_model, rank=RANK).result()
-    other = Reference(tiny_dir)  # the second client's adapter: a fresh one, drawn from the server's seed + 1
-    shapes = {name: tuple(p.shape) for name, p in other.named().items()}
-    other.set_adapter(fresh_adapter(shapes, SEED + 1))
+    # another shape: rank 2 on the attention only, in the engine's adapter of rank 8 on all seven projections
+    second = service.create_lora_training_client(base_model=server.service.base_model, rank=2,
+                                                 train_mlp=False).result()
+    other = Reference(tiny_dir, 2, ATTN, SEED + 1)  # its adapter: a fresh one, drawn from the server's seed + 1
     with torch.no_grad(), other.model.disable_adapter():
         base = [other.logprobs(d["tokens"], d["target_tokens"]) for d in data]
     start = second.forward([datum(d) for d in data], "cross_entropy").result()
@@ -335,6 +336,17 @@ def test_two_clients_share_the_base_weights_train_apart_and_sample_their_own_ada
         np.testing.assert_allclose(scores[-1], trained.result().loss_fn_outputs[0]["logprobs"].to_numpy(),
                                    atol=1e-4, rtol=0)
     assert np.abs(scores[0] - scores[1]).max() > 1e-2  # and the two adapters differ
+    path = second.save_state("own-shape").result().path  # saved in the client's own shape, not the engine's
+    model_id = second.get_info().model_id
+    saved = torch.load(server.service.run_dir / model_id.replace(":", "_") / "weights" / "own-shape" / "state.pt",
+                       weights_only=False)
+    assert {name: tuple(t.shape) for name, t in saved["model"].items()} == \
+        {name: tuple(p.shape) for name, p in other.named().items()}
+    assert saved["exp_avg"].keys() == saved["model"].keys() and saved["adapter_config"]["r"] == 2
+    with pytest.raises(tinker.RequestFailedError, match=re.escape(
+            f"{path} holds an adapter of rank 2, train_attn=True, train_mlp=False;"
+            f" {first.get_info().model_id} trains one of rank 4, train_attn=True, train_mlp=True")):
+        first.load_state(path).result()
 
 
 def test_the_dashboard_gets_every_call_its_loss_and_the_workers_devices(server, clients):

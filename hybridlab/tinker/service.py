@@ -160,8 +160,8 @@ class TinkerService:
 
     def create_model(self, model_id: str, base_model: str | None, lora: dict, optimizer: dict | None) -> dict:
         """Register ``model_id`` with a fresh adapter (building the trainer for the first one);
-        returns CreateModelResponse. Every client of a server trains the same adapter shape:
-        its rank and modules are the first client's."""
+        returns CreateModelResponse. Clients may ask for different ranks and modules: the
+        trainer's adapter has the largest shape, and each client's sits in it (``adapters.py``)."""
         self._check_base(base_model)
         if optimizer and optimizer.get("type", "adamw") != "adamw":
             raise UserError(f"optimizer {optimizer.get('type')!r} is not served; this server trains with adamw")
@@ -170,19 +170,15 @@ class TinkerService:
             raise UserError(f"lora rank {rank} is outside 1..{self.settings.max_lora_rank}"
                             " (the server's max_lora_rank)")
         shape = {"rank": rank, "train_attn": lora.get("train_attn", True), "train_mlp": lora.get("train_mlp", True)}
-        modules = (ATTN if shape["train_attn"] else []) + (MLP if shape["train_mlp"] else [])
-        if not modules:
+        if not _modules(shape):
             raise UserError("train_attn and train_mlp are both false: the adapter would train nothing")
         if model_id in self.models:  # the SDK retried the call
             return {"model_id": model_id, "type": "create_model"}
-        first = next(iter(self.models.values()), None)
-        if first is not None and {k: first.lora[k] for k in shape} != shape:
-            raise UserError(f"the clients of one server share the adapter's shape: {first.model_id} trains"
-                            f" rank {first.lora['rank']}, train_attn={first.lora['train_attn']},"
-                            f" train_mlp={first.lora['train_mlp']}; ask for the same, or start another server")
-        if first is None:
+        if not self.models:  # the first client builds the trainer, its adapter as large as any client's
+            largest = LoraConfig(rank=self.settings.max_lora_rank, alpha=self.settings.lora_alpha,
+                                 target_modules=ATTN + MLP)
             section = ActorConfig(strategy="fsdp2", micro_batch_tokens=0, remove_padding=False, warmup_steps=0,
-                                  lora=LoraConfig(rank=rank, alpha=self.settings.lora_alpha, target_modules=modules))
+                                  lora=largest)
             trainer = RoleClass(TinkerTrainer, kwargs=dict(
                 model_dir=str(self.model_dir), settings=TrainSettings(section, self.settings.seed, 1.0)))
             self.workers.remap(self._mapping(("rollout", "actor")), {"actor": trainer})
@@ -205,7 +201,7 @@ class TinkerService:
         if model is None:
             raise UserError(f"unknown model_id {model_id!r} (this server holds: {', '.join(self.models) or 'none'})")
         if activate:
-            self.trainer.activate(model_id, model.seed)
+            self.trainer.activate(model_id, model.seed, model.lora["rank"], _modules(model.lora))
         return model
 
     @property
@@ -284,9 +280,10 @@ class TinkerService:
         if session is not None:
             self.create_model(model_id, saved["base_model"], saved["lora"], None)
         model = self._trained(model_id)
-        if saved["lora"]["rank"] != model.lora["rank"]:
-            raise UserError(f"{path} holds a rank-{saved['lora']['rank']} adapter; {model_id} has rank"
-                            f" {model.lora['rank']}")
+        keys = ("rank", "train_attn", "train_mlp")
+        if any(saved["lora"][k] != model.lora[k] for k in keys):
+            raise UserError(f"{path} holds an adapter of {_shape(saved['lora'])}; {model_id} trains one of"
+                            f" {_shape(model.lora)}")
         state = torch.load(folder / "state.pt", weights_only=False)
         if not optimizer:
             state = {k: v for k, v in state.items() if k not in ("exp_avg", "exp_avg_sq")}
@@ -373,3 +370,11 @@ class TinkerService:
         return {"prompt": prompt, "num_samples": int(req.get("num_samples", 1)), "params": params,
                 "adapter": sampler.adapter, "prompt_logprobs": bool(req.get("prompt_logprobs"))}
 
+
+def _shape(lora: dict) -> str:
+    return f"rank {lora['rank']}, train_attn={lora['train_attn']}, train_mlp={lora['train_mlp']}"
+
+
+def _modules(lora: dict) -> list[str]:
+    """Return the projections a client's adapter trains (its ``train_attn``, ``train_mlp``)."""
+    return (ATTN if lora["train_attn"] else []) + (MLP if lora["train_mlp"] else [])

@@ -11,16 +11,17 @@ are exactly Tinker's per-position log-probs (position i predicts ``target_tokens
 """
 from __future__ import annotations
 
-import math
-
 import torch
+from torch.distributed.tensor import distribute_tensor
 
 from hybridlab.controller.worker import Dispatch, register
 from hybridlab.protocol import PAD_KEY, Batch
+from hybridlab.tinker.adapters import AdapterShape, fresh_adapter
 from hybridlab.tinker.losses import engine_loss
 from hybridlab.workers.rollout.worker import RolloutWorker
 from hybridlab.workers.rollout.vllm_engine import (adapter_request, empty_prefix_cache, installed_adapters,
                                                    load_adapter, per_request_seeds, sampled_logprobs)
+from hybridlab.workers.train.lora import ADAPTER
 from hybridlab.workers.train.workers import ActorWorker
 
 INPUT_PREFIX = "tinker/"  # a loss input's tensor name in the batch: tinker/weights, tinker/advantages, ...
@@ -51,69 +52,98 @@ def datum_batch(tokens: list, inputs: list[dict]) -> Batch:
                   **{INPUT_PREFIX + k: v for k, v in extra.items()}})
 
 
-def fresh_adapter(shapes: dict[str, tuple], seed: int) -> dict[str, torch.Tensor]:
-    """Return a new adapter's weights as peft initialises them (A: Kaiming-uniform with a = sqrt(5),
-    as ``nn.Linear``; B: zeros, so the model is unchanged until it trains), drawn from ``seed``."""
-    generator = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape in sorted(shapes.items()):
-        weight = torch.zeros(shape)
-        if ".lora_A." in name:
-            bound = 1 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)) on [rank, in]: U(-1/sqrt(in), 1/sqrt(in))
-            weight.uniform_(-bound, bound, generator=generator)
-        out[name] = weight
-    return out
-
-
 class TinkerTrainer(ActorWorker):
     """LoRA adapters and their AdamW states on the FSDP2 backend, driven by Tinker's calls.
 
-    Several training clients share the base weights: the engine holds one adapter at a time, and
-    ``activate`` swaps in a client's adapter, AdamW moments, step and accumulated gradients
-    (an adapter is small: the swap copies a few MB in this process) before each of its calls.
+    Several training clients share the base weights: the engine holds one adapter at a time, of
+    the largest shape a client may ask for, and ``activate`` swaps in a client's adapter
+    (zero-padded to it, ``adapters.py``), AdamW moments, step and accumulated gradients before
+    each of its calls (an adapter is small: the swap copies a few MB in this process). Whatever
+    leaves the worker (a saved state, sampler weights) is in the client's own shape.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.active: str | None = None  # the client whose adapter the engine holds
         self.held: dict[str, dict] = {}  # the other clients': model id -> what _stash returned
+        self.shapes: dict[str, AdapterShape] = {}  # every client's adapter shape
+        self.full = {name: tuple(p.shape) for name, p in self.engine.saved.items()}  # the engine's
 
     @register(Dispatch.ALL)
-    def activate(self, model_id: str, seed: int) -> bool:
-        """Make ``model_id``'s adapter the engine's, stashing the active client's; a client seen
-        for the first time gets the adapter the engine was built with (the first client) or a
-        fresh one drawn from ``seed``. Returns whether anything was swapped."""
+    def activate(self, model_id: str, seed: int, rank: int, modules: list[str]) -> bool:
+        """Make ``model_id``'s adapter (``rank`` on ``modules``) the engine's, stashing the active
+        client's; a client seen for the first time gets a fresh adapter drawn from ``seed``.
+        Returns whether anything was swapped."""
         if self.active == model_id:
             return False
-        if self.active is None:  # the first client: the engine's own adapter
-            self.active = model_id
-            return False
-        self.held[self.active] = self._stash()
-        self._restore(self.held.pop(model_id, None) or self._fresh(seed))
+        if self.active is not None:
+            self.held[self.active] = self._stash()
+        self.shapes[model_id] = shape = AdapterShape(rank, tuple(modules))
+        self._restore(self.held.pop(model_id, None) or self._fresh(shape, seed), shape)
         self.active = model_id
         return True
 
     def _stash(self) -> dict:
-        engine = self.engine
+        engine, shape = self.engine, self.shapes[self.active]
         state = engine.state(moments=True)
-        # copies: at dp 1 the engine's whole tensors may be the parameters' own storage
-        copied = {key: {name: t.clone() for name, t in state[key].items()} for key in ("model", "exp_avg", "exp_avg_sq")
-                  if key in state}
-        grads = {name: None if p.grad is None else p.grad.detach().clone() for name, p in engine.saved.items()}
-        return {**state, **copied, "step": engine.step_count, "grads": grads}
+        cut = {key: shape.cut(state[key]) for key in ("model", "exp_avg", "exp_avg_sq") if key in state}
+        grads = shape.cut({name: None if p.grad is None else p.grad.detach().full_tensor()
+                           for name, p in engine.saved.items()})
+        return {"adam_step": state.get("adam_step", 0.0), **cut, "step": engine.step_count, "grads": grads}
 
-    def _fresh(self, seed: int) -> dict:
-        shapes = {name: tuple(p.shape) for name, p in self.engine.saved.items()}
-        return {"model": fresh_adapter(shapes, seed), "step": 0, "grads": {}}
+    def _fresh(self, shape: AdapterShape, seed: int) -> dict:
+        return {"model": fresh_adapter(shape.shapes(self.full), seed), "step": 0, "grads": {}}
 
-    def _restore(self, state: dict) -> None:
+    def _restore(self, state: dict, shape: AdapterShape) -> None:
         engine = self.engine
-        moments = {m: state[m] for m in ("exp_avg", "exp_avg_sq") if state.get(m)}
+        moments = {m: shape.pad(state[m], self.full) for m in ("exp_avg", "exp_avg_sq") if state.get(m)}
         for p in engine.saved.values():  # a fresh adapter starts with no moments
             engine.optimizer.state.pop(p, None)
-        engine.load_state(state["model"], moments, state["step"], state.get("adam_step", 0.0))
-        for name, p in engine.saved.items():
-            p.grad = state["grads"].get(name)
+        engine.load_state(shape.pad(state["model"], self.full), moments, state["step"], state.get("adam_step", 0.0))
+        grads = shape.pad(state["grads"], self.full) if state["grads"] else {}
+        for name, p in engine.saved.items():  # each rank keeps its own rows of the whole gradient
+            whole = grads.get(name)
+            p.grad = None if whole is None else distribute_tensor(whole.to(p.device, p.dtype), p.device_mesh,
+                                                                  p.placements, src_data_rank=None)
+        for layer in engine.lora_layers.values():  # the client's alpha / rank, not the engine's
+            layer.scaling[ADAPTER] = engine.lora.alpha / shape.rank
+
+    @register(Dispatch.ALL)
+    def checkpoint_state(self) -> dict | None:
+        """Return the active client's adapter, AdamW moments, step and RNG, in its own shape."""
+        state = super().checkpoint_state()
+        if state is None:
+            return None
+        shape = self.shapes[self.active]
+        cut = {key: shape.cut(state[key]) for key in ("model", "exp_avg", "exp_avg_sq") if key in state}
+        return {**state, **cut, "adapter_config": shape.peft_config(state["adapter_config"], self.engine.lora.alpha)}
+
+    @register(Dispatch.ALL)
+    def load_state(self, boxed: list) -> None:
+        """Load ``[ObjectRef of [state]]``, a state ``checkpoint_state`` returned (the active
+        client's shape; without moments: the weights alone), into the active client's adapter."""
+        import ray
+
+        state = ray.get(boxed[0])[0]
+        shape = self.shapes[self.active]
+        moments = {m: shape.pad(state[m], self.full) for m in ("exp_avg", "exp_avg_sq") if state.get(m)}
+        self.engine.load_state(shape.pad(state["model"], self.full), moments, state["step"],
+                               state.get("adam_step", 0.0))
+        torch.set_rng_state(state["rng"])
+
+    @register(Dispatch.ALL)
+    def export_adapter(self) -> tuple | None:
+        """Put the active client's adapter (its own shape, PEFT's file names and config) in Ray's
+        object store from rank 0; returns (reference, bytes) there, None elsewhere."""
+        import ray
+
+        tensors, config = self.engine.adapter()
+        if self.rank != 0:
+            return None
+        shape = self.shapes[self.active]
+        own = shape.cut(tensors)
+        return (ray.put((own, shape.peft_config(config, self.engine.lora.alpha))),
+                sum(t.numel() * t.element_size() for t in own.values()))
 
     @register(Dispatch.DP)
     def forward_backward(self, batch: Batch, loss: str | None, config: dict | None) -> Batch:
