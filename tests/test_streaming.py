@@ -220,6 +220,15 @@ def test_a_rewound_stream_skips_the_prompts_trained_out_of_order(tiny_dir):
     assert sorted(stream.rows) == [0, 1, 2, 3, 4, 7, 8, 10, 11, 12, 13, 14] and not prompts.skip
     assert prompts.drawn == 15  # three draws of 4 passed over the 3 trained prompts
 
+    fresh = PromptSource(prompts.samples, prompts.tokenizer, 4)
+    first = fresh.state()
+    prompts.skip, prompts.pin = {1, 2}, 3  # what a stream in flight leaves behind
+    prompts.restart(first)  # bench async: every mode of one session draws the same prompts
+    for _ in range(3):
+        again, want = prompts.next(), fresh.next()
+        assert again["uid"] == want["uid"] and again["prompt_ids"] == want["prompt_ids"]
+    assert sorted(prompts.marks) == [0, 4, 8] and prompts.pin is None and not prompts.skip
+
 
 def test_a_streaming_run_killed_mid_update_resumes_and_trains_every_prompt_once_within_the_bound(
         ray_address, tiny_dir, tmp_path):

@@ -1,7 +1,8 @@
 """Streaming rollouts against batch-level asynchrony (issue 61): ``hybridlab bench async --json``.
 
 Two workloads, each on split placement (the actor on one device; the rollout and the reward on
-the other), in this order of modes, one session each:
+the other), in this order of modes, all in one session switched between them live (``rl.update``
+of the four settings below, then the mode's own warm-up steps):
 
 - ``sync``: on-policy, a batch generated per step;
 - ``ahead``: today's pipeline, ``trainer.off_policy`` one batch ahead (its straggler share is
@@ -10,7 +11,7 @@ the other), in this order of modes, one session each:
   cache of samples in flight at a sync (``partial_rollouts=keep``);
 - ``stream2_recompute``: the same with ``partial_rollouts=recompute``;
 - ``colocated``: on-policy on the default hybrid engine (every role in one process per device,
-  both devices), the best colocated synchronous mapping on this machine.
+  both devices), the best colocated synchronous mapping on this machine; a session of its own.
 
 Workloads: ``generation`` (bound by generation): reverse with a long tail of string lengths (4
 to 200 letters, Pareto 1.2: median 7, p90 26) and up to 256 new tokens, from the tiny model
@@ -21,7 +22,14 @@ The workload's name says which side bounds it in the batch modes; streaming can 
 (generation no longer drains to its longest response), so ``bottleneck_side`` is the busier side
 of the best streaming mode and ``bottleneck_busy`` its busy share.
 
-Figures per mode: completion tokens/s (trained completion tokens over the measured steps' wall
+Between two modes the session goes through on-policy (``OFF``), so that a stream is closed, and
+the prompt stream restarts from its first position: each mode draws the same prompts and starts
+as it would in a session of its own. The actor's learning rate is 0: each step runs the whole update (forward, backward, AdamW's
+step) and the weight sync but leaves the policy as it was, so every mode, the later ones too,
+generates from the same policy.
+
+Figures per mode: the trained samples' mean response length (streaming trains the groups that
+finish first, so over a few measured steps its samples are shorter than a batch's); completion tokens/s (trained completion tokens over the measured steps' wall
 time); each side's busy share of that time: the trainer's is the union of the actor's worker
 calls; the rollout's is the union of its generate calls in batch modes and, streaming, the
 seconds its engines spent stepping (a weight sync pauses them: paused is idle); the engines'
@@ -42,12 +50,18 @@ from hybridlab.telemetry.busy import union_seconds
 
 SPLIT = ("mapping={pools: {train: {devices: 1}, gen: {devices: 1}}, roles: {actor: {pool: train},"
          " rollout: {pool: gen, colocate: g}, reward: {pool: gen, colocate: g}}}")
-MODES = {"sync": [SPLIT], "ahead": [SPLIT, "trainer.off_policy=true"],
-         "stream1": [SPLIT, "trainer.streaming=true", "trainer.max_staleness=1"],
-         "stream2": [SPLIT, "trainer.streaming=true", "trainer.max_staleness=2"],
-         "stream2_recompute": [SPLIT, "trainer.streaming=true", "trainer.max_staleness=2",
-                               "trainer.partial_rollouts=recompute"],
-         "colocated": []}
+# each mode's placement (None: the default hybrid engine) and its settings, every one of the four spelled
+# so that a session switched from any mode to it lands in exactly that mode
+OFF = {"trainer.off_policy": "false", "trainer.streaming": "false", "trainer.max_staleness": "1",
+       "trainer.partial_rollouts": "keep"}
+MODES: dict[str, tuple[str | None, dict[str, str]]] = {
+    "sync": (SPLIT, OFF),
+    "ahead": (SPLIT, {**OFF, "trainer.off_policy": "true"}),
+    "stream1": (SPLIT, {**OFF, "trainer.streaming": "true"}),
+    "stream2": (SPLIT, {**OFF, "trainer.streaming": "true", "trainer.max_staleness": "2"}),
+    "stream2_recompute": (SPLIT, {**OFF, "trainer.streaming": "true", "trainer.max_staleness": "2",
+                                  "trainer.partial_rollouts": "recompute"}),
+    "colocated": (None, OFF)}
 GENERATION_TASK = {"min_len": 4, "max_len": 200, "lengths": "long_tail"}
 WORKLOADS = {
     "generation": {"bound": "rollout", "overrides": ["data.task=reverse", f"data.task_options={GENERATION_TASK}",
@@ -57,27 +71,41 @@ WORKLOADS = {
 }
 
 
-def _overrides(model: str, work: dict, mode: str, prompts: int, group: int, run_dir: str) -> list[str]:
+def _overrides(model: str, work: dict, placement: str | None, prompts: int, group: int, run_dir: str) -> list[str]:
     return [f"model={model}", "warm_start.max_steps=0", "trainer.devices=2", f"data.prompts_per_step={prompts}",
             f"rollout.n={group}", f"actor.ppo_mini_batch_size={min(4, prompts)}", "data.test_samples=4",
             "trainer.progress=false", "trainer.telemetry=false", f"trainer.run_dir={run_dir}",
-            *work["overrides"], *MODES[mode]]
+            "actor.lr=0",  # the whole update runs, the policy stays: every mode generates the same answers
+            *work["overrides"], *([placement] if placement else [])]
 
 
-def measure(model: str, work: dict, mode: str, prompts: int, group: int, steps: int, warmup: int) -> dict:
-    """Run one mode's session: ``warmup`` steps, then ``steps`` measured; returns its figures."""
-    with tempfile.TemporaryDirectory(prefix=f"bench-async-{mode}-") as tmp:
-        rl = RLSession(None, _overrides(model, work, mode, prompts, group, f"{tmp}/run"))
+def measure_modes(model: str, work: dict, modes: list[str], prompts: int, group: int, steps: int,
+                  warmup: int) -> dict[str, dict]:
+    """Run ``modes`` (one placement) in one session, switched live from one to the next: each
+    mode's settings, ``warmup`` steps, then ``steps`` measured; returns each mode's figures."""
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
+        rl = RLSession(None, _overrides(model, work, MODES[modes[0]][0], prompts, group, f"{tmp}/run"))
         rl.start()
+        first = rl.state.prompts.state()
         try:
-            for _ in range(warmup):
-                rl.step()
-            since, started = time.time(), time.perf_counter()
-            metrics = [rl.step().metrics for _ in range(steps)]
-            wall = time.perf_counter() - started
-            spans = rl.workers.timeline.spans(since=since)
+            for mode in modes:
+                rl.update(*(f"{key}={value}" for key, value in OFF.items()))  # a stream closes, its prompts go back
+                rl.state.prompts.restart(first)  # every mode draws the same prompts, as in a session of its own
+                rl.update(*(f"{key}={value}" for key, value in MODES[mode][1].items()))
+                for _ in range(warmup):
+                    rl.step()
+                since, started = time.time(), time.perf_counter()
+                metrics = [rl.step().metrics for _ in range(steps)]
+                wall = time.perf_counter() - started
+                out[mode] = figures(metrics, rl.workers.timeline.spans(since=since), wall, steps)
         finally:
             rl.shutdown()
+    return out
+
+
+def figures(metrics: list[dict], spans: list, wall: float, steps: int) -> dict:
+    """Return one mode's figures from its measured steps' ``metrics`` and call ``spans``."""
     streaming = "rollout/occupancy" in metrics[0]
     tokens = sum(m["rollout/tokens"] for m in metrics)
     trainer = union_seconds((s.start, s.end) for s in spans if s.role == "actor")
@@ -89,6 +117,7 @@ def measure(model: str, work: dict, mode: str, prompts: int, group: int, steps: 
     return {"tokens_per_s": round(tokens / wall, 1), "step_s": round(wall / steps, 3),
             "busy": {"rollout": round(min(rollout / wall, 1.0), 3), "trainer": round(min(trainer / wall, 1.0), 3)},
             "occupancy": round(statistics.mean(occupancy), 2),
+            "response_length_mean": round(statistics.mean(m["response_length/mean"] for m in metrics), 2),
             "staleness_mean": round(statistics.mean(m.get("rollout/staleness_mean", m["rollout/staleness"])
                                                     for m in metrics), 3),
             "staleness_max": max(m["rollout/staleness"] for m in metrics),
@@ -100,7 +129,11 @@ def measure(model: str, work: dict, mode: str, prompts: int, group: int, steps: 
 def workload(name: str, model: str, prompts: int, group: int, steps: int, warmup: int, modes: tuple[str, ...]) -> dict:
     """Run every mode of one workload; returns the figures and the ratios between modes."""
     work = WORKLOADS[name]
-    runs = {mode: measure(model, work, mode, prompts, group, steps, warmup) for mode in modes}
+    runs: dict[str, dict] = {}
+    for placement in dict.fromkeys(MODES[m][0] for m in modes):  # one session per placement, in MODES' order
+        same = [m for m in MODES if m in modes and MODES[m][0] == placement]
+        runs.update(measure_modes(model, work, same, prompts, group, steps, warmup))
+    runs = {m: runs[m] for m in modes}
     out: dict = {"bound_by": work["bound"], "modes": runs}
     if "ahead" in runs:
         base = runs["ahead"]["tokens_per_s"]

@@ -207,6 +207,14 @@ class ShuffledEpochs:
         self.order, self.drawn = list(state["order"]), state["drawn"]
 
 
+    def restart(self, state: dict) -> None:
+        """Go back to ``state`` (a ``state()`` of this stream) and forget every draw after it: no
+        uid to pass over, no older draw to go back before (``bench async`` starts each mode of
+        one session on the same prompts)."""
+        self.set_state(state)
+        self.marks, self.pin, self.skip = {}, None, set()
+
+
 class PromptSource(ShuffledEpochs):
     """Shuffled epochs over the training samples, ``per_step`` prompts at a time. Every prompt is
     tokenized and checked against ``fit`` once, when the source is made."""
