@@ -100,7 +100,6 @@ def test_bench_async_json_compares_streaming_with_the_pipeline_one_batch_ahead(r
     ahead, stream = training["modes"]["ahead"], training["modes"]["stream1"]
     assert sorted(training["modes"]) == ["ahead", "stream1"] and training["bound_by"] == "trainer"
     assert ahead["occupancy"] == 8.0  # 4 prompts x 2 samples decoding together, all 16 tokens long
-    assert ahead["response_length_mean"] == stream["response_length_mean"] == 16.0  # ignore_eos: no drift to hide
     assert ahead["staleness_max"] == 1 and stream["staleness_max"] <= 1 and ahead["partial_share"] == 0.0
     assert_ratio(training["speedup_vs_one_step_ahead"]["stream1"], stream["tokens_per_s"], ahead["tokens_per_s"], 3)
     side = max(stream["busy"], key=stream["busy"].get)

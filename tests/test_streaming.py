@@ -213,8 +213,10 @@ def test_a_rewound_stream_skips_the_prompts_trained_out_of_order(tiny_dir):
         stream._queue(prompts.next())  # uids 0..11
     stream._consume([5, 6, 9])  # finished first and trained
     assert stream.oldest(prompts) == 0 and stream.consumed_since(0, prompts) == [5, 6, 9]
+    stream.totals = {"engine_busy_s": 0.4, "preempted": 1.0}  # what the last looks found, not reported yet
     stream.forget(prompts)
     assert prompts.drawn == 0 and stream.regenerated == 9
+    assert stream.totals == {}  # thrown away with the prompts: a stream started later reports its own
     for _ in range(3):
         stream._queue(prompts.next())
     assert sorted(stream.rows) == [0, 1, 2, 3, 4, 7, 8, 10, 11, 12, 13, 14] and not prompts.skip

@@ -23,14 +23,16 @@ The workload's name says which side bounds it in the batch modes; streaming can 
 of the best streaming mode and ``bottleneck_busy`` its busy share.
 
 Between two modes the session goes through on-policy (``OFF``), so that a stream is closed, and
-the prompt stream restarts from its first position: each mode draws the same prompts and starts
-as it would in a session of its own. The actor's learning rate is 0: each step runs the whole update (forward, backward, AdamW's
-step) and the weight sync but leaves the policy as it was, so every mode, the later ones too,
-generates from the same policy.
+the prompt stream restarts from its first position: each mode draws the same prompts. The
+actor's learning rate is 0: each step runs the whole update (forward, backward, AdamW's step)
+and the weight sync but leaves the policy as it was, so every mode generates from the same
+policy. What still differs from a session per mode: the later modes run in warmer processes,
+and the batch modes' sampling seeds follow the step count (streaming's follow the prompts).
 
 Figures per mode: the trained samples' mean response length (streaming trains the groups that
-finish first, so over a few measured steps its samples are shorter than a batch's); completion tokens/s (trained completion tokens over the measured steps' wall
-time); each side's busy share of that time: the trainer's is the union of the actor's worker
+finish first, so over a few measured steps its samples can be shorter than a batch's);
+completion tokens/s (trained completion tokens over the measured steps' wall time); each side's
+busy share of that time: the trainer's is the union of the actor's worker
 calls; the rollout's is the union of its generate calls in batch modes and, streaming, the
 seconds its engines spent stepping (a weight sync pauses them: paused is idle); the engines'
 mean occupancy (running sequences per engine step; batch modes: tokens over the longest
@@ -91,7 +93,9 @@ def measure_modes(model: str, work: dict, modes: list[str], prompts: int, group:
         try:
             for mode in modes:
                 rl.update(*(f"{key}={value}" for key, value in OFF.items()))  # a stream closes, its prompts go back
-                rl.state.prompts.restart(first)  # every mode draws the same prompts, as in a session of its own
+                if rl.state.stream.rows or rl.state.ahead.pending:
+                    raise RuntimeError(f"bench async: prompts still pending before mode {mode}")
+                rl.state.prompts.restart(first)  # every mode draws the same prompts
                 rl.update(*(f"{key}={value}" for key, value in MODES[mode][1].items()))
                 for _ in range(warmup):
                     rl.step()
@@ -130,7 +134,7 @@ def workload(name: str, model: str, prompts: int, group: int, steps: int, warmup
     """Run every mode of one workload; returns the figures and the ratios between modes."""
     work = WORKLOADS[name]
     runs: dict[str, dict] = {}
-    for placement in dict.fromkeys(MODES[m][0] for m in modes):  # one session per placement, in MODES' order
+    for placement in dict.fromkeys(MODES[m][0] for m in modes):  # a session per placement, its modes in MODES' order
         same = [m for m in MODES if m in modes and MODES[m][0] == placement]
         runs.update(measure_modes(model, work, same, prompts, group, steps, warmup))
     runs = {m: runs[m] for m in modes}

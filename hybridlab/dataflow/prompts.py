@@ -206,11 +206,11 @@ class ShuffledEpochs:
         self.rng.setstate((version, tuple(internal), gauss))
         self.order, self.drawn = list(state["order"]), state["drawn"]
 
-
     def restart(self, state: dict) -> None:
         """Go back to ``state`` (a ``state()`` of this stream) and forget every draw after it: no
-        uid to pass over, no older draw to go back before (``bench async`` starts each mode of
-        one session on the same prompts)."""
+        uid to pass over, no older draw to go back before; returns nothing. Only with no prompt
+        pending (no stream rows, no batch ahead: their uids would be drawn again): ``bench async``
+        starts each mode of one session on the same prompts."""
         self.set_state(state)
         self.marks, self.pin, self.skip = {}, None, set()
 

@@ -151,6 +151,7 @@ class RolloutStream:
             prompts.set_state(prompts.marks[start])
         self.rows, self.waiting, self.in_flight, self.ready, self.consumed = {}, [], {}, [], set()
         self.admitted = prompts.pin = None
+        self.totals = {}  # the engines' stats of the looks thrown away: a stream started later reports its own
 
     def _queue(self, batch: Batch) -> None:
         for i, uid in enumerate(batch["uid"]):

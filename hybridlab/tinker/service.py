@@ -50,7 +50,7 @@ class TrainingModel:
 
     model_id: str
     lora: dict                      # Tinker's lora_config: rank, train_mlp, train_attn, train_unembed
-    seed: int                       # its adapter's initialisation (the first client's: the trainer's own)
+    seed: int                       # its adapter's initialisation (adapters.fresh_adapter)
 
 
 @dataclasses.dataclass

@@ -68,6 +68,8 @@ class TinkerTrainer(ActorWorker):
         self.held: dict[str, dict] = {}  # the other clients': model id -> what _stash returned
         self.shapes: dict[str, AdapterShape] = {}  # every client's adapter shape
         self.full = {name: tuple(p.shape) for name, p in self.engine.saved.items()}  # the engine's
+        if self.engine.dp != 1:  # the swaps read whole tensors on rank 0 only: one device, as the service maps it
+            raise ValueError(f"the Tinker trainer runs on one device; this one has dp {self.engine.dp}")
 
     @register(Dispatch.ALL)
     def activate(self, model_id: str, seed: int, rank: int, modules: list[str]) -> bool:
@@ -83,8 +85,13 @@ class TinkerTrainer(ActorWorker):
         self.active = model_id
         return True
 
+    def _shape(self) -> AdapterShape:
+        if self.active is None:
+            raise RuntimeError("no training client is active on the Tinker trainer: activate() one first")
+        return self.shapes[self.active]
+
     def _stash(self) -> dict:
-        engine, shape = self.engine, self.shapes[self.active]
+        engine, shape = self.engine, self._shape()
         state = engine.state(moments=True)
         cut = {key: shape.cut(state[key]) for key in ("model", "exp_avg", "exp_avg_sq") if key in state}
         grads = shape.cut({name: None if p.grad is None else p.grad.detach().full_tensor()
@@ -100,7 +107,10 @@ class TinkerTrainer(ActorWorker):
         for p in engine.saved.values():  # a fresh adapter starts with no moments
             engine.optimizer.state.pop(p, None)
         engine.load_state(shape.pad(state["model"], self.full), moments, state["step"], state.get("adam_step", 0.0))
-        grads = shape.pad(state["grads"], self.full) if state["grads"] else {}
+        # only the client's own weights get back the gradient they had (None stays None); the padding's
+        # stays None too, so an optim_step with nothing accumulated steps nothing
+        padded = shape.pad(state["grads"], self.full) if state["grads"] else {}
+        grads = {name: g for name, g in padded.items() if shape.owns(name)}
         for name, p in engine.saved.items():  # each rank keeps its own rows of the whole gradient
             whole = grads.get(name)
             p.grad = None if whole is None else distribute_tensor(whole.to(p.device, p.dtype), p.device_mesh,
@@ -114,19 +124,23 @@ class TinkerTrainer(ActorWorker):
         state = super().checkpoint_state()
         if state is None:
             return None
-        shape = self.shapes[self.active]
+        shape = self._shape()
         cut = {key: shape.cut(state[key]) for key in ("model", "exp_avg", "exp_avg_sq") if key in state}
         return {**state, **cut, "adapter_config": shape.peft_config(state["adapter_config"], self.engine.lora.alpha)}
 
     @register(Dispatch.ALL)
     def load_state(self, boxed: list) -> None:
         """Load ``[ObjectRef of [state]]``, a state ``checkpoint_state`` returned (the active
-        client's shape; without moments: the weights alone), into the active client's adapter."""
+        client's shape), into the active client's adapter; returns nothing. Without moments the
+        weights alone load, and AdamW starts afresh."""
         import ray
 
         state = ray.get(boxed[0])[0]
-        shape = self.shapes[self.active]
+        shape = self._shape()
         moments = {m: shape.pad(state[m], self.full) for m in ("exp_avg", "exp_avg_sq") if state.get(m)}
+        if not moments:
+            for p in self.engine.saved.values():
+                self.engine.optimizer.state.pop(p, None)
         self.engine.load_state(shape.pad(state["model"], self.full), moments, state["step"],
                                state.get("adam_step", 0.0))
         torch.set_rng_state(state["rng"])
@@ -140,7 +154,7 @@ class TinkerTrainer(ActorWorker):
         tensors, config = self.engine.adapter()
         if self.rank != 0:
             return None
-        shape = self.shapes[self.active]
+        shape = self._shape()
         own = shape.cut(tensors)
         return (ray.put((own, shape.peft_config(config, self.engine.lora.alpha))),
                 sum(t.numel() * t.element_size() for t in own.values()))
