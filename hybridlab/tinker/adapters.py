@@ -19,6 +19,9 @@ import math
 
 import torch
 
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]  # what Tinker's train_attn adapts
+MLP = ["gate_proj", "up_proj", "down_proj"]      # and train_mlp
+
 
 @dataclasses.dataclass(frozen=True)
 class AdapterShape:
@@ -26,6 +29,14 @@ class AdapterShape:
 
     rank: int
     modules: tuple[str, ...]
+
+    @classmethod
+    def of(cls, lora: dict) -> "AdapterShape":
+        """Return the shape of Tinker's ``lora_config`` (``rank``, ``train_attn``, ``train_mlp``)."""
+        return cls(int(lora["rank"]), tuple((ATTN if lora["train_attn"] else []) + (MLP if lora["train_mlp"] else [])))
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}, train_attn={ATTN[0] in self.modules}, train_mlp={MLP[0] in self.modules}"
 
     def owns(self, name: str) -> bool:
         """True when the adapter weight ``name`` (PEFT's file name) is one of this adapter's."""
@@ -37,19 +48,17 @@ class AdapterShape:
         return {name: None if t is None else _rank_slice(name, t, self.rank).clone()
                 for name, t in tensors.items() if self.owns(name)}
 
-    def pad(self, tensors: dict[str, torch.Tensor | None], full: dict[str, tuple]) -> dict[str, torch.Tensor | None]:
-        """Return ``tensors`` (this adapter's own) placed in zeros of the engine's ``full``
-        shapes, every other weight of the engine zero; a gradient that is None stays None."""
-        out: dict[str, torch.Tensor | None] = {}
-        for name, shape in full.items():
-            if name in tensors and tensors[name] is None:
-                out[name] = None
-                continue
-            whole = torch.zeros(shape)
-            if name in tensors:
-                _rank_slice(name, whole, self.rank).copy_(tensors[name])
-            out[name] = whole
-        return out
+    def pad(self, tensors: dict[str, torch.Tensor], full: dict[str, tuple]) -> dict[str, torch.Tensor]:
+        """Return ``tensors`` (this adapter's own weights or moments) placed in zeros of the
+        engine's ``full`` shapes, every other weight of the engine zero."""
+        return {name: self.pad_one(name, tensors[name], shape) if name in tensors else torch.zeros(shape)
+                for name, shape in full.items()}
+
+    def pad_one(self, name: str, tensor: torch.Tensor, full: tuple) -> torch.Tensor:
+        """Return this adapter's weight ``name`` placed in zeros of the engine's shape ``full``."""
+        whole = torch.zeros(full)
+        _rank_slice(name, whole, self.rank).copy_(tensor)
+        return whole
 
     def shapes(self, full: dict[str, tuple]) -> dict[str, tuple]:
         """Return this adapter's own weight shapes, given the engine's ``full`` ones."""

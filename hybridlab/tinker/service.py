@@ -34,14 +34,13 @@ from hybridlab.errors import UserError
 from hybridlab.models.zoo import resolve_model
 from hybridlab.telemetry.run import RunTelemetry
 from hybridlab.tinker import wire
+from hybridlab.tinker.adapters import ATTN, MLP, AdapterShape
 from hybridlab.tinker.names import publish_tokenizer
 from hybridlab.tinker.losses import INPUTS, check_loss, token_losses
 from hybridlab.tinker.settings import ServiceSettings
 from hybridlab.tinker.workers import INPUT_PREFIX, TinkerSampler, TinkerTrainer, datum_batch
 from hybridlab.workers.train.settings import TrainSettings
 
-ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
-MLP = ["gate_proj", "up_proj", "down_proj"]
 
 
 @dataclasses.dataclass
@@ -170,7 +169,7 @@ class TinkerService:
             raise UserError(f"lora rank {rank} is outside 1..{self.settings.max_lora_rank}"
                             " (the server's max_lora_rank)")
         shape = {"rank": rank, "train_attn": lora.get("train_attn", True), "train_mlp": lora.get("train_mlp", True)}
-        if not _modules(shape):
+        if not AdapterShape.of(shape).modules:
             raise UserError("train_attn and train_mlp are both false: the adapter would train nothing")
         if model_id in self.models:  # the SDK retried the call
             return {"model_id": model_id, "type": "create_model"}
@@ -201,7 +200,7 @@ class TinkerService:
         if model is None:
             raise UserError(f"unknown model_id {model_id!r} (this server holds: {', '.join(self.models) or 'none'})")
         if activate:
-            self.trainer.activate(model_id, model.seed, model.lora["rank"], _modules(model.lora))
+            self.trainer.activate(model_id, model.seed, AdapterShape.of(model.lora))
         return model
 
     @property
@@ -280,10 +279,9 @@ class TinkerService:
         if session is not None:
             self.create_model(model_id, saved["base_model"], saved["lora"], None)
         model = self._trained(model_id)
-        keys = ("rank", "train_attn", "train_mlp")
-        if any(saved["lora"][k] != model.lora[k] for k in keys):
-            raise UserError(f"{path} holds an adapter of {_shape(saved['lora'])}; {model_id} trains one of"
-                            f" {_shape(model.lora)}")
+        if AdapterShape.of(saved["lora"]) != AdapterShape.of(model.lora):
+            raise UserError(f"{path} holds an adapter of {AdapterShape.of(saved['lora'])}; {model_id} trains one of"
+                            f" {AdapterShape.of(model.lora)}")
         state = torch.load(folder / "state.pt", weights_only=False)
         if not optimizer:
             state = {k: v for k, v in state.items() if k not in ("exp_avg", "exp_avg_sq")}
@@ -370,11 +368,3 @@ class TinkerService:
         return {"prompt": prompt, "num_samples": int(req.get("num_samples", 1)), "params": params,
                 "adapter": sampler.adapter, "prompt_logprobs": bool(req.get("prompt_logprobs"))}
 
-
-def _shape(lora: dict) -> str:
-    return f"rank {lora['rank']}, train_attn={lora['train_attn']}, train_mlp={lora['train_mlp']}"
-
-
-def _modules(lora: dict) -> list[str]:
-    """Return the projections a client's adapter trains (its ``train_attn``, ``train_mlp``)."""
-    return (ATTN if lora["train_attn"] else []) + (MLP if lora["train_mlp"] else [])

@@ -21,6 +21,7 @@ from hybridlab.tinker.losses import engine_loss
 from hybridlab.workers.rollout.worker import RolloutWorker
 from hybridlab.workers.rollout.vllm_engine import (adapter_request, empty_prefix_cache, installed_adapters,
                                                    load_adapter, per_request_seeds, sampled_logprobs)
+from hybridlab.workers.train.fsdp_engine import MOMENTS
 from hybridlab.workers.train.lora import ADAPTER
 from hybridlab.workers.train.workers import ActorWorker
 
@@ -72,15 +73,15 @@ class TinkerTrainer(ActorWorker):
             raise ValueError(f"the Tinker trainer runs on one device; this one has dp {self.engine.dp}")
 
     @register(Dispatch.ALL)
-    def activate(self, model_id: str, seed: int, rank: int, modules: list[str]) -> bool:
-        """Make ``model_id``'s adapter (``rank`` on ``modules``) the engine's, stashing the active
-        client's; a client seen for the first time gets a fresh adapter drawn from ``seed``.
-        Returns whether anything was swapped."""
+    def activate(self, model_id: str, seed: int, shape: AdapterShape) -> bool:
+        """Make ``model_id``'s adapter (of ``shape``) the engine's, stashing the active client's;
+        a client seen for the first time gets a fresh adapter drawn from ``seed``. Returns
+        whether anything was swapped."""
         if self.active == model_id:
             return False
         if self.active is not None:
             self.held[self.active] = self._stash()
-        self.shapes[model_id] = shape = AdapterShape(rank, tuple(modules))
+        self.shapes[model_id] = shape
         self._restore(self.held.pop(model_id, None) or self._fresh(shape, seed), shape)
         self.active = model_id
         return True
@@ -93,24 +94,30 @@ class TinkerTrainer(ActorWorker):
     def _stash(self) -> dict:
         engine, shape = self.engine, self._shape()
         state = engine.state(moments=True)
-        cut = {key: shape.cut(state[key]) for key in ("model", "exp_avg", "exp_avg_sq") if key in state}
         grads = shape.cut({name: None if p.grad is None else p.grad.detach().full_tensor()
                            for name, p in engine.saved.items()})
-        return {"adam_step": state.get("adam_step", 0.0), **cut, "step": engine.step_count, "grads": grads}
+        return {"adam_step": state.get("adam_step", 0.0), **_own(state, shape), "step": engine.step_count,
+                "grads": grads}
 
     def _fresh(self, shape: AdapterShape, seed: int) -> dict:
         return {"model": fresh_adapter(shape.shapes(self.full), seed), "step": 0, "grads": {}}
 
+    def _load(self, state: dict, shape: AdapterShape) -> None:
+        """Load ``state`` (weights, moments if any, step; the client's shape) into the engine,
+        padded; without moments (a fresh adapter, a weights-only load) AdamW starts afresh."""
+        engine = self.engine
+        for p in engine.saved.values():
+            engine.optimizer.state.pop(p, None)
+        moments = {m: shape.pad(state[m], self.full) for m in MOMENTS if state.get(m)}
+        engine.load_state(shape.pad(state["model"], self.full), moments, state["step"], state.get("adam_step", 0.0))
+
     def _restore(self, state: dict, shape: AdapterShape) -> None:
         engine = self.engine
-        moments = {m: shape.pad(state[m], self.full) for m in ("exp_avg", "exp_avg_sq") if state.get(m)}
-        for p in engine.saved.values():  # a fresh adapter starts with no moments
-            engine.optimizer.state.pop(p, None)
-        engine.load_state(shape.pad(state["model"], self.full), moments, state["step"], state.get("adam_step", 0.0))
+        self._load(state, shape)
         # only the client's own weights get back the gradient they had (None stays None); the padding's
         # stays None too, so an optim_step with nothing accumulated steps nothing
-        padded = shape.pad(state["grads"], self.full) if state["grads"] else {}
-        grads = {name: g for name, g in padded.items() if shape.owns(name)}
+        grads = {name: None if g is None else shape.pad_one(name, g, self.full[name])
+                 for name, g in state["grads"].items()}
         for name, p in engine.saved.items():  # each rank keeps its own rows of the whole gradient
             whole = grads.get(name)
             p.grad = None if whole is None else distribute_tensor(whole.to(p.device, p.dtype), p.device_mesh,
@@ -125,8 +132,7 @@ class TinkerTrainer(ActorWorker):
         if state is None:
             return None
         shape = self._shape()
-        cut = {key: shape.cut(state[key]) for key in ("model", "exp_avg", "exp_avg_sq") if key in state}
-        return {**state, **cut, "adapter_config": shape.peft_config(state["adapter_config"], self.engine.lora.alpha)}
+        return {**state, **_own(state, shape), "adapter_config": shape.peft_config(state["adapter_config"], self.engine.lora.alpha)}
 
     @register(Dispatch.ALL)
     def load_state(self, boxed: list) -> None:
@@ -136,13 +142,7 @@ class TinkerTrainer(ActorWorker):
         import ray
 
         state = ray.get(boxed[0])[0]
-        shape = self._shape()
-        moments = {m: shape.pad(state[m], self.full) for m in ("exp_avg", "exp_avg_sq") if state.get(m)}
-        if not moments:
-            for p in self.engine.saved.values():
-                self.engine.optimizer.state.pop(p, None)
-        self.engine.load_state(shape.pad(state["model"], self.full), moments, state["step"],
-                               state.get("adam_step", 0.0))
+        self._load(state, self._shape())
         torch.set_rng_state(state["rng"])
 
     @register(Dispatch.ALL)
@@ -189,6 +189,11 @@ class TinkerTrainer(ActorWorker):
     def clear_gradients(self) -> None:
         """Drop gradients accumulated since the last ``optim_step`` (a loaded state starts clean)."""
         self.engine.optimizer.zero_grad(set_to_none=True)
+
+
+def _own(state: dict, shape: AdapterShape) -> dict:
+    """Return the engine's ``state`` weights and moments cut to a client's ``shape``."""
+    return {key: shape.cut(state[key]) for key in ("model", *MOMENTS) if key in state}
 
 
 def _stop_reason(finish_reason: str | None) -> str:
