@@ -32,7 +32,7 @@ from tinker_cookbook import model_info
 from tinker_cookbook.exceptions import ConfigurationError
 
 from hybridlab.errors import UserError
-from hybridlab.tasks import get_task
+from hybridlab.tasks import Sample, get_task
 
 RECIPES = ("sl_loop", "rl_loop")
 # What rl_loop appends to each question; the supervised stand-in answers in the same form.
@@ -40,25 +40,21 @@ BOXED = " Provide a numerical answer without units, written inside \\boxed{}."
 DEFAULT_RENDERER = "qwen3_instruct"
 
 
-def no_robots(task: str, rows: int, seed: int = 0) -> datasets.DatasetDict:
-    """Return a stand-in for ``HuggingFaceH4/no_robots``: ``rows`` of the task's training prompts
-    as user/assistant ``messages``, the answer written as ``\\boxed{N}``."""
-    samples = get_task(task).split("train", rows, seed=seed)
-    return datasets.DatasetDict({"train": datasets.Dataset.from_list([
-        {"messages": [{"role": "user", "content": s.prompt + BOXED},
-                      {"role": "assistant", "content": f"\\boxed{{{s.ground_truth}}}"}]} for s in samples])})
+def no_robots(samples: list[Sample]) -> list[dict]:
+    """Return rows as ``HuggingFaceH4/no_robots`` has them: each sample's prompt and answer as
+    user/assistant ``messages``, the answer written as ``\\boxed{N}``."""
+    return [{"messages": [{"role": "user", "content": s.prompt + BOXED},
+                          {"role": "assistant", "content": f"\\boxed{{{s.ground_truth}}}"}]} for s in samples]
 
 
-def gsm8k(task: str, rows: int, seed: int = 0) -> datasets.DatasetDict:
-    """Return a stand-in for ``openai/gsm8k`` (``main``): the task's training prompts as
-    ``question`` and their ground truth as GSM8K's ``#### N`` ``answer``."""
-    samples = get_task(task).split("train", rows, seed=seed)
-    return datasets.DatasetDict({"train": datasets.Dataset.from_list([
-        {"question": s.prompt, "answer": f"#### {s.ground_truth}"} for s in samples])})
+def gsm8k(samples: list[Sample]) -> list[dict]:
+    """Return rows as ``openai/gsm8k`` (``main``) has them: each sample's prompt as ``question``
+    and its ground truth as GSM8K's ``#### N`` ``answer``."""
+    return [{"question": s.prompt, "answer": f"#### {s.ground_truth}"} for s in samples]
 
 
-STAND_INS: dict[str, Callable[[str, int, int], datasets.DatasetDict]] = {
-    "HuggingFaceH4/no_robots": no_robots, "openai/gsm8k": gsm8k}
+STAND_INS: dict[str, Callable[[list[Sample]], list[dict]]] = {"HuggingFaceH4/no_robots": no_robots,
+                                                              "openai/gsm8k": gsm8k}
 
 
 @contextlib.contextmanager
@@ -75,7 +71,8 @@ def offline_recipe(task: str = "arith", rows: int = 256, renderer: str = DEFAULT
         if path not in STAND_INS:
             raise UserError(f"the recipe loads {path!r} from the hub, which has no stand-in here; "
                             f"stand-ins exist for {sorted(STAND_INS)}")
-        return STAND_INS[path](task, rows, seed)
+        records = STAND_INS[path](get_task(task).split("train", rows, seed=seed))
+        return datasets.DatasetDict({"train": datasets.Dataset.from_list(records)})
 
     def renderer_name(model_name: str) -> str:
         try:
@@ -103,7 +100,8 @@ def _recipe_module(recipe: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m hybridlab.tinker.cookbook RECIPE [--task T] [--rows N] [--renderer R] KEY=VALUE...``."""
+    """``python -m hybridlab.tinker.cookbook RECIPE [--task T] [--rows N] [--renderer R] KEY=VALUE...``:
+    run the recipe offline; returns when it does."""
     import chz
 
     parser = argparse.ArgumentParser(prog="python -m hybridlab.tinker.cookbook", description=__doc__.split("\n")[0])
