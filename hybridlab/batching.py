@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from hybridlab.algos.preference import CHOSEN_TOKENS
@@ -27,19 +28,21 @@ def sequences_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequen
     p_len = max(prompt_len or 0, max(len(p) for p in prompts))
     r_len = response_len or max(1, max(len(r) for r in responses))
     n = len(prompts)
-    prompt_ids = torch.full((n, p_len), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((n, p_len), dtype=torch.long)
-    response_ids = torch.full((n, r_len), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((n, r_len), dtype=torch.long)
+    # filled row by row in numpy: a slice assignment there costs a tenth of torch's (a step's take
+    # builds a batch of every sample on the controller, between the actor's calls)
+    prompt_ids, prompt_mask = np.full((n, p_len), pad_id, dtype=np.int64), np.zeros((n, p_len), dtype=np.int64)
+    response_ids, response_mask = np.full((n, r_len), pad_id, dtype=np.int64), np.zeros((n, r_len), dtype=np.int64)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         if len(r) > r_len:
             raise ValueError(f"response {i} has {len(r)} tokens, more than response_len={r_len}")
-        if p:
-            prompt_ids[i, p_len - len(p):] = torch.as_tensor(p)
+        if len(p):
+            prompt_ids[i, p_len - len(p):] = p
             prompt_mask[i, p_len - len(p):] = 1
-        if r:
-            response_ids[i, :len(r)] = torch.as_tensor(r)
+        if len(r):
+            response_ids[i, :len(r)] = r
             response_mask[i, :len(r)] = 1
+    prompt_ids, prompt_mask = torch.from_numpy(prompt_ids), torch.from_numpy(prompt_mask)
+    response_ids, response_mask = torch.from_numpy(response_ids), torch.from_numpy(response_mask)
     mask = torch.cat([prompt_mask, response_mask], dim=1)
     return Batch({"prompts": prompt_ids, "responses": response_ids,
                   "input_ids": torch.cat([prompt_ids, response_ids], dim=1), "attention_mask": mask,

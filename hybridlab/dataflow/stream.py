@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import torch
 
 from hybridlab.agents.rollout import agent_batch, agent_sample
@@ -281,11 +282,11 @@ def _samples_batch(groups: list[dict], pad_id: int, response_len: int) -> Batch:
     out = sequences_batch([g["prompt_ids"] for g, _ in rows], [s["ids"] for _, s in rows], pad_id,
                           response_len=response_len)
     shape = out["responses"].shape
-    log_probs, versions = torch.zeros(shape, dtype=torch.float32), torch.full(shape, -1, dtype=torch.long)
+    log_probs, versions = np.zeros(shape, dtype=np.float32), np.full(shape, -1, dtype=np.int64)
     for i, (_, s) in enumerate(rows):
-        log_probs[i, :len(s["logprobs"])] = torch.tensor(s["logprobs"], dtype=torch.float32)
-        versions[i, :len(s["versions"])] = torch.tensor(s["versions"], dtype=torch.long)
-    out.tensors.update(rollout_log_probs=log_probs, rollout_versions=versions)
+        log_probs[i, :len(s["logprobs"])] = s["logprobs"]
+        versions[i, :len(s["versions"])] = s["versions"]
+    out.tensors.update(rollout_log_probs=torch.from_numpy(log_probs), rollout_versions=torch.from_numpy(versions))
     out.objects["prompt_ids"] = [g["prompt_ids"] for g, _ in rows]
     return out
 
