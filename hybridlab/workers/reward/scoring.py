@@ -190,23 +190,32 @@ def score_batch(fn: ScoreFn, items: list[tuple], error_score: float, timeout_s: 
                 parallel: int) -> list[Scored]:
     """Score ``items`` (data_source, text, ground_truth, extra_info) with ``fn``; returns one
     (score, acc, error, dict answer) per item, in order, a failed item scoring ``error_score``
-    with its error and no answer. ``parallel`` > 1 scores that many at once in threads (for
-    scorers that wait on a subprocess: the sandbox).
+    with its error and no answer. With ``timeout_s > 0`` in a child process killed at the
+    deadline (``_score_forked``), else with ``parallel`` > 1 in threads (``_score_threaded``)."""
+    if timeout_s > 0:
+        return _score_forked(fn, items, error_score, timeout_s)
+    if parallel > 1:
+        return _score_threaded(fn, items, error_score, parallel)
+    return [_safe_score(fn, *item, error_score) for item in items]
 
-    With ``timeout_s > 0`` the items are scored in a forked child process that is killed when
-    the batch takes longer: the items it did not finish score ``error_score`` with a timeout
-    error, and the run goes on (a hung function cannot be stopped inside this process).
-    """
-    if timeout_s <= 0 and parallel > 1:
-        for source in {item[0] for item in items}:  # built once, before the threads share them
-            try:
-                getattr(fn, "scorer", lambda _: None)(source)
-            except Exception:  # named again, and scored error_score, by each of its items
-                pass
-        with ThreadPoolExecutor(parallel, thread_name_prefix="score") as pool:
-            return list(pool.map(lambda item: _safe_score(fn, *item, error_score), items))
-    if timeout_s <= 0:
-        return [_safe_score(fn, *item, error_score) for item in items]
+
+def _score_threaded(fn: ScoreFn, items: list[tuple], error_score: float, parallel: int) -> list[Scored]:
+    """Score ``parallel`` items at once in threads (for scorers that wait on a subprocess: the
+    sandbox); returns ``score_batch``'s answers."""
+    for source in {item[0] for item in items}:  # built once, before the threads share them
+        try:
+            getattr(fn, "scorer", lambda _: None)(source)
+        except Exception:  # named again, and scored error_score, by each of its items
+            pass
+    with ThreadPoolExecutor(parallel, thread_name_prefix="score") as pool:
+        return list(pool.map(lambda item: _safe_score(fn, *item, error_score), items))
+
+
+def _score_forked(fn: ScoreFn, items: list[tuple], error_score: float, timeout_s: float) -> list[Scored]:
+    """Score the items in a forked child process that is killed when the batch takes longer than
+    ``timeout_s`` (a hung function cannot be stopped inside this process): the items it did not
+    finish score ``error_score`` with a timeout error, and the run goes on; returns
+    ``score_batch``'s answers."""
     import multiprocessing
     import time
 
