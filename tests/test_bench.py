@@ -109,10 +109,10 @@ def test_bench_async_json_compares_streaming_with_the_pipeline_one_batch_ahead(r
     assert "goal_speedup_met" not in result and result["processor"]  # the generation workload did not run
 
 
-def test_bench_async_figures_count_each_side_and_the_wait_for_samples():
+def test_bench_async_figures_count_each_side_and_the_generate_stage():
     """A mode's figures from its steps' metrics and call spans: the trainer's busy time is the
     union of the actor's calls (overlaps once), streaming's rollout busy time the engines' own
-    count, and the sample wait the generate stage's seconds, each over the wall time."""
+    count, and the generate stage's seconds, each over the wall time."""
     from hybridlab.bench.asynchronous import figures
     from hybridlab.telemetry.timeline import Span
 
@@ -126,7 +126,7 @@ def test_bench_async_figures_count_each_side_and_the_wait_for_samples():
     spans = [Span("actor", 0, "update_actor", 0.0, 0.5), Span("actor", 0, "update_actor", 0.4, 0.9),
              Span("actor", 0, "compute_log_prob", 1.2, 1.5), Span("rollout", 0, "stream_exchange", 0.0, 2.0)]
     assert figures(metrics, spans, 4.0, 2) == {
-        "tokens_per_s": 40.0, "step_s": 2.0, "busy": {"rollout": 0.2, "trainer": 0.3}, "sample_wait_share": 0.1,
+        "tokens_per_s": 40.0, "step_s": 2.0, "busy": {"rollout": 0.2, "trainer": 0.3}, "generate_stage_share": 0.1,
         "occupancy": 15, "response_length_mean": 6, "staleness_mean": 1.5, "staleness_max": 3.0,
         "partial_share": 0.5, "preempted_share": 0.125, "straggler_share": 0.2}
 

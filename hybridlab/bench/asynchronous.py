@@ -36,11 +36,12 @@ busy share of that time: the trainer's is the union of the actor's worker
 calls; the rollout's is the union of its generate calls in batch modes and, streaming, the
 seconds its engines spent stepping (a weight sync pauses them: paused is idle); the engines'
 mean occupancy (running sequences per engine step; batch modes: tokens over the longest
-response, the decode steps a call takes); ``sample_wait_share``, the share of the time the
-steps spent getting their samples (the generate stage: a whole generation on-policy, the wait
-for the batch generated ahead, streaming's take of finished groups with any wait for them):
-the trainer's idle time that the rollout side causes, the rest of its idle time being the
-controller's work and calls between the actor's; the trained tokens' mean and max staleness; the
+response, the decode steps a call takes); ``generate_stage_share``, the share of the time the
+steps spent in the generate stage: on-policy a whole generation; one batch ahead the take of
+the batch generated ahead (its wait for the engines falls in the next sync, which queues
+behind the generation in flight); streaming the take of finished groups with any wait for
+them, which is then all the trainer waits for the rollout side (the rest of its idle time is
+the controller's work and calls between the actor's); the trained tokens' mean and max staleness; the
 partial and preempted shares of the trained samples.
 """
 from __future__ import annotations
@@ -124,7 +125,7 @@ def figures(metrics: list[dict], spans: list, wall: float, steps: int) -> dict:
     samples = sum(m.get("rollout/samples", 0) for m in metrics)
     return {"tokens_per_s": round(tokens / wall, 1), "step_s": round(wall / steps, 3),
             "busy": {"rollout": round(min(rollout / wall, 1.0), 3), "trainer": round(min(trainer / wall, 1.0), 3)},
-            "sample_wait_share": round(sum(m["timing/generate_s"] for m in metrics) / wall, 3),
+            "generate_stage_share": round(sum(m["timing/generate_s"] for m in metrics) / wall, 3),
             "occupancy": round(statistics.mean(occupancy), 2),
             "response_length_mean": round(statistics.mean(m["response_length/mean"] for m in metrics), 2),
             "staleness_mean": round(statistics.mean(m.get("rollout/staleness_mean", m["rollout/staleness"])
