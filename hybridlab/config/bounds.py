@@ -8,6 +8,7 @@ check; ``hybridlab.run_config.validate_config`` lists them all.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 # key: the lowest value allowed, or "positive", or "(0, 1]"
@@ -43,7 +44,9 @@ def bound_problems(cfg: Any) -> list[str]:
     out = []
     for key, bound in RANGES.items():
         value = functools.reduce(getattr, key.split("."), cfg)  # the dotted key's value
-        if bound == "positive" and not value > 0:
+        if isinstance(value, float) and math.isnan(value):  # NaN compares false with every bound
+            out.append(f"{key}: must be a number, got nan")
+        elif bound == "positive" and not value > 0:
             out.append(f"{key}: must be positive, got {value}")
         elif bound == "(0, 1]" and not 0 < value <= 1:
             out.append(f"{key}: must be in (0, 1], got {value}")

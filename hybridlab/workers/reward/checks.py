@@ -5,6 +5,8 @@ runs it with the rest.
 """
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 from hybridlab.config import RunConfig
@@ -21,8 +23,8 @@ def reward_problems(cfg: RunConfig) -> list[str]:
     p = [*one_of("reward.kind", reward.kind, KINDS),
          *one_of("reward.gsm8k_extraction", reward.gsm8k_extraction, gsm8k.METHODS),
          *one_of("reward.math_verifier", reward.math_verifier, MATH_VERIFIERS)]
-    if reward.timeout_s < 0:
-        p.append(f"reward.timeout_s: must be 0 (no limit) or a positive number of seconds, got {reward.timeout_s}")
+    if not math.isfinite(reward.timeout_s) or reward.timeout_s < 0:
+        p.append(f"reward.timeout_s: must be 0 (no limit) or a finite positive number of seconds, got {reward.timeout_s}")
     if reward.kind == "function" and not reward.function:
         p.append("reward.function: reward.kind is 'function', so give an import path like mypkg.rewards:score")
     elif reward.kind == "function":
