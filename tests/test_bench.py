@@ -129,6 +129,16 @@ def test_bench_async_figures_count_each_side_and_the_generate_stage():
         "tokens_per_s": 40.0, "step_s": 2.0, "busy": {"rollout": 0.2, "trainer": 0.3}, "generate_stage_share": 0.1,
         "occupancy": 15, "response_length_mean": 6, "staleness_mean": 1.5, "staleness_max": 3.0,
         "partial_share": 0.5, "preempted_share": 0.125, "straggler_share": 0.2}
+    # a batch mode: the rollout's busy time is the union of its generate calls, its occupancy the
+    # tokens over the longest response (the decode steps a call takes), its staleness the step's
+    batch = [{"rollout/tokens": 120, "response_length/max": 10, "response_length/mean": 4, "rollout/staleness": 1,
+              "rollout/straggler_share": 0.5, "timing/generate_s": 0.6}]
+    spans = [Span("rollout", 0, "generate", 0.0, 1.0), Span("rollout", 0, "generate", 0.5, 1.5),
+             Span("rollout", 0, "load_weights", 1.5, 2.0), Span("actor", 0, "update_actor", 1.5, 2.5)]
+    assert figures(batch, spans, 5.0, 1) == {
+        "tokens_per_s": 24.0, "step_s": 5.0, "busy": {"rollout": 0.3, "trainer": 0.2}, "generate_stage_share": 0.12,
+        "occupancy": 12, "response_length_mean": 4, "staleness_mean": 1, "staleness_max": 1, "partial_share": 0.0,
+        "preempted_share": 0.0, "straggler_share": 0.5}
 
 
 def test_bench_lora_json(ray_local, capfd):
