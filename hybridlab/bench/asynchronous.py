@@ -40,8 +40,8 @@ response, the decode steps a call takes); ``generate_stage_share``, the share of
 steps spent in the generate stage: on-policy a whole generation; one batch ahead the take of
 the batch generated ahead (its wait for the engines falls in the next sync, which queues
 behind the generation in flight); streaming the take of finished groups with any wait for
-them, which is then all the trainer waits for the rollout side (the rest of its idle time is
-the controller's work and calls between the actor's); the trained tokens' mean and max staleness; the
+them (the sync waits on the engines too, for the calls sent before it and for each weight
+bucket's load but the last: the tiny model has one bucket); the trained tokens' mean and max staleness; the
 partial and preempted shares of the trained samples.
 """
 from __future__ import annotations
