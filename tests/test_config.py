@@ -133,8 +133,10 @@ def test_overrides_parse_values_as_yaml():
      INVALID + 'critic.micro_batch_tokens: must be at least 0, got -1'),
     (['trainer.max_staleness=0'],
      INVALID + 'trainer.max_staleness: must be at least 1, got 0'),
-    (['rollout.temperature=nan'],
-     INVALID + 'rollout.temperature: must be a number, got nan'),
+    (['reward.error_score=nan'],
+     'reward.error_score: expected a number, got nan'),
+    (['rollout.temperature=.nan'],
+     'rollout.temperature: expected a number, got nan'),
     (['reward.timeout_s=inf'],
      INVALID + 'reward.timeout_s: must be 0 (no limit) or a finite positive number of seconds, got inf'),
     (['rollout.backend=hf', 'rollout.prefix_caching=true'],
@@ -167,6 +169,16 @@ def test_bad_values_name_the_key_and_what_is_allowed(override, message):
         load_config(None, override)
     assert str(err.value) == message  # the whole message: the key, what is wrong and what is allowed
 
+
+
+def test_a_config_object_with_a_nan_setting_is_refused_naming_it():
+    from hybridlab.run_config import validate_config
+
+    cfg = load_config(None, [])
+    cfg.rollout.temperature = float("nan")  # built in Python, past the loader's check
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    assert str(err.value) == INVALID + "rollout.temperature: must be a number, got nan"
 
 
 @pytest.mark.parametrize("override, old_stage", [

@@ -4,6 +4,7 @@ loss's keys are accepted."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -32,9 +33,11 @@ def _coerce(value: Any, tp, where: str) -> Any:
         return float(value)
     if tp is float and isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
+    if tp is float and isinstance(value, float) and math.isnan(value):  # YAML's .nan, or "nan"
+        raise ConfigError(f"{where}: expected a number, got nan")
     check = origin or tp
     if check is bool and not isinstance(value, bool) or check is not bool and isinstance(value, bool) \
             or not isinstance(value, check):
