@@ -70,17 +70,21 @@ class Probe(Worker):
             raise ValueError(f"bad input on purpose at rank {rank}")
         return self.rank
 
-    @register(Dispatch.ALL)
-    def update(self, number: int, fail_at: int) -> int:
-        """An optimizer step's stand-in: recorded, a little work, a failure where asked for."""
-        self.updates = [*getattr(self, "updates", []), number]
-        time.sleep(0.05)
-        if number == fail_at:
-            raise ValueError(f"update number {number} fails on purpose")
-        return number
+    @register(Dispatch.DP)
+    def update(self, batches: list, fail_at: int) -> list[list[int]]:
+        """A step's optimizer steps' stand-in: each mini-batch's rows (column 0) recorded in order, a
+        failure at the mini-batch holding row ``fail_at``."""
+        done = []
+        for batch in batches:
+            rows = batch["x"][:, 0].tolist()
+            if fail_at in rows:
+                raise ValueError(f"the update of row {fail_at} fails on purpose")
+            self.updates = [*getattr(self, "updates", []), rows]
+            done.append(rows)
+        return done
 
     @register(Dispatch.RANK_ZERO)
-    def updates_made(self) -> list[int]:
+    def updates_made(self) -> list[list[int]]:
         made, self.updates = getattr(self, "updates", []), []
         return made
 
@@ -213,19 +217,23 @@ def test_futures_let_independent_calls_overlap(session):
     ray.kill(signal)
 
 
-def test_updates_sent_behind_one_another_run_in_order_and_a_failure_stops_them(session):
-    """A step's mini-batch updates go out with the next one sent while the one before runs: the
-    processes run them in order; after a failed one a single update more has run, and the
-    processes answer at once (the recovery's check must not mistake a queue for a dead worker)."""
+def test_a_steps_updates_go_in_one_call_each_split_over_the_dp_ranks_and_a_failure_stops_the_rest(session):
+    """run_updates sends a step's mini-batches in one call to each process: each mini-batch is
+    split over the data-parallel ranks as a lone Batch is (the TP peers of a rank share one
+    stored copy of their part: 3 x 128 KiB here), each rank runs its parts in order, and the
+    answers come back per mini-batch and per DP rank. A failed one stops those after it in its
+    process; the processes answer at once and no call is left listed as running."""
     from hybridlab.dataflow.update_stages import run_updates
 
-    group = session.groups["critic"]
+    group = session.groups["actor"]  # 4 ranks: dp 2 x tp 2, TP rank 0 answers
+    batches = [Batch({"x": (torch.arange(4) + 10 * i)[:, None].repeat(1, 8192)}) for i in range(3)]
     group.updates_made()
-    assert run_updates(group.update, list(range(6)), -1) == [[i] * 4 for i in range(6)]
-    assert group.updates_made() == list(range(6))
-    with pytest.raises(WorkerError, match="update number 2 fails on purpose"):
-        run_updates(group.update, list(range(8)), 2)
-    assert group.ping(timeout=1.0) and group.updates_made() == [0, 1, 2, 3]
+    assert run_updates(group.update, batches, -1) == [[[10 * i, 10 * i + 1], [10 * i + 2, 10 * i + 3]]
+                                                      for i in range(3)]
+    assert group.updates_made() == [[0, 1], [10, 11], [20, 21]]  # rank 0 (dp 0): its part of each, in order
+    with pytest.raises(WorkerError, match="the update of row 10 fails on purpose"):
+        run_updates(group.update, batches, 10)
+    assert group.ping(timeout=1.0) and group.updates_made() == [[0, 1]]
     assert [c for c in session.watch.running() if c["method"] == "update"] == []
 
 

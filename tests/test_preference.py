@@ -176,12 +176,12 @@ def test_dpo_on_megatron_and_fsdp2_trains_as_trls_dpo_trainer(ray_local, tiny_di
                 actor = megatron.groups["actor"]
                 actor.configure(train_settings(**optim, micro_batch_size=2, strategy="megatron", micro_batch_tokens=16,
                                                 remove_padding=True))
-                runs = {"megatron": ([actor.update_actor(batch, loss_fn)[0] for _ in range(3)], gathered(actor))}
+                runs = {"megatron": (actor.update_actor([batch] * 3, loss_fn)[0], gathered(actor))}
             actor = fsdp2.groups["actor"]
             actor.load_state([fresh_ref])
             reset = gathered(actor)
             assert max_diff(reset, {k: v for k, v in gathered_initial(tiny_dir).items() if k in reset}) == 0
-            runs["fsdp2"] = ([actor.update_actor(batch, loss_fn)[0] for _ in range(3)], gathered(actor))
+            runs["fsdp2"] = (actor.update_actor([batch] * 3, loss_fn)[0], gathered(actor))
             for strategy, (metrics, ours) in runs.items():
                 for key in ("loss", *METRICS):
                     assert metrics[0][key] == pytest.approx(first[key], abs=1e-5), (types, strategy, key)

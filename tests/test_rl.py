@@ -284,8 +284,8 @@ def test_a_policy_gradient_step_raises_positive_advantage_samples_and_lowers_the
         loss = actor_loss({**actor_loss_settings(rl.cfg), "policy_loss": "vanilla", "loss_agg_mode": "token-mean",
                            "entropy_coeff": 0.0, "use_kl_loss": False})
         advantages = torch.tensor([[1.0], [-1.0]]) * mask
-        metrics = actor.update_actor(Batch({**batch.tensors, "old_log_probs": before, "advantages": advantages}),
-                                     loss)
+        metrics = [m for rank in actor.update_actor([Batch({**batch.tensors, "old_log_probs": before,
+                                                             "advantages": advantages})], loss) for m in rank]
         after = actor.compute_log_prob(batch)["old_log_probs"]
     finally:
         actor.load_state([ray.put(saved)])  # the rollout still holds these weights: nothing to sync

@@ -327,7 +327,7 @@ def test_critic_values_learn_a_target_at_tp2(tiny, tmp_path):
         critic = s.groups["critic"]
         values = critic.compute_values(BATCH)["values"]
         assert values.shape == BATCH["responses"].shape and values.abs().max() == 0  # zero-initialised head
-        losses = [critic.update_critic(BATCH, value_loss)[0]["value_loss"] for _ in range(8)]
+        losses = [m["value_loss"] for m in critic.update_critic([BATCH] * 8, value_loss)[0]]
         assert losses[0] == pytest.approx(1.0) and losses[-1] < 0.2
         # packed micro-batches by a token budget give the padded layout's values (at the responses)
         mask = BATCH["response_mask"].bool()

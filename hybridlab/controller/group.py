@@ -325,6 +325,8 @@ class WorkerGroup:
         lengths = [-1] * dp_size
 
         def split(value):
+            if isinstance(value, list) and value and all(isinstance(v, Batch) for v in value):
+                return split_each(value)
             if not isinstance(value, Batch):
                 return [value] * dp_size
             chunks = value.chunk(dp_size)
@@ -333,6 +335,14 @@ class WorkerGroup:
             if shared:  # TP/PP peers receive the same chunk: store it once, pass the reference
                 return [ray.put(c) if c.nbytes >= INLINE_BYTES else c for c in chunks]
             return chunks  # one receiver per chunk: Ray moves large arguments via the store itself
+
+        def split_each(batches: list[Batch]) -> list:
+            """A list of Batches (a step's mini-batches): each split as a lone Batch is, each rank
+            given its chunk of every one, in order."""
+            parts = [[chunks[d] for chunks in (b.chunk(dp_size) for b in batches)] for d in range(dp_size)]
+            if shared and sum(c.nbytes for c in parts[0]) >= INLINE_BYTES:  # TP/PP peers: stored once
+                return [ray.put(part) for part in parts]
+            return parts
 
         split_args = [split(a) for a in args]
         split_kwargs = {k: split(v) for k, v in kwargs.items()}

@@ -33,7 +33,8 @@ class Dispatch(str, enum.Enum):
 
     ALL = "all"              # same arguments to every rank; returns the list of per-rank results
     DP = "dp"                # Batch arguments split by data-parallel rank (TP/PP peers share a
-                             # chunk); one rank per DP group answers; results concatenated
+                             # chunk; a list of Batches: each one); one rank per DP group answers;
+                             # results concatenated
     RANK_ZERO = "rank_zero"  # only rank 0 runs it; returns its result
     RAW = "raw"              # each argument is a per-rank list; returns the list of results
 

@@ -193,13 +193,15 @@ class ActorWorker(TrainWorker):
         return Batch(fields)
 
     @register(Dispatch.DP)
-    def update_actor(self, batch: Batch, loss_fn: LossFn) -> dict:
-        """Take one optimizer step of ``loss_fn`` over the batch; returns metrics (DP-averaged)."""
-        group = batch.meta.get(GROUP_ROWS, 1)
-        if group > 1 and batch.meta.get(PAD_KEY):  # the DP split padded with copies of real rows
-            raise ValueError(f"rows grouped by {group} ({GROUP_ROWS}) must split evenly over the actor's"
-                             " data-parallel ranks: give a multiple of dp x that many rows")
-        return self.engine.train_step(batch, loss_fn, self.micro_batch_size)
+    def update_actor(self, batches: list[Batch], loss_fn: LossFn) -> list[dict]:
+        """Take one optimizer step of ``loss_fn`` per mini-batch, in order (a step's updates in one
+        call); returns each step's metrics (DP-averaged). A failed step stops those after it."""
+        for batch in batches:
+            group = batch.meta.get(GROUP_ROWS, 1)
+            if group > 1 and batch.meta.get(PAD_KEY):  # the DP split padded with copies of real rows
+                raise ValueError(f"rows grouped by {group} ({GROUP_ROWS}) must split evenly over the actor's"
+                                 " data-parallel ranks: give a multiple of dp x that many rows")
+        return [self.engine.train_step(batch, loss_fn, self.micro_batch_size) for batch in batches]
 
     @register(Dispatch.DP)
     def sft_step(self, batch: Batch) -> dict:
@@ -249,6 +251,7 @@ class CriticWorker(TrainWorker):
         return None if out is None else Batch({"values": out["values"]})
 
     @register(Dispatch.DP)
-    def update_critic(self, batch: Batch, loss_fn: LossFn) -> dict:
-        """Take one optimizer step of the value loss; returns metrics (DP-averaged)."""
-        return self.engine.train_step(batch, loss_fn, self.micro_batch_size)
+    def update_critic(self, batches: list[Batch], loss_fn: LossFn) -> list[dict]:
+        """Take one optimizer step of the value loss per mini-batch, in order; returns each step's
+        metrics (DP-averaged)."""
+        return [self.engine.train_step(batch, loss_fn, self.micro_batch_size) for batch in batches]
