@@ -83,7 +83,7 @@ class Probe(Worker):
             done.append(rows)
         return done
 
-    @register(Dispatch.RANK_ZERO)
+    @register(Dispatch.ALL)
     def updates_made(self) -> list[list[int]]:
         made, self.updates = getattr(self, "updates", []), []
         return made
@@ -230,10 +230,15 @@ def test_a_steps_updates_go_in_one_call_each_split_over_the_dp_ranks_and_a_failu
     group.updates_made()
     assert run_updates(group.update, batches, -1) == [[[10 * i, 10 * i + 1], [10 * i + 2, 10 * i + 3]]
                                                       for i in range(3)]
-    assert group.updates_made() == [[0, 1], [10, 11], [20, 21]]  # rank 0 (dp 0): its part of each, in order
+    dp0, dp1 = [[0, 1], [10, 11], [20, 21]], [[2, 3], [12, 13], [22, 23]]
+    assert group.updates_made() == [dp0, dp0, dp1, dp1]  # each rank its DP part of each, in order; TP peers alike
+    future = group.update.submit(batches, -1)  # timed per mini-batch: 3 x the 120 s floor (quick ones)
+    assert [c["deadline_s"] for c in session.watch.running() if c["method"] == "update"] == [360.0]
+    future.result()
+    group.updates_made()
     with pytest.raises(WorkerError, match="the update of row 10 fails on purpose"):
         run_updates(group.update, batches, 10)
-    assert group.ping(timeout=1.0) and group.updates_made() == [[0, 1]]
+    assert group.ping(timeout=1.0) and group.updates_made() == [[[0, 1]], [[0, 1]], dp1, dp1]  # dp 0 stopped
     assert [c for c in session.watch.running() if c["method"] == "update"] == []
 
 
@@ -259,6 +264,38 @@ def test_timeouts_do_not_hang(session):
     with pytest.raises(WorkerError, match="worker actor rank 0 timed out in nap"):
         session.groups["actor"].nap.submit(3).result(timeout=0.5)
     session.groups["actor"].nap(0)  # the worker is fine afterwards
+
+
+def test_a_steps_mini_batches_repeat_their_objects_each_epoch_so_a_call_pickles_each_once():
+    import pickle
+
+    from hybridlab.dataflow.update_stages import mini_batches
+
+    batch = Batch({"x": torch.arange(8 * 1024).reshape(8, 1024)})
+    steps = mini_batches(batch, prompts=2, n=2, epochs=3)  # 2 mini-batches of 4 rows, 3 passes
+    assert [s["x"][:, 0].tolist() for s in steps] == [[0, 1024, 2048, 3072], [4096, 5120, 6144, 7168]] * 3
+    assert all(steps[i] is steps[i % 2] for i in range(6))
+    assert len(pickle.dumps(steps)) < 1.1 * len(pickle.dumps(steps[:2]))  # the data once, not 3 times
+
+
+def test_a_call_of_a_steps_updates_is_given_each_updates_deadline(monkeypatch):
+    """A call doing a step's n optimizer steps (``run_updates``) is timed per step: before a call
+    of its kind has finished, ``first_s`` for its first step and the floor for each other one;
+    afterwards 5 times the longest recent step, times n; a fixed deadline also counts per step."""
+    from hybridlab.controller import watch as watch_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(watch_module.time, "time", lambda: clock[0])
+    watch = watch_module.CallWatch(floor_s=120.0, first_s=600.0)
+    assert watch.deadline("actor", "update_actor", "update_actor", 4) == 600.0 + 3 * 120.0
+    call = watch.begin("actor", "update_actor", "update_actor", [0], [1], units=4)
+    assert watch.running()[0]["deadline_s"] == 960.0
+    clock[0] += 200.0  # 50 s a step
+    watch.end(call, ok=True)
+    assert watch.deadline("actor", "update_actor", "update_actor", 4) == 5 * 50.0 * 4
+    assert watch.deadline("actor", "update_actor", "update_actor", 1) == 250.0  # one step: 5 x 50 s
+    watch.configure(floor_s=120.0, fixed_s=30.0)
+    assert watch.deadline("actor", "update_actor", "update_actor", 4) == 120.0
 
 
 def test_a_call_past_its_deadline_is_reported_stuck_with_the_stacks_of_its_process(session, tmp_path):

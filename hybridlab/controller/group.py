@@ -174,17 +174,14 @@ class GroupFuture:
     """The pending result of a WorkerGroup call; ``result()`` waits and returns it."""
 
     def __init__(self, group: "WorkerGroup", method: str, refs: list, ranks: list[int],
-                 finish: Callable[[list], Any]):
+                 finish: Callable[[list], Any], units: int = 1):
         self.group, self.method, self._refs, self._ranks, self._finish = group, method, refs, ranks, finish
+        self.units = units  # steps of work in the call (a step's mini-batches): its deadline is per step
         self._done, self._value = False, None
         self.stage = group.timeline.stage  # the submitting thread's stage, whoever collects the result
         self._call = group.watch.begin(group.role, method, self.stage, ranks,
-                                       [group.placements[r]["pid"] for r in ranks if r < len(group.placements)])
-
-    def restart_clock(self) -> None:
-        """Count the call's time, and its deadline, from now (it was sent behind another call of
-        the same processes, which has just answered)."""
-        self.group.watch.restart(self._call)
+                                       [group.placements[r]["pid"] for r in ranks if r < len(group.placements)],
+                                       units)
 
     def unwatch(self) -> None:
         """Take the call off the watch's list of calls in flight, for a call whose answer is
@@ -204,7 +201,7 @@ class GroupFuture:
             g = self.group
             watched = timeout is None
             if watched:
-                deadline = g.watch.deadline(g.role, self.method, self.stage)
+                deadline = g.watch.deadline(g.role, self.method, self.stage, self.units)
                 timeout = max(0.0, g.watch.started(self._call) + deadline - time.time())
             try:
                 answers = get_all(self._refs, self._ranks, g.role, self.method, timeout)
@@ -325,7 +322,7 @@ class WorkerGroup:
         lengths = [-1] * dp_size
 
         def split(value):
-            if isinstance(value, list) and value and all(isinstance(v, Batch) for v in value):
+            if _batches(value):
                 return split_each(value)
             if not isinstance(value, Batch):
                 return [value] * dp_size
@@ -338,10 +335,12 @@ class WorkerGroup:
 
         def split_each(batches: list[Batch]) -> list:
             """A list of Batches (a step's mini-batches): each split as a lone Batch is, each rank
-            given its chunk of every one, in order."""
-            parts = [[chunks[d] for chunks in (b.chunk(dp_size) for b in batches)] for d in range(dp_size)]
-            if shared and sum(c.nbytes for c in parts[0]) >= INLINE_BYTES:  # TP/PP peers: stored once
-                return [ray.put(part) for part in parts]
+            given its chunk of every one, in order; a Batch listed again (the next epoch) gives the
+            same chunk objects, which pickling then sends once."""
+            chunked = {id(b): b.chunk(dp_size) for b in batches}
+            parts = [[chunked[id(b)][d] for b in batches] for d in range(dp_size)]
+            if shared and sum(chunks[0].nbytes for chunks in chunked.values()) >= INLINE_BYTES:  # TP/PP peers
+                return [ray.put(part) for part in parts]  # stored once for the peers
             return parts
 
         split_args = [split(a) for a in args]
@@ -367,7 +366,8 @@ class WorkerGroup:
                                      else r for d, r in enumerate(ordered)])
             return ordered
 
-        return GroupFuture(self, method, refs, list(range(len(refs))), finish)
+        units = max((len(v) for v in (*args, *kwargs.values()) if _batches(v)), default=1)
+        return GroupFuture(self, method, refs, list(range(len(refs))), finish, units)
 
     def ping(self, timeout: float = 10.0) -> bool:
         """Return True if every rank answers within ``timeout`` seconds, else False."""
@@ -380,3 +380,8 @@ class WorkerGroup:
 
     def __repr__(self) -> str:
         return f"WorkerGroup({self.role}: {self.cls.__name__} x {self.world_size}; methods {sorted(self.methods)})"
+
+
+def _batches(value: Any) -> bool:
+    """True for a list of Batches (a step's mini-batches, one step of work each)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(v, Batch) for v in value)

@@ -7,15 +7,16 @@
 A call's deadline is ``factor`` times the longest of the recent calls of the same role, method
 and stage (as the controller saw them: from submission to answer), never below ``floor_s``;
 before such a call has ever finished, it is ``first_s`` (a first call compiles and warms
-caches). ``fixed_s`` replaces all of that with one number. A call past its deadline is stuck:
+caches). ``fixed_s`` replaces all of that with one number. A call that does ``units`` steps of
+work (a training step's optimizer steps, one per mini-batch) is timed per step: its deadline is
+a one-step call's times ``units``, or before any has finished ``first_s`` for the first step and
+``floor_s`` for each other one. A call past its deadline is stuck:
 the group that waits for it writes the stacks of its processes with ``dump_stacks`` and
 reports it like a dead worker (``WorkerError`` of kind ``"stuck"``), so the run's recovery
 re-creates it. A stuck call stays in ``running()`` (late) until its processes are replaced
 (``forget``): they are still busy with it, and a viewer polling once a second sees it. A call
 whose answer is read later (a streaming step's sync leaves its last load to the engines:
-``GroupFuture.unwatch``) is off the list; its deadline counts from when it is read. A call sent
-behind another of the same processes has its clock started again when that one answers
-(``restart``).
+``GroupFuture.unwatch``) is off the list; its deadline counts from when it is read.
 
 Stacks come from ``faulthandler`` in each worker process (registered on SIGUSR1 by the host),
 which prints every Python thread's stack even when the process is busy in C code. The signal
@@ -58,37 +59,35 @@ class CallWatch:
         """Change the floor and the fixed deadline (0: derived) for calls from now on."""
         self.floor_s, self.fixed_s = floor_s, fixed_s
 
-    def deadline(self, role: str, method: str, stage: str) -> float:
-        """Return the seconds a new call of ``role.method`` in ``stage`` may take."""
+    def deadline(self, role: str, method: str, stage: str, units: int = 1) -> float:
+        """Return the seconds a new call of ``role.method`` in ``stage`` doing ``units`` steps of
+        work may take."""
         if self.fixed_s:
-            return self.fixed_s
+            return self.fixed_s * units
         with self._lock:
             recent = self._recent.get((role, method, stage))
-            longest = max(recent) if recent else None
-        return self.first_s if longest is None else max(self.floor_s, FACTOR * longest)
+            longest = max(recent) if recent else None  # per step of work
+        if longest is None:
+            return self.first_s + (units - 1) * self.floor_s
+        return max(self.floor_s, FACTOR * longest) * units
 
-    def begin(self, role: str, method: str, stage: str, ranks: list[int], pids: list[int]) -> int:
-        """Record a call just submitted; returns its id for ``end``."""
-        call = {"role": role, "method": method, "stage": stage, "ranks": ranks, "pids": pids,
-                "start": time.time(), "deadline_s": self.deadline(role, method, stage)}
+    def begin(self, role: str, method: str, stage: str, ranks: list[int], pids: list[int], units: int = 1) -> int:
+        """Record a call just submitted, of ``units`` steps of work; returns its id for ``end``."""
+        call = {"role": role, "method": method, "stage": stage, "ranks": ranks, "pids": pids, "units": units,
+                "start": time.time(), "deadline_s": self.deadline(role, method, stage, units)}
         with self._lock:
             call_id = next(self._ids)
             self._calls[call_id] = call
         return call_id
 
     def end(self, call_id: int, ok: bool) -> None:
-        """Forget a call; a successful one's duration feeds the deadline of the next ones."""
+        """Forget a call; a successful one's duration per step feeds the deadline of the next ones."""
         with self._lock:
             call = self._calls.pop(call_id, None)
             if call is not None and ok:
                 key = (call["role"], call["method"], call["stage"])
-                self._recent.setdefault(key, collections.deque(maxlen=HISTORY)).append(time.time() - call["start"])
-
-    def restart(self, call_id: int) -> None:
-        """Start a call's clock again now (a call sent behind another one starts when it ends)."""
-        with self._lock:
-            if call_id in self._calls:
-                self._calls[call_id]["start"] = time.time()
+                per_step = (time.time() - call["start"]) / call["units"]
+                self._recent.setdefault(key, collections.deque(maxlen=HISTORY)).append(per_step)
 
     def forget(self, roles: set[str]) -> None:
         """Drop the calls in flight and the recent call times of ``roles`` (their processes were

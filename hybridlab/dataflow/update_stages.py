@@ -68,9 +68,10 @@ def advantages(ctx: StepContext, batch: Batch) -> tuple[Batch, dict]:
 
 
 def mini_batches(batch: Batch, prompts: int, n: int, epochs: int) -> list[Batch]:
-    """Return the optimizer steps' mini-batches: ``prompts`` x ``n`` rows each, over ``epochs`` passes."""
+    """Return the optimizer steps' mini-batches: ``prompts`` x ``n`` rows each, over ``epochs``
+    passes; each pass repeats the first one's objects, so a call sends each mini-batch once."""
     rows = max(1, prompts * n)
-    return [batch.take(slice(s, s + rows)) for _ in range(epochs) for s in range(0, len(batch), rows)]
+    return [batch.take(slice(s, s + rows)) for s in range(0, len(batch), rows)] * epochs
 
 
 def run_updates(method, batches: list[Batch], loss) -> list[list[dict]]:
