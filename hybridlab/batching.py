@@ -49,6 +49,17 @@ def sequences_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequen
                   "position_ids": (mask.cumsum(-1) - 1).clamp(min=0), "response_mask": response_mask})
 
 
+def right_padded(rows: Sequence[Sequence[float]], width: int, dtype: type = np.float32,
+                 fill: float = 0) -> torch.Tensor:
+    """Return a [len(rows), width] tensor of ``dtype`` with each row's values from column 0 and
+    ``fill`` after them: per-token values (behaviour log-probs, policy versions) laid out under
+    the right-padded responses of ``sequences_batch``."""
+    out = np.full((len(rows), width), fill, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return torch.from_numpy(out)
+
+
 def on_last_token(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Return [batch, response_len] zeros with each sample's value on its last response token
     (how outcome rewards are laid out per token): the last column where ``response_mask`` is 1,

@@ -29,10 +29,9 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-import torch
 
 from hybridlab.agents.rollout import agent_batch, agent_sample
-from hybridlab.batching import sequences_batch
+from hybridlab.batching import right_padded, sequences_batch
 from hybridlab.config import RunConfig
 from hybridlab.config.bounds import one_of
 from hybridlab.controller.group import GroupFuture
@@ -281,12 +280,9 @@ def _samples_batch(groups: list[dict], pad_id: int, response_len: int) -> Batch:
     rows = [(g, s) for g in groups for s in g["samples"]]
     out = sequences_batch([g["prompt_ids"] for g, _ in rows], [s["ids"] for _, s in rows], pad_id,
                           response_len=response_len)
-    shape = out["responses"].shape
-    log_probs, versions = np.zeros(shape, dtype=np.float32), np.full(shape, -1, dtype=np.int64)
-    for i, (_, s) in enumerate(rows):
-        log_probs[i, :len(s["logprobs"])] = s["logprobs"]
-        versions[i, :len(s["versions"])] = s["versions"]
-    out.tensors.update(rollout_log_probs=torch.from_numpy(log_probs), rollout_versions=torch.from_numpy(versions))
+    width = out["responses"].shape[1]
+    out.tensors.update(rollout_log_probs=right_padded([s["logprobs"] for _, s in rows], width),
+                       rollout_versions=right_padded([s["versions"] for _, s in rows], width, np.int64, -1))
     out.objects["prompt_ids"] = [g["prompt_ids"] for g, _ in rows]
     return out
 

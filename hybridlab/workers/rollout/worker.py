@@ -17,7 +17,7 @@ from hybridlab.agents.rollout import (AgentSettings, TrajectoryRunner, agent_bat
                                       run_agents)
 from hybridlab.agents.stream import AgentStream
 from hybridlab.agents.tool_loop import AgentLimits, ChatClient
-from hybridlab.batching import PROMPT_WIDTH, sequences_batch
+from hybridlab.batching import PROMPT_WIDTH, right_padded, sequences_batch
 from hybridlab.config.schema import DataConfig, RolloutConfig, SandboxConfig, TrainerConfig
 from hybridlab.controller.worker import Dispatch, Worker, register
 from hybridlab.models.chat import use_template
@@ -121,10 +121,7 @@ class RolloutWorker(Worker):
         repeated = batch.repeat(cfg.n)
         out = sequences_batch([p for p in prompts for _ in range(cfg.n)], responses, self.pad_id,
                               response_len=cfg.max_tokens, prompt_len=batch.meta.get(PROMPT_WIDTH))
-        lp = torch.zeros(out["responses"].shape, dtype=torch.float32)
-        for i, row in enumerate(logprobs):
-            lp[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
-        out.tensors["rollout_log_probs"] = lp
+        out.tensors["rollout_log_probs"] = right_padded(logprobs, out["responses"].shape[1])
         out.objects["prompt_ids"] = [p for p in prompts for _ in range(cfg.n)]  # as used (maybe truncated)
         for key, values in repeated.objects.items():
             out.objects.setdefault(key, values)
