@@ -114,3 +114,31 @@ def test_an_unknown_logger_is_named():
 
     with pytest.raises(ConfigError, match="trainer.logger: 'neptune' not one of"):
         load_config(None, ["trainer.logger=[console,neptune]"])
+
+
+def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Return every scalar of a run's TensorBoard event files, as TensorBoard reads them (purged
+    steps hidden): tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_metrics_log_mirrors_each_steps_numbers_to_tensorboard_and_a_resume_hides_the_steps_after_its_checkpoint(
+        tmp_path):
+    from hybridlab.telemetry.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path)
+    log.write(1, {"reward/mean": 0.25, "actor/grad_norm": 2, "skipped": True, "note": "x", "bad": float("nan")})
+    log.write(2, {"reward/mean": 0.5, "actor/grad_norm": 3})
+    log.write(3, {"reward/mean": 0.125})
+    log.close()
+    assert [json.loads(line)["bad"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()[:1]] == [None]
+    assert tensorboard_scalars(tmp_path) == {"reward/mean": [(1, 0.25), (2, 0.5), (3, 0.125)],
+                                             "actor/grad_norm": [(1, 2.0), (2, 3.0)]}
+    log = MetricsLog(tmp_path, purge_after=1)  # resumed from the checkpoint of step 1: steps 2 and 3 run again
+    log.write(2, {"reward/mean": 0.75})
+    log.close()
+    assert tensorboard_scalars(tmp_path) == {"reward/mean": [(1, 0.25), (2, 0.75)], "actor/grad_norm": [(1, 2.0)]}
