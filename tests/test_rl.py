@@ -202,17 +202,23 @@ def test_a_stop_request_ends_train_after_the_current_step_and_is_consumed(rl):
     assert rl.train(1)["stopped_by"] == "steps" and rl.state.step_count == steps + 1
 
 
-def test_a_failing_stage_is_named(rl):
+def test_a_failing_stage_is_named_and_the_callers_torch_threads_are_put_back(rl):
+    seen = []
+
     @register_stage("explode", None, ("responses",), ("boom",))
     def explode(ctx, batch):
+        seen.append(torch.get_num_threads())
         raise ValueError("no such thing")
 
-    flow = rl.dataflow.names
+    flow, threads = rl.dataflow.names, torch.get_num_threads()
     try:
         rl.dataflow = ["generate", "explode"]
+        torch.set_num_threads(2)  # a kernel's own number: the step's stages run on one, then the kernel has its 2 back
         with pytest.raises(StageError, match="stage 'explode' \\(role controller\\) failed: ValueError: no such"):
             rl.step()
+        assert (seen, torch.get_num_threads()) == ([1], 2)
     finally:
+        torch.set_num_threads(threads)
         STAGES.pop("explode")
         rl.dataflow = flow
 

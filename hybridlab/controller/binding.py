@@ -10,8 +10,10 @@ its multiprocess executor, not to the in-process engine our rollout worker runs.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from typing import Iterator
 
 BIND_ENV = "HYBRIDLAB_BIND_THREADS"
 
@@ -37,6 +39,24 @@ def set_threads(threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Run the block with one torch (OpenMP) thread in this thread and in the threads started
+    meanwhile, then put this thread's number back. Torch keeps the number per thread, so a
+    kernel's other threads keep theirs. The controller runs its steps so: its tensors are small,
+    and a second OpenMP thread, spinning after each operation, took CPU from the actor and the
+    engines on the cores they are pinned to (verl's controller, a Ray actor, runs with
+    ``OMP_NUM_THREADS=1`` too)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def pin_process(cores: list[int]) -> list[int]:

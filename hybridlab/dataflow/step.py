@@ -17,6 +17,7 @@ import threading
 import time
 import warnings
 
+from hybridlab.controller.binding import one_torch_thread
 from hybridlab.dataflow.context import StepContext
 from hybridlab.dataflow.evaluation import accuracy_report, eval_scores
 from hybridlab.dataflow.generations import generation_rows, generations_dir, write_generations
@@ -40,7 +41,7 @@ class Stepping:
             self.start()
         if self.broken:
             raise RuntimeError(self.broken)
-        with self.boundary.step():  # edits queued during the previous step apply before this one
+        with self.boundary.step(), one_torch_thread():  # edits queued during the last step apply before this one
             return with_recovery(self, self._step)  # a dead or stuck worker: re-created, the step run again
 
     def context(self) -> StepContext:
@@ -115,8 +116,9 @@ class Stepping:
             self.state.stream.settle()  # streaming: the last sync's load is read first (a failed one raises)
             return eval_scores(ctx, prompts)
 
-        # under the step lock: a remap or an edit waits for the evaluation as for a step
-        with self.boundary.lock, self.workers.timeline.staged("evaluate"):  # the dashboard labels calls by stage
+        # under the step lock: a remap or an edit waits for the evaluation as for a step; the dashboard
+        # labels its calls by stage
+        with self.boundary.lock, self.workers.timeline.staged("evaluate"), one_torch_thread():
             scored = with_recovery(self, scores)
         out = accuracy_report(scored, len(samples))
         if self.cfg.trainer.verl_names and "reward_answer" in scored.objects:
