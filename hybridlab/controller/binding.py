@@ -43,12 +43,13 @@ def set_threads(threads: int) -> None:
 
 @contextlib.contextmanager
 def one_torch_thread() -> Iterator[None]:
-    """Run the block with one torch (OpenMP) thread in this thread and in the threads started
-    meanwhile, then put this thread's number back. Torch keeps the number per thread, so a
-    kernel's other threads keep theirs. The controller runs its steps so: its tensors are small,
-    and a second OpenMP thread, spinning after each operation, took CPU from the actor and the
-    engines on the cores they are pinned to (verl's controller, a Ray actor, runs with
-    ``OMP_NUM_THREADS=1`` too)."""
+    """Run the block with one torch (OpenMP) thread in this thread, then put this thread's
+    number back. Torch keeps the number per thread, set from the process's last one at a
+    thread's first torch call: threads that used torch before keep theirs, and those whose first
+    call falls inside the block (the dataflow's stage threads) keep one. The controller runs its
+    steps so, on every machine: its tensors are small, and a second OpenMP thread, spinning after
+    each operation, took CPU from the actor and the engines on the cores they are pinned to
+    (verl's controller, a Ray actor, runs with ``OMP_NUM_THREADS=1`` too)."""
     import torch
 
     before = torch.get_num_threads()

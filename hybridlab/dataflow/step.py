@@ -41,7 +41,7 @@ class Stepping:
             self.start()
         if self.broken:
             raise RuntimeError(self.broken)
-        with self.boundary.step(), one_torch_thread():  # edits queued during the last step apply before this one
+        with one_torch_thread(), self.boundary.step():  # edits queued during the last step apply before this one
             return with_recovery(self, self._step)  # a dead or stuck worker: re-created, the step run again
 
     def context(self) -> StepContext:

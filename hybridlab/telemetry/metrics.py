@@ -31,8 +31,9 @@ class MetricsLog:
         if self._tb is not None:  # one event holds the step's scalars: an add_scalar each took 10 ms a step
             values = [self._summary.Value(tag=k, simple_value=float(v)) for k, v in clean.items()
                       if isinstance(v, (int, float)) and not isinstance(v, bool)]
-            self._tb.file_writer.add_summary(self._summary(value=values), step)
-            self._tb.flush()
+            if values:
+                self._tb.file_writer.add_summary(self._summary(value=values), step)
+                self._tb.flush()
 
     def tell(self) -> int:
         """Return the bytes written to ``metrics.jsonl`` so far (all of them flushed)."""
