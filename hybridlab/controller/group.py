@@ -323,7 +323,7 @@ class WorkerGroup:
 
         def split(value):
             if _batches(value):
-                return split_each(value)
+                return _split_each(value, dp_size, shared)
             if not isinstance(value, Batch):
                 return [value] * dp_size
             chunks = value.chunk(dp_size)
@@ -332,16 +332,6 @@ class WorkerGroup:
             if shared:  # TP/PP peers receive the same chunk: store it once, pass the reference
                 return [ray.put(c) if c.nbytes >= INLINE_BYTES else c for c in chunks]
             return chunks  # one receiver per chunk: Ray moves large arguments via the store itself
-
-        def split_each(batches: list[Batch]) -> list:
-            """A list of Batches (a step's mini-batches): each split as a lone Batch is, each rank
-            given its chunk of every one, in order; a Batch listed again (the next epoch) gives the
-            same chunk objects, which pickling then sends once."""
-            chunked = {id(b): b.chunk(dp_size) for b in batches}
-            parts = [[chunked[id(b)][d] for b in batches] for d in range(dp_size)]
-            if shared and sum(chunks[0].nbytes for chunks in chunked.values()) >= INLINE_BYTES:  # TP/PP peers
-                return [ray.put(part) for part in parts]  # stored once for the peers
-            return parts
 
         split_args = [split(a) for a in args]
         split_kwargs = {k: split(v) for k, v in kwargs.items()}
@@ -380,6 +370,18 @@ class WorkerGroup:
 
     def __repr__(self) -> str:
         return f"WorkerGroup({self.role}: {self.cls.__name__} x {self.world_size}; methods {sorted(self.methods)})"
+
+
+def _split_each(batches: list[Batch], dp_size: int, shared: bool) -> list:
+    """Return each DP rank's part of a list of Batches (a step's mini-batches): its chunk of every
+    one, in order, each split as a lone Batch is. A Batch listed again (the next epoch) gives the
+    same chunk objects, which pickling then sends once; where TP/PP peers share a part
+    (``shared``), a large one is stored once for them."""
+    chunked = {id(b): b.chunk(dp_size) for b in batches}
+    parts = [[chunked[id(b)][d] for b in batches] for d in range(dp_size)]
+    if shared and sum(chunks[0].nbytes for chunks in chunked.values()) >= INLINE_BYTES:
+        return [ray.put(part) for part in parts]
+    return parts
 
 
 def _batches(value: Any) -> bool:

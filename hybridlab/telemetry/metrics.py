@@ -17,10 +17,8 @@ class MetricsLog:
         self._file = open(self.path, "a", buffering=1)
         self._tb = None
         if tensorboard:
-            from tensorboard.compat.proto.summary_pb2 import Summary
             from torch.utils.tensorboard import SummaryWriter
 
-            self._summary = Summary
             purge = None if purge_after is None else purge_after + 1
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=purge)
 
@@ -29,10 +27,12 @@ class MetricsLog:
         clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in metrics.items()}
         self._file.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
         if self._tb is not None:  # one event holds the step's scalars: an add_scalar each took 10 ms a step
-            values = [self._summary.Value(tag=k, simple_value=float(v)) for k, v in clean.items()
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in clean.items()
                       if isinstance(v, (int, float)) and not isinstance(v, bool)]
             if values:
-                self._tb.file_writer.add_summary(self._summary(value=values), step)
+                self._tb.file_writer.add_summary(Summary(value=values), step)
                 self._tb.flush()
 
     def tell(self) -> int:

@@ -6,7 +6,6 @@ runs it with the rest.
 from __future__ import annotations
 
 import math
-
 from pathlib import Path
 
 from hybridlab.config import RunConfig
