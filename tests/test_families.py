@@ -304,6 +304,15 @@ ACTOR_EP2 = {"pools": {"train": {"devices": 2}, "gen": {"devices": 1}},
                        "rollout": {"pool": "gen", "colocate": "g"}, "reward": {"pool": "gen", "colocate": "g"}}}
 
 
+def imports_transformers(rl, role: str) -> bool:
+    """Whether any process of ``role`` has imported transformers (a training process on its own
+    does not need it: the controller hands it the checkpoint's ModelSpec)."""
+    import ray
+
+    hosts = rl.workers.groups[role].hostset.hosts
+    return any("transformers" in names for names in ray.get([h.loaded_modules.remote() for h in hosts]))
+
+
 @pytest.mark.parametrize("name", ["qwen3", "qwen3moe"])
 def test_a_run_remaps_the_actor_and_resumes_with_its_state_exact(families, name, tmp_path):
     """Two GRPO steps on the checkpoint as a user gives it (`model=DIR`); a remap of the actor
@@ -320,9 +329,11 @@ def test_a_run_remaps_the_actor_and_resumes_with_its_state_exact(families, name,
     with RLSession("grpo", [*overrides, f"trainer.run_dir={tmp_path / 'run'}"]) as rl:
         for _ in range(2):
             rl.step()
+        assert not imports_transformers(rl, "actor")  # the controller's spec: its process never reads the config
         before = actor_state(rl)
         assert rl.remap(ACTOR_EP2 if name == "qwen3moe" else ACTOR_TP2).roles_recreated == ["actor"]
         assert_equal_state(before, actor_state(rl))
+        assert not imports_transformers(rl, "actor")  # the remap's new processes (every rank) too
         assert any(k.endswith("q_norm.weight") for k in before)
         if name == "qwen3moe":
             assert any(k.endswith("experts.3.down_proj.weight") for k in before) and any(

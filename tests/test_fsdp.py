@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 from hybridlab.config import ConfigError
 from hybridlab.controller.group import RoleClass
 from hybridlab.dataflow.session import RLSession
+from hybridlab.models.spec import ModelSpec
 from hybridlab.models.zoo import resolve_model
 from hybridlab.backend_checks import training_strategy
 from hybridlab.run_config import load_config
@@ -90,6 +91,8 @@ def test_fsdp2_refusals_and_the_auto_choice(tmp_path):
     assert training_strategy(load_config("grpo", ["model=tiny-gemma3"]), "actor") == "fsdp2"
     assert training_strategy(load_config("grpo", ["model=tiny"]), "actor") == "megatron"
     assert resolve_strategy("auto", resolve_model("tiny")) == "megatron"
+    for name, backend in (("tiny", "megatron"), ("tiny-gemma3", "fsdp2")):  # with the spec the controller read
+        assert resolve_strategy("auto", resolve_model(name), ModelSpec.read(resolve_model(name))) == backend
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))

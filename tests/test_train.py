@@ -340,7 +340,7 @@ def test_critic_values_learn_a_target_at_tp2(tiny, tmp_path):
 
 
 ENGINE_IMPORTS = """
-import inspect, os, socket, sys, torch
+import inspect, os, pickle, socket, sys, torch
 from hybridlab.config import RunConfig
 from hybridlab.workers.train.engine import MegatronEngine
 from hybridlab.workers.train.settings import TrainSettings
@@ -348,7 +348,7 @@ sock = socket.socket(); sock.bind(("127.0.0.1", 0))
 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
 sock.close()
 compile_before = torch.compile
-MegatronEngine(sys.argv[1], TrainSettings.of(RunConfig()))
+MegatronEngine(sys.argv[1], TrainSettings.of(RunConfig()), spec=pickle.loads(bytes.fromhex(sys.argv[2])))
 from megatron.core import jit
 from megatron.core.fusions import fused_bias_geglu, fused_bias_swiglu  # loaded for certain: scanned below
 def compiled_in(value):  # a function torch.compile wrapped, or a class with such methods
@@ -358,19 +358,24 @@ compiled = sorted({f"{value.__module__}.{value.__qualname__}" for name, module i
                    if name.startswith("megatron.") and module is not None
                    for value in list(vars(module).values()) if compiled_in(value)})
 print([torch.compile is compile_before, jit.jit_fuser is jit.noop_decorator,
-       "torch._inductor.compile_fx" in sys.modules, "wandb" in sys.modules, compiled])
+       "torch._inductor.compile_fx" in sys.modules, "wandb" in sys.modules, "transformers" in sys.modules, compiled])
 import wandb  # a worker's own import of W&B still works
 """
 
 
-def test_a_megatron_engine_starts_without_compiling_the_fused_kernels_it_never_runs(tiny_dir):
+def test_a_megatron_engine_starts_without_compiling_unused_kernels_or_importing_transformers(tiny_dir):
     """Megatron's fused kernels stay plain functions (every fusion is off, so none runs), so a
-    training process never imports Inductor's compiler or W&B for them; torch.compile is itself."""
+    training process never imports Inductor's compiler or W&B for them; torch.compile is itself.
+    Given the checkpoint's spec as the controller read it, the engine never imports transformers."""
+    import pickle
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-W", "ignore", "-c", ENGINE_IMPORTS, str(tiny_dir)],
+    from hybridlab.models.spec import ModelSpec
+
+    spec = pickle.dumps(ModelSpec.read(tiny_dir)).hex()
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", ENGINE_IMPORTS, str(tiny_dir), spec],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     # every fused kernel (bias_swiglu, bias_geglu, ...) among the modules scanned: none compiled
-    assert done.stdout.strip().splitlines()[-1] == "[True, True, False, False, []]"
+    assert done.stdout.strip().splitlines()[-1] == "[True, True, False, False, False, []]"

@@ -257,11 +257,11 @@ def _window(config: Any) -> int | None:
 def rope_inv_freq(spec: ModelSpec):
     """Return RoPE's inverse frequencies for a scaled rope (transformers' own computation, so
     they equal the checkpoint's), or None for plain RoPE, which Megatron computes itself."""
+    if not spec.rope:
+        return None
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    if not spec.rope:
-        return None
     rope = dict(spec.rope)
     config = AutoConfig.for_model(spec.arch, hidden_size=spec.hidden, num_attention_heads=spec.heads,
                                   head_dim=spec.head_dim, max_position_embeddings=spec.max_positions,

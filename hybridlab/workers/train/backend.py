@@ -100,13 +100,16 @@ def global_totals(batch, group, dp_size: int, device: torch.device | str = "cpu"
     return {"global_tokens": local[0].clamp(min=1), "global_seqs": local[1].clamp(min=1), "dp_size": dp_size}
 
 
-def resolve_strategy(strategy: str, model_dir: str | Path) -> str:
+def resolve_strategy(strategy: str, model_dir: str | Path, spec: ModelSpec | None = None) -> str:
     """Return the backend that runs ``model_dir`` for a configured ``strategy``: itself, or for
-    ``auto`` megatron where hybridlab converts the architecture and its settings, else fsdp2."""
+    ``auto`` megatron where hybridlab converts the architecture and its settings, else fsdp2.
+    ``spec``, the checkpoint's ``ModelSpec.read``, answers without reading its config again."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown training strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if strategy != "auto":
         return strategy
+    if spec is not None:  # read() falls back to an unconverted spec exactly where from_hf refuses
+        return "megatron" if spec.converted else "fsdp2"
     try:
         ModelSpec.from_hf(model_dir)
     except UserError:

@@ -80,8 +80,10 @@ class MegatronEngine:
     """This rank's share of a model under megatron-core, with optional optimizer."""
 
     def __init__(self, model_dir: str, settings: TrainSettings, tp: int = 1, pp: int = 1, ep: int = 1, *,
-                 value_head: bool = False, trainable: bool = True):
-        self.spec = ModelSpec.from_hf(model_dir)
+                 value_head: bool = False, trainable: bool = True, spec: ModelSpec | None = None):
+        # ``spec``: the checkpoint's, read by the controller; an unconverted one (or none) is read
+        # here again, so that from_hf names what the build cannot reproduce
+        self.spec = spec if spec is not None and spec.converted else ModelSpec.from_hf(model_dir)
         self.spec.check_layout(tp, pp, ep)
         init_parallel(tp, pp, settings.seed, ep)
         from megatron.core import parallel_state as ps

@@ -8,6 +8,7 @@ import torch
 
 from hybridlab.batching import GROUP_ROWS
 from hybridlab.controller.worker import Dispatch, Worker, register
+from hybridlab.models.spec import ModelSpec
 from hybridlab.protocol import PAD_KEY, Batch
 from hybridlab.workers.train.backend import LossFn, TrainEngine, engine_class, resolve_strategy
 from hybridlab.workers.train.checkpoint import merge_state
@@ -33,22 +34,27 @@ class TrainWorker(Worker):
     value_head = False
     frozen = False
 
-    def __init__(self, model_dir: str, settings: TrainSettings, tp: int = 1, pp: int = 1, ep: int = 1):
+    def __init__(self, model_dir: str, settings: TrainSettings, tp: int = 1, pp: int = 1, ep: int = 1,
+                 spec: ModelSpec | None = None):
+        """``spec``: the checkpoint's ``ModelSpec.read``, as the controller read it (``roles.py``).
+        Given, a Megatron process never imports transformers (about 1.4 s of CPU) to read it again."""
         self.model_dir = model_dir
         self.micro_batch_size, self.seed = settings.section.micro_batch_size, settings.seed
         self.lora = settings.lora
-        self.strategy = self._backend(settings.section.strategy)
+        self.strategy = self._backend(settings.section.strategy, spec)
         if self.shares_actor:  # the actor's base model with its adapter off: no engine of its own
             self._engine = None
             return
-        layout = {"ep": ep} if ep > 1 else {}  # expert parallelism: megatron only (refused for fsdp2 on load)
-        self._engine = engine_class(self.strategy)(model_dir, settings, tp, pp, **layout, value_head=self.value_head,
+        # megatron only: expert parallelism (refused for fsdp2 on load) and the spec (fsdp2 builds
+        # the model with transformers, which reads the checkpoint itself)
+        only = {**({"ep": ep} if ep > 1 else {}), **({"spec": spec} if self.strategy == "megatron" else {})}
+        self._engine = engine_class(self.strategy)(model_dir, settings, tp, pp, **only, value_head=self.value_head,
                                                    trainable=not self.frozen)
 
-    def _backend(self, strategy: str) -> str:
+    def _backend(self, strategy: str, spec: ModelSpec | None) -> str:
         """Return the backend a configured ``strategy`` means for this worker (LoRA: fsdp2)."""
         if not self.lora:
-            return resolve_strategy(strategy, self.model_dir)
+            return resolve_strategy(strategy, self.model_dir, spec)
         if strategy == "megatron":
             raise ValueError("LoRA (actor.lora.rank > 0) runs on the fsdp2 backend; actor.strategy is megatron")
         return "fsdp2"
