@@ -38,10 +38,10 @@ class TrainWorker(Worker):
                  spec: ModelSpec | None = None):
         """``spec``: the checkpoint's ``ModelSpec.read``, as the controller read it (``roles.py``).
         Given, a Megatron process never imports transformers (about 1.4 s of CPU) to read it again."""
-        self.model_dir = model_dir
+        self.model_dir, self.spec = model_dir, spec
         self.micro_batch_size, self.seed = settings.section.micro_batch_size, settings.seed
         self.lora = settings.lora
-        self.strategy = self._backend(settings.section.strategy, spec)
+        self.strategy = self._backend(settings.section.strategy)
         if self.shares_actor:  # the actor's base model with its adapter off: no engine of its own
             self._engine = None
             return
@@ -51,10 +51,10 @@ class TrainWorker(Worker):
         self._engine = engine_class(self.strategy)(model_dir, settings, tp, pp, **only, value_head=self.value_head,
                                                    trainable=not self.frozen)
 
-    def _backend(self, strategy: str, spec: ModelSpec | None) -> str:
+    def _backend(self, strategy: str) -> str:
         """Return the backend a configured ``strategy`` means for this worker (LoRA: fsdp2)."""
         if not self.lora:
-            return resolve_strategy(strategy, self.model_dir, spec)
+            return resolve_strategy(strategy, self.model_dir, self.spec)
         if strategy == "megatron":
             raise ValueError("LoRA (actor.lora.rank > 0) runs on the fsdp2 backend; actor.strategy is megatron")
         return "fsdp2"
