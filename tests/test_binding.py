@@ -22,6 +22,27 @@ class Probe(Worker):
         return {"gpus": [str(g) for g in ray.get_gpu_ids()], "cores": cores, "threads": torch.get_num_threads()}
 
 
+def test_one_torch_thread_leaves_the_threads_an_in_process_engine_bound(monkeypatch):
+    """vLLM's CPU engine, once it has bound its OpenMP threads, replaces torch.set_num_threads with
+    a stand-in that warns and does nothing: the controller's one-thread scope then leaves the
+    threads alone (no warning a step); with torch's own setter it sets one and puts them back."""
+    from hybridlab.controller.binding import one_torch_thread
+
+    calls, threads = [], torch.get_num_threads()
+    monkeypatch.setattr(torch, "set_num_threads", torch._C.set_num_threads)
+    torch.set_num_threads(2)
+    try:
+        with one_torch_thread():
+            calls.append(torch.get_num_threads())
+        assert (calls, torch.get_num_threads()) == ([1], 2)
+        monkeypatch.setattr(torch, "set_num_threads", calls.append)  # the stand-in, recording instead of warning
+        with one_torch_thread():
+            calls.append(torch.get_num_threads())
+        assert calls == [1, 2]  # the stand-in never called: the threads stay as they were
+    finally:
+        torch._C.set_num_threads(threads)
+
+
 def test_device_cores_deal_the_nodes_cores_out_in_blocks():
     assert device_cores([0, 1, 2, 3], 2, [0]) == [0, 1] and device_cores([0, 1, 2, 3], 2, [1]) == [2, 3]
     assert device_cores([4, 5, 6, 7], 4, [1, 3]) == [5, 7]

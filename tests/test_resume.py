@@ -56,9 +56,11 @@ def cluster_processes(temp_dir: str) -> dict[int, str]:
     out = {}
     for child in (c for raylet in raylets for c in raylet.children(recursive=True)):
         try:
-            out[child.pid] = " ".join(child.cmdline()).strip()
-        except psutil.Error:  # it ended meanwhile
+            cmd = " ".join(child.cmdline()).strip()
+        except psutil.Error:  # it ended meanwhile (a zombie too)
             continue
+        if cmd:  # empty for a moment (seen once in the suite; likely a Ray worker rewriting its title): next poll
+            out[child.pid] = cmd
     return out
 
 

@@ -202,7 +202,9 @@ def test_a_stop_request_ends_train_after_the_current_step_and_is_consumed(rl):
     assert rl.train(1)["stopped_by"] == "steps" and rl.state.step_count == steps + 1
 
 
-def test_a_failing_stage_is_named_and_the_callers_torch_threads_are_put_back(rl):
+def test_a_failing_stage_is_named_and_the_callers_torch_threads_are_put_back(rl, monkeypatch):
+    # torch's own setter, whatever an in-process vLLM engine of an earlier module left (test_binding)
+    monkeypatch.setattr(torch, "set_num_threads", torch._C.set_num_threads)
     seen = []
 
     @register_stage("explode", None, ("responses",), ("boom",))

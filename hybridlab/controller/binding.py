@@ -49,9 +49,14 @@ def one_torch_thread() -> Iterator[None]:
     call falls inside the block (the dataflow's stage threads) keep one. The controller runs its
     steps so, on every machine: its tensors are small, and a second OpenMP thread, spinning after
     each operation, took CPU from the actor and the engines on the cores they are pinned to
-    (verl's controller, a Ray actor, runs with ``OMP_NUM_THREADS=1`` too)."""
+    (verl's controller, a Ray actor, runs with ``OMP_NUM_THREADS=1`` too). In a process where
+    vLLM's CPU engine runs in-process, the threads stay as the engine bound them: once it has,
+    vLLM replaces ``torch.set_num_threads`` with a stand-in that only warns."""
     import torch
 
+    if torch.set_num_threads is not torch._C.set_num_threads:  # replaced: bound by an engine here
+        yield
+        return
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
