@@ -35,7 +35,7 @@ def test_one_torch_thread_leaves_the_threads_an_in_process_engine_bound(monkeypa
         with one_torch_thread():
             calls.append(torch.get_num_threads())
         assert (calls, torch.get_num_threads()) == ([1], 2)
-        monkeypatch.setattr(torch, "set_num_threads", calls.append)  # the stand-in, recording instead of warning
+        monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n))  # vLLM's kind: records, not warns
         with one_torch_thread():
             calls.append(torch.get_num_threads())
         assert calls == [1, 2]  # the stand-in never called: the threads stay as they were

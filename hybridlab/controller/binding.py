@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import types
 from typing import Iterator
 
 BIND_ENV = "HYBRIDLAB_BIND_THREADS"
@@ -54,7 +55,7 @@ def one_torch_thread() -> Iterator[None]:
     vLLM replaces ``torch.set_num_threads`` with a stand-in that only warns."""
     import torch
 
-    if torch.set_num_threads is not torch._C.set_num_threads:  # replaced: bound by an engine here
+    if not isinstance(torch.set_num_threads, types.BuiltinFunctionType):  # vLLM's Python stand-in
         yield
         return
     before = torch.get_num_threads()
