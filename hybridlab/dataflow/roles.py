@@ -53,13 +53,13 @@ class RoleSpec:
         module, name = self.worker.split(":")
         return getattr(importlib.import_module(module), name)
 
-    def role_class(self, cfg: RunConfig, layout, model_dir: str):
+    def role_class(self, cfg: RunConfig, layout, model_dir: str, spec: ModelSpec | None = None):
         """Return the RoleClass that constructs this role's workers for ``layout``; a role that
-        ``reads_spec`` gets the checkpoint's ModelSpec, read once here rather than in every process
-        (where reading it would import transformers: about 1.4 s of CPU each)."""
+        ``reads_spec`` gets the checkpoint's ModelSpec (``spec``, else read here) rather than
+        reading it in every process (where that would import transformers: about 1.4 s of CPU each)."""
         kwargs = {**self.settings(cfg), **{key: getattr(layout, key) for key in self.layout}}
         if self.reads_spec:
-            kwargs["spec"] = ModelSpec.read(model_dir)
+            kwargs["spec"] = spec if spec is not None else ModelSpec.read(model_dir)
         return RoleClass(self.worker_class(), (model_dir,), kwargs)
 
 
@@ -92,8 +92,9 @@ ROLE_SPECS: dict[str, RoleSpec] = {spec.name: spec for spec in (
 
 
 def role_classes(cfg: RunConfig, mapping, model_dir: str) -> dict:
-    """Return ``{role: RoleClass}`` for every role of ``mapping``."""
-    return {role: ROLE_SPECS[role].role_class(cfg, layout, model_dir) for role, layout in mapping.roles.items()}
+    """Return ``{role: RoleClass}`` for every role of ``mapping`` (the checkpoint's spec read once)."""
+    spec = ModelSpec.read(model_dir) if any(ROLE_SPECS[r].reads_spec for r in mapping.roles) else None
+    return {role: ROLE_SPECS[role].role_class(cfg, layout, model_dir, spec) for role, layout in mapping.roles.items()}
 
 
 def worker_classes() -> dict[str, type]:
