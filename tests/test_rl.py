@@ -388,19 +388,23 @@ def test_remax_and_dapo_dataflows(rl):
                                          ("seq-mean-token-mean", [])])
 def test_the_engines_loss_over_micro_batches_and_dp_ranks_is_verls_on_the_whole_batch(rl, mode, extra):
     """One mini-batch split over 2 DP ranks and micro-batches of 3: the first update sees ratio 1,
-    so its policy loss is agg_loss(-advantages) over the whole batch, as verl's function gives it."""
+    so its policy loss is agg_loss(-advantages) over the whole batch, as verl's function gives it.
+    GRPO's advantages sum to zero in each group, and with a group's answers of one length every
+    aggregation of them is zero too (it was, to 1e-6: any normalisation passed). Pass@k's are not:
+    only each group's best answer gets one, so the loss differs between the modes."""
     saved = [f"algorithm.adv_estimator={rl.cfg.algorithm.adv_estimator}", f"dataflow={json.dumps(rl.dataflow.names)}",
              f"actor.ppo_mini_batch_size={rl.cfg.actor.ppo_mini_batch_size}",
              f"actor.micro_batch_size={rl.cfg.actor.micro_batch_size}", "actor.loss_scale_factor=null",
              f"actor.loss_agg_mode={rl.cfg.actor.loss_agg_mode}", f"actor.use_kl_loss={str(rl.cfg.actor.use_kl_loss).lower()}"]
     try:
-        rl.update("algorithm.adv_estimator=grpo", "actor.use_kl_loss=false", f"actor.loss_agg_mode={mode}",
+        rl.update("algorithm.adv_estimator=grpo_passk", "actor.use_kl_loss=false", f"actor.loss_agg_mode={mode}",
                   "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=3", *extra,
                   "dataflow=[generate, reward, old_logprob, advantages, update_actor, sync_weights]")
-        result = rl.step()
+        result = step_with_a_reward_difference(rl, mode)
         b = result.batch
         expected = A.agg_loss(-b["advantages"], b["response_mask"].float(), mode,
                               loss_scale_factor=rl.cfg.actor.loss_scale_factor)
+        assert abs(float(expected)) > 1e-3
         assert result.metrics["actor/pg_loss"] == pytest.approx(float(expected), rel=1e-5, abs=1e-6)
     finally:
         rl.update(*saved)
