@@ -429,7 +429,9 @@ def test_every_policy_loss_preset_steps_through_update_with_finite_loss_and_grad
     """The presets of verl's policy losses, switched live on one session (DP 2); each step's
     policy loss and gradient norm are finite, and the loss is the preset's: one mini-batch, so the
     update sees ratio 1 and its loss is the preset's loss function on the whole batch at ratio 1
-    (clip_cov aside: it masks a random subset of tokens in the worker)."""
+    (clip_cov aside: it masks a random subset of tokens in the worker). Pass@k's advantages, as
+    in the test above: at ratio 1 gspo, gmpo and kl_cov reduce to an aggregate of the advantages,
+    which GRPO's made zero."""
     from hybridlab.algos.losses import get_policy_loss_fn
     from hybridlab.run_config import load_config
 
@@ -439,7 +441,7 @@ def test_every_policy_loss_preset_steps_through_update_with_finite_loss_and_grad
         f"actor.ppo_mini_batch_size={rl.cfg.actor.ppo_mini_batch_size}"]
     before = pids(rl)
     try:
-        rl.update("algorithm.adv_estimator=grpo", "actor.use_kl_loss=false", "actor.ppo_mini_batch_size=8",
+        rl.update("algorithm.adv_estimator=grpo_passk", "actor.use_kl_loss=false", "actor.ppo_mini_batch_size=8",
                   "dataflow=[generate, reward, old_logprob, advantages, update_actor, sync_weights]")
         for preset in ("gspo", "cispo", "gpg", "clip_cov", "kl_cov", "sapo", "gmpo"):
             cfg = load_config(preset)
@@ -455,6 +457,7 @@ def test_every_policy_loss_preset_steps_through_update_with_finite_loss_and_grad
                     old_log_prob=b["old_log_probs"], log_prob=b["old_log_probs"], advantages=b["advantages"],
                     response_mask=b["response_mask"].float(), loss_agg_mode=rl.cfg.actor.loss_agg_mode,
                     config=rl.cfg.actor)
+                assert abs(float(expected)) > 1e-3, preset
                 assert m["actor/pg_loss"] == pytest.approx(float(expected), rel=1e-5, abs=1e-6), preset
         assert pids(rl) == before  # live: no worker was re-created
     finally:
