@@ -66,6 +66,15 @@ def test_ppo_step_fills_every_field_and_logs_metrics(rl):
     rows = rl.decoded(b, limit=3)
     assert set(rows[0]) == {"prompt", "response", "length", "reward", "rollout_logp", "old_logp", "ref_logp", "value",
                             "advantage"} and "=" in rows[0]["prompt"]
+    # the first step's actor was the reference, so its penalty was zero: checked again on the next
+    # step, whose actor the first update moved
+    b = rl.step().batch
+    mask = b["response_mask"].bool()
+    penalty = (b["token_level_scores"] - b["token_level_rewards"])[mask].abs().max()
+    expect_rewards, _ = A.apply_kl_penalty(b["token_level_scores"], b["old_log_probs"], b["ref_log_prob"],
+                                           b["response_mask"], A.FixedKLController(0.001), "kl")
+    assert penalty > 1e-5  # 1.9e-4 here: the actor is 0.19 from the reference in log-prob at most
+    assert torch.allclose(b["token_level_rewards"], expect_rewards, atol=1e-6)
 
 
 def test_critic_warmup_steps_train_the_critic_alone(rl):
