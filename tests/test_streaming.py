@@ -15,6 +15,7 @@ import torch
 
 from hybridlab.dataflow.session import RLSession
 from hybridlab.dataflow.stages import register_stage
+from tests.test_fsdp import ODD_LENGTH
 
 SPLIT = ("mapping={pools: {a: {devices: 1}, r: {devices: 1}}, roles: {actor: {pool: a},"
          " rollout: {pool: r, colocate: gen}, reward: {pool: r, colocate: gen}}}")
@@ -108,8 +109,14 @@ def test_preemptions_under_kv_cache_pressure_are_counted_and_the_samples_finish_
 
 @pytest.fixture(scope="module")
 def stream_rl(ray_local, tiny_dir, tmp_path_factory):
-    """A streaming GRPO session, split placement, token-level rollout correction."""
+    """A streaming GRPO session, split placement, token-level rollout correction. The untrained
+    model scores 0 on every prompt, so a reward by the answer's length, which differs within a
+    group, moves the weights: stale tokens' importance weights then differ from 1."""
+    reward = tmp_path_factory.mktemp("reward") / "odd.py"
+    reward.write_text(ODD_LENGTH)
     session = RLSession(None, [f"model={tiny_dir}", "warm_start.max_steps=0", f"data.prompts_per_step={PER_STEP}",
+                               "reward.kind=function", f"reward.function={reward}:compute_score", "actor.lr=1e-3",
+                               "actor.warmup_steps=0",
                                f"rollout.n={N}", "rollout.max_new_tokens=24", "rollout.ignore_eos=true",
                                f"actor.ppo_mini_batch_size={PER_STEP}", "data.test_samples=4", "trainer.devices=2",
                                SPLIT, "trainer.streaming=true", f"trainer.max_staleness={BOUND}",
@@ -128,7 +135,7 @@ def slow_trainer(ctx, batch):
 
 
 def test_streaming_steps_train_each_prompt_once_within_the_bound_and_correct_per_token(stream_rl):
-    rl, trained = stream_rl, []
+    rl, trained, moved = stream_rl, [], 0.0
     flow = rl.dataflow.names
     rl.dataflow = [*flow[:-1], "slow_trainer", flow[-1]]  # the engine gets ahead; admission must stop
     try:
@@ -153,8 +160,12 @@ def test_streaming_steps_train_each_prompt_once_within_the_bound_and_correct_per
             # token-level correction on the per-token behaviour log-probs (threshold 2)
             expect = torch.exp(b["old_log_probs"] - b["rollout_log_probs"]).clamp(max=2.0)
             assert torch.allclose(b["rollout_is_weights"][mask], expect[mask], atol=1e-6)
+            stale = mask & (b["rollout_versions"] < version)
+            deviation = (b["rollout_is_weights"][stale] - 1).abs()
+            moved = max(moved, float(deviation.max()) if len(deviation) else 0.0)
     finally:
         rl.dataflow = flow
+    assert moved > 1e-3  # the weights compared above are not all 1: stale tokens were corrected
     assert len(trained) == len(set(trained)) == 5 * PER_STEP
     from hybridlab.explain import explain
 
