@@ -148,9 +148,11 @@ def test_a_ppo_run_on_fsdp2_equals_megatrons_remaps_to_dp2_and_resumes(ray_local
             assert (batch["old_log_probs"] - batch["rollout_log_probs"])[mask].abs().max() < 1e-4
             saved = actor_state(rl)
             rl.save_checkpoint()
-    # the losses compared below stand above the comparison's tolerance (a comparison of zeros would
-    # pass whatever the backend)
-    assert all(abs(m["actor/pg_loss"]) > 1e-4 and m["critic/vf_loss"] > 1e-4 for m in steps["megatron"])
+    # the losses compared below are not all zero (a comparison of zeros would pass whatever the
+    # backend): the value loss on every step, the policy loss on the steps after the first by a margin
+    # (here 6.1e-4, 0.024 and 0.031: the first step's is its two halves' imbalance alone)
+    assert all(m["critic/vf_loss"] > 1e-4 for m in steps["megatron"])
+    assert max(abs(m["actor/pg_loss"]) for m in steps["megatron"][1:]) > 1e-3
     for step, (megatron, fsdp2) in enumerate(zip(steps["megatron"], steps["fsdp2"])):
         for key in COMPARED:
             assert fsdp2[key] == pytest.approx(megatron[key], abs=1e-4), (step, key)
@@ -171,6 +173,9 @@ def test_a_ppo_run_on_fsdp2_equals_megatrons_remaps_to_dp2_and_resumes(ray_local
 # gradients are not zero
 ODD_LENGTH = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" \
              "    return float(len(solution_str) % 2)\n"
+# the answer's length itself: two answers of a group almost never tie
+LENGTH = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" \
+         "    return float(len(solution_str))\n"
 ACTOR_ONLY = {"pools": {"main": {"devices": 1}},
               "roles": {r: {"pool": "main", "colocate": "engine"} for r in ("actor", "rollout", "reward")}}
 
