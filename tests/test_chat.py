@@ -113,17 +113,16 @@ def test_a_chat_jsonl_trains_on_the_ids_of_the_chat_template(ray_local, trained_
 
     from hybridlab.dataflow.session import RLSession
 
-    rows = chat_rows(tmp_path / "chat.jsonl")
-    from tests.test_fsdp import LENGTH
+    from tests.test_fsdp import length_reward
 
+    rows = chat_rows(tmp_path / "chat.jsonl")
     # the arithmetic model answers chat-rendered prompts wrongly: a reward by the answer's length
     # differs within a group, and pass@k gives each group's best answer an advantage of its own, so
     # the loss checked at ratio 1 is not zero (GRPO's cancel out over answers of one token count)
-    (tmp_path / "length.py").write_text(LENGTH)
     rl = RLSession("grpo", [f"model={trained_dir}", f"data.train_files={tmp_path / 'chat.jsonl'}",
                             "warm_start.max_steps=0", "trainer.devices=1", "data.prompts_per_step=4", "rollout.n=2",
                             "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=4", "trainer.progress=false",
-                            "reward.kind=function", f"reward.function={tmp_path / 'length.py'}:compute_score",
+                            *length_reward(tmp_path),
                             "algorithm.adv_estimator=grpo_passk",
                             "actor.use_rollout_log_probs=false", f"trainer.run_dir={tmp_path / 'run'}"])
     with rl:

@@ -321,17 +321,15 @@ def test_a_run_remaps_the_actor_and_resumes_with_its_state_exact(families, name,
     tied embeddings and the experts and routers included), the next sync lands (the rollout's
     log-probs are the actor's), and the run goes on."""
     from hybridlab.dataflow.session import RLSession
+    from tests.test_fsdp import length_reward
     from tests.test_remap import ACTOR_TP2, SEPARATE, actor_state, assert_equal_state, fixed_batch
-
-    from tests.test_fsdp import LENGTH
 
     # the untrained model scores 0 on every prompt: a reward by the answer's length differs within a
     # group, so the steps move the weights and fill the moments the remap and the resume must carry
-    (tmp_path / "length.py").write_text(LENGTH)
     overrides = [f"model={families[name]}", "warm_start.max_steps=0", "data.prompts_per_step=4", "rollout.n=2",
                  "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=4", "data.test_samples=8",
-                 "trainer.progress=false", f"mapping={SEPARATE}", "reward.kind=function",
-                 f"reward.function={tmp_path / 'length.py'}:compute_score", "actor.lr=1e-2", "actor.warmup_steps=0"]
+                 "trainer.progress=false", f"mapping={SEPARATE}", *length_reward(tmp_path), "actor.lr=1e-2",
+                 "actor.warmup_steps=0"]
     with RLSession("grpo", [*overrides, f"trainer.run_dir={tmp_path / 'run'}"]) as rl:
         initial = actor_state(rl)
         for _ in range(2):

@@ -1,5 +1,6 @@
 """The FSDP2 training backend against Megatron and transformers, on the real engines."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,6 +177,13 @@ ODD_LENGTH = "def compute_score(data_source, solution_str, ground_truth, extra_i
 # the answer's length itself: two answers of a group almost never tie
 LENGTH = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" \
          "    return float(len(solution_str))\n"
+
+
+def length_reward(folder: Path, source: str = LENGTH) -> list[str]:
+    """Write ``source`` (ODD_LENGTH or LENGTH) to ``folder``/reward.py; returns the overrides
+    that score a run with it."""
+    (folder / "reward.py").write_text(source)
+    return ["reward.kind=function", f"reward.function={folder / 'reward.py'}:compute_score"]
 ACTOR_ONLY = {"pools": {"main": {"devices": 1}},
               "roles": {r: {"pool": "main", "colocate": "engine"} for r in ("actor", "rollout", "reward")}}
 
@@ -187,11 +195,10 @@ def test_an_architecture_without_a_converter_trains_on_fsdp2_and_syncs_into_vllm
     sampled with the first step's synced weights (its log-probs equal the actor's), and after
     the last sync vLLM's greedy tokens equal transformers' on the actor's exported weights."""
     model_dir = str(resolve_model(name))
-    (tmp_path / "odd.py").write_text(ODD_LENGTH)
     overrides = [f"model={model_dir}", "warm_start.max_steps=0", "data.prompts_per_step=4", "rollout.n=4",
                  "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=4", "data.test_samples=8",
-                 "trainer.progress=false", f"mapping={ACTOR_ONLY}", "reward.kind=function",
-                 f"reward.function={tmp_path / 'odd.py'}:compute_score", "actor.use_rollout_log_probs=false",
+                 "trainer.progress=false", f"mapping={ACTOR_ONLY}", *length_reward(tmp_path, ODD_LENGTH),
+                 "actor.use_rollout_log_probs=false",
                  "actor.lr=1e-2", "actor.warmup_steps=0", f"trainer.run_dir={tmp_path / 'run'}"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = Batch(objects={"prompt_ids": [tokenizer(s.prompt, add_special_tokens=False).input_ids

@@ -15,7 +15,7 @@ from hybridlab.run_config import load_config
 from hybridlab.tasks import get_task
 from hybridlab.workers.train import checkpoint
 from hybridlab.workers.train.checkpoint import ADAPTER_CONFIG, ADAPTER_FILE
-from tests.test_fsdp import ODD_LENGTH, TRAIN_DP2
+from tests.test_fsdp import ODD_LENGTH, TRAIN_DP2, length_reward
 from tests.test_remap import actor_state, assert_equal_state
 from tests.test_sync import GREEDY, hf_greedy
 from tests.test_train import hf_logprobs
@@ -68,12 +68,11 @@ def test_lora_trains_the_adapter_alone_syncs_it_into_vllm_and_resumes_after_a_re
     is the base model (its log-probs equal transformers' on the checkpoint). The checkpoint is a
     PEFT adapter that gives vLLM's greedy tokens in transformers. A remap to two DP ranks with a
     rollout of its own carries adapter and moments and syncs across processes; a resume carries them."""
-    (tmp_path / "odd.py").write_text(ODD_LENGTH)
     run = tmp_path / "run"
     overrides = [f"model={tiny_dir}", "warm_start.max_steps=0", "data.prompts_per_step=4", "rollout.n=4",
                  "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=4", "data.test_samples=8", *LORA,
-                 "trainer.progress=false", f"mapping={ONE_DEVICE}", "reward.kind=function",
-                 f"reward.function={tmp_path / 'odd.py'}:compute_score", "actor.use_rollout_log_probs=false",
+                 "trainer.progress=false", f"mapping={ONE_DEVICE}", *length_reward(tmp_path, ODD_LENGTH),
+                 "actor.use_rollout_log_probs=false",
                  "actor.use_kl_loss=true", "actor.lr=1e-2", "actor.warmup_steps=0", f"trainer.run_dir={run}"]
     prompts = Batch(objects={"prompt_ids": [p for p in _prompt_ids(tiny_dir)]})
     with RLSession("grpo", overrides) as rl:

@@ -210,10 +210,10 @@ def test_a_grpo_session_switches_to_online_dpo_and_back(ray_local, tiny_dir, tmp
     from hybridlab.run_config import load_config
     from tests.test_remap import actor_state, assert_equal_state
 
-    from tests.test_fsdp import ODD_LENGTH
+    from tests.test_fsdp import ODD_LENGTH, length_reward
 
-    (tmp_path / "odd.py").write_text(ODD_LENGTH)  # samples of one prompt differ in length: pairs to make
-    overrides = [f"model={tiny_dir}", "reward.kind=function", f"reward.function={tmp_path / 'odd.py'}:compute_score",
+    # samples of one prompt differ in length: pairs to make
+    overrides = [f"model={tiny_dir}", *length_reward(tmp_path, ODD_LENGTH),
                  "warm_start.max_steps=0", "data.prompts_per_step=8", "rollout.n=4",
                  "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=8", "data.test_samples=8",
                  "trainer.progress=false", "actor.lr=1e-3", "actor.warmup_steps=0",

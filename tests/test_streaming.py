@@ -15,7 +15,7 @@ import torch
 
 from hybridlab.dataflow.session import RLSession
 from hybridlab.dataflow.stages import register_stage
-from tests.test_fsdp import ODD_LENGTH
+from tests.test_fsdp import ODD_LENGTH, length_reward
 
 SPLIT = ("mapping={pools: {a: {devices: 1}, r: {devices: 1}}, roles: {actor: {pool: a},"
          " rollout: {pool: r, colocate: gen}, reward: {pool: r, colocate: gen}}}")
@@ -112,10 +112,9 @@ def stream_rl(ray_local, tiny_dir, tmp_path_factory):
     """A streaming GRPO session, split placement, token-level rollout correction. The untrained
     model scores 0 on every prompt, so a reward by the answer's length, which differs within a
     group, moves the weights: stale tokens' importance weights then differ from 1."""
-    reward = tmp_path_factory.mktemp("reward") / "odd.py"
-    reward.write_text(ODD_LENGTH)
+    reward = length_reward(tmp_path_factory.mktemp("reward"), ODD_LENGTH)
     session = RLSession(None, [f"model={tiny_dir}", "warm_start.max_steps=0", f"data.prompts_per_step={PER_STEP}",
-                               "reward.kind=function", f"reward.function={reward}:compute_score", "actor.lr=1e-3",
+                               *reward, "actor.lr=1e-3",
                                "actor.warmup_steps=0",
                                f"rollout.n={N}", "rollout.max_new_tokens=24", "rollout.ignore_eos=true",
                                f"actor.ppo_mini_batch_size={PER_STEP}", "data.test_samples=4", "trainer.devices=2",
